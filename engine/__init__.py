@@ -1,0 +1,1 @@
+"""polyinfer engine."""

@@ -1,0 +1,290 @@
+"""The compiled config: one per worker, the contract between engine, proxy and optimizer.
+
+A compiled config names a backend and the knobs that backend understands. It is
+read from YAML or JSON (a file, an HTTP body, a board entry), validated once in
+``__post_init__``, and never mutated: the optimizer makes new ones with
+``dataclasses.replace`` / :meth:`CompiledConfig.with_engine`.
+
+Example (YAML)::
+
+    backend: engine
+    model: models/tiny-target
+    engine:
+      max_num_seqs: 16
+      max_num_batched_tokens: 1024
+      kv_cache_tokens: 16384
+      spec_method: ngram
+      spec_max_depth: 4
+    fit:
+      domains: [code, extraction]
+      prompt_tokens: [0, 512]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+DOMAINS = ("code", "math", "chat", "qa", "summarization", "translation", "rag", "extraction")
+BACKENDS = ("engine", "vllm", "external")
+SPEC_METHODS = ("none", "ngram", "draft")
+DTYPES = ("float32", "bfloat16", "float16")
+EXECUTIONS = ("eager", "compiled", "cuda_graph")
+ATTENTIONS = ("sdpa", "naive", "triton")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODELS_DIR = REPO_ROOT / "models"
+TINY_TARGET = MODELS_DIR / "tiny-target"
+TINY_DRAFT = MODELS_DIR / "tiny-draft"
+
+
+class ConfigError(ValueError):
+    """A config value is missing, of the wrong type or out of range; the message names the key."""
+
+
+def _check(cond: bool, key: str, expected: str, got: Any) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: expected {expected}, got {got!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of the built-in engine; everything here can be hot-reloaded except ``device``."""
+
+    max_num_seqs: int = 32  # sequences in one batch
+    max_num_batched_tokens: int = 1024  # tokens per step (chunked-prefill budget)
+    kv_cache_tokens: int = 32768  # KV-cache capacity, in tokens, summed over sequences
+    block_size: int = 16  # tokens per KV-cache block
+    max_model_len: int = 2048  # prompt + output, per sequence
+    spec_method: Literal["none", "ngram", "draft"] = "none"
+    spec_max_depth: int = 4  # cap on speculative_depth per request
+    spec_default_depth: int = 0  # used when the request names none (capped by spec_max_depth)
+    ngram_min: int = 1  # shortest n-gram the prompt-lookup proposer matches
+    ngram_max: int = 4  # longest n-gram the prompt-lookup proposer matches
+    draft_model: str = ""  # path of the draft checkpoint when spec_method == "draft"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    execution: Literal["eager", "compiled", "cuda_graph"] = "eager"
+    attention: Literal["sdpa", "naive", "triton"] = "sdpa"
+    device: str = "cpu"
+    # NOTE: measurement only. Loading only the first N layers makes a fast,
+    # wrong model whose step times track the full one; never serve it.
+    measure_num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "block_size",
+                     "max_model_len"):
+            value = getattr(self, name)
+            _check(value > 0, f"engine.{name}", "a positive integer", value)
+        _check(self.spec_method in SPEC_METHODS, "engine.spec_method", f"one of {SPEC_METHODS}",
+               self.spec_method)
+        _check(0 <= self.spec_max_depth <= 16, "engine.spec_max_depth", "0..16", self.spec_max_depth)
+        _check(0 <= self.spec_default_depth <= self.spec_max_depth, "engine.spec_default_depth",
+               f"0..spec_max_depth ({self.spec_max_depth})", self.spec_default_depth)
+        _check(1 <= self.ngram_min <= self.ngram_max, "engine.ngram_min",
+               f"1..ngram_max ({self.ngram_max})", self.ngram_min)
+        _check(self.dtype in DTYPES, "engine.dtype", f"one of {DTYPES}", self.dtype)
+        _check(self.execution in EXECUTIONS, "engine.execution", f"one of {EXECUTIONS}",
+               self.execution)
+        _check(self.attention in ATTENTIONS, "engine.attention", f"one of {ATTENTIONS}",
+               self.attention)
+        _check(self.max_num_batched_tokens >= self.max_num_seqs, "engine.max_num_batched_tokens",
+               f">= max_num_seqs ({self.max_num_seqs})", self.max_num_batched_tokens)
+        _check(self.kv_cache_tokens >= self.block_size, "engine.kv_cache_tokens",
+               f">= block_size ({self.block_size})", self.kv_cache_tokens)
+        _check(self.spec_method != "draft" or bool(self.draft_model), "engine.draft_model",
+               "a path when spec_method is 'draft'", self.draft_model)
+        _check(self.measure_num_layers is None or self.measure_num_layers > 0,
+               "engine.measure_num_layers", "a positive integer or null", self.measure_num_layers)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache_tokens // self.block_size
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """Arguments for a `vllm serve` worker; ``speculative_config`` is passed as JSON."""
+
+    args: tuple[str, ...] = ()  # extra command-line arguments, verbatim
+    speculative_config: str = ""  # JSON text for --speculative-config, "" for none
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.speculative_config:
+            try:
+                spec = json.loads(self.speculative_config)
+            except ValueError as e:
+                raise ConfigError(f"vllm.speculative_config: expected JSON text, got "
+                                  f"{self.speculative_config!r}") from e
+            _check(isinstance(spec, dict), "vllm.speculative_config", "a JSON object", spec)
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "vllm.gpu_memory_utilization",
+               "a fraction in (0, 1]", self.gpu_memory_utilization)
+
+    @property
+    def speculative(self) -> dict[str, Any] | None:
+        return json.loads(self.speculative_config) if self.speculative_config else None
+
+
+@dataclass(frozen=True)
+class DeclaredFit:
+    """The shapes a worker was tuned for: a prior that measured profiles replace."""
+
+    domains: tuple[str, ...] = ()  # empty = any domain
+    prompt_tokens: tuple[int, int] = (0, 1 << 30)  # [lo, hi) prompt-length range
+
+    def __post_init__(self) -> None:
+        for d in self.domains:
+            _check(d in DOMAINS, "fit.domains", f"domains from {DOMAINS}", d)
+        lo, hi = self.prompt_tokens
+        _check(0 <= lo < hi, "fit.prompt_tokens", "[lo, hi) with 0 <= lo < hi", self.prompt_tokens)
+
+    def covers(self, domain: str, prompt_tokens: int) -> bool:
+        lo, hi = self.prompt_tokens
+        return (not self.domains or domain in self.domains) and lo <= prompt_tokens < hi
+
+
+@dataclass(frozen=True)
+class CompiledConfig:
+    """One worker's configuration: backend, model and the knobs for that backend."""
+
+    backend: Literal["engine", "vllm", "external"] = "engine"
+    model: str = str(TINY_TARGET)  # checkpoint directory (engine, vllm) or served name (external)
+    served_model_name: str = ""  # name clients use; defaults to the model directory's name
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    fit: DeclaredFit = field(default_factory=DeclaredFit)
+
+    def __post_init__(self) -> None:
+        _check(self.backend in BACKENDS, "backend", f"one of {BACKENDS}", self.backend)
+        _check(bool(self.model), "model", "a model path or name", self.model)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    def with_engine(self, **changes: Any) -> CompiledConfig:
+        return dataclasses.replace(self, engine=dataclasses.replace(self.engine, **changes))
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CompiledConfig:
+        return build_dataclass(cls, data, "")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CompiledConfig:
+        return cls.from_dict(load_mapping(path))
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def load_mapping(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON file into a mapping; errors name the file and the problem."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read config file ({e.strerror})") from e
+    try:
+        data = yaml.safe_load(text) if p.suffix not in (".json",) else json.loads(text)
+    except (yaml.YAMLError, ValueError) as e:
+        raise ConfigError(f"{p}: not valid YAML/JSON: {e}") from e
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+T = typing.TypeVar("T")
+
+
+def build_dataclass(cls: type[T], data: Any, path: str) -> T:
+    """Build a (nested) frozen dataclass from plain data, checking every field's type.
+
+    Unknown keys and wrong types raise :class:`ConfigError` naming the dotted key,
+    so a typo never silently becomes a default.
+    """
+    where = path or "config"
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{path}.{name}" if path else name
+        kwargs[name] = _coerce(hints[name], value, key)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = get_origin(tp)
+    args = get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return build_dataclass(tp, value, key)  # type: ignore[arg-type]
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: unexpected {value!r}")
+    if origin is Literal:
+        _check(value in args, key, f"one of {list(args)}", value)
+        return value
+    if origin is tuple:
+        _check(isinstance(value, (list, tuple)), key, "a list", value)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+        _check(len(value) == len(args), key, f"a list of {len(args)} items", value)
+        return tuple(_coerce(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if origin is dict or tp is dict:
+        _check(isinstance(value, Mapping), key, "a mapping", value)
+        return dict(value)
+    if tp is bool:
+        _check(isinstance(value, bool), key, "true or false", value)
+        return value
+    if tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), key, "an integer", value)
+        return value
+    if tp is float:
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "a number",
+               value)
+        return float(value)
+    if tp is str:
+        if isinstance(value, (dict, list)) and key.endswith("speculative_config"):
+            return json.dumps(value)
+        _check(isinstance(value, str), key, "a string", value)
+        return value
+    if tp is Any:
+        return value
+    raise ConfigError(f"{key}: unsupported field type {tp!r}")
