@@ -1,0 +1,126 @@
+"""N-gram prompt lookup: expected answers written out, plus a brute-force cross-check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.base import ProposalRequest
+from specdec.errors import ProposerConfigError
+from specdec.ngram import NgramConfig, NgramProposer, find_ngram_proposal
+
+
+def _find(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    return find_ngram_proposal(np.array(tokens, dtype=np.int64), min_n, max_n, k).tolist()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "min_n", "max_n", "k", "expected"),
+    [
+        ([1, 2, 3, 4, 1, 2, 3], 1, 3, 2, [4, 1]),  # 3-gram [1,2,3] occurred at 0..2
+        ([1, 2, 3, 4, 5], 1, 3, 2, []),  # no token repeats
+        ([], 1, 3, 2, []),
+        ([7], 1, 3, 2, []),
+        ([7, 7], 1, 3, 3, [7]),  # proposal truncated at the end of the context
+        ([1, 2, 3, 1], 2, 3, 3, []),  # [3,1] never occurred and 1-grams are below min_n
+        ([1, 2, 3, 1], 1, 3, 3, [2, 3, 1]),  # the 1-gram [1] occurred at 0
+        # longest wins over most recent: [2,3] at 0..1 beats the later lone 3 at 4
+        ([2, 3, 4, 0, 3, 8, 2, 3], 1, 2, 2, [4, 0]),
+        # ... unless max_n stops at 1: then the latest 3 (at 4) wins
+        ([2, 3, 4, 0, 3, 8, 2, 3], 1, 1, 2, [8, 2]),
+        # equal length: the most recent earlier occurrence wins
+        ([5, 6, 1, 5, 6, 2, 5, 6], 2, 2, 1, [2]),
+        # a match longer than max_n is still found as a max_n match (latest of them)
+        ([1, 2, 3, 4, 9, 1, 2, 3, 4], 2, 3, 2, [9, 1]),
+        ([1, 2, 3, 1, 2, 3], 1, 3, 0, []),  # k = 0
+        # overlapping occurrence: a run of one token proposes that token
+        ([4, 4, 4, 4], 1, 2, 3, [4]),
+    ],
+)
+def test_find_ngram_expected(tokens: list[int], min_n: int, max_n: int, k: int,
+                             expected: list[int]) -> None:
+    assert _find(tokens, min_n, max_n, k) == expected
+
+
+def _reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Plain-Python spec: longest n from max_n down, latest earlier start."""
+    if k <= 0:
+        return []
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n :]
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), max_size=40),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    k=st.integers(0, 5),
+)
+def test_find_ngram_matches_reference(tokens: list[int], min_n: int, extra: int, k: int) -> None:
+    max_n = min_n + extra
+    assert _find(tokens, min_n, max_n, k) == _reference(tokens, min_n, max_n, k)
+
+
+def test_proposer_incremental_equals_fresh() -> None:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 5, 300).tolist()
+    kept = NgramProposer(NgramConfig(min_n=1, max_n=3))
+    for step in range(50):
+        tokens.append(int(rng.integers(0, 5)))
+        got = kept.propose([ProposalRequest(7, tokens, 4)])[0]
+        fresh = NgramProposer(NgramConfig(min_n=1, max_n=3)).propose([ProposalRequest(7, tokens, 4)])
+        assert got.tokens == fresh[0].tokens == _reference(tokens, 1, 3, 4), step
+        assert got.seq_id == 7 and got.probs is None
+
+
+def test_proposer_batch_depths_and_release() -> None:
+    proposer = NgramProposer(NgramConfig(min_n=1, max_n=2))
+    out = proposer.propose([
+        ProposalRequest(1, [1, 2, 3, 4, 1, 2], 3),
+        ProposalRequest(2, [9, 8, 9], 1),
+        ProposalRequest(3, [1, 2, 3], 2),
+        ProposalRequest(4, [1, 2, 1, 2], 0),
+    ])
+    assert [p.seq_id for p in out] == [1, 2, 3, 4]
+    assert [p.tokens for p in out] == [[3, 4, 1], [8], [], []]
+    proposer.commit(1, 2)
+    assert proposer.num_tracked == 3  # depth 0 keeps no state
+    for seq_id in (1, 2, 3, 4):
+        proposer.release(seq_id)
+    assert proposer.num_tracked == 0
+
+
+def test_proposer_rewritten_history_is_not_stale() -> None:
+    proposer = NgramProposer(NgramConfig(min_n=1, max_n=2))
+    assert proposer.propose([ProposalRequest(1, [1, 2, 3, 1], 2)])[0].tokens == [2, 3]
+    # Same seq_id, a different history (e.g. reused id): answers from the new tokens.
+    assert proposer.propose([ProposalRequest(1, [5, 6, 5], 2)])[0].tokens == [6, 5]
+    assert proposer.propose([ProposalRequest(1, [5, 6], 2)])[0].tokens == []
+
+
+def test_window_limits_the_search() -> None:
+    tokens = [1, 2, 3] + [0, 9] * 10 + [4, 1, 2]  # [1,2] only occurs far back
+    near = NgramProposer(NgramConfig(min_n=2, max_n=2, window=10))
+    far = NgramProposer(NgramConfig(min_n=2, max_n=2, window=100))
+    assert near.propose([ProposalRequest(1, tokens, 2)])[0].tokens == []
+    assert far.propose([ProposalRequest(1, tokens, 2)])[0].tokens == [3, 0]
+
+
+def test_long_context_buffer_grows() -> None:
+    tokens = list(range(1000)) + [10, 11]
+    proposer = NgramProposer(NgramConfig(min_n=1, max_n=4))
+    assert proposer.propose([ProposalRequest(1, tokens, 3)])[0].tokens == [12, 13, 14]
+
+
+@pytest.mark.parametrize("kwargs", [{"min_n": 0}, {"min_n": 3, "max_n": 2}, {"window": 4}])
+def test_config_rejects_bad_values(kwargs: dict[str, int]) -> None:
+    with pytest.raises(ProposerConfigError):
+        NgramConfig(**kwargs)
