@@ -272,6 +272,12 @@ def save_model(model, out: Path, num_params: int, tokens_seen: int) -> None:
     # engines load it into float32 (or whatever dtype the config asks for).
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     model.to(torch.float32)
+    # Older transformers and other loaders read these top-level keys.
+    config_path = out / "config.json"
+    raw = json.loads(config_path.read_text())
+    raw.setdefault("rope_theta", raw.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    raw.setdefault("torch_dtype", "bfloat16")
+    config_path.write_text(json.dumps(raw, indent=2))
     cfg = model.config
     GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=[cfg.eos_token_id, 0],
                      pad_token_id=cfg.pad_token_id, do_sample=False).save_pretrained(out)
