@@ -1,0 +1,138 @@
+"""Token sampling shared by plain decoding and speculative verification.
+
+The engine's non-speculative sampler is :func:`sample`; speculative verification
+(:mod:`specdec.verify`) builds the target distribution with the same
+:func:`process_logits` and draws its final token with the same
+:func:`sample_from_probs`. So both paths sample from one distribution by
+construction, and with depth 0 they consume a request's generator identically::
+
+    probs = process_logits(logits, params)     # [N, vocab] float32: temperature, top-k, top-p
+    tokens = sample_from_probs(probs, params)  # [N] int64
+
+Greedy rows (``temperature == 0``) become a point mass on the argmax, which the
+rejection sampler handles like any other distribution (accept iff the draft
+token is the argmax).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.errors import VerifyInputError
+
+
+@dataclass(frozen=True, eq=False)
+class SamplingParams:
+    """How one request samples; ``generator`` makes a seeded request reproducible."""
+
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # tokens kept, 0 = the whole vocabulary
+    generator: torch.Generator | None = None  # per-request RNG; None = torch's default RNG
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise VerifyInputError(f"temperature: expected >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise VerifyInputError(f"top_p: expected a fraction in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise VerifyInputError(f"top_k: expected >= 0 (0 = off), got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def seeded(cls, seed: int, temperature: float = 1.0, top_p: float = 1.0,
+               top_k: int = 0) -> SamplingParams:
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        return cls(temperature, top_p, top_k, generator)
+
+
+def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: [N, vocab] logits -> [N, vocab] float32 probs."""
+    if logits.dim() != 2 or logits.shape[0] != len(params):
+        raise VerifyInputError(
+            f"logits: expected [{len(params)}, vocab], got {tuple(logits.shape)}")
+    logits = logits.float()
+    probs = torch.empty_like(logits)
+    greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
+    if bool(greedy.any()):
+        probs[greedy] = _one_hot_argmax(logits[greedy])
+    if not bool(greedy.all()):
+        rows = (~greedy).nonzero().squeeze(1)
+        probs[rows] = _softmax_truncated(logits[rows], [params[i] for i in rows.tolist()])
+    return probs
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(logits)
+    return out.scatter_(1, logits.argmax(dim=1, keepdim=True), 1.0)
+
+
+def _softmax_truncated(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    scaled = logits / temperature.unsqueeze(1)  # [n, vocab]
+    vocab = logits.shape[1]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+        scaled = _mask_top_k_top_p(scaled, top_k, top_p)
+    return torch.softmax(scaled, dim=1)
+
+
+def _mask_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k, then outside the top-p nucleus of what is left."""
+    ordered, order = scaled.sort(dim=1, descending=True)  # [n, vocab]
+    ranks = torch.arange(scaled.shape[1]).unsqueeze(0)
+    ordered = ordered.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    sorted_probs = torch.softmax(ordered, dim=1)
+    mass_before = sorted_probs.cumsum(dim=1) - sorted_probs
+    # NOTE: a token stays if the tokens ranked above it hold less than top_p, so the
+    # most likely token always stays.
+    ordered = ordered.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, ordered)
+
+
+def sample_from_probs(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """One token per row from [N, vocab] probabilities; greedy rows take the argmax."""
+    tokens = probs.argmax(dim=1)  # [N]
+    shared = [i for i, p in enumerate(params) if not p.greedy and p.generator is None]
+    if shared:
+        rows = torch.tensor(shared)
+        tokens[rows] = _exponential_race(probs[rows], None)
+    for i, p in enumerate(params):
+        if not p.greedy and p.generator is not None:
+            tokens[i] = _exponential_race(probs[i : i + 1], p.generator)[0]
+    return tokens
+
+
+def _exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    # argmax(p / E) with E ~ Exp(1) is a draw from p (the Gumbel-max trick in another form)
+    # and needs no cumulative sum, so a batch of rows is one vectorised op.
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / noise.clamp_(min=torch.finfo(probs.dtype).tiny)).argmax(dim=1)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The plain (non-speculative) sampler: [N, vocab] logits -> [N] tokens."""
+    if all(p.greedy for p in params):
+        return logits.argmax(dim=1)
+    return sample_from_probs(process_logits(logits, params), params)
+
+
+def uniforms(counts: Sequence[int], params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``counts[i]`` uniforms in [0, 1) for each row, concatenated; drawn from each row's generator."""
+    total = sum(counts)
+    out = torch.rand(total) if any(p.generator is None for p in params) else torch.empty(total)
+    start = 0
+    for count, p in zip(counts, params, strict=True):
+        if p.generator is not None and count:
+            out[start : start + count] = torch.rand(count, generator=p.generator)
+        start += count
+    return out

@@ -1,0 +1,180 @@
+"""Batched verification of proposals with a different depth k per sequence.
+
+The engine runs one target forward pass that scores ``k_i + 1`` positions for
+every sequence i (the last accepted token followed by its ``k_i`` proposed
+tokens) and hands the logits here, flat and in sequence order::
+
+    target_logits  [sum(k_i + 1), vocab]
+    seq 0: positions 0 .. k_0      (position j scores the token after draft token j-1)
+    seq 1: positions k_0 + 1 .. k_0 + k_1 + 1   ...
+
+Lossless rejection sampling (Leviathan et al. 2023; Chen et al. 2023): with p the
+target distribution (:func:`specdec.sampling.process_logits`, the one plain
+sampling uses) and q the draft's, draft token x is accepted with probability
+min(1, p(x) / q(x)); at the first rejection the final token is drawn from
+norm(max(0, p - q)); when all k are accepted the bonus token is drawn from p at
+position k. A deterministic proposer (n-gram) is a point mass, q(x) = 1. Greedy
+requests have p = a point mass on the argmax, which makes this "accept the
+longest prefix matching the argmax, then the argmax".
+
+Everything is vectorised across the batch; the only Python loops are over
+sequences (to build index tensors and draw from per-request generators).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.base import Proposal
+from specdec.errors import VerifyInputError
+from specdec.sampling import (
+    SamplingParams,
+    process_logits,
+    sample,
+    sample_from_probs,
+    uniforms,
+)
+
+__all__ = ["SamplingParams", "VerifyResult", "process_logits", "sample", "verify"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    seq_id: int
+    tokens: list[int]  # [num_accepted + 1]: accepted draft tokens, then the bonus/resampled token
+    num_accepted: int  # draft tokens accepted, 0..num_draft
+    num_draft: int  # draft tokens proposed (k_i as actually proposed)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each sequence's positions sit in the flat logits."""
+
+    num_draft: torch.Tensor  # [B] int64, k_i
+    starts: torch.Tensor  # [B] int64, flat index of each sequence's first position
+    draft_tokens: torch.Tensor  # [T] int64, the draft token scored at each position (0 at bonus)
+    is_draft: torch.Tensor  # [T] bool, False at each sequence's bonus position
+
+
+def verify(target_logits: torch.Tensor, proposals: Sequence[Proposal],
+           sampling: Sequence[SamplingParams]) -> list[VerifyResult]:
+    """Accept or reject every proposal; one result per proposal, in order."""
+    layout = _layout(target_logits, proposals, sampling)
+    counts = [len(p.tokens) + 1 for p in proposals]
+    flat_params = [s for s, c in zip(sampling, counts, strict=True) for _ in range(c)]
+    if all(s.greedy for s in sampling):
+        return _verify_greedy(target_logits, proposals, layout)
+    p = process_logits(target_logits, flat_params)  # [T, vocab]
+    q_draft = _draft_prob_of_token(proposals, layout)  # [T]
+    p_draft = p.gather(1, layout.draft_tokens.unsqueeze(1)).squeeze(1)  # [T]
+    u = uniforms([c - 1 for c in counts], sampling)  # [T - B]
+    accepted = torch.zeros_like(layout.is_draft)
+    accepted[layout.is_draft] = u * q_draft[layout.is_draft] < p_draft[layout.is_draft]
+    num_accepted = _leading_true(accepted, layout)  # [B]
+    final_pos = layout.starts + num_accepted  # [B]
+    rejected = num_accepted < layout.num_draft  # [B]
+    dist = p[final_pos]  # [B, vocab]
+    if bool(rejected.any()):
+        q_rows = _draft_rows(proposals, layout, final_pos, rejected, p.shape[1])
+        dist[rejected] = _residual(dist[rejected], q_rows)
+    final = sample_from_probs(dist, sampling)  # [B]
+    return _results(proposals, num_accepted, final)
+
+
+def _layout(logits: torch.Tensor, proposals: Sequence[Proposal],
+            sampling: Sequence[SamplingParams]) -> _Layout:
+    if len(proposals) != len(sampling):
+        raise VerifyInputError(
+            f"{len(proposals)} proposals but {len(sampling)} sampling params")
+    counts = [len(p.tokens) + 1 for p in proposals]
+    total = sum(counts)
+    if logits.dim() != 2 or logits.shape[0] != total:
+        raise VerifyInputError(
+            f"target_logits: expected [{total}, vocab] (sum of k_i + 1), got {tuple(logits.shape)}")
+    vocab = logits.shape[1]
+    flat: list[int] = []
+    for prop in proposals:
+        _check_proposal(prop, vocab)
+        flat.extend(prop.tokens)
+        flat.append(0)
+    num_draft = torch.tensor([c - 1 for c in counts], dtype=torch.int64)
+    starts = torch.cumsum(torch.tensor([0] + counts[:-1], dtype=torch.int64), dim=0)
+    is_draft = torch.ones(total, dtype=torch.bool)
+    is_draft[starts + num_draft] = False
+    return _Layout(num_draft, starts, torch.tensor(flat, dtype=torch.int64), is_draft)
+
+
+def _check_proposal(prop: Proposal, vocab: int) -> None:
+    if any(not 0 <= t < vocab for t in prop.tokens):
+        raise VerifyInputError(f"seq {prop.seq_id}: proposed token outside [0, {vocab})")
+    if prop.probs is not None and tuple(prop.probs.shape) != (len(prop.tokens), vocab):
+        raise VerifyInputError(
+            f"seq {prop.seq_id}: draft probs expected [{len(prop.tokens)}, {vocab}], "
+            f"got {tuple(prop.probs.shape)}")
+
+
+def _verify_greedy(logits: torch.Tensor, proposals: Sequence[Proposal],
+                   layout: _Layout) -> list[VerifyResult]:
+    argmax = logits.argmax(dim=1)  # [T]
+    accepted = layout.is_draft & (argmax == layout.draft_tokens)
+    num_accepted = _leading_true(accepted, layout)
+    return _results(proposals, num_accepted, argmax[layout.starts + num_accepted])
+
+
+def _leading_true(accepted: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """Per sequence, how many of its draft positions are accepted before the first rejection."""
+    max_k = int(layout.num_draft.max()) if layout.num_draft.numel() else 0
+    if max_k == 0:
+        return torch.zeros_like(layout.num_draft)
+    offsets = torch.arange(max_k)
+    valid = offsets.unsqueeze(0) < layout.num_draft.unsqueeze(1)  # [B, max_k]
+    index = (layout.starts.unsqueeze(1) + offsets).clamp_(max=accepted.shape[0] - 1)
+    grid = accepted[index] & valid  # [B, max_k]
+    return grid.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def _draft_prob_of_token(proposals: Sequence[Proposal], layout: _Layout) -> torch.Tensor:
+    """q(x) for each position's draft token: 1 for point-mass proposals."""
+    q = torch.ones(layout.draft_tokens.shape[0], dtype=torch.float32)
+    for i, prop in enumerate(proposals):
+        if prop.probs is not None and prop.tokens:
+            start = int(layout.starts[i])
+            tokens = torch.tensor(prop.tokens, dtype=torch.int64).unsqueeze(1)
+            q[start : start + len(prop.tokens)] = prop.probs.float().gather(1, tokens).squeeze(1)
+    return q
+
+
+def _draft_rows(proposals: Sequence[Proposal], layout: _Layout, final_pos: torch.Tensor,
+                rejected: torch.Tensor, vocab: int) -> torch.Tensor:
+    """q at each rejected sequence's rejection position: [num_rejected, vocab]."""
+    rows = rejected.nonzero().squeeze(1).tolist()
+    q = torch.zeros(len(rows), vocab, dtype=torch.float32)
+    for r, i in enumerate(rows):
+        j = int(final_pos[i] - layout.starts[i])
+        probs = proposals[i].probs
+        if probs is None:
+            q[r, proposals[i].tokens[j]] = 1.0
+        else:
+            q[r] = probs[j].float()
+    return q
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) per row; falls back to p where p <= q everywhere (rounding only)."""
+    r = (p - q).clamp_(min=0.0)
+    mass = r.sum(dim=1, keepdim=True)
+    return torch.where(mass > 0, r / mass.clamp(min=torch.finfo(r.dtype).tiny), p)
+
+
+def _results(proposals: Sequence[Proposal], num_accepted: torch.Tensor,
+             final: torch.Tensor) -> list[VerifyResult]:
+    out = []
+    for prop, n, token in zip(proposals, num_accepted.tolist(), final.tolist(), strict=True):
+        out.append(VerifyResult(prop.seq_id, prop.tokens[:n] + [token], n, len(prop.tokens)))
+    return out
