@@ -1,0 +1,172 @@
+"""Request shape estimation: OpenAI request body -> :class:`router.base.RequestShape`.
+
+The proxy builds one :class:`ShapeEstimator` at start-up (loading the
+tokenizer and the classifier artefact there, never in a handler) and calls
+``estimate(body, endpoint)`` inline on the event loop for every request. The
+call is bounded: the classifier reads a capped window of the text and the
+token counter encodes at most ``TokenConfig.exact_max_chars`` characters
+(bench/classify.py measures p50/p99). It never raises on a malformed body;
+the proxy validates bodies itself.
+
+It also learns the output length per domain: the proxy passes each finished
+request to ``observe`` (the same :class:`RequestOutcome` it gives the policy).
+
+Example::
+
+    est = ShapeEstimator.load("models/tiny-target")
+    shape = est.estimate({"messages": [{"role": "user", "content": "Summarize: ..."}]},
+                         "/v1/chat/completions")
+    shape.domain, shape.prompt_tokens, shape.predicted_output_tokens
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.config import DOMAINS
+from router.base import RequestOutcome, RequestShape
+from router.classifier import DomainClassifier
+from router.tokens import TokenConfig, TokenCounter, message_text, render_chat
+
+logger = logging.getLogger(__name__)
+
+# NOTE: priors only (rough typical answer lengths); replaced by each domain's
+# observed mean after a few requests.
+OUTPUT_PRIOR_TOKENS = {"code": 256, "math": 192, "chat": 256, "qa": 64, "summarization": 128,
+                       "translation": 64, "rag": 96, "extraction": 96}
+
+
+@dataclass(frozen=True)
+class ShapeConfig:
+    tokens: TokenConfig = field(default_factory=TokenConfig)
+    output_prior_tokens: dict[str, int] = field(default_factory=lambda: dict(OUTPUT_PRIOR_TOKENS))
+    output_ewma_alpha: float = 0.05  # weight of each new observation in the per-domain mean
+    max_predicted_output_tokens: int = 4096
+    slo_ttft_s: dict[str, float] = field(default_factory=dict)  # per-domain defaults, seconds
+    slo_tpot_s: dict[str, float] = field(default_factory=dict)
+    default_domain: str = "chat"  # for empty / unreadable prompts
+
+    def __post_init__(self) -> None:
+        for name in ("output_prior_tokens", "slo_ttft_s", "slo_tpot_s"):
+            unknown = set(getattr(self, name)) - set(DOMAINS)
+            if unknown:
+                raise ValueError(f"{name}: unknown domain(s) {sorted(unknown)}")
+        if not 0.0 < self.output_ewma_alpha <= 1.0:
+            raise ValueError(f"output_ewma_alpha: expected (0, 1], got {self.output_ewma_alpha}")
+        if self.default_domain not in DOMAINS:
+            raise ValueError(f"default_domain: expected one of {DOMAINS}")
+
+
+class OutputLengthPredictor:
+    """Per-domain exponentially weighted mean of completion tokens, from a prior."""
+
+    def __init__(self, prior: Mapping[str, int], alpha: float, cap: int) -> None:
+        self._mean = {d: float(prior.get(d, 128)) for d in DOMAINS}
+        self._num = dict.fromkeys(DOMAINS, 0)
+        self._alpha = alpha
+        self._cap = cap
+
+    def predict(self, domain: str) -> int:
+        return max(1, min(self._cap, round(self._mean.get(domain, 128.0))))
+
+    def observe(self, domain: str, completion_tokens: int) -> None:
+        if domain not in self._mean or completion_tokens <= 0:
+            return
+        self._num[domain] += 1
+        # NOTE: a plain mean for the first 1/alpha samples, so the prior washes out fast.
+        a = max(self._alpha, 1.0 / self._num[domain])
+        self._mean[domain] += a * (completion_tokens - self._mean[domain])
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {d: {"mean_tokens": round(self._mean[d], 1), "num_observed": self._num[d]}
+                for d in DOMAINS}
+
+
+class ShapeEstimator:
+    """Computes a RequestShape from a request body; learns output lengths from outcomes."""
+
+    def __init__(self, classifier: DomainClassifier, counter: TokenCounter,
+                 config: ShapeConfig | None = None) -> None:
+        self.config = config or ShapeConfig()
+        self.classifier = classifier
+        self.counter = counter
+        self.output = OutputLengthPredictor(self.config.output_prior_tokens,
+                                            self.config.output_ewma_alpha,
+                                            self.config.max_predicted_output_tokens)
+
+    @classmethod
+    def load(cls, tokenizer_dir: str | Path | None = None, classifier_path: str | Path | None = None,
+             config: ShapeConfig | None = None) -> ShapeEstimator:
+        """Blocking (reads files): call at start-up. ``None`` paths = estimate / shipped artefact."""
+        config = config or ShapeConfig()
+        return cls(DomainClassifier.load(classifier_path),
+                   TokenCounter.load(tokenizer_dir, config.tokens), config)
+
+    def estimate(self, body: Mapping[str, Any], endpoint: str) -> RequestShape:
+        rendered, classify_text = _prompt_texts(body, endpoint)
+        domain = self._classify(classify_text)
+        num_tokens = _token_ids_len(body) if rendered is None else self.counter.count(rendered).num_tokens
+        max_tokens = _int_or_none(body.get("max_completion_tokens", body.get("max_tokens")))
+        predicted = max_tokens if max_tokens is not None else self.output.predict(domain)
+        return RequestShape(
+            domain=domain, prompt_tokens=num_tokens, max_tokens=max_tokens,
+            predicted_output_tokens=predicted, stream=body.get("stream") is True,
+            prefix_hashes=self.counter.prefix_hashes(rendered) if rendered else (),
+            speculative_depth=_int_or_none(body.get("speculative_depth")),
+            slo_ttft_s=_float_or_none(body.get("slo_ttft_s")) or self.config.slo_ttft_s.get(domain),
+            slo_tpot_s=_float_or_none(body.get("slo_tpot_s")) or self.config.slo_tpot_s.get(domain),
+        )
+
+    def observe(self, outcome: RequestOutcome) -> None:
+        if outcome.status == "ok":
+            self.output.observe(outcome.shape.domain, outcome.completion_tokens)
+
+    def stats(self) -> dict[str, Any]:
+        return {"tokenizer": self.counter.has_tokenizer,
+                "classifier": self.classifier.meta.get("version", "unknown"),
+                "output_tokens": self.output.snapshot()}
+
+    def _classify(self, text: str) -> str:
+        if not text.strip():
+            return self.config.default_domain
+        return self.classifier.predict(text)
+
+
+def _prompt_texts(body: Mapping[str, Any], endpoint: str) -> tuple[str | None, str]:
+    """(rendered prompt or None for token-id prompts, text to classify)."""
+    messages = body.get("messages")
+    if "chat" in endpoint or isinstance(messages, list):
+        if not isinstance(messages, list):
+            return "", ""
+        asked = [message_text(m) for m in messages
+                 if isinstance(m, Mapping) and m.get("role") in ("user", "system")]
+        return render_chat(messages), "\n\n".join(asked)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]  # NOTE: batched prompts: shape of the first
+    if isinstance(prompt, str):
+        return prompt, prompt
+    if isinstance(prompt, list):
+        return None, ""
+    return "", ""
+
+
+def _token_ids_len(body: Mapping[str, Any]) -> int:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    return len(prompt) if isinstance(prompt, list) else 0
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _float_or_none(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return None
