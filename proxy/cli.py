@@ -15,6 +15,7 @@ import sys
 
 # NOTE: order is the order shown in --help.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "router.cli",
 )
 
 
