@@ -1,0 +1,1 @@
+"""Proposer agents: each reads a BoardView and proposes candidate configs."""
