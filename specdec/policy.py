@@ -1,0 +1,258 @@
+"""The depth policy: how many tokens to speculate for one request, given what has been learned.
+
+The core is one pure function, :func:`choose_depth`: with per-token acceptance
+probability ``a`` a step at depth k emits on average
+``E[accepted + 1] = (1 - a^(k+1)) / (1 - a)`` tokens and takes ``t(batch, k)``
+seconds, so the policy picks the k that maximises ``E / t`` and answers 0 when
+no k beats plain decoding by ``min_gain`` (high load, low acceptance)::
+
+    >>> model = StepTimeModel.from_coefficients((0.010, 0.001, 0.0005, 0.0))
+    >>> choose_depth(acceptance=0.8, batch=1, step_time=model, max_depth=6)
+    6
+    >>> choose_depth(acceptance=0.2, batch=64, step_time=model, max_depth=6)
+    0
+
+:class:`DepthPolicy` keeps the learned state around that function:
+
+- acceptance per (worker, domain): a Beta posterior updated from the reported
+  ``(num_draft_tokens, num_accepted_tokens)`` counts (see :meth:`AcceptanceEstimate.observe`);
+- a step-time model per worker, ``t = w . [1, batch, batch*k, k]`` seconds, fitted
+  online by least squares on measured ``(batch, k, step seconds)`` samples,
+  anchored by a prior expressed as pseudo-samples.
+
+All methods are synchronous and cheap (a decision is a loop over k <= 16).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specdec.errors import ProposerConfigError
+
+logger = logging.getLogger(__name__)
+
+NUM_FEATURES = 4
+# Pseudo-samples of the prior step-time model sit on this grid.
+_PRIOR_BATCHES = (1, 4, 16, 64)
+_PRIOR_DEPTHS = (0, 1, 2, 4, 8)
+
+
+def _features(batch: float, k: float) -> tuple[float, float, float, float]:
+    return (1.0, batch, batch * k, k)
+
+
+def expected_tokens_per_step(acceptance: float, k: int) -> float:
+    """E[accepted + 1] = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def expected_accepted(acceptance: float, k: int) -> float:
+    return expected_tokens_per_step(acceptance, k) - 1.0
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_depth: int = 6  # never speculate deeper (a worker's own cap also applies)
+    min_gain: float = 1.03  # speculate only if E/t beats depth 0 by this factor
+    prior_acceptance: float = 0.5  # Beta prior mean for an unseen (worker, domain)
+    prior_strength: float = 8.0  # Beta prior weight, in tested draft tokens
+    max_evidence: float = 4000.0  # cap on alpha + beta, so estimates track drift
+    # Prior step time in seconds, coefficients of [1, batch, batch*k, k].
+    step_prior_s: tuple[float, float, float, float] = (0.010, 0.0005, 0.0003, 0.0005)
+    step_prior_weight: float = 4.0  # prior weight, in measured samples
+    step_decay: float = 0.99  # weight kept by older samples at each new one
+
+    def __post_init__(self) -> None:
+        checks = [
+            (0 <= self.max_depth <= 16, "max_depth", "0..16"),
+            (self.min_gain >= 1.0, "min_gain", ">= 1"),
+            (0.0 < self.prior_acceptance < 1.0, "prior_acceptance", "in (0, 1)"),
+            (self.prior_strength > 0, "prior_strength", "> 0"),
+            (self.max_evidence > self.prior_strength, "max_evidence", "> prior_strength"),
+            (len(self.step_prior_s) == NUM_FEATURES and self.step_prior_s[0] > 0
+             and all(c >= 0 for c in self.step_prior_s), "step_prior_s",
+             "4 coefficients >= 0 with a positive intercept"),
+            (self.step_prior_weight > 0, "step_prior_weight", "> 0"),
+            (0.0 < self.step_decay <= 1.0, "step_decay", "in (0, 1]"),
+        ]
+        for ok, name, expected in checks:
+            if not ok:
+                raise ProposerConfigError(
+                    f"policy.{name}: expected {expected}, got {getattr(self, name)!r}")
+
+
+def choose_depth(acceptance: float, batch: int, step_time: StepTimeModel, max_depth: int,
+                 min_gain: float = 1.0) -> int:
+    """The k in 0..max_depth maximising E[accepted + 1] / t(batch, k); 0 unless it pays."""
+    base = 1.0 / step_time.predict(batch, 0)
+    best_k, best = 0, base * min_gain
+    for k in range(1, max_depth + 1):
+        goodput = expected_tokens_per_step(acceptance, k) / step_time.predict(batch, k)
+        if goodput > best:
+            best_k, best = k, goodput
+    return best_k
+
+
+def solve_acceptance(mean_accepted: float, k: int) -> float:
+    """The per-token acceptance a with sum_{i=1..k} a^i = mean_accepted (bisection)."""
+    if mean_accepted <= 0.0:
+        return 0.0
+    if mean_accepted >= k:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        if expected_accepted(mid, k) < mean_accepted:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Beta(alpha, beta) posterior over the per-token acceptance probability."""
+
+    alpha: float
+    beta: float
+
+    @property
+    def mean(self) -> float:
+        return self.alpha / (self.alpha + self.beta)
+
+    def observe(self, num_draft: int, num_accepted: int, depth: int, max_evidence: float) -> None:
+        """Add a request's counts; ``depth`` is the k it ran with (0 if unknown).
+
+        Successes are the accepted tokens. Failures are the rejections, which the
+        counts do not give directly: with depth k the request ran about
+        ``num_draft / k`` steps, and under the geometric model a step ends in a
+        rejection with probability ``1 - a^k``, where ``a`` solves the observed
+        mean accepted per step. Then alpha / (alpha + beta) moves to ``a``. With
+        no depth, every unaccepted draft token counts as a failure (an underestimate).
+        """
+        if num_draft <= 0:
+            return
+        num_accepted = min(max(num_accepted, 0), num_draft)
+        if depth > 0:
+            steps = num_draft / depth
+            a = solve_acceptance(num_accepted / steps, depth)
+            failures = steps * (1.0 - a**depth)
+        else:
+            failures = float(num_draft - num_accepted)
+        self.alpha += num_accepted
+        self.beta += failures
+        total = self.alpha + self.beta
+        if total > max_evidence:
+            self.alpha *= max_evidence / total
+            self.beta *= max_evidence / total
+
+
+@dataclass
+class StepTimeModel:
+    """t(batch, k) = w . [1, batch, batch*k, k] seconds, least squares over decayed samples."""
+
+    prior_xtx: np.ndarray  # [4, 4] prior pseudo-samples' X^T X (not decayed)
+    prior_xty: np.ndarray  # [4]
+    decay: float = 1.0
+    xtx: np.ndarray = field(default_factory=lambda: np.zeros((NUM_FEATURES, NUM_FEATURES)))
+    xty: np.ndarray = field(default_factory=lambda: np.zeros(NUM_FEATURES))
+    num_samples: int = 0
+    coef: np.ndarray = field(default_factory=lambda: np.zeros(NUM_FEATURES))
+
+    def __post_init__(self) -> None:
+        self._solve()
+
+    @classmethod
+    def from_prior(cls, coefficients: tuple[float, ...], weight: float,
+                   decay: float = 1.0) -> StepTimeModel:
+        grid = [_features(b, k) for b in _PRIOR_BATCHES for k in _PRIOR_DEPTHS]
+        x = np.array(grid)  # [G, 4]
+        y = x @ np.array(coefficients)  # [G]
+        scale = weight / len(grid)
+        return cls(scale * x.T @ x, scale * x.T @ y, decay)
+
+    @classmethod
+    def from_coefficients(cls, coefficients: tuple[float, ...]) -> StepTimeModel:
+        """A fixed model (a prior so heavy that samples barely move it); for tests and docs."""
+        return cls.from_prior(coefficients, weight=1e12)
+
+    def observe(self, batch: int, k: int, step_s: float) -> None:
+        if not (step_s > 0.0 and math.isfinite(step_s)) or batch <= 0 or k < 0:
+            return
+        x = np.array(_features(batch, k))
+        self.xtx = self.decay * self.xtx + np.outer(x, x)
+        self.xty = self.decay * self.xty + x * step_s
+        self.num_samples += 1
+        self._solve()
+
+    def _solve(self) -> None:
+        a = self.prior_xtx + self.xtx
+        coef = np.linalg.solve(a, self.prior_xty + self.xty)
+        # NOTE: a negative intercept or slope would let t go to zero or below and
+        # make the argmax meaningless; clip to a small positive intercept instead.
+        coef[0] = max(coef[0], 1e-6)
+        self.coef = coef
+        self._w = tuple(float(c) for c in coef)
+
+    def predict(self, batch: float, k: float) -> float:
+        w0, wb, wbk, wk = self._w
+        return max(w0 + wb * batch + wbk * batch * k + wk * k, 1e-6)
+
+
+class DepthPolicy:
+    """Learned acceptance per (worker, domain) and step time per worker -> k per request."""
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        self.config = config or PolicyConfig()
+        self._acceptance: dict[tuple[str, str], AcceptanceEstimate] = {}
+        self._step_time: dict[str, StepTimeModel] = {}
+
+    def acceptance(self, worker: str, domain: str) -> AcceptanceEstimate:
+        est = self._acceptance.get((worker, domain))
+        if est is None:
+            c = self.config
+            est = AcceptanceEstimate(c.prior_acceptance * c.prior_strength,
+                                     (1.0 - c.prior_acceptance) * c.prior_strength)
+            self._acceptance[(worker, domain)] = est
+        return est
+
+    def step_time(self, worker: str) -> StepTimeModel:
+        model = self._step_time.get(worker)
+        if model is None:
+            c = self.config
+            model = StepTimeModel.from_prior(c.step_prior_s, c.step_prior_weight, c.step_decay)
+            self._step_time[worker] = model
+        return model
+
+    def decide(self, worker: str, domain: str, batch: int, max_depth: int | None = None) -> int:
+        """k for a request joining ``worker`` (``batch`` sequences running, counting itself)."""
+        cap = self.config.max_depth if max_depth is None else min(max_depth, self.config.max_depth)
+        return choose_depth(self.acceptance(worker, domain).mean, max(batch, 1),
+                            self.step_time(worker), cap, self.config.min_gain)
+
+    def observe_acceptance(self, worker: str, domain: str, num_draft: int, num_accepted: int,
+                           depth: int = 0) -> None:
+        self.acceptance(worker, domain).observe(num_draft, num_accepted, depth,
+                                                self.config.max_evidence)
+
+    def observe_step(self, worker: str, batch: int, k: int, step_s: float) -> None:
+        self.step_time(worker).observe(batch, k, step_s)
+
+    def observe_request(self, worker: str, domain: str, batch: int, depth: int, num_draft: int,
+                        num_accepted: int, num_output_tokens: int, decode_s: float) -> None:
+        """Learn from one finished request as a client sees it (counts + decode time).
+
+        Every step emits accepted + 1 tokens, so the request's decode ran about
+        ``num_output_tokens - 1 - num_accepted`` steps after the first token, and its
+        mean step time is ``decode_s`` over that.
+        """
+        self.observe_acceptance(worker, domain, num_draft, num_accepted, depth)
+        steps = num_output_tokens - 1 - num_accepted
+        if steps > 0 and decode_s > 0:
+            self.observe_step(worker, batch, depth, decode_s / steps)

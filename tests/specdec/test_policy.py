@@ -1,0 +1,149 @@
+"""Depth policy: expected answers on small inputs, worked out by hand in the comments."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.errors import ProposerConfigError
+from specdec.policy import (
+    AcceptanceEstimate,
+    DepthPolicy,
+    PolicyConfig,
+    StepTimeModel,
+    choose_depth,
+    expected_tokens_per_step,
+    solve_acceptance,
+)
+
+
+def _model(w0: float, wb: float, wbk: float, wk: float) -> StepTimeModel:
+    return StepTimeModel.from_coefficients((w0, wb, wbk, wk))
+
+
+def test_expected_tokens_per_step() -> None:
+    assert expected_tokens_per_step(0.5, 3) == pytest.approx(1.875)  # 1 + .5 + .25 + .125
+    assert expected_tokens_per_step(0.0, 4) == 1.0
+    assert expected_tokens_per_step(1.0, 4) == 5.0
+    assert expected_tokens_per_step(0.9, 0) == pytest.approx(1.0)
+
+
+def test_free_speculation_goes_to_the_cap() -> None:
+    flat = _model(0.01, 0.0, 0.0, 0.0)  # k costs nothing: deeper is always better
+    assert choose_depth(0.3, batch=1, step_time=flat, max_depth=5) == 5
+    assert choose_depth(0.3, batch=1, step_time=flat, max_depth=0) == 0
+
+
+def test_interior_optimum() -> None:
+    # t(1, k) = 0.010 + 0.002 k, a = 0.8; E/t for k = 0..5:
+    # 100, 1.8/.012 = 150, 2.44/.014 = 174.3, 2.952/.016 = 184.5, 3.3616/.018 = 186.8,
+    # 3.6893/.020 = 184.5  -> k = 4
+    model = _model(0.010, 0.0, 0.0, 0.002)
+    assert choose_depth(0.8, batch=1, step_time=model, max_depth=8) == 4
+    # a = 0.6 with t = 0.010 + 0.005 k: 100, 1.6/.015 = 106.7, 1.96/.020 = 98 -> k = 1
+    assert choose_depth(0.6, 1, _model(0.010, 0.0, 0.0, 0.005), 8) == 1
+
+
+def test_high_load_and_low_acceptance_turn_speculation_off() -> None:
+    # t(b, k) = 0.010 + 0.001 b + 0.0005 b k, a = 0.4
+    model = _model(0.010, 0.001, 0.0005, 0.0)
+    # b = 1: t = .011 + .0005k; E/t: 90.9, 1.4/.0115 = 121.7, 1.56/.012 = 130.0,
+    # 1.624/.0125 = 129.9 -> k = 2
+    assert choose_depth(0.4, batch=1, step_time=model, max_depth=6) == 2
+    # b = 64: t = .074 + .032k; E/t: 13.51, 1.4/.106 = 13.21 -> no k pays -> 0
+    assert choose_depth(0.4, batch=64, step_time=model, max_depth=6) == 0
+    # same load, a = 0.7: 1.7/.106 = 16.04, 2.19/.138 = 15.87 -> k = 1
+    assert choose_depth(0.7, batch=64, step_time=model, max_depth=6) == 1
+
+
+def test_min_gain_requires_a_margin() -> None:
+    flat = _model(0.01, 0.0, 0.0, 0.0)
+    # a = 0.01: k = 6 gives E = 1.0101 -> 1% better than k = 0
+    assert choose_depth(0.01, 1, flat, 6, min_gain=1.0) == 6
+    assert choose_depth(0.01, 1, flat, 6, min_gain=1.03) == 0
+
+
+def test_solve_acceptance() -> None:
+    assert solve_acceptance(0.75, 2) == pytest.approx(0.5, abs=1e-9)  # .5 + .25
+    assert solve_acceptance(0.0, 3) == 0.0
+    assert solve_acceptance(3.0, 3) == 1.0
+
+
+def test_acceptance_update_with_depth_undoes_the_truncation_bias() -> None:
+    est = AcceptanceEstimate(4.0, 4.0)  # prior mean 0.5, weight 8
+    # k = 2, a = 0.5: 0.75 accepted per step; 100 steps -> 200 drafts, 75 accepted.
+    # failures = 100 * (1 - .5^2) = 75 -> Beta(79, 79), mean 0.5 (75/200 would say 0.375)
+    est.observe(200, 75, depth=2, max_evidence=1e9)
+    assert (est.alpha, est.beta) == pytest.approx((79.0, 79.0))
+    # k = 1 is a plain Bernoulli: 100 drafts, 80 accepted -> Beta(159, 99)
+    est.observe(100, 80, depth=1, max_evidence=1e9)
+    assert (est.alpha, est.beta) == pytest.approx((159.0, 99.0))
+
+
+def test_acceptance_update_without_depth_and_evidence_cap() -> None:
+    est = AcceptanceEstimate(4.0, 4.0)
+    est.observe(200, 75, depth=0, max_evidence=1e9)  # every unaccepted draft is a failure
+    assert (est.alpha, est.beta) == pytest.approx((79.0, 129.0))
+    est.observe(0, 0, depth=4, max_evidence=1e9)  # nothing proposed: no change
+    assert (est.alpha, est.beta) == pytest.approx((79.0, 129.0))
+    est.observe(10, 99, depth=0, max_evidence=104.0)  # accepted clipped to drafts; then capped
+    assert est.alpha + est.beta == pytest.approx(104.0)
+    assert est.mean == pytest.approx(89.0 / 218.0)
+
+
+def test_step_model_prior_alone_predicts_the_prior() -> None:
+    model = StepTimeModel.from_prior((0.01, 0.002, 0.0003, 0.001), weight=4.0)
+    # t(8, 2) = .01 + .016 + .0048 + .002
+    assert model.predict(8, 2) == pytest.approx(0.0328)
+
+
+def test_step_model_learns_from_samples() -> None:
+    true = (0.020, 0.001, 0.0004, 0.002)
+    # NOTE: the prior's pseudo-samples reach batch 64 x depth 8, so even a small weight
+    # has leverage where these samples (batch <= 16) have none; keep it tiny here.
+    model = StepTimeModel.from_prior((0.01, 0.0005, 0.0003, 0.0005), weight=0.01, decay=1.0)
+    for _ in range(20):
+        for batch in (1, 2, 8, 16):
+            for k in (0, 2, 4):
+                model.observe(batch, k, true[0] + true[1] * batch + true[2] * batch * k
+                              + true[3] * k)
+    assert model.num_samples == 240
+    assert model.coef.tolist() == pytest.approx(list(true), rel=0.02, abs=2e-5)
+    # ignores garbage samples
+    model.observe(4, 2, float("nan"))
+    model.observe(0, 2, 0.1)
+    model.observe(4, 2, -1.0)
+    assert model.num_samples == 240
+
+
+def test_policy_learns_per_worker_and_domain() -> None:
+    policy = DepthPolicy(PolicyConfig(step_prior_s=(0.010, 0.001, 0.0005, 0.0),
+                                      step_prior_weight=1e9))
+    for _ in range(20):
+        policy.observe_acceptance("w1", "code", 40, 36, depth=4)  # very repetitive
+        policy.observe_acceptance("w1", "chat", 40, 0, depth=4)  # nothing accepted
+    assert policy.acceptance("w1", "code").mean > 0.9
+    assert policy.acceptance("w1", "chat").mean == pytest.approx(4 / (8 + 20 * 10))
+    assert policy.acceptance("w2", "code").mean == pytest.approx(0.5)  # prior
+    assert policy.decide("w1", "code", batch=1) == 6  # config cap
+    assert policy.decide("w1", "code", batch=1, max_depth=3) == 3  # worker cap
+    assert policy.decide("w1", "chat", batch=1) == 0
+    assert policy.decide("w1", "code", batch=0) == policy.decide("w1", "code", batch=1)
+
+
+def test_observe_request_feeds_both_models() -> None:
+    policy = DepthPolicy(PolicyConfig(step_decay=1.0))
+    # 41 tokens out at depth 4 with 30 accepted: 40 - 30 = 10 steps in 0.5 s -> 0.05 s/step
+    policy.observe_request("w", "code", batch=2, depth=4, num_draft=40, num_accepted=30,
+                           num_output_tokens=41, decode_s=0.5)
+    assert policy.step_time("w").num_samples == 1
+    assert policy.acceptance("w", "code").alpha == pytest.approx(0.5 * 8 + 30)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"max_depth": 17}, {"min_gain": 0.9}, {"prior_acceptance": 1.0}, {"prior_strength": 0.0},
+    {"max_evidence": 1.0}, {"step_prior_s": (0.0, 0.0, 0.0, 0.0)},
+    {"step_prior_s": (0.01, -1.0, 0.0, 0.0)}, {"step_prior_weight": 0.0}, {"step_decay": 0.0},
+])
+def test_config_rejects_bad_values(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ProposerConfigError):
+        PolicyConfig(**kwargs)  # type: ignore[arg-type]
