@@ -15,7 +15,9 @@ import sys
 
 # NOTE: order is the order shown in --help.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "proxy.serve_cli",
     "router.cli",
+    "loadgen.cli",
 )
 
 

@@ -1,0 +1,120 @@
+"""Admin API, behind ``auth.admin_key`` (``Authorization: Bearer <key>`` or ``x-admin-key``).
+
+    GET    /admin/workers                 list workers and their state
+    POST   /admin/workers                 add one (a WorkerSpec as JSON; launch or url)
+    POST   /admin/workers/{name}/drain    stop sending it new requests
+    POST   /admin/workers/{name}/undrain  send it requests again
+    DELETE /admin/workers/{name}          drain, wait for in-flight, remove (stop if supervised)
+    GET    /admin/policy                  the routing policy in use
+    PUT    /admin/policy                  {"policy": "least_outstanding"} switch at run time
+
+With no admin key configured every admin endpoint answers 403.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import orjson
+from aiohttp import web
+
+from engine.config import ConfigError, build_dataclass
+from proxy import keys
+from proxy.config import WorkerSpec
+from proxy.errors import Forbidden, InvalidRequest, NotFound, Unauthorized
+from proxy.routing import build_policy
+from proxy.stats import worker_doc
+from proxy.validate import parse_body
+
+
+def _authorize(request: web.Request) -> None:
+    admin_key = request.app[keys.CONFIG].auth.admin_key
+    if not admin_key:
+        raise Forbidden("admin API disabled: set auth.admin_key")
+    given = request.headers.get("x-admin-key") or \
+        request.headers.get("Authorization", "").removeprefix("Bearer ")
+    if not hmac.compare_digest(given.encode(), admin_key.encode()):
+        raise Unauthorized("invalid admin key")
+
+
+def _json(data: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _worker(request: web.Request) -> str:
+    name = request.match_info["name"]
+    if name not in request.app[keys.POOL].workers:
+        raise NotFound(f"no worker named {name!r}", param="name")
+    return name
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    _authorize(request)
+    return _json({"workers": [worker_doc(w) for w in request.app[keys.POOL].workers.values()]})
+
+
+async def add_worker(request: web.Request) -> web.Response:
+    _authorize(request)
+    body = parse_body(await request.read())
+    try:
+        spec = build_dataclass(WorkerSpec, body, "worker")
+    except ConfigError as e:
+        raise InvalidRequest(str(e)) from e
+    try:
+        worker = await request.app[keys.POOL].add(spec)
+    except ConfigError as e:
+        raise InvalidRequest(str(e)) from e
+    return _json(worker_doc(worker), status=201)
+
+
+async def drain_worker(request: web.Request) -> web.Response:
+    _authorize(request)
+    worker = request.app[keys.POOL].drain(_worker(request))
+    return _json(worker_doc(worker))
+
+
+async def undrain_worker(request: web.Request) -> web.Response:
+    _authorize(request)
+    worker = request.app[keys.POOL].workers[_worker(request)]
+    worker.view.draining = False
+    return _json(worker_doc(worker))
+
+
+async def remove_worker(request: web.Request) -> web.Response:
+    _authorize(request)
+    name = _worker(request)
+    await request.app[keys.POOL].remove(name, request.app[keys.CONFIG].limits.drain_timeout_s)
+    return _json({"removed": name})
+
+
+async def get_policy(request: web.Request) -> web.Response:
+    _authorize(request)
+    return _json({"policy": request.app[keys.RELAY].policy.name})
+
+
+async def set_policy(request: web.Request) -> web.Response:
+    _authorize(request)
+    body = parse_body(await request.read())
+    name = body.get("policy")
+    if not isinstance(name, str):
+        raise InvalidRequest("'policy' must be a string", param="policy")
+    seed = body.get("seed", request.app[keys.CONFIG].routing.seed)
+    if not isinstance(seed, int):
+        raise InvalidRequest("'seed' must be an integer", param="seed")
+    try:
+        policy = build_policy(name, seed)
+    except ConfigError as e:
+        raise InvalidRequest(str(e), param="policy") from e
+    relay = request.app[keys.RELAY]
+    previous, relay.policy = relay.policy.name, policy
+    return _json({"policy": policy.name, "previous": previous})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/workers", list_workers)
+    app.router.add_post("/admin/workers", add_worker)
+    app.router.add_post("/admin/workers/{name}/drain", drain_worker)
+    app.router.add_post("/admin/workers/{name}/undrain", undrain_worker)
+    app.router.add_delete("/admin/workers/{name}", remove_worker)
+    app.router.add_get("/admin/policy", get_policy)
+    app.router.add_put("/admin/policy", set_policy)

@@ -1,0 +1,116 @@
+"""The app factory: builds every long-lived object once and files it under a typed key.
+
+Lifetimes are ``cleanup_ctx`` generators, started in order and stopped in
+reverse: the trace writer (last to stop, so it flushes every record), the
+upstream client session, then the worker pool (supervised workers started and
+waited for; probe and scrape loops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator
+from importlib import resources
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from proxy import admin, handlers, keys
+from proxy.config import ProxyConfig
+from proxy.metrics import make_registry
+from proxy.pool import WorkerPool
+from proxy.relay import Relay
+from proxy.routing import build_policy
+from proxy.shape import HeuristicShapeEstimator, ShapeEstimator
+from proxy.stats import Stats
+from proxy.traces import TraceWriter
+from router.base import RoutingPolicy
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(config: ProxyConfig, *, estimator: ShapeEstimator | None = None,
+               policy: RoutingPolicy | None = None) -> web.Application:
+    """A proxy app for ``config``; ``estimator`` and ``policy`` override the configured ones."""
+    app = web.Application(client_max_size=config.limits.max_body_bytes,
+                          middlewares=[handlers.error_middleware])
+    stats = Stats()
+    pool = WorkerPool(config.health, Path(config.run_dir))
+    relay = Relay(config, pool, stats, estimator or default_estimator(config),
+                  policy or build_policy(config.routing.policy, config.routing.seed))
+    app[keys.CONFIG] = config
+    app[keys.STATS] = stats
+    app[keys.POOL] = pool
+    app[keys.RELAY] = relay
+    app[keys.TRACES] = TraceWriter(config.traces, Path(config.traces.dir))
+    app[keys.REGISTRY] = make_registry(stats, pool, lambda: relay.policy.name)
+    app[keys.DASHBOARD] = resources.files("proxy").joinpath("static/dashboard.html").read_bytes()
+    app.cleanup_ctx.extend([_traces_ctx, _session_ctx, _pool_ctx])
+    handlers.add_routes(app)
+    admin.add_routes(app)
+    return app
+
+
+def default_estimator(config: ProxyConfig) -> ShapeEstimator:
+    """The router's classifier with the first local model's tokenizer, else the heuristic.
+
+    Blocking (reads the tokenizer and classifier files): start-up only.
+    """
+    if config.routing.shape_estimator == "heuristic":
+        return HeuristicShapeEstimator()
+    tokenizer_dir = next((w.config.model for w in config.workers
+                          if (Path(w.config.model) / "tokenizer.json").is_file()), None)
+    try:
+        from router.shape import ShapeEstimator as ClassifierShapeEstimator
+        return ClassifierShapeEstimator.load(tokenizer_dir)
+    except Exception as e:  # a broken artefact must not stop the proxy from serving
+        logger.warning("router shape estimator unavailable (%s); using the heuristic one", e)
+        return HeuristicShapeEstimator()
+
+
+async def _traces_ctx(app: web.Application) -> AsyncIterator[None]:
+    writer = app[keys.TRACES]
+    if app[keys.CONFIG].traces.enabled:
+        app[keys.RELAY].traces = writer
+        writer.start()
+    yield
+    await writer.close()
+
+
+def _upstream_connector() -> aiohttp.TCPConnector:
+    # NOTE: limit=0: no artificial pool cap; the proxy's own max_in_flight bounds load.
+    return aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60,
+                                ttl_dns_cache=300, enable_cleanup_closed=False,
+                                family=socket.AF_INET)
+
+
+async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
+    limits = app[keys.CONFIG].limits
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=limits.connect_timeout_s,
+                                    sock_read=limits.read_timeout_s)
+    session = aiohttp.ClientSession(connector=_upstream_connector(), timeout=timeout,
+                                    auto_decompress=False, skip_auto_headers=("User-Agent",))
+    app[keys.RELAY].session = session
+    yield
+    await session.close()
+
+
+async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
+    pool = app[keys.POOL]
+    specs = app[keys.CONFIG].workers
+    results = await asyncio.gather(*(pool.add(s) for s in specs), return_exceptions=True)
+    failed = [(s.name, r) for s, r in zip(specs, results, strict=True)
+              if isinstance(r, BaseException)]
+    if failed:
+        await pool.close()
+        raise RuntimeError("; ".join(f"worker {n}: {e}" for n, e in failed))
+    loops = asyncio.create_task(pool.run_loops(), name="pool-loops")
+    yield
+    loops.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await loops
+    await pool.close()

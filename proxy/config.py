@@ -1,0 +1,271 @@
+"""The proxy's configuration: one frozen root (:class:`ProxyConfig`), a slice per part.
+
+Loaded from YAML and validated with :func:`engine.config.build_dataclass`, so a
+typo or a wrong type names the dotted key and what was expected. Example::
+
+    server: {host: 127.0.0.1, port: 8000}
+    workers:
+      - name: fast
+        launch: {}                       # the proxy starts and supervises it
+        config:                          # an engine.config.CompiledConfig
+          backend: engine
+          engine: {spec_method: ngram, spec_max_depth: 4}
+          fit: {domains: [code, extraction]}
+      - name: big
+        url: http://10.0.0.7:8000        # already running somewhere
+        config_file: configs/big.yaml    # a compiled config on disk
+    routing: {policy: least_outstanding}
+    speculation: {mode: policy}
+    traces: {dir: traces, record_prompt_text: false}
+    auth: {api_keys: [sk-local], admin_key: admin-secret}
+    limits: {max_in_flight: 1024}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from engine.config import (
+    CompiledConfig,
+    ConfigError,
+    DeclaredFit,
+    EngineConfig,
+    build_dataclass,
+    load_mapping,
+)
+from proxy.routing import POLICIES, is_policy_name
+
+
+def _check(cond: bool, key: str, expected: str, got: Any) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: expected {expected}, got {got!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, "server.port", "0..65535", self.port)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How the proxy starts a worker it supervises (engine or vllm backends)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = pick a free port at start-up
+    args: tuple[str, ...] = ()  # extra command-line arguments, verbatim
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 300.0  # readiness wait on /health
+    restart_backoff_s: float = 1.0  # first restart delay; doubles per crash
+    max_backoff_s: float = 30.0
+    stable_after_s: float = 60.0  # a run this long resets the backoff
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, "launch.port", "0..65535", self.port)
+        _check(self.startup_timeout_s > 0, "launch.startup_timeout_s", "> 0",
+               self.startup_timeout_s)
+        _check(0 < self.restart_backoff_s <= self.max_backoff_s, "launch.restart_backoff_s",
+               f"in (0, max_backoff_s={self.max_backoff_s}]", self.restart_backoff_s)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker: where it is (``url``) or how to start it (``launch``), and its config."""
+
+    name: str
+    url: str = ""
+    launch: LaunchSpec | None = None
+    config: CompiledConfig = field(default_factory=CompiledConfig)
+    # Worker given as a bare URL (--worker): its models and, for an engine, its
+    # compiled config are discovered from /v1/models and /admin/config.
+    discover: bool = False
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name) and "/" not in self.name, "workers[].name",
+               "a non-empty name without '/'", self.name)
+        key = f"workers[{self.name}]"
+        _check(bool(self.url) != (self.launch is not None), f"{key}.url",
+               "exactly one of url or launch", self.url)
+        _check(not self.url or self.url.startswith(("http://", "https://")), f"{key}.url",
+               "an http(s) URL", self.url)
+        _check(self.launch is None or self.config.backend != "external", f"{key}.launch",
+               "no launch spec for backend 'external'", self.launch)
+
+    @property
+    def backend(self) -> str:
+        return self.config.backend
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    policy: str = "round_robin"  # a name from proxy.routing.POLICIES
+    seed: int = 0  # for randomised policies
+    # classifier: router.shape.ShapeEstimator (tokenizer + domain classifier, exact
+    # token counts); heuristic: proxy.shape (length / keywords, ~10x cheaper).
+    shape_estimator: Literal["classifier", "heuristic"] = "classifier"
+
+    def __post_init__(self) -> None:
+        _check(is_policy_name(self.policy), "routing.policy",
+               f"one of {sorted(POLICIES)} or 'module:Class'", self.policy)
+        _check(self.shape_estimator in ("classifier", "heuristic"), "routing.shape_estimator",
+               "one of ['classifier', 'heuristic']", self.shape_estimator)
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """How ``speculative_depth`` is chosen for engine workers (a client's own value wins)."""
+
+    mode: Literal["policy", "fixed", "off"] = "policy"  # policy: the routing decision's depth
+    fixed_depth: int = 0  # sent when mode == fixed
+
+    def __post_init__(self) -> None:
+        _check(self.mode in ("policy", "fixed", "off"), "speculation.mode",
+               "one of ['policy', 'fixed', 'off']", self.mode)
+        _check(0 <= self.fixed_depth <= 16, "speculation.fixed_depth", "0..16", self.fixed_depth)
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    enabled: bool = True
+    dir: str = "traces"
+    max_bytes: int = 64 << 20  # rotate a file past this size
+    max_files: int = 50  # oldest files beyond this are deleted
+    flush_interval_s: float = 0.5
+    batch_size: int = 512  # flush early past this many pending records
+    record_prompt_text: bool = False  # NOTE: off by default: prompts may be sensitive
+
+    def __post_init__(self) -> None:
+        _check(self.max_bytes >= 4096, "traces.max_bytes", ">= 4096", self.max_bytes)
+        _check(self.max_files >= 1, "traces.max_files", ">= 1", self.max_files)
+        _check(self.flush_interval_s > 0, "traces.flush_interval_s", "> 0", self.flush_interval_s)
+        _check(self.batch_size >= 1, "traces.batch_size", ">= 1", self.batch_size)
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    api_keys: tuple[str, ...] = ()  # empty = no client auth
+    admin_key: str = ""  # empty = admin endpoints disabled
+
+    def __post_init__(self) -> None:
+        for k in self.api_keys:
+            _check(bool(k), "auth.api_keys[]", "non-empty strings", k)
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    max_in_flight: int = 4096  # past this, 429 + Retry-After
+    max_body_bytes: int = 8 << 20
+    retry_after_s: int = 1
+    max_attempts: int = 3  # workers tried per request while nothing reached the client
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0  # no byte from the worker for this long = failure
+    drain_timeout_s: float = 30.0  # SIGTERM: wait this long for in-flight requests
+
+    def __post_init__(self) -> None:
+        for name in ("max_in_flight", "max_body_bytes", "max_attempts"):
+            _check(getattr(self, name) >= 1, f"limits.{name}", ">= 1", getattr(self, name))
+        for name in ("connect_timeout_s", "read_timeout_s", "drain_timeout_s"):
+            _check(getattr(self, name) > 0, f"limits.{name}", "> 0", getattr(self, name))
+        _check(self.retry_after_s >= 0, "limits.retry_after_s", ">= 0", self.retry_after_s)
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    interval_s: float = 2.0  # active /health probe period
+    timeout_s: float = 2.0
+    metrics_interval_s: float = 1.0  # /metrics scrape period; 0 = off
+    breaker_failures: int = 3  # consecutive failures that open a worker's breaker
+    breaker_cooldown_s: float = 5.0  # open -> half-open after this long
+
+    def __post_init__(self) -> None:
+        _check(self.interval_s > 0, "health.interval_s", "> 0", self.interval_s)
+        _check(self.timeout_s > 0, "health.timeout_s", "> 0", self.timeout_s)
+        _check(self.metrics_interval_s >= 0, "health.metrics_interval_s", ">= 0",
+               self.metrics_interval_s)
+        _check(self.breaker_failures >= 1, "health.breaker_failures", ">= 1",
+               self.breaker_failures)
+        _check(self.breaker_cooldown_s > 0, "health.breaker_cooldown_s", "> 0",
+               self.breaker_cooldown_s)
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    workers: tuple[WorkerSpec, ...] = ()
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    traces: TraceConfig = field(default_factory=TraceConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    run_dir: str = ".polyinfer"  # supervised workers' logs and config files
+
+    def __post_init__(self) -> None:
+        names = [w.name for w in self.workers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        _check(not dupes, "workers[].name", "unique names", dupes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], base_dir: Path | None = None) -> ProxyConfig:
+        return build_dataclass(cls, _resolve_config_files(data, base_dir or Path.cwd()), "")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ProxyConfig:
+        p = Path(path)
+        return cls.from_dict(load_mapping(p), p.resolve().parent)
+
+
+def _resolve_config_files(data: Mapping[str, Any], base_dir: Path) -> Mapping[str, Any]:
+    """Replace each worker's ``config_file: path`` with the compiled config it names."""
+    workers = data.get("workers")
+    if not isinstance(workers, list):
+        return data
+    resolved = []
+    for i, w in enumerate(workers):
+        if isinstance(w, Mapping) and "config_file" in w:
+            _check("config" not in w, f"workers[{i}].config_file", "config_file or config, not both",
+                   w["config_file"])
+            _check(isinstance(w["config_file"], str), f"workers[{i}].config_file", "a path",
+                   w["config_file"])
+            path = w["config_file"]
+            w = {k: v for k, v in w.items() if k != "config_file"}
+            w["config"] = load_mapping(base_dir / path)
+        resolved.append(w)
+    return {**data, "workers": resolved}
+
+
+def external_worker(url: str, index: int) -> WorkerSpec:
+    """A worker given on the command line as a bare URL (``--worker URL``)."""
+    return WorkerSpec(name=f"w{index}", url=url.rstrip("/"),
+                      config=CompiledConfig(backend="external", model=url.rstrip("/")),
+                      discover=True)
+
+
+def default_config() -> ProxyConfig:
+    """The embedded default: two supervised engine workers on the bundled tiny model.
+
+    ``latency`` runs small batches with n-gram speculation for short,
+    repetitive prompts; ``throughput`` runs large batches with a big prefill
+    budget and no speculation for long prompts.
+    """
+    latency = CompiledConfig(
+        backend="engine",
+        engine=EngineConfig(max_num_seqs=8, max_num_batched_tokens=512, kv_cache_tokens=16384,
+                            spec_method="ngram", spec_max_depth=4, spec_default_depth=3),
+        fit=DeclaredFit(domains=("code", "extraction", "rag", "summarization"),
+                        prompt_tokens=(0, 1024)))
+    throughput = CompiledConfig(
+        backend="engine",
+        engine=EngineConfig(max_num_seqs=32, max_num_batched_tokens=2048, kv_cache_tokens=65536,
+                            spec_method="none", spec_max_depth=0),
+        fit=DeclaredFit(prompt_tokens=(0, 1 << 30)))
+    return ProxyConfig(workers=(
+        WorkerSpec(name="latency", launch=LaunchSpec(), config=latency),
+        WorkerSpec(name="throughput", launch=LaunchSpec(), config=throughput),
+    ))

@@ -1,0 +1,119 @@
+"""Proxy errors, and how each one becomes an OpenAI-style error response.
+
+The tree::
+
+    ProxyError                      (500 internal_error)
+    ├── ClientRequestError          (4xx: the client's request is wrong)
+    │   ├── InvalidRequest          (400 invalid_request_error; names the bad field)
+    │   ├── BodyTooLarge            (413 invalid_request_error)
+    │   ├── Unauthorized            (401 invalid_api_key)
+    │   ├── Forbidden               (403 permission_error)
+    │   └── NotFound                (404 not_found)
+    │       └── ModelNotFound       (404 model_not_found)
+    ├── Overloaded                  (429 rate_limit_exceeded, Retry-After)
+    ├── NoHealthyWorker             (503 service_unavailable, Retry-After)
+    ├── ShuttingDown                (503 service_unavailable, Retry-After)
+    └── UpstreamError               (502 upstream_error: every worker tried failed
+        │                            before a byte reached the client)
+        └── UpstreamBroken          (mid-stream: relayed as an SSE error event)
+
+Handlers raise these; one middleware turns them into
+``{"error": {"message", "type", "param", "code"}}`` with the status above.
+"""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+
+class ProxyError(Exception):
+    status = 500
+    error_type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, object]:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+    def to_response(self, headers: dict[str, str] | None = None) -> web.Response:
+        hdrs = dict(headers or {})
+        if self.retry_after_s is not None:
+            hdrs["Retry-After"] = str(self.retry_after_s)
+        return web.Response(status=self.status, body=orjson.dumps(self.body()),
+                            content_type="application/json", headers=hdrs)
+
+
+class ClientRequestError(ProxyError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class InvalidRequest(ClientRequestError):
+    pass
+
+
+class BodyTooLarge(ClientRequestError):
+    status = 413
+
+
+class Unauthorized(ClientRequestError):
+    status = 401
+    code = "invalid_api_key"
+
+
+class Forbidden(ClientRequestError):
+    status = 403
+    error_type = "permission_error"
+
+
+class NotFound(ClientRequestError):
+    status = 404
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class Overloaded(ProxyError):
+    status = 429
+    error_type = "rate_limit_exceeded"
+    code = "overloaded"
+
+
+class NoHealthyWorker(ProxyError):
+    status = 503
+    error_type = "service_unavailable"
+    code = "no_healthy_worker"
+
+
+class ShuttingDown(ProxyError):
+    status = 503
+    error_type = "service_unavailable"
+    code = "shutting_down"
+
+
+class UpstreamError(ProxyError):
+    status = 502
+    error_type = "upstream_error"
+
+
+class UpstreamBroken(UpstreamError):
+    """The worker failed after part of the response reached the client."""
+
+
+def error_body(message: str, error_type: str, param: str | None = None,
+               code: str | None = None) -> dict[str, object]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def sse_error_event(message: str, error_type: str = "upstream_error") -> bytes:
+    """An SSE event that the openai SDK turns into an APIError for the caller."""
+    return b"data: " + orjson.dumps(error_body(message, error_type)) + b"\n\n"

@@ -1,0 +1,102 @@
+"""HTTP handlers: the OpenAI API, health, stats, metrics, dashboard; plus the error middleware."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proxy import keys
+from proxy.errors import ProxyError, error_body
+from proxy.relay import proxy_headers
+from proxy.validate import CHAT, COMPLETIONS
+
+logger = logging.getLogger(__name__)
+
+_HTTP_ERROR_TYPES = {404: "not_found", 405: "invalid_request_error",
+                     413: "invalid_request_error"}
+
+
+@web.middleware
+async def error_middleware(request: web.Request,
+                           handler: web.Handler) -> web.StreamResponse:
+    """Turn every error into an OpenAI error body; put the proxy headers on every response."""
+    try:
+        resp = await handler(request)
+    except ProxyError as e:
+        resp = e.to_response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        resp = web.Response(status=e.status, content_type="application/json",
+                            body=orjson.dumps(error_body(e.reason, _HTTP_ERROR_TYPES.get(
+                                e.status, "invalid_request_error"))))
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        resp = web.Response(status=500, content_type="application/json",
+                            body=orjson.dumps(error_body("internal proxy error", "internal_error")))
+    if not resp.prepared:
+        rec = request.get("rec")
+        if rec is not None:
+            resp.headers.update(proxy_headers(rec))
+        elif "x-request-id" not in resp.headers:
+            resp.headers["x-request-id"] = request.app[keys.RELAY].new_request_id()
+    return resp
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[keys.RELAY].handle(request, CHAT)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[keys.RELAY].handle(request, COMPLETIONS)
+
+
+async def models(request: web.Request) -> web.Response:
+    now = int(time.time())
+    data = [{"id": m, "object": "model", "created": now, "owned_by": "polyinfer"}
+            for m in request.app[keys.POOL].model_names()]
+    return _json({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    pool = request.app[keys.POOL]
+    relay = request.app[keys.RELAY]
+    num_routable = sum(1 for w in pool.workers.values() if w.view.can_route)
+    ok = num_routable > 0 and not relay.draining
+    return _json({"status": "ok" if ok else "unavailable", "routable_workers": num_routable,
+                  "workers": len(pool.workers), "draining": relay.draining},
+                 status=200 if ok else 503)
+
+
+async def stats(request: web.Request) -> web.Response:
+    app = request.app
+    return _json(app[keys.STATS].snapshot(app[keys.POOL], app[keys.RELAY].policy.name))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[keys.REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[keys.DASHBOARD], content_type="text/html")
+
+
+def _json(data: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS), status=status,
+                        content_type="application/json")
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/stats", stats)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/", dashboard)
+    app.router.add_get("/dashboard", dashboard)

@@ -1,0 +1,20 @@
+"""Typed application keys: every long-lived object of a proxy app lives under one of these."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from proxy.config import ProxyConfig
+from proxy.pool import WorkerPool
+from proxy.relay import Relay
+from proxy.stats import Stats
+from proxy.traces import TraceWriter
+
+CONFIG = web.AppKey("config", ProxyConfig)
+POOL = web.AppKey("pool", WorkerPool)
+STATS = web.AppKey("stats", Stats)
+RELAY = web.AppKey("relay", Relay)
+TRACES = web.AppKey("traces", TraceWriter)
+REGISTRY = web.AppKey("registry", CollectorRegistry)
+DASHBOARD = web.AppKey("dashboard", bytes)

@@ -1,0 +1,113 @@
+"""Prometheus export: a collector that reads :class:`Stats` and the pool at scrape time.
+
+Nothing is updated per request for Prometheus; the same counters that feed
+``/stats`` are turned into labelled series when ``/metrics`` is scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from proxy.pool import WorkerPool
+from proxy.stats import ALL, LATENCY_BUCKETS_S, LatencySeries, Stats
+
+
+class ProxyCollector(Collector):
+    def __init__(self, stats: Stats, pool: WorkerPool, policy_name: Callable[[], str]) -> None:
+        self.stats = stats
+        self.pool = pool
+        self.policy_name = policy_name
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._requests()
+        yield from self._spec()
+        yield from self._latency()
+        yield from self._workers()
+
+    def _requests(self) -> Iterator[Metric]:
+        s = self.stats
+        req = CounterMetricFamily("polyinfer_requests", "Finished requests",
+                                  labels=["worker", "domain", "status"])
+        for (worker, domain, status), n in s.requests.items():
+            req.add_metric([worker, domain, status], n)
+        yield req
+        err = CounterMetricFamily("polyinfer_errors", "Errors by worker and kind",
+                                  labels=["worker", "kind"])
+        for (worker, kind), n in s.errors.items():
+            err.add_metric([worker, kind], n)
+        yield err
+        rej = CounterMetricFamily("polyinfer_rejected", "Requests refused by the proxy",
+                                  labels=["status"])
+        for status, n in s.rejected.items():
+            rej.add_metric([str(status)], n)
+        yield rej
+        reasons = CounterMetricFamily("polyinfer_route_decisions", "Routing decisions by reason",
+                                      labels=["reason", "policy"])
+        for reason, n in s.reasons.items():
+            reasons.add_metric([reason, self.policy_name()], n)
+        yield reasons
+        yield GaugeMetricFamily("polyinfer_in_flight", "Requests in flight", value=s.in_flight)
+
+    def _spec(self) -> Iterator[Metric]:
+        depth = CounterMetricFamily("polyinfer_spec_depth", "Requests by speculative depth sent",
+                                    labels=["depth"])
+        for d, n in self.stats.spec_depths.items():
+            depth.add_metric([d], n)
+        yield depth
+        draft = CounterMetricFamily("polyinfer_spec_draft_tokens", "Drafted tokens (usage)",
+                                    labels=["worker", "domain"])
+        acc = CounterMetricFamily("polyinfer_spec_accepted_tokens", "Accepted tokens (usage)",
+                                  labels=["worker", "domain"])
+        for (worker, domain), (d, a) in self.stats.spec_tokens.items():
+            draft.add_metric([worker, domain], d)
+            acc.add_metric([worker, domain], a)
+        yield draft
+        yield acc
+
+    def _latency(self) -> Iterator[Metric]:
+        for metric, series in self.stats.latency.items():
+            h = HistogramMetricFamily(f"polyinfer_{metric}_seconds", f"{metric} in seconds",
+                                      labels=["worker"])
+            for worker, s in series.items():
+                if worker != ALL:
+                    h.add_metric([worker], _buckets(s), s.sum)
+            yield h
+
+    def _workers(self) -> Iterator[Metric]:
+        names = {
+            "healthy": "1 if the worker takes traffic", "draining": "1 while draining",
+            "outstanding_requests": "Requests in flight to the worker",
+            "running": "Scraped vllm:num_requests_running",
+            "waiting": "Scraped vllm:num_requests_waiting",
+            "kv_cache_usage": "Scraped KV-cache usage, 0..1",
+        }
+        for attr, doc in names.items():
+            g = GaugeMetricFamily(f"polyinfer_worker_{attr}", doc, labels=["worker", "backend"])
+            for w in self.pool.workers.values():
+                g.add_metric([w.name, w.backend], float(getattr(w.view, attr)))
+            yield g
+
+
+def _buckets(s: LatencySeries) -> list[tuple[str, float]]:
+    out = []
+    cumulative = 0
+    for bound, n in zip((*map(str, LATENCY_BUCKETS_S), "+Inf"), s.buckets, strict=True):
+        cumulative += n
+        out.append((bound, float(cumulative)))
+    return out
+
+
+def make_registry(stats: Stats, pool: WorkerPool, policy_name: Callable[[], str]
+                  ) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ProxyCollector(stats, pool, policy_name))
+    return registry

@@ -1,0 +1,256 @@
+"""The worker pool: who the workers are, whether they can take traffic, and how loaded they are.
+
+Health has two sources. Active: a probe loop GETs each worker's ``/health``
+every ``health.interval_s``. Passive: the request path reports each
+success/failure to the worker's :class:`CircuitBreaker`. A worker is routable
+when its last probe passed, its breaker allows traffic, and it is not
+draining. A scrape loop reads each worker's ``/metrics`` (vLLM metric names)
+into its :class:`router.base.WorkerView`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from engine.config import CompiledConfig, ConfigError
+from proxy.breaker import CircuitBreaker
+from proxy.config import HealthConfig, WorkerSpec
+from proxy.supervisor import SupervisedWorker
+from router.base import WorkerView
+
+logger = logging.getLogger(__name__)
+
+# Scraped gauge/counter names -> Worker attribute; values are summed over label sets.
+_SCRAPED = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    "vllm:gpu_cache_usage_perc": "kv_cache_usage",  # older vLLM name
+    "vllm:spec_decode_num_draft_tokens_total": "scraped_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "scraped_accepted_tokens",
+}
+
+
+@dataclass
+class Worker:
+    spec: WorkerSpec
+    url: str
+    breaker: CircuitBreaker
+    view: WorkerView
+    models: set[str] = field(default_factory=set)
+    supervisor: SupervisedWorker | None = None
+    probe_ok: bool = False
+    discovered: bool = False
+    num_probe_failures: int = 0
+    scraped_draft_tokens: float = 0.0  # worker-lifetime counters from /metrics
+    scraped_accepted_tokens: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def backend(self) -> str:
+        return self.view.backend
+
+    def refresh_health(self, now: float) -> bool:
+        self.view.healthy = self.probe_ok and self.breaker.allows(now)
+        return self.view.can_route
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sum the samples of the metric names in ``_SCRAPED`` (Prometheus text format)."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        attr = _SCRAPED.get(name)
+        if attr is None:
+            continue
+        rest = line.rsplit("}", 1)[-1] if "{" in line else line[len(name):]
+        try:
+            value = float(rest.split()[0])
+        except (ValueError, IndexError):
+            continue
+        totals[attr] = totals.get(attr, 0.0) + value
+    return totals
+
+
+class WorkerPool:
+    """All workers by name; routable views per model; probe and scrape loops."""
+
+    def __init__(self, health: HealthConfig, run_dir: Path) -> None:
+        self.health = health
+        self.run_dir = run_dir
+        self.workers: dict[str, Worker] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- membership ---------------------------------------------------------------------
+
+    async def add(self, spec: WorkerSpec) -> Worker:
+        """Add a worker; a supervised one is started and waited for first."""
+        if spec.name in self.workers:
+            raise ConfigError(f"workers[].name: expected a new name, got {spec.name!r}")
+        supervisor = None
+        url = spec.url
+        if spec.launch is not None:
+            supervisor = SupervisedWorker(spec, self.run_dir)
+            try:
+                await supervisor.start()
+            except BaseException:
+                await supervisor.stop()
+                raise
+            url = supervisor.url
+        worker = self._make_worker(spec, url, supervisor)
+        self.workers[spec.name] = worker
+        await self.probe(worker)
+        return worker
+
+    def _make_worker(self, spec: WorkerSpec, url: str,
+                     supervisor: SupervisedWorker | None) -> Worker:
+        view = WorkerView(name=spec.name, url=url, backend=spec.backend, config=spec.config,
+                          healthy=False)
+        models = set() if spec.discover else {spec.config.model_name}
+        return Worker(spec=spec, url=url, view=view, models=models, supervisor=supervisor,
+                      breaker=CircuitBreaker(self.health.breaker_failures,
+                                             self.health.breaker_cooldown_s))
+
+    def drain(self, name: str) -> Worker:
+        worker = self.workers[name]
+        worker.view.draining = True
+        return worker
+
+    async def remove(self, name: str, drain_timeout_s: float) -> None:
+        """Drain (wait for its in-flight requests), then drop the worker and stop its process."""
+        worker = self.drain(name)
+        deadline = time.monotonic() + drain_timeout_s
+        while worker.view.outstanding_requests > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.workers.pop(name, None)
+        if worker.supervisor is not None:
+            await worker.supervisor.stop()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(w.supervisor.stop() for w in self.workers.values()
+                               if w.supervisor is not None), return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    # -- routing ------------------------------------------------------------------------
+
+    def routable(self, model: str, exclude: Iterable[str] = ()) -> list[WorkerView]:
+        now = time.monotonic()
+        return [w.view for w in self.workers.values()
+                if model in w.models and w.name not in exclude and w.refresh_health(now)]
+
+    def serves(self, model: str) -> bool:
+        return any(model in w.models for w in self.workers.values())
+
+    def model_names(self) -> list[str]:
+        return sorted({m for w in self.workers.values() for m in w.models})
+
+    # -- probe and scrape loops ---------------------------------------------------------
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.health.timeout_s),
+                connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def probe(self, worker: Worker) -> None:
+        try:
+            async with self.session.get(f"{worker.url}/health") as r:
+                ok = r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            ok = False
+        if ok and not worker.discovered:
+            await self._discover(worker)
+        self._set_probe(worker, ok)
+
+    def _set_probe(self, worker: Worker, ok: bool) -> None:
+        if ok and not worker.probe_ok:
+            logger.info("worker %s is healthy", worker.name)
+            worker.breaker.record_success()  # recovered: give it traffic again at once
+        elif not ok and worker.probe_ok:
+            logger.warning("worker %s failed its health probe", worker.name)
+        worker.num_probe_failures += 0 if ok else 1
+        worker.probe_ok = ok
+
+    async def _discover(self, worker: Worker) -> None:
+        """Learn served model names (and an engine's live compiled config)."""
+        try:
+            async with self.session.get(f"{worker.url}/v1/models") as r:
+                data = orjson.loads(await r.read()) if r.status == 200 else {}
+            models = {m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m}
+            worker.models |= models
+            if worker.spec.discover:
+                await self._discover_engine_config(worker)
+            worker.discovered = True
+        except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError, AttributeError, TypeError) as e:
+            logger.warning("worker %s: model discovery failed: %s", worker.name, e)
+
+    async def _discover_engine_config(self, worker: Worker) -> None:
+        async with self.session.get(f"{worker.url}/admin/config") as r:
+            if r.status != 200:
+                return
+            data = orjson.loads(await r.read())
+        try:
+            config = CompiledConfig.from_dict(data.get("config", data))
+        except ConfigError:
+            return
+        worker.view.config = config
+        worker.view.backend = config.backend
+
+    async def scrape(self, worker: Worker) -> None:
+        try:
+            async with self.session.get(f"{worker.url}/metrics") as r:
+                if r.status != 200:
+                    return
+                text = await r.text()
+        except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError):
+            return
+        values = parse_metrics(text)
+        view = worker.view
+        view.running = int(values.get("running", 0))
+        view.waiting = int(values.get("waiting", 0))
+        usage = values.get("kv_cache_usage", 0.0)
+        view.kv_cache_usage = usage / 100.0 if usage > 1.0 else usage
+        worker.scraped_draft_tokens = values.get("scraped_draft_tokens", 0.0)
+        worker.scraped_accepted_tokens = values.get("scraped_accepted_tokens", 0.0)
+
+    async def probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health.interval_s)
+            await asyncio.gather(*(self.probe(w) for w in list(self.workers.values())))
+
+    async def scrape_loop(self) -> None:
+        if self.health.metrics_interval_s <= 0:
+            return
+        while True:
+            await asyncio.gather(*(self.scrape(w) for w in list(self.workers.values())
+                                   if w.probe_ok))
+            await asyncio.sleep(self.health.metrics_interval_s)
+
+    async def run_loops(self) -> None:
+        """Probe and scrape until cancelled."""
+        tasks = [asyncio.create_task(self.probe_loop()), asyncio.create_task(self.scrape_loop())]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t

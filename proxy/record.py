@@ -1,0 +1,93 @@
+"""One request's facts as the proxy learns them, and its trace record (schema in DESIGN.md).
+
+A :class:`RequestRecord` is created when a request arrives, filled in by the
+relay, and handed to stats, the routing policy and the trace writer when the
+request ends. It is the only per-request object the proxy allocates besides
+the HTTP ones. The trace dict is built off the event loop, in the writer
+thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.base import RequestOutcome, RequestShape
+
+STATUS_OK = "ok"
+STATUS_ERROR = "error"
+STATUS_CANCELLED = "cancelled"
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str
+    ts: float  # unix seconds, arrival
+    t0: float  # perf_counter at arrival
+    endpoint: str  # "chat/completions" | "completions"
+    model: str = ""
+    stream: bool = False
+    shape: RequestShape | None = None
+    worker: str = ""
+    reason: str = ""  # routing decision label
+    spec_depth: int | None = None  # speculative_depth sent (None = worker default)
+    num_attempts: int = 0
+    status: str = STATUS_OK
+    http_status: int = 200
+    error: str = ""
+    completion_tokens: int | None = None
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    batch_size: int | None = None  # worker's scraped running requests when sent
+    prompt_text: str | None = field(default=None, repr=False)  # only when enabled
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.e2e_s is None or not self.completion_tokens:
+            return None
+        if self.completion_tokens <= 1:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
+
+    @property
+    def domain(self) -> str:
+        return self.shape.domain if self.shape is not None else ""
+
+    def outcome(self) -> RequestOutcome | None:
+        if self.shape is None or not self.worker:
+            return None
+        return RequestOutcome(
+            worker=self.worker, shape=self.shape, status=self.status,
+            completion_tokens=self.completion_tokens or 0, ttft_s=self.ttft_s,
+            tpot_s=self.tpot_s, e2e_s=self.e2e_s, spec_depth=self.spec_depth,
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens, batch_size=self.batch_size)
+
+    def to_trace(self) -> dict[str, Any]:
+        shape = self.shape
+        trace: dict[str, Any] = {
+            "ts": self.ts,
+            "request_id": self.request_id,
+            "model": self.model,
+            "endpoint": self.endpoint,
+            "stream": self.stream,
+            "domain": self.domain,
+            "prompt_tokens": shape.prompt_tokens if shape else None,
+            "max_tokens": shape.max_tokens if shape else None,
+            "completion_tokens": self.completion_tokens,
+            "worker": self.worker,
+            "spec_depth": self.spec_depth,
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "e2e_s": self.e2e_s,
+            "status": self.status,
+            "error": self.error or None,
+            "prefix_hashes": list(shape.prefix_hashes) if shape else [],
+        }
+        if self.prompt_text is not None:
+            trace["prompt_text"] = self.prompt_text
+        return trace

@@ -1,0 +1,384 @@
+"""The request path: admit, validate, shape, route, forward, relay, record.
+
+For each OpenAI request::
+
+    admit (draining? auth? in-flight limit?) -> read + check body -> shape
+    -> for each attempt: policy.choose -> send to the worker
+         failure before any byte reached the client: breaker + next worker
+    -> relay (JSON as one body; SSE event by event as it arrives) -> record
+
+Streams are relayed as they arrive, cut only at SSE event boundaries so that
+the usage event can be read (and dropped when the proxy, not the client, asked
+for it). A client that goes away cancels the handler, which closes the
+upstream connection, which aborts the request on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from proxy.config import ProxyConfig
+from proxy.errors import (
+    BodyTooLarge,
+    ModelNotFound,
+    NoHealthyWorker,
+    Overloaded,
+    ProxyError,
+    ShuttingDown,
+    Unauthorized,
+    UpstreamError,
+    sse_error_event,
+)
+from proxy.pool import Worker, WorkerPool
+from proxy.record import STATUS_CANCELLED, STATUS_ERROR, RequestRecord
+from proxy.shape import ShapeEstimator, prompt_text
+from proxy.stats import Stats
+from proxy.traces import TraceWriter
+from proxy.validate import check_body, parse_body, wants_usage
+from router.base import RoutingPolicy
+
+logger = logging.getLogger(__name__)
+
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+_JSON_HEADERS = {"Content-Type": "application/json"}
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class _Retryable(Exception):
+    """The worker failed before any byte reached the client."""
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def proxy_headers(rec: RequestRecord) -> dict[str, str]:
+    return {
+        "x-request-id": rec.request_id,
+        "x-polyinfer-worker": rec.worker or "none",
+        "x-polyinfer-domain": rec.domain or "none",
+        "x-polyinfer-spec-depth": "default" if rec.spec_depth is None else str(rec.spec_depth),
+    }
+
+
+class Relay:
+    """Everything the request path needs, built once by the app factory."""
+
+    def __init__(self, config: ProxyConfig, pool: WorkerPool, stats: Stats,
+                 estimator: ShapeEstimator, policy: RoutingPolicy) -> None:
+        self.config = config
+        self.limits = config.limits
+        self.pool = pool
+        self.stats = stats
+        self.estimator = estimator
+        self.policy = policy  # swapped at run time by the admin API
+        self.traces: TraceWriter | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.draining = False
+        self._api_keys = frozenset(f"Bearer {k}" for k in config.auth.api_keys)
+        self._ids = itertools.count()
+        self._id_prefix = os.urandom(4).hex()
+
+    def new_request_id(self) -> str:
+        return f"pi-{self._id_prefix}-{next(self._ids)}"
+
+    async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        rec = RequestRecord(request_id=request.headers.get("x-request-id") or self.new_request_id(),
+                            ts=time.time(), t0=time.perf_counter(), endpoint=endpoint)
+        request["rec"] = rec
+        try:
+            self._admit(request)
+        except ProxyError as e:
+            self._fail(rec, e)
+            self._finish(rec)
+            raise
+        self.stats.in_flight += 1
+        try:
+            return await self._handle(request, rec)
+        except ProxyError as e:
+            self._fail(rec, e)
+            raise
+        except asyncio.CancelledError:
+            rec.status, rec.error = STATUS_CANCELLED, "client_disconnected"
+            raise
+        except Exception as e:
+            rec.status, rec.error, rec.http_status = STATUS_ERROR, f"internal: {e!r}", 500
+            raise
+        finally:
+            self.stats.in_flight -= 1
+            if rec.e2e_s is None:
+                rec.e2e_s = time.perf_counter() - rec.t0
+            self._finish(rec)
+
+    def _admit(self, request: web.Request) -> None:
+        retry = self.limits.retry_after_s
+        if self.draining:
+            raise ShuttingDown("the proxy is shutting down", retry_after_s=retry)
+        if self._api_keys and request.headers.get("Authorization") not in self._api_keys:
+            raise Unauthorized("invalid or missing API key (Authorization: Bearer <key>)")
+        if self.stats.in_flight >= self.limits.max_in_flight:
+            raise Overloaded(f"more than {self.limits.max_in_flight} requests in flight",
+                             retry_after_s=retry)
+
+    @staticmethod
+    def _fail(rec: RequestRecord, e: ProxyError) -> None:
+        rec.status, rec.http_status = STATUS_ERROR, e.status
+        rec.error = f"{e.code or e.error_type}: {e.message}"
+
+    def _finish(self, rec: RequestRecord) -> None:
+        self.stats.record(rec)
+        outcome = rec.outcome()
+        if outcome is not None:
+            try:
+                self.policy.observe(outcome)
+                self.estimator.observe(outcome)
+            except Exception:  # learning must never take the request path down
+                logger.exception("observe failed (policy %s)", self.policy.name)
+        if self.traces is not None:
+            self.traces.append(rec)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        if (request.content_length or 0) > self.limits.max_body_bytes:
+            raise BodyTooLarge(f"request body over {self.limits.max_body_bytes} bytes")
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge as e:
+            raise BodyTooLarge(f"request body over {self.limits.max_body_bytes} bytes") from e
+
+    async def _handle(self, request: web.Request, rec: RequestRecord) -> web.StreamResponse:
+        body = parse_body(await self._read_body(request))
+        check_body(body, rec.endpoint)
+        rec.model = body["model"]
+        rec.stream = body.get("stream") is True
+        if not self.pool.serves(rec.model):
+            raise ModelNotFound(f"the model '{rec.model}' does not exist; see GET /v1/models",
+                                param="model")
+        rec.shape = self.estimator.estimate(body, request.path)
+        if self.config.traces.record_prompt_text:
+            rec.prompt_text = prompt_text(body)
+        strip_usage = rec.stream and not wants_usage(body)
+        if strip_usage:
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        return await self._forward(request, rec, body, strip_usage)
+
+    async def _forward(self, request: web.Request, rec: RequestRecord, body: dict[str, Any],
+                       strip_usage: bool) -> web.StreamResponse:
+        assert rec.shape is not None
+        tried: list[str] = []
+        last_error = ""
+        for _ in range(self.limits.max_attempts):
+            views = self.pool.routable(rec.model, tried)
+            if not views:
+                break
+            decision = self.policy.choose(rec.shape, views)
+            worker = self.pool.workers.get(decision.worker) or self.pool.workers[views[0].name]
+            rec.worker, rec.reason, rec.num_attempts = worker.name, decision.reason, \
+                rec.num_attempts + 1
+            rec.spec_depth = self._depth(worker, rec, decision.spec_depth)
+            try:
+                return await self._attempt(request, rec, worker, body, strip_usage)
+            except _Retryable as e:
+                last_error = str(e)
+                tried.append(worker.name)
+                self.stats.errors[(worker.name, "retried")] += 1
+        retry = self.limits.retry_after_s
+        if not tried:
+            raise NoHealthyWorker(f"no healthy worker serves '{rec.model}'", retry_after_s=retry)
+        raise UpstreamError(f"{len(tried)} worker(s) failed: {last_error}")
+
+    def _depth(self, worker: Worker, rec: RequestRecord, policy_depth: int | None) -> int | None:
+        if worker.backend != "engine":
+            return None
+        assert rec.shape is not None
+        if rec.shape.speculative_depth is not None:
+            return rec.shape.speculative_depth
+        spec = self.config.speculation
+        if spec.mode == "off":
+            return 0
+        return spec.fixed_depth if spec.mode == "fixed" else policy_depth
+
+    async def _attempt(self, request: web.Request, rec: RequestRecord, worker: Worker,
+                       body: dict[str, Any], strip_usage: bool) -> web.StreamResponse:
+        if rec.spec_depth is not None:
+            body["speculative_depth"] = rec.spec_depth
+        else:
+            body.pop("speculative_depth", None)
+        view = worker.view
+        assert rec.shape is not None
+        num_tokens = rec.shape.prompt_tokens + rec.shape.predicted_output_tokens
+        view.outstanding_requests += 1
+        view.outstanding_tokens += num_tokens
+        rec.batch_size = view.running
+        try:
+            upstream = await self._send(worker, orjson.dumps(body), rec)
+            try:
+                if rec.stream and upstream.status == 200:
+                    return await self._relay_stream(request, rec, worker, upstream, strip_usage)
+                return await self._relay_body(rec, worker, upstream)
+            finally:
+                # NOTE: release() keeps a fully read connection for reuse and closes one
+                # with unread payload (client gone, worker broken), aborting the upstream.
+                upstream.release()
+        finally:
+            view.outstanding_requests -= 1
+            view.outstanding_tokens -= num_tokens
+
+    async def _send(self, worker: Worker, payload: bytes,
+                    rec: RequestRecord) -> aiohttp.ClientResponse:
+        assert self.session is not None
+        url = f"{worker.url}/v1/{rec.endpoint}"
+        try:
+            upstream = await self.session.post(url, data=payload, headers={
+                "Content-Type": "application/json", "x-request-id": rec.request_id})
+        except UPSTREAM_ERRORS as e:
+            worker.breaker.record_failure()
+            raise _Retryable(f"{worker.name}: {type(e).__name__}: {e}") from e
+        if upstream.status >= 500 or upstream.status == 429:
+            detail = (await upstream.read())[:200]
+            upstream.close()
+            if upstream.status >= 500:
+                worker.breaker.record_failure()
+            raise _Retryable(f"{worker.name}: HTTP {upstream.status} {detail!r}")
+        return upstream
+
+    async def _relay_body(self, rec: RequestRecord, worker: Worker,
+                          upstream: aiohttp.ClientResponse) -> web.Response:
+        try:
+            raw = await upstream.read()
+        except UPSTREAM_ERRORS as e:
+            worker.breaker.record_failure()
+            raise _Retryable(f"{worker.name}: {type(e).__name__}: {e}") from e
+        worker.breaker.record_success()
+        rec.http_status = upstream.status
+        if upstream.status == 200:
+            self._read_usage(raw, rec)
+        else:
+            rec.status, rec.error = STATUS_ERROR, f"upstream_{upstream.status}: {raw[:200]!r}"
+        rec.e2e_s = time.perf_counter() - rec.t0
+        headers = proxy_headers(rec)
+        headers["Content-Type"] = upstream.headers.get("Content-Type", "application/json")
+        return web.Response(status=upstream.status, body=raw, headers=headers)
+
+    @staticmethod
+    def _read_usage(raw: bytes, rec: RequestRecord) -> None:
+        try:
+            usage = orjson.loads(raw).get("usage")
+        except (orjson.JSONDecodeError, AttributeError):
+            return
+        _take_usage(usage, rec)
+
+    async def _relay_stream(self, request: web.Request, rec: RequestRecord, worker: Worker,
+                            upstream: aiohttp.ClientResponse, strip_usage: bool
+                            ) -> web.StreamResponse:
+        content = upstream.content
+        try:
+            first = await content.readany()
+        except UPSTREAM_ERRORS as e:
+            worker.breaker.record_failure()
+            raise _Retryable(f"{worker.name}: {type(e).__name__}: {e}") from e
+        if not first:
+            worker.breaker.record_failure()
+            raise _Retryable(f"{worker.name}: empty stream")
+        resp = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **proxy_headers(rec)})
+        await resp.prepare(request)
+        try:
+            await self._pump(content, first, resp, rec, strip_usage)
+            worker.breaker.record_success()
+        except _ClientGone:
+            rec.status, rec.error = STATUS_CANCELLED, "client_disconnected"
+            return resp
+        except UPSTREAM_ERRORS as e:
+            worker.breaker.record_failure()
+            rec.status, rec.http_status = STATUS_ERROR, 502
+            rec.error = f"upstream_broken: {worker.name}: {type(e).__name__}"
+            logger.warning("worker %s failed mid-stream (%s): %s", worker.name, rec.request_id, e)
+            await _write_quietly(resp, sse_error_event(
+                f"worker {worker.name} failed mid-stream ({type(e).__name__}); "
+                f"the response is incomplete (request {rec.request_id})"))
+        rec.e2e_s = time.perf_counter() - rec.t0
+        try:
+            await resp.write_eof()
+        except ConnectionError:
+            pass
+        return resp
+
+    async def _pump(self, content: aiohttp.StreamReader, chunk: bytes, resp: web.StreamResponse,
+                    rec: RequestRecord, strip_usage: bool) -> None:
+        tail = b""
+        while chunk:
+            buf = tail + chunk if tail else chunk
+            cut = max(buf.rfind(b"\n\n") + 2, buf.rfind(b"\r\n\r\n") + 4)
+            if cut > 3:
+                out, tail = (buf, b"") if cut == len(buf) else (buf[:cut], buf[cut:])
+                if b'"usage":{' in out or b'"usage": {' in out:
+                    out = _scan_usage_events(out, rec, strip_usage)
+                if out:
+                    if rec.ttft_s is None:
+                        rec.ttft_s = time.perf_counter() - rec.t0
+                    await _write_client(resp, out)
+            else:
+                tail = buf
+            chunk = await content.readany()
+        if tail:
+            await _write_client(resp, tail)
+
+
+async def _write_client(resp: web.StreamResponse, data: bytes) -> None:
+    try:
+        await resp.write(data)
+    except (ConnectionError, RuntimeError) as e:
+        raise _ClientGone() from e
+
+
+async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
+    try:
+        await resp.write(data)
+    except (ConnectionError, RuntimeError):
+        pass
+
+
+def _take_usage(usage: Any, rec: RequestRecord) -> None:
+    if not isinstance(usage, dict):
+        return
+    tokens = usage.get("completion_tokens")
+    if isinstance(tokens, int):
+        rec.completion_tokens = tokens
+    spec = usage.get("spec_decode")
+    if isinstance(spec, dict):
+        rec.spec_draft_tokens = int(spec.get("num_draft_tokens") or 0)
+        rec.spec_accepted_tokens = int(spec.get("num_accepted_tokens") or 0)
+
+
+def _scan_usage_events(out: bytes, rec: RequestRecord, strip: bool) -> bytes:
+    """Read usage from the events in ``out``; drop the usage-only event when ``strip``."""
+    sep = b"\r\n\r\n" if b"\r\n\r\n" in out else b"\n\n"
+    kept = []
+    for event in out.split(sep):
+        if b'"usage"' in event:
+            obj = _event_json(event)
+            if obj is not None:
+                _take_usage(obj.get("usage"), rec)
+                if strip and obj.get("choices") == []:
+                    continue
+        kept.append(event)
+    return sep.join(kept)
+
+
+def _event_json(event: bytes) -> dict[str, Any] | None:
+    for line in event.splitlines():
+        if line.startswith(b"data:"):
+            try:
+                obj = orjson.loads(line[5:].strip())
+            except orjson.JSONDecodeError:
+                return None
+            return obj if isinstance(obj, dict) else None
+    return None

@@ -1,0 +1,59 @@
+"""`polyinfer serve`: the OpenAI-compatible proxy.
+
+    polyinfer serve                                  # embedded default: 2 engine workers
+    polyinfer serve --config polyinfer.yaml
+    polyinfer serve --worker http://127.0.0.1:9001 --worker http://127.0.0.1:9002
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+from engine.config import ConfigError
+from proxy.config import ProxyConfig, ServerConfig, default_config, external_worker
+from proxy.server import run, serve_until_signal
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible routing proxy",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="polyinfer.yaml (workers, routing, traces, auth, limits)")
+    p.add_argument("--worker", action="append", default=[], metavar="URL",
+                   help="an already running OpenAI-compatible worker (repeatable); "
+                        "replaces the config's workers")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument("--policy", help="routing policy (overrides routing.policy)")
+    p.set_defaults(func=main)
+
+
+def build_config(args: argparse.Namespace) -> ProxyConfig:
+    config = ProxyConfig.load(args.config) if args.config else default_config()
+    if args.worker:
+        workers = tuple(external_worker(url, i) for i, url in enumerate(args.worker))
+        config = dataclasses.replace(config, workers=workers)
+    if args.host or args.port is not None:
+        config = dataclasses.replace(config, server=ServerConfig(
+            host=args.host or config.server.host,
+            port=config.server.port if args.port is None else args.port))
+    if args.policy:
+        config = dataclasses.replace(
+            config, routing=dataclasses.replace(config.routing, policy=args.policy))
+    if not config.workers:
+        raise ConfigError("workers: expected at least one worker (config or --worker URL)")
+    return config
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = build_config(args)
+    except ConfigError as e:
+        logger.error("%s", e)
+        return 2
+    run(lambda: serve_until_signal(config))
+    return 0

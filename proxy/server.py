@@ -1,0 +1,96 @@
+"""Running a proxy app: listen, drain on SIGTERM, shut down cleanly.
+
+:class:`ProxyServer` is what ``polyinfer serve`` runs and what tests start in
+a thread. Shutdown order: stop admitting (new requests get 503 +
+Retry-After), wait for in-flight requests up to ``limits.drain_timeout_s``,
+then clean the app up (pool stopped, session closed, traces flushed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from proxy import keys
+from proxy.app import create_app
+from proxy.config import ProxyConfig
+
+logger = logging.getLogger(__name__)
+
+
+class ProxyServer:
+    def __init__(self, config: ProxyConfig, app: web.Application | None = None) -> None:
+        self.config = config
+        self.app = app if app is not None else create_app(config)
+        self._runner: web.AppRunner | None = None
+        self.port = config.server.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.server.host}:{self.port}"
+
+    async def start(self) -> None:
+        # NOTE: handler_cancellation: a client that disconnects cancels its
+        # handler, which closes the upstream connection and aborts the request
+        # on the worker instead of letting it run to completion for nobody.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=self.config.limits.drain_timeout_s)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.server.host, self.config.server.port,
+                           backlog=4096, reuse_address=True)
+        await site.start()
+        server = getattr(site, "_server", None)
+        if server is not None and server.sockets:
+            self.port = server.sockets[0].getsockname()[1]
+        logger.info("polyinfer listening on %s", self.url)
+
+    async def drain(self) -> None:
+        relay = self.app[keys.RELAY]
+        relay.draining = True
+        deadline = time.monotonic() + self.config.limits.drain_timeout_s
+        while self.app[keys.STATS].in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.app[keys.STATS].in_flight:
+            logger.warning("drain timed out with %d requests in flight",
+                           self.app[keys.STATS].in_flight)
+
+    async def stop(self) -> None:
+        await self.drain()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+async def serve_until_signal(config: ProxyConfig) -> None:
+    server = ProxyServer(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    try:
+        await stop.wait()
+        logger.info("signal received: draining %d in-flight requests",
+                    server.app[keys.STATS].in_flight)
+    finally:
+        await server.stop()
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    """Run ``main`` on uvloop when available (asyncio otherwise)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main())  # type: ignore[arg-type]
+        return
+    if sys.version_info >= (3, 12):
+        asyncio.run(main(), loop_factory=uvloop.new_event_loop)  # type: ignore[arg-type]
+    else:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main())  # type: ignore[arg-type]

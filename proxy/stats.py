@@ -1,0 +1,162 @@
+"""Request statistics behind ``/stats``, ``/metrics`` and the dashboard.
+
+Recording is a handful of counter increments and ring-buffer writes per
+request; percentiles and histograms are computed only when someone asks.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from proxy.record import STATUS_OK, RequestRecord
+
+if TYPE_CHECKING:
+    from proxy.pool import WorkerPool
+
+# Histogram bucket upper bounds, seconds (exported as Prometheus histograms).
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                     2.5, 5.0, 10.0, 30.0, 60.0)
+WINDOW = 4096  # latest samples kept per series for percentiles
+ALL = "all"
+
+
+class LatencySeries:
+    """Count, sum, cumulative-bucket counts and a ring of the latest samples (seconds)."""
+
+    __slots__ = ("count", "sum", "buckets", "_ring", "_next")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.sum = 0.0
+        self.buckets = [0] * (len(LATENCY_BUCKETS_S) + 1)  # last = +Inf
+        self._ring: list[float] = []
+        self._next = 0
+
+    def add(self, value_s: float) -> None:
+        self.count += 1
+        self.sum += value_s
+        self.buckets[bisect.bisect_left(LATENCY_BUCKETS_S, value_s)] += 1
+        if len(self._ring) < WINDOW:
+            self._ring.append(value_s)
+        else:
+            self._ring[self._next] = value_s
+            self._next = (self._next + 1) % WINDOW
+
+    def percentiles(self) -> dict[str, float | None]:
+        if not self._ring:
+            return {"p50": None, "p90": None, "p99": None, "mean": None, "count": 0}
+        p50, p90, p99 = np.percentile(np.asarray(self._ring), [50, 90, 99])
+        return {"p50": float(p50), "p90": float(p90), "p99": float(p99),
+                "mean": self.sum / self.count, "count": self.count}
+
+
+class Stats:
+    """Everything counted per request; one instance per app."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.requests: Counter[tuple[str, str, str]] = Counter()  # (worker, domain, status)
+        self.errors: Counter[tuple[str, str]] = Counter()  # (worker, error kind)
+        self.rejected: Counter[int] = Counter()  # HTTP status of requests refused by the proxy
+        self.reasons: Counter[str] = Counter()
+        self.spec_depths: Counter[str] = Counter()  # depth sent, "default" when none
+        self.spec_tokens: dict[tuple[str, str], list[int]] = {}  # (worker, domain) -> [draft, acc]
+        self.retries = 0
+        self.latency: dict[str, dict[str, LatencySeries]] = {
+            m: {ALL: LatencySeries()} for m in ("ttft", "tpot", "e2e")}
+
+    def record(self, rec: RequestRecord) -> None:
+        worker = rec.worker or "none"
+        domain = rec.domain or "none"
+        self.requests[(worker, domain, rec.status)] += 1
+        if rec.num_attempts > 1:
+            self.retries += rec.num_attempts - 1
+        if rec.status != STATUS_OK:
+            self.errors[(worker, rec.error.split(":", 1)[0] or rec.status)] += 1
+        if not rec.worker:
+            self.rejected[rec.http_status] += 1
+            return
+        self.reasons[rec.reason] += 1
+        self.spec_depths["default" if rec.spec_depth is None else str(rec.spec_depth)] += 1
+        if rec.spec_draft_tokens:
+            pair = self.spec_tokens.setdefault((worker, domain), [0, 0])
+            pair[0] += rec.spec_draft_tokens
+            pair[1] += rec.spec_accepted_tokens
+        if rec.status == STATUS_OK:
+            self._add_latency("ttft", worker, rec.ttft_s)
+            self._add_latency("tpot", worker, rec.tpot_s)
+            self._add_latency("e2e", worker, rec.e2e_s)
+
+    def _add_latency(self, metric: str, worker: str, value_s: float | None) -> None:
+        if value_s is None:
+            return
+        series = self.latency[metric]
+        series[ALL].add(value_s)
+        per_worker = series.get(worker)
+        if per_worker is None:
+            per_worker = series[worker] = LatencySeries()
+        per_worker.add(value_s)
+
+    def snapshot(self, pool: WorkerPool, policy_name: str) -> dict[str, Any]:
+        """The /stats JSON document."""
+        per_worker: Counter[str] = Counter()
+        per_domain: Counter[str] = Counter()
+        per_pair: dict[str, dict[str, int]] = {}
+        for (worker, domain, _status), n in self.requests.items():
+            per_worker[worker] += n
+            per_domain[domain] += n
+            per_pair.setdefault(domain, {})
+            per_pair[domain][worker] = per_pair[domain].get(worker, 0) + n
+        return {
+            "policy": policy_name,
+            "in_flight": self.in_flight,
+            "requests_total": sum(self.requests.values()),
+            "requests_by_status": _count_by(self.requests, 2),
+            "requests_by_worker": dict(per_worker),
+            "requests_by_domain": dict(per_domain),
+            "requests_by_domain_worker": per_pair,
+            "errors": {f"{w}/{k}": n for (w, k), n in self.errors.items()},
+            "rejected_by_status": {str(k): n for k, n in self.rejected.items()},
+            "retries": self.retries,
+            "decision_reasons": dict(self.reasons),
+            "spec_depths": dict(self.spec_depths),
+            "acceptance": self._acceptance(),
+            "latency_s": {m: {w: s.percentiles() for w, s in series.items()}
+                          for m, series in self.latency.items()},
+            "workers": [worker_doc(w) for w in pool.workers.values()],
+        }
+
+    def _acceptance(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for (worker, domain), (draft, accepted) in self.spec_tokens.items():
+            out.setdefault(worker, {})[domain] = {
+                "draft_tokens": draft, "accepted_tokens": accepted,
+                "rate": accepted / draft if draft else None}
+        return out
+
+
+def _count_by(counter: Counter[tuple[str, str, str]], index: int) -> dict[str, int]:
+    out: Counter[str] = Counter()
+    for key, n in counter.items():
+        out[key[index]] += n
+    return dict(out)
+
+
+def worker_doc(w: Any) -> dict[str, Any]:
+    v = w.view
+    drafted = w.scraped_draft_tokens
+    return {
+        "name": w.name, "url": w.url, "backend": v.backend, "models": sorted(w.models),
+        "healthy": v.healthy, "probe_ok": w.probe_ok, "draining": v.draining,
+        "breaker": w.breaker.state, "outstanding_requests": v.outstanding_requests,
+        "outstanding_tokens": v.outstanding_tokens, "running": v.running,
+        "waiting": v.waiting, "kv_cache_usage": v.kv_cache_usage,
+        "spec_acceptance_scraped": (w.scraped_accepted_tokens / drafted) if drafted else None,
+        "restarts": w.supervisor.num_restarts if w.supervisor is not None else None,
+        "pid": w.supervisor.pid if w.supervisor is not None else None,
+        "spec_method": v.config.engine.spec_method if v.backend == "engine" else None,
+    }

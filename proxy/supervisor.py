@@ -1,0 +1,178 @@
+"""Launching and supervising worker processes (engine or vLLM) that the proxy owns.
+
+Each backend has a command builder in :data:`LAUNCH_BUILDERS`; adding a
+backend is one more builder. A :class:`SupervisedWorker` writes the compiled
+config next to its log in the run directory, starts the child, waits for
+``/health``, restarts it with exponential backoff when it dies, and stops it
+(SIGTERM, then SIGKILL) on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from proxy.config import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+CommandBuilder = Callable[[WorkerSpec, str, int, Path], list[str]]
+
+
+def engine_command(spec: WorkerSpec, host: str, port: int, config_path: Path) -> list[str]:
+    """`polyinfer engine` on the compiled config (the built-in engine worker)."""
+    return [sys.executable, "-m", "proxy.cli", "engine", "--model", spec.config.model,
+            "--host", host, "--port", str(port), "--config", str(config_path),
+            *(spec.launch.args if spec.launch else ())]
+
+
+def vllm_command(spec: WorkerSpec, host: str, port: int, config_path: Path) -> list[str]:
+    """vLLM's OpenAI server with the compiled config's `vllm serve` arguments."""
+    v = spec.config.vllm
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", spec.config.model, "--host", host, "--port", str(port),
+           "--dtype", v.dtype, "--gpu-memory-utilization", str(v.gpu_memory_utilization)]
+    if spec.config.served_model_name:
+        cmd += ["--served-model-name", spec.config.served_model_name]
+    if v.max_num_seqs is not None:
+        cmd += ["--max-num-seqs", str(v.max_num_seqs)]
+    if v.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(v.max_num_batched_tokens)]
+    if v.speculative_config:
+        cmd += ["--speculative-config", v.speculative_config]
+    return cmd + list(v.args) + list(spec.launch.args if spec.launch else ())
+
+
+LAUNCH_BUILDERS: dict[str, CommandBuilder] = {"engine": engine_command, "vllm": vllm_command}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class WorkerStartError(RuntimeError):
+    """A supervised worker exited or did not become healthy in time."""
+
+
+class SupervisedWorker:
+    """One child worker process: start, readiness wait, restart with backoff, stop."""
+
+    def __init__(self, spec: WorkerSpec, run_dir: Path) -> None:
+        assert spec.launch is not None, "only workers with a launch spec are supervised"
+        self.spec = spec
+        self.launch = spec.launch
+        self.host = spec.launch.host
+        self.port = spec.launch.port or free_port(self.host)
+        self.url = f"http://{self.host}:{self.port}"
+        self.run_dir = run_dir
+        self.log_path = run_dir / "logs" / f"{spec.name}.log"
+        self.config_path = run_dir / "configs" / f"{spec.name}.yaml"
+        self.num_restarts = 0
+        self._proc: asyncio.subprocess.Process | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    async def start(self) -> None:
+        """Start the child and wait until /health answers; then watch it for crashes."""
+        await self._spawn()
+        await self._wait_ready()
+        self._watch_task = asyncio.create_task(self._watch(), name=f"supervise-{self.spec.name}")
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+        await self._terminate(timeout_s)
+
+    async def _spawn(self) -> None:
+        builder = LAUNCH_BUILDERS.get(self.spec.backend)
+        if builder is None:
+            raise WorkerStartError(f"{self.spec.name}: no launcher for backend "
+                                   f"{self.spec.backend!r}")
+        self.config_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(self.spec.config.to_dict(), sort_keys=False))
+        cmd = builder(self.spec, self.host, self.port, self.config_path)
+        env = {**os.environ, **self.launch.env}
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} start: {' '.join(cmd)}\n"
+                      .encode())
+            self._proc = await asyncio.create_subprocess_exec(
+                *cmd, stdout=log, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
+                env=env, start_new_session=True)
+        logger.info("worker %s started (pid %s) at %s; log %s", self.spec.name, self._proc.pid,
+                    self.url, self.log_path)
+
+    async def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.launch.startup_timeout_s
+        timeout = aiohttp.ClientTimeout(total=2.0)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while time.monotonic() < deadline:
+                if self._proc is None or self._proc.returncode is not None:
+                    raise WorkerStartError(f"{self.spec.name}: exited during start-up; "
+                                           f"see {self.log_path}")
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with session.get(f"{self.url}/health") as r:
+                        if r.status == 200:
+                            return
+                await asyncio.sleep(0.25)
+        raise WorkerStartError(f"{self.spec.name}: not healthy after "
+                               f"{self.launch.startup_timeout_s:.0f} s; see {self.log_path}")
+
+    async def _watch(self) -> None:
+        backoff = self.launch.restart_backoff_s
+        while not self._stopping:
+            assert self._proc is not None
+            started = time.monotonic()
+            code = await self._proc.wait()
+            if self._stopping:
+                return
+            if time.monotonic() - started >= self.launch.stable_after_s:
+                backoff = self.launch.restart_backoff_s
+            logger.warning("worker %s exited with %s; restarting in %.1f s", self.spec.name,
+                           code, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.launch.max_backoff_s)
+            self.num_restarts += 1
+            try:
+                await self._spawn()
+                await self._wait_ready()
+            except (WorkerStartError, OSError) as e:
+                logger.error("worker %s restart failed: %s", self.spec.name, e)
+
+    async def _terminate(self, timeout_s: float) -> None:
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        logger.info("worker %s stopped", self.spec.name)

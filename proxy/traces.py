@@ -1,0 +1,127 @@
+"""Trace writer: one JSONL record per request, off the request path, in rotating files.
+
+The request path only appends the finished :class:`RequestRecord` to a list.
+A background task swaps the list out every ``flush_interval_s`` (or sooner
+when ``batch_size`` records are pending) and a worker thread serialises and
+appends them. Files are ``traces-<start time>-<n>.jsonl`` in ``dir``; past
+``max_bytes`` a new file starts and files beyond ``max_files`` are deleted,
+oldest first. ``close()`` flushes everything still pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+import orjson
+
+from proxy.config import TraceConfig
+from proxy.record import RequestRecord
+
+logger = logging.getLogger(__name__)
+
+
+class RotatingJsonl:
+    """Appends lines to size-rotated files; used from one thread at a time."""
+
+    def __init__(self, directory: Path, max_bytes: int, max_files: int) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self.max_files = max_files
+        self._stamp = time.strftime("%Y%m%d-%H%M%S")
+        self._index = 0
+        self._file: IO[bytes] | None = None
+        self._size = 0
+
+    def write(self, lines: list[bytes]) -> None:
+        for line in lines:
+            if self._file is None or self._size >= self.max_bytes:
+                self._rotate()
+            assert self._file is not None
+            self._file.write(line)
+            self._size += len(line)
+        if self._file is not None:
+            self._file.flush()
+
+    def _rotate(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"traces-{self._stamp}-{self._index:04d}.jsonl"
+        self._index += 1
+        self._file = open(path, "ab")  # noqa: SIM115 (kept open across batches)
+        self._size = self._file.tell()
+        self._prune()
+
+    def _prune(self) -> None:
+        files = sorted(self.directory.glob("traces-*.jsonl"), key=lambda p: p.stat().st_mtime)
+        for old in files[:-self.max_files]:
+            with contextlib.suppress(OSError):
+                old.unlink()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TraceWriter:
+    """Collects finished request records and writes them in batches from a thread."""
+
+    def __init__(self, config: TraceConfig, directory: Path) -> None:
+        self.config = config
+        self._out = RotatingJsonl(directory, config.max_bytes, config.max_files)
+        self._pending: list[RequestRecord] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.num_written = 0
+        self._io_lock = threading.Lock()  # a cancelled flush's thread may still be writing
+
+    def append(self, rec: RequestRecord) -> None:
+        self._pending.append(rec)
+        if len(self._pending) >= self.config.batch_size:
+            self._wake.set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="trace-writer")
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.flush_interval_s)
+            self._wake.clear()
+            await self.flush()
+
+    async def flush(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        try:
+            await asyncio.to_thread(self._write, batch)
+        except OSError as e:
+            logger.error("trace write failed, %d records lost: %s", len(batch), e)
+
+    def _write(self, batch: list[RequestRecord]) -> None:
+        lines = [orjson.dumps(r.to_trace(), option=orjson.OPT_APPEND_NEWLINE) for r in batch]
+        with self._io_lock:
+            self._out.write(lines)
+            self.num_written += len(lines)
+
+    def _close_file(self) -> None:
+        with self._io_lock:
+            self._out.close()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        # NOTE: the task may have been cancelled mid-write with a batch in the
+        # thread; that thread still finishes. Flush what is left after it.
+        await self.flush()
+        await asyncio.to_thread(self._close_file)

@@ -1,0 +1,100 @@
+"""Request-body checks at the API boundary: wrong input becomes a 4xx naming the field.
+
+Only what the proxy itself depends on is checked (model, messages/prompt,
+stream, token limits, speculative_depth); every other field passes through to
+the worker untouched, and the worker judges it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from proxy.errors import InvalidRequest
+
+CHAT = "chat/completions"
+COMPLETIONS = "completions"
+MAX_SPEC_DEPTH = 16
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def check_body(body: dict[str, Any], endpoint: str) -> None:
+    """Raise :class:`InvalidRequest` naming the first bad field."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required and must be a non-empty string", param="model")
+    if endpoint == CHAT:
+        _check_messages(body.get("messages"))
+    else:
+        _check_prompt(body.get("prompt"))
+    _check_optional(body, "stream", _is_bool, "a boolean")
+    for name in ("max_tokens", "max_completion_tokens", "n"):
+        _check_optional(body, name, _is_positive_int, "a positive integer")
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        _check_optional(body, name, _is_number, "a number")
+    _check_optional(body, "stream_options", lambda v: isinstance(v, dict), "an object")
+    _check_optional(body, "speculative_depth",
+                    lambda v: _is_int(v) and 0 <= v <= MAX_SPEC_DEPTH, f"an integer 0..{MAX_SPEC_DEPTH}")
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' is required and must be a non-empty array",
+                             param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequest(f"'messages[{i}]' must be an object with a string 'role'",
+                                 param=f"messages[{i}]")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise InvalidRequest(f"'messages[{i}].content' must be a string or an array",
+                                 param=f"messages[{i}].content")
+
+
+def _check_prompt(prompt: Any) -> None:
+    ok = isinstance(prompt, str) or (
+        isinstance(prompt, list) and bool(prompt) and (
+            all(isinstance(p, str) for p in prompt)
+            or all(_is_int(t) for t in prompt)
+            or all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt)))
+    if not ok:
+        raise InvalidRequest("'prompt' is required: a string, an array of strings or of token ids",
+                             param="prompt")
+
+
+def _check_optional(body: dict[str, Any], name: str, ok: Any, expected: str) -> None:
+    value = body.get(name)
+    if value is not None and not ok(value):
+        raise InvalidRequest(f"'{name}' must be {expected}, got {orjson.dumps(value)[:80]!r}",
+                             param=name)
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_positive_int(v: Any) -> bool:
+    return _is_int(v) and v >= 1
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def wants_usage(body: dict[str, Any]) -> bool:
+    opts = body.get("stream_options")
+    return isinstance(opts, dict) and opts.get("include_usage") is True
