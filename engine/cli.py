@@ -1,0 +1,64 @@
+"""``polyinfer engine`` / ``python -m engine``: serve one model with the built-in engine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+from pathlib import Path
+
+from engine.config import CompiledConfig, ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="checkpoint directory (overrides the config's model)")
+    parser.add_argument("--config", help="compiled config, YAML or JSON")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--served-model-name", default="", help="name clients use")
+
+
+def build_config(args: argparse.Namespace) -> CompiledConfig:
+    config = CompiledConfig.load(args.config) if args.config else CompiledConfig()
+    if args.model:
+        config = dataclasses.replace(config, model=str(Path(args.model)))
+    if args.served_model_name:
+        config = dataclasses.replace(config, served_model_name=args.served_model_name)
+    if config.backend != "engine":
+        raise ConfigError(f"backend: expected 'engine' for `polyinfer engine`, got "
+                          f"{config.backend!r}")
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = build_config(args)
+    except ConfigError as e:
+        logger.error("%s", e)
+        return 2
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        asyncio.run(_serve(config, args.host, args.port))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+async def _serve(config: CompiledConfig, host: str, port: int) -> None:
+    from engine.server import serve
+
+    await serve(config, host, port)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser("engine", help="serve a model with the built-in engine")
+    add_arguments(parser)
+    parser.set_defaults(func=run)

@@ -1,0 +1,274 @@
+"""The synchronous engine core: requests in, one ``step()`` at a time, text deltas out.
+
+``step`` is ``propose -> schedule -> execute -> postprocess``. The core is not
+thread-safe: :class:`engine.async_engine.AsyncEngine` calls it from one
+thread at a time (steps on a worker thread, adds/aborts between steps).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint import ModelSpec, load_weights
+from engine.config import CompiledConfig, EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import ReloadError
+from engine.kv_cache import BlockAllocator
+from engine.model import LlamaModel
+from engine.proposers import build_proposer
+from engine.runner import ModelRunner, StepResult
+from engine.scheduler import ScheduledSeq, Scheduler
+from engine.sequence import GenerationParams, Sequence
+from engine.tokenizer import TextTokenizer
+from specdec.base import Proposal, ProposalRequest, Proposer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    text: str  # newly released text
+    num_new_tokens: int
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_draft_tokens: int  # totals for the request so far
+    num_accepted_tokens: int
+
+
+@dataclass
+class StepStats:
+    num_prompt_tokens: int = 0  # prompt tokens computed this step (first pass only)
+    num_generated: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    num_preempted: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: CompiledConfig, spec: ModelSpec,
+                 weights: dict[str, torch.Tensor], tokenizer: TextTokenizer) -> None:
+        self.spec = spec
+        self.weights = weights  # on-disk dtype, kept for hot reload
+        self.tokenizer = tokenizer
+        self.eos_ids = tokenizer.eos_token_ids | frozenset(spec.eos_token_ids)
+        self._seq_ids = itertools.count()
+        self.requests: dict[str, Sequence] = {}
+        self.detoks: dict[int, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []  # outputs made between steps (reload)
+        self.config = config
+        self._build(config.engine)
+
+    # -- construction / reload --------------------------------------------------------------
+
+    def _build(self, cfg: EngineConfig) -> None:
+        self.max_model_len = min(cfg.max_model_len, cfg.num_kv_blocks * cfg.block_size)
+        self.model = LlamaModel(self.spec, self._layer_weights(cfg), cfg.dtype, cfg.device,
+                                max_positions=self.max_model_len + cfg.spec_max_depth + 1)
+        kv = self.model.new_kv_cache(cfg.num_kv_blocks, cfg.block_size)
+        self.allocator = BlockAllocator(cfg.num_kv_blocks)
+        self.scheduler = Scheduler(cfg, self.allocator)
+        self.runner = ModelRunner(self.model, kv, short_q=max(cfg.spec_max_depth + 1, 8))
+        self.proposer: Proposer | None = build_proposer(cfg, self.spec, self.weights)
+        logger.info("engine built: dtype=%s kv=%d blocks x %d (%.1f MiB) max_num_seqs=%d "
+                    "budget=%d spec=%s/%d", cfg.dtype, cfg.num_kv_blocks, cfg.block_size,
+                    kv.num_bytes / 2**20, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                    cfg.spec_method, cfg.spec_max_depth)
+
+    def _layer_weights(self, cfg: EngineConfig) -> dict[str, torch.Tensor]:
+        want = cfg.measure_num_layers or self.spec.num_layers
+        want = min(want, self.spec.num_layers)
+        have = sum(1 for k in self.weights if k.endswith(".input_layernorm.weight"))
+        if have < want:  # the previous config measured fewer layers: read the rest
+            self.weights = load_weights(self.config.model, want)
+        return {k: v for k, v in self.weights.items()
+                if not k.startswith("model.layers.") or int(k.split(".")[2]) < want}
+
+    def reload(self, config: CompiledConfig) -> float:
+        """Apply a new compiled config without re-reading weights; returns seconds taken."""
+        t0 = time.perf_counter()
+        if Path(config.model).resolve() != Path(self.config.model).resolve():
+            raise ReloadError(f"reload cannot change the model ({self.config.model} -> "
+                              f"{config.model}); start a new engine")
+        if config.engine.device != self.config.engine.device:
+            raise ReloadError("reload cannot change engine.device")
+        seqs = self.scheduler.drain()
+        if self.proposer is not None:
+            for seq in seqs:
+                self.proposer.release(seq.seq_id)
+        old = self.config
+        self.config = config
+        try:
+            self._build(config.engine)
+        except Exception:
+            self.config = old
+            self._build(old.engine)
+            raise
+        finally:
+            self._requeue(seqs)
+        return time.perf_counter() - t0
+
+    def _requeue(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.num_tokens >= self.max_model_len:
+                detok = self.detoks.pop(seq.seq_id, None)
+                self._finish(seq, "length", None)
+                self._pending.append(self._output(seq, detok.finish() if detok else "", 0))
+            else:
+                self.scheduler.add(seq)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: list[int],
+                    params: GenerationParams) -> None:
+        seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), len(prompt_ids),
+                       params, time.monotonic())
+        self.requests[request_id] = seq
+        self.detoks[seq.seq_id] = IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.get(request_id)
+        if seq is not None:
+            self._finish(seq, "abort", None)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or bool(self._pending)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> tuple[list[RequestOutput], StepStats]:
+        outputs, self._pending = self._pending, []
+        stats = StepStats()
+        plan = self.scheduler.schedule(self._propose())
+        stats.num_preempted = len(plan.preempted)
+        if self.proposer is not None:
+            for seq in plan.preempted:
+                self.proposer.release(seq.seq_id)
+        if not plan.scheduled:
+            return outputs, stats
+        results = {id(r.item): r for r in self.runner.execute(plan.scheduled)}
+        for item in plan.scheduled:
+            out = self._postprocess(item, results.get(id(item)), stats)
+            if out is not None:
+                outputs.append(out)
+        return outputs, stats
+
+    def _propose(self) -> dict[int, Proposal]:
+        if self.proposer is None:
+            return {}
+        reqs = []
+        for seq in self.scheduler.running:
+            if seq.params.spec_depth <= 0 or seq.is_prefilling:
+                continue
+            depth = min(seq.params.spec_depth,
+                        seq.params.max_tokens - seq.num_output_tokens - 1,
+                        self.max_model_len - seq.num_tokens)
+            if depth > 0:
+                reqs.append(ProposalRequest(seq.seq_id, seq.token_ids, depth))
+        if not reqs:
+            return {}
+        return {p.seq_id: p for p in self.proposer.propose(reqs) if p.tokens}
+
+    def _postprocess(self, item: ScheduledSeq, result: StepResult | None,
+                     stats: StepStats) -> RequestOutput | None:
+        seq = item.seq
+        if seq.num_computed < seq.num_prompt_tokens:
+            stats.num_prompt_tokens += min(item.num_new, seq.num_prompt_tokens - seq.num_computed)
+        seq.num_computed += item.num_new
+        if result is None:
+            return None
+        seq.num_computed += result.num_accepted
+        if item.drafts:
+            self._count_spec(seq, len(item.drafts), result.num_accepted, stats)
+        new = self._append(seq, result.tokens)
+        stats.num_generated += new
+        text = self.detoks[seq.seq_id].push(self._visible(seq, new))
+        if text.stop_string is not None and seq.finish_reason is None:
+            self._finish(seq, "stop", text.stop_string)
+        elif seq.finish_reason is None:
+            self.scheduler.trim_blocks(seq)
+        tail = self.detoks[seq.seq_id].finish() if seq.finish_reason is not None else ""
+        out = self._output(seq, text.text + tail, new)
+        if seq.finish_reason is not None:
+            self.detoks.pop(seq.seq_id, None)
+        return out
+
+    def _count_spec(self, seq: Sequence, num_draft: int, num_accepted: int,
+                    stats: StepStats) -> None:
+        seq.num_draft_tokens += num_draft
+        seq.num_accepted_tokens += num_accepted
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_draft
+        stats.num_accepted_tokens += num_accepted
+        if len(stats.accepted_per_pos) < num_accepted:
+            stats.accepted_per_pos.extend([0] * (num_accepted - len(stats.accepted_per_pos)))
+        for pos in range(num_accepted):
+            stats.accepted_per_pos[pos] += 1
+        if self.proposer is not None:
+            self.proposer.commit(seq.seq_id, num_accepted)
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> int:
+        """Append sampled tokens up to the first stop condition; returns how many were kept."""
+        p = seq.params
+        for n, tok in enumerate(tokens, 1):
+            seq.token_ids.append(tok)
+            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                self._finish(seq, "stop", tok if tok in p.stop_token_ids else None)
+                return n
+            if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                self._finish(seq, "length", None)
+                return n
+        return len(tokens)
+
+    def _visible(self, seq: Sequence, new: int) -> list[int]:
+        """New tokens to detokenize: a stop token id is not part of the text."""
+        ids = seq.token_ids[seq.num_tokens - new:]
+        if seq.finish_reason == "stop" and isinstance(seq.stop_reason, int):
+            return ids[:-1]
+        return ids
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+        if reason == "abort":
+            self.detoks.pop(seq.seq_id, None)
+        if self.proposer is not None:
+            self.proposer.release(seq.seq_id)
+
+    def _output(self, seq: Sequence, text: str, new: int) -> RequestOutput:
+        return RequestOutput(seq.request_id, text, new, seq.finish_reason is not None,
+                             seq.finish_reason, seq.stop_reason, seq.num_prompt_tokens,
+                             seq.num_output_tokens, seq.num_draft_tokens,
+                             seq.num_accepted_tokens)
+
+    # -- introspection ----------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.allocator.usage

@@ -1,0 +1,131 @@
+"""A Llama-family decoder (Llama, Qwen2) in plain torch, over a flat batch with a paged KV cache.
+
+RMSNorm, RoPE (unscaled, any ``rope_theta``), grouped-query attention, SwiGLU,
+tied or untied embeddings, optional q/k/v bias (Qwen2). Projections are fused
+(q|k|v and gate|up) at load time so one step runs few, large kernels.
+
+The same class serves the target model and (through specdec) a draft model:
+build it from a checkpoint's in-memory weights, give it a :class:`KVCache`
+from :meth:`LlamaModel.new_kv_cache`, and call :meth:`LlamaModel.forward` with
+:class:`~engine.attention.AttnMetadata` built from the sequences' slices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttnMetadata, paged_attention
+from engine.checkpoint import ModelSpec
+from engine.errors import CheckpointError
+from engine.kv_cache import KVCache
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
+    o: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+def _get(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    try:
+        return weights[name]
+    except KeyError as e:
+        raise CheckpointError(f"checkpoint has no tensor {name!r}") from e
+
+
+def _layer(weights: dict[str, torch.Tensor], i: int, spec: ModelSpec,
+           cast: dict[str, object]) -> LayerWeights:
+    p = f"model.layers.{i}."
+
+    def w(name: str) -> torch.Tensor:
+        return _get(weights, p + name).to(**cast)  # type: ignore[call-overload]
+
+    bias = None
+    if spec.qkv_bias:
+        bias = torch.cat([w(f"self_attn.{x}_proj.bias") for x in "qkv"]).contiguous()
+    return LayerWeights(
+        input_norm=w("input_layernorm.weight"),
+        qkv=torch.cat([w(f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous(),
+        qkv_bias=bias,
+        o=w("self_attn.o_proj.weight"),
+        post_norm=w("post_attention_layernorm.weight"),
+        gate_up=torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]).contiguous(),
+        down=w("mlp.down_proj.weight"),
+    )
+
+
+def rope_table(spec: ModelSpec, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[max_positions, head_dim]`` in float32, computed as transformers does."""
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float()
+                                          / dim))
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+class LlamaModel:
+    """Inference-only forward pass; weights cast from a (kept) on-disk copy to ``dtype``."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: str = "float32",
+                 device: str = "cpu", max_positions: int | None = None) -> None:
+        self.spec = spec
+        self.dtype = DTYPES[dtype]
+        self.device = device
+        self.num_layers = sum(1 for k in weights if k.endswith(".input_layernorm.weight"))
+        cast: dict[str, object] = {"dtype": self.dtype, "device": device}
+        self.embed = _get(weights, "model.embed_tokens.weight").to(**cast)  # type: ignore
+        self.layers = [_layer(weights, i, spec, cast) for i in range(self.num_layers)]
+        self.norm = _get(weights, "model.norm.weight").to(**cast)  # type: ignore
+        head = weights.get("lm_head.weight") if not spec.tie_word_embeddings else None
+        self.lm_head = head.to(**cast) if head is not None else self.embed  # type: ignore
+        cos, sin = rope_table(spec, max(max_positions or 0, spec.max_position_embeddings))
+        self.cos = cos.to(**cast)  # type: ignore[call-overload]
+        self.sin = sin.to(**cast)  # type: ignore[call-overload]
+        self.scale = spec.head_dim ** -0.5
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        return KVCache(self.num_layers, num_blocks, block_size, self.spec.num_kv_heads,
+                       self.spec.head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, kv: KVCache,
+                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids ``[T]`` -> float32 logits ``[N, vocab]`` for rows ``logit_rows`` (all if None)."""
+        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        cos = self.cos[meta.positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[meta.positions].unsqueeze(1)
+        eps = self.spec.rms_norm_eps
+        for i, layer in enumerate(self.layers):
+            x = F.rms_norm(h, (h.shape[-1],), layer.input_norm, eps)
+            h = h + self._attention(x, layer, i, cos, sin, meta, kv)
+            x = F.rms_norm(h, (h.shape[-1],), layer.post_norm, eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        if logit_rows is not None:
+            h = h.index_select(0, logit_rows)
+        h = F.rms_norm(h, (h.shape[-1],), self.norm, eps)
+        return F.linear(h, self.lm_head).float()
+
+    def _attention(self, x: torch.Tensor, layer: LayerWeights, i: int, cos: torch.Tensor,
+                   sin: torch.Tensor, meta: AttnMetadata, kv: KVCache) -> torch.Tensor:
+        spec = self.spec
+        nq, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(-1, nq + 2 * nkv, d)
+        qk = qkv[:, : nq + nkv]  # RoPE on q and k heads together: [T, nq + nkv, D]
+        half = d // 2
+        rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+        qk = qk * cos + rotated * sin
+        kv.write(i, meta.slot_mapping, qk[:, nq:], qkv[:, nq + nkv:])
+        out = paged_attention(qk[:, :nq], kv.k[i], kv.v[i], meta, self.scale)
+        return F.linear(out, layer.o)

@@ -1,0 +1,70 @@
+"""One model step: scheduled sequences -> flat batch -> forward -> new tokens per sequence.
+
+Sequences that reach the end of their known tokens this step are sampled:
+with no speculative tokens anywhere in the batch the plain sampler
+(``specdec.sampling.sample``) runs on one logits row per sequence; otherwise
+every sampled sequence gets ``k_i + 1`` rows and ``specdec.verify.verify``
+accepts a prefix of each proposal (k_i = 0 rows behave like plain sampling).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import SeqSlice, build_metadata, order_short_first
+from engine.kv_cache import KVCache
+from engine.model import LlamaModel
+from engine.scheduler import ScheduledSeq
+from specdec.base import Proposal
+from specdec.sampling import sample
+from specdec.verify import verify
+
+
+@dataclass(frozen=True)
+class StepResult:
+    item: ScheduledSeq
+    tokens: list[int]  # new tokens: accepted drafts, then the sampled one
+    num_accepted: int  # draft tokens accepted
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVCache, short_q: int) -> None:
+        self.model = model
+        self.kv = kv
+        self.short_q = short_q  # queries up to this length attend in the decode group
+        self.num_q_per_kv = model.spec.num_heads // model.spec.num_kv_heads
+
+    def execute(self, scheduled: Sequence[ScheduledSeq]) -> list[StepResult]:
+        """Run one forward over ``scheduled``; results for the sequences that sampled."""
+        order = order_short_first([s.q_len for s in scheduled], self.short_q)
+        items = [scheduled[i] for i in order]
+        ids: list[int] = []
+        slices, rows = [], []
+        for it in items:
+            start = it.seq.num_computed
+            ids.extend(it.seq.token_ids[start:start + it.num_new])
+            ids.extend(it.drafts)
+            slices.append(SeqSlice(it.q_len, start, it.seq.block_table))
+            if it.samples:
+                end = len(ids)
+                rows.extend(range(end - len(it.drafts) - 1, end))
+        meta = build_metadata(slices, self.kv.block_size, self.num_q_per_kv, self.short_q)
+        logit_rows = torch.tensor(rows, dtype=torch.long)
+        logits = self.model.forward(torch.tensor(ids, dtype=torch.long), meta, self.kv,
+                                    logit_rows)
+        sampled = [it for it in items if it.samples]
+        if not sampled:
+            return []
+        return self._sample(sampled, logits)
+
+    def _sample(self, sampled: list[ScheduledSeq], logits: torch.Tensor) -> list[StepResult]:
+        params = [it.seq.params.sampling for it in sampled]
+        if not any(it.drafts for it in sampled):
+            tokens = sample(logits, params).tolist()
+            return [StepResult(it, [t], 0) for it, t in zip(sampled, tokens)]
+        proposals = [Proposal(it.seq.seq_id, it.drafts, it.draft_probs) for it in sampled]
+        results = verify(logits, proposals, params)
+        return [StepResult(it, r.tokens, r.num_accepted) for it, r in zip(sampled, results)]

@@ -1,0 +1,174 @@
+"""Continuous batching: which sequences run this step, with how many tokens each.
+
+Every step, running sequences come first (oldest first): a decoding sequence
+gets its last token plus its speculative proposal, a prefilling one the next
+chunk of its prompt, all under ``max_num_batched_tokens`` (chunked prefill).
+Then waiting sequences join while the token budget, ``max_num_seqs`` and free
+KV blocks allow. When a running sequence needs a block and none is free, the
+newest running sequence is preempted: its blocks are freed and it goes back to
+the front of the queue to be recomputed later. No request is ever dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache import BlockAllocator, blocks_needed
+from engine.sequence import Sequence, Status
+from specdec.base import Proposal
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # tokens of seq.token_ids fed this step, from seq.num_computed on
+    drafts: list[int]  # speculative tokens fed after them (decode only)
+    draft_probs: torch.Tensor | None = None  # [len(drafts), vocab] draft distribution, or None
+
+    @property
+    def q_len(self) -> int:
+        return self.num_new + len(self.drafts)
+
+    @property
+    def samples(self) -> bool:
+        """This step reaches the end of the known tokens, so it yields new ones."""
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.q_len for s in self.scheduled)
+
+
+def _scheduled(seq: Sequence, num_new: int, prop: Proposal | None,
+               num_drafts: int) -> ScheduledSeq:
+    if prop is None or num_drafts == 0:
+        return ScheduledSeq(seq, num_new, [])
+    probs = prop.probs[:num_drafts] if prop.probs is not None else None
+    return ScheduledSeq(seq, num_new, prop.tokens[:num_drafts], probs)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        self._free(seq)
+
+    def drain(self) -> list[Sequence]:
+        """Take every sequence out (running ones reset for recompute), in priority order."""
+        seqs = self.running + list(self.waiting)
+        for seq in seqs:
+            self._free(seq)
+            seq.num_computed = 0
+            seq.status = Status.WAITING
+        self.running, self.waiting = [], deque()
+        return seqs
+
+    def schedule(self, proposals: dict[int, Proposal]) -> SchedulerOutput:
+        """Pick this step's sequences; ``proposals`` holds drafts of decoding sequences."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(proposals, budget, out)
+        if not out.preempted:
+            self._admit_waiting(budget, out)
+        return out
+
+    def trim_blocks(self, seq: Sequence) -> None:
+        """Free blocks past the sequence's tokens (rejected speculative positions)."""
+        keep = blocks_needed(seq.num_tokens, self.config.block_size)
+        if len(seq.block_table) > keep:
+            self.allocator.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
+    def _schedule_running(self, proposals: dict[int, Proposal], budget: int,
+                          out: SchedulerOutput) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = seq.num_tokens - seq.num_computed
+            prop = proposals.get(seq.seq_id) if num_new == 1 else None
+            num_drafts = len(prop.tokens) if prop is not None else 0
+            q_len = min(num_new + num_drafts, budget)
+            if not self._reserve(seq, q_len, out):
+                break  # seq itself was preempted: it was the last one running
+            out.scheduled.append(_scheduled(seq, min(num_new, q_len), prop,
+                                            max(q_len - num_new, 0)))
+            budget -= q_len
+            i += 1
+        return budget
+
+    def _reserve(self, seq: Sequence, q_len: int, out: SchedulerOutput) -> bool:
+        """Blocks for ``q_len`` more tokens, preempting from the back if needed."""
+        need = blocks_needed(seq.num_computed + q_len, self.config.block_size)
+        need -= len(seq.block_table)
+        while not self.allocator.can_allocate(need):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_table.extend(self.allocator.allocate(need))
+        return True
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            q_len = min(seq.num_tokens - seq.num_computed, budget)
+            need = blocks_needed(seq.num_computed + q_len, self.config.block_size)
+            if not self.allocator.can_allocate(need - len(seq.block_table)):
+                break
+            self.waiting.popleft()
+            seq.block_table.extend(self.allocator.allocate(need - len(seq.block_table)))
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, q_len, []))
+            budget -= q_len
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        logger.debug("preempted seq %d (%d tokens) for recompute", seq.seq_id, seq.num_tokens)
+
+    def _free(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.allocator.free(seq.block_table)
+            seq.block_table = []
+
+    def waiting_ids(self) -> Iterable[int]:
+        return (s.seq_id for s in self.waiting)

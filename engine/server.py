@@ -1,0 +1,227 @@
+"""The engine's OpenAI-compatible HTTP server (aiohttp).
+
+Routes: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or one
+JSON body), ``/v1/models``, ``/health``, ``/metrics`` (vLLM metric names),
+``GET /admin/config``, ``POST /admin/reload``. The model is loaded once at
+start-up in a ``cleanup_ctx`` (off the event loop); the step loop runs in the
+background for the app's lifetime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from engine.async_engine import AsyncEngine
+from engine.config import CompiledConfig, ConfigError
+from engine.core import EngineCore, RequestOutput
+from engine.errors import EngineError, InvalidRequestError, ReloadError, RequestError
+from engine.loader import load_core
+from engine.metrics import CONTENT_TYPE, EngineMetrics
+from engine.protocol import ParsedRequest, RequestParser, chunk_body, completion_body, usage, \
+    usage_chunk
+
+logger = logging.getLogger(__name__)
+INLINE_TOKENIZE_BYTES = 16384  # larger bodies are parsed (and tokenized) off the event loop
+
+
+@dataclass
+class EngineState:
+    """The live engine and the parser matching its current config (replaced on reload)."""
+
+    engine: AsyncEngine
+    parser: RequestParser
+    metrics: EngineMetrics
+
+
+STATE = web.AppKey("engine_state", EngineState)
+CONFIG = web.AppKey("engine_config", CompiledConfig)
+
+
+def _error(e: RequestError) -> web.Response:
+    return web.json_response(e.to_body(), status=e.status, dumps=_dumps)
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+async def _read_json(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise InvalidRequestError(f"the request body is not valid JSON: {e}") from e
+
+
+async def _parse(state: EngineState, request: web.Request, chat: bool) -> ParsedRequest:
+    body = await _read_json(request)
+    if request.content_length is not None and request.content_length > INLINE_TOKENIZE_BYTES:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, state.parser.parse, body, chat)
+    return state.parser.parse(body, chat)
+
+
+def _parser(core: EngineCore, config: CompiledConfig) -> RequestParser:
+    return RequestParser(config, core.tokenizer, core.max_model_len)
+
+
+# -- generation ---------------------------------------------------------------------------
+
+
+async def handle_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    state = request.app[STATE]
+    try:
+        parsed = await _parse(state, request, chat)
+    except RequestError as e:
+        return _error(e)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    outputs = state.engine.generate(rid, parsed.prompt_ids, parsed.params)
+    model = state.parser.config.model_name
+    async with contextlib.aclosing(outputs):
+        if parsed.stream:
+            return await _stream(request, outputs, parsed, rid, model)
+        return await _collect(outputs, parsed, rid, model)
+
+
+async def _collect(outputs: AsyncIterator[RequestOutput], parsed: ParsedRequest, rid: str,
+                   model: str) -> web.Response:
+    parts: list[str] = []
+    async for out in outputs:
+        parts.append(out.text)
+        last = out
+    use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_draft_tokens,
+                last.num_accepted_tokens)
+    return _json(completion_body(rid, model, parsed.chat, "".join(parts), last.finish_reason,
+                                 last.stop_reason, use))
+
+
+async def _stream(request: web.Request, outputs: AsyncIterator[RequestOutput],
+                  parsed: ParsedRequest, rid: str, model: str) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    created = int(time.time())
+    chat = parsed.chat
+    try:
+        if chat:
+            await _send(resp, chunk_body(rid, model, chat, created, "", role=True))
+        async for out in outputs:
+            if out.finished:
+                await _send(resp, chunk_body(rid, model, chat, created, out.text,
+                                             out.finish_reason, out.stop_reason))
+                if parsed.include_usage:
+                    use = usage(out.num_prompt_tokens, out.num_output_tokens,
+                                out.num_draft_tokens, out.num_accepted_tokens)
+                    await _send(resp, usage_chunk(rid, model, chat, created, use))
+            elif out.text:
+                await _send(resp, chunk_body(rid, model, chat, created, out.text))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionError:  # the client went away: aclosing() aborts the request
+        logger.debug("client disconnected from %s", rid)
+    return resp
+
+
+async def _send(resp: web.StreamResponse, chunk: dict[str, Any]) -> None:
+    await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+
+
+# -- the rest of the API ------------------------------------------------------------------
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    config = request.app[STATE].parser.config
+    card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "polyinfer",
+            "root": config.model, "max_model_len": request.app[STATE].parser.max_model_len}
+    return _json({"object": "list", "data": [card]})
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    return web.Response(text="")
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.expose()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def handle_get_config(request: web.Request) -> web.Response:
+    return _json(request.app[STATE].engine.config.to_dict())
+
+
+async def handle_reload(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        body = await _read_json(request)
+        config = CompiledConfig.from_dict(body)
+        if config.backend != "engine":
+            raise ReloadError(f"backend must be 'engine', got {config.backend!r}")
+        seconds = await state.engine.reload(config)
+    except RequestError as e:
+        return _error(e)
+    except (ConfigError, EngineError) as e:
+        return _error(InvalidRequestError(str(e), code="invalid_config"))
+    state.parser = _parser(state.engine.core, config)
+    logger.info("reloaded config in %.3f s", seconds)
+    return _json({"status": "ok", "reload_s": seconds, "config": config.to_dict()})
+
+
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    loop = asyncio.get_running_loop()
+    core = await loop.run_in_executor(None, load_core, config)
+    metrics = EngineMetrics(config.model_name)
+    engine = AsyncEngine(core, metrics)
+    app[STATE] = EngineState(engine, _parser(core, config), metrics)
+    engine.start()
+    yield
+    await engine.stop()
+
+
+def create_app(config: CompiledConfig) -> web.Application:
+    app = web.Application(client_max_size=32 * 2**20)
+    app[CONFIG] = config
+    app.cleanup_ctx.append(_engine_ctx)
+    app.router.add_post("/v1/completions", handle_completions)
+    app.router.add_post("/v1/chat/completions", handle_chat)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get("/admin/config", handle_get_config)
+    app.router.add_post("/admin/reload", handle_reload)
+    return app
+
+
+async def serve(config: CompiledConfig, host: str, port: int) -> None:
+    """Run until cancelled; handlers are cancelled when their client disconnects."""
+    runner = web.AppRunner(create_app(config), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    logger.info("engine serving %s on http://%s:%d", config.model_name, host, port)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
