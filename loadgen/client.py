@@ -1,0 +1,197 @@
+"""The streaming HTTP client: sends one prepared request and measures it.
+
+Definitions follow vLLM's ``bench serve`` (``backend_request_func``):
+
+- ``ttft_s``: from just before the request is sent to the first chunk that
+  carries generated text;
+- ``itl_s``: gaps between successive text-bearing chunks (one gap per chunk,
+  not per token: tokens that arrive in one chunk arrived together);
+- ``e2e_s``: from send to the last text-bearing chunk;
+- ``tpot_s = (e2e_s - ttft_s) / (completion_tokens - 1)``, only when more
+  than one token came back;
+- a stream that ends without ``data: [DONE]`` is an error (a cut stream);
+- ``completion_tokens`` from the final ``usage`` (``stream_options.include_usage``),
+  falling back to the number of text-bearing chunks when a server sends none.
+
+NOTE: a chat chunk that carries only the role (``delta: {"role": ...}``) is
+not a token: servers that send it before prefill would otherwise report a
+TTFT of zero. Non-streaming requests have no TTFT/TPOT, only ``e2e_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+
+from loadgen.config import ClientConfig
+from loadgen.request import PreparedRequest, RequestResult
+
+logger = logging.getLogger(__name__)
+
+ERROR_BODY_CHARS = 300
+
+
+def make_session(cfg: ClientConfig) -> aiohttp.ClientSession:
+    """A session with no connection-pool cap (the arrival process decides concurrency).
+
+    aiohttp sets TCP_NODELAY on every connection it opens (``BaseProtocol``);
+    tests/loadgen check it, because one small-write stall of 40 ms would swamp
+    the latencies measured here.
+    """
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300)
+    headers = dict(cfg.headers)
+    if cfg.api_key:
+        headers["Authorization"] = f"Bearer {cfg.api_key}"
+    headers["Content-Type"] = "application/json"
+    return aiohttp.ClientSession(
+        base_url=cfg.base_url, connector=connector, headers=headers,
+        timeout=aiohttp.ClientTimeout(total=cfg.timeout_s), auto_decompress=False)
+
+
+def _chunk_text(event: dict[str, Any]) -> str | None:
+    choices = event.get("choices")
+    if not choices:
+        return None
+    choice = choices[0]
+    text = choice.get("text")
+    if text is None:
+        delta = choice.get("delta") or {}
+        text = delta.get("content") or delta.get("reasoning_content")
+    return text or None
+
+
+class StreamParser:
+    """Incremental SSE parser: feed network reads, it timestamps text-bearing events."""
+
+    __slots__ = ("_buf", "first_s", "last_s", "itl_s", "num_chunks", "usage", "error", "done")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.first_s: float | None = None  # perf_counter of the first text-bearing chunk
+        self.last_s: float | None = None
+        self.itl_s: list[float] = []
+        self.num_chunks = 0  # text-bearing chunks
+        self.usage: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.done = False
+
+    def feed(self, data: bytes, now: float) -> None:
+        lines = (self._buf + data).split(b"\n")
+        self._buf = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                self._event(line[5:].strip(), now)
+
+    def close(self, now: float) -> None:
+        if self._buf.startswith(b"data:"):
+            self._event(self._buf[5:].strip(), now)
+        self._buf = b""
+
+    def _event(self, payload: bytes, now: float) -> None:
+        if payload == b"[DONE]":
+            self.done = True
+            return
+        try:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            self.error = f"unparseable stream event: {payload[:80]!r}"
+            return
+        if not isinstance(event, dict):
+            return
+        if event.get("error"):
+            self.error = f"stream error: {str(event['error'])[:ERROR_BODY_CHARS]}"
+        if event.get("usage"):
+            self.usage = event["usage"]
+        if _chunk_text(event) is None:
+            return
+        if self.first_s is None:
+            self.first_s = now
+        else:
+            self.itl_s.append(now - self.last_s)  # type: ignore[operator]
+        self.last_s = now
+        self.num_chunks += 1
+
+
+class StreamingClient:
+    """Sends prepared requests on one session and fills in their :class:`RequestResult`."""
+
+    def __init__(self, cfg: ClientConfig, session: aiohttp.ClientSession) -> None:
+        self.cfg = cfg
+        self.session = session
+
+    async def send(self, req: PreparedRequest, result: RequestResult) -> None:
+        """Send ``req`` now; never raises (failures land in ``result.error``)."""
+        start = time.perf_counter()
+        try:
+            async with self.session.post(req.path, data=req.body) as resp:
+                self._headers(resp, result)
+                if resp.status != 200:
+                    body = await resp.content.read(ERROR_BODY_CHARS)
+                    result.error = f"HTTP {resp.status}: {body.decode('utf-8', 'replace')}"
+                    result.e2e_s = time.perf_counter() - start
+                    return
+                if self.cfg.stream:
+                    await self._read_stream(resp, start, result)
+                else:
+                    await self._read_whole(resp, start, result)
+        except asyncio.CancelledError:
+            result.error = "cancelled"
+            raise
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            result.error = f"{type(e).__name__}: {e}"[:ERROR_BODY_CHARS]
+            result.e2e_s = time.perf_counter() - start
+
+    @staticmethod
+    def _headers(resp: aiohttp.ClientResponse, result: RequestResult) -> None:
+        result.http_status = resp.status
+        headers = resp.headers
+        result.worker = headers.get("x-polyinfer-worker")
+        result.domain = headers.get("x-polyinfer-domain") or result.domain
+        result.request_id = headers.get("x-request-id")
+
+    async def _read_stream(self, resp: aiohttp.ClientResponse, start: float,
+                           result: RequestResult) -> None:
+        parser = StreamParser()
+        async for data in resp.content.iter_any():
+            parser.feed(data, time.perf_counter())
+        parser.close(time.perf_counter())
+        if parser.first_s is None or parser.last_s is None:
+            result.e2e_s = time.perf_counter() - start
+            result.error = parser.error or "stream carried no tokens"
+            return
+        result.ttft_s = parser.first_s - start
+        result.e2e_s = parser.last_s - start
+        result.itl_s = parser.itl_s
+        self._usage(result, parser.usage, parser.num_chunks)
+        tokens = result.completion_tokens or 0
+        if tokens > 1:
+            result.tpot_s = (result.e2e_s - result.ttft_s) / (tokens - 1)
+        result.error = parser.error or (None if parser.done else "stream ended before [DONE]")
+        result.ok = result.error is None
+
+    async def _read_whole(self, resp: aiohttp.ClientResponse, start: float,
+                          result: RequestResult) -> None:
+        raw = await resp.read()
+        result.e2e_s = time.perf_counter() - start
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            result.error = f"unparseable response body: {raw[:80]!r}"
+            return
+        self._usage(result, body.get("usage") if isinstance(body, dict) else None, 0)
+        result.ok = bool(result.completion_tokens)
+        if not result.ok:
+            result.error = "response carried no tokens"
+
+    @staticmethod
+    def _usage(result: RequestResult, usage: dict[str, Any] | None, num_chunks: int) -> None:
+        if usage:
+            result.prompt_tokens = usage.get("prompt_tokens")
+            result.completion_tokens = usage.get("completion_tokens")
+        if not result.completion_tokens and num_chunks:
+            result.completion_tokens = num_chunks  # NOTE: a server that sends no usage

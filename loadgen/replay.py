@@ -1,0 +1,163 @@
+"""One replay, end to end: read -> schedule -> prepare -> send -> summarize -> write.
+
+This is also loadgen's Python API (re-exported from ``loadgen``): the routing
+and optimizer benchmarks call :func:`replay` (async) or :func:`run_replay`
+in-process and read the returned summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from loadgen.arrivals import arrivals
+from loadgen.client import StreamingClient, make_session
+from loadgen.config import ReplayConfig
+from loadgen.errors import TargetError
+from loadgen.lengths import describe
+from loadgen.metrics import summarize
+from loadgen.prepare import PrepareStats, RequestBuilder
+from loadgen.readers import BadLines, detect_format, read_trace
+from loadgen.request import PreparedRequest, RequestResult, TraceRequest
+from loadgen.runner import Runner
+from loadgen.synth import PromptSynthesizer
+from loadgen.tokenizer import load_token_counter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplayResult:
+    summary: dict[str, Any]  # what summary.json holds
+    results: list[RequestResult]  # one per sent request
+
+
+@dataclass
+class Prepared:
+    requests: list[PreparedRequest]
+    stats: PrepareStats
+    bad: BadLines
+    trace_format: str
+    tokenizer: str
+
+
+async def discover_model(session: aiohttp.ClientSession) -> str:
+    """The first model id the target lists at ``GET /v1/models``."""
+    try:
+        async with session.get("/v1/models") as resp:
+            body = await resp.json(content_type=None)
+    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+        raise TargetError(f"GET /v1/models failed ({e}); pass --model") from e
+    models = body.get("data") if isinstance(body, dict) else None
+    if not models or not isinstance(models[0], dict) or "id" not in models[0]:
+        raise TargetError(f"GET /v1/models listed no model ({str(body)[:200]}); pass --model")
+    return str(models[0]["id"])
+
+
+def prepare(cfg: ReplayConfig, model: str, records: Sequence[TraceRequest] | None) -> Prepared:
+    """Read, schedule and build every request (blocking: run it in a thread)."""
+    bad = BadLines(cfg.trace.bad_lines)
+    fmt = "records"
+    if records is None:
+        fmt = detect_format(cfg.trace.path) if cfg.trace.format == "auto" else cfg.trace.format
+        records = list(read_trace(cfg.trace.path, fmt, bad))
+    schedule = arrivals(list(records), cfg.arrivals)
+    counter = load_token_counter(cfg.tokenizer)
+    needs_synth = any(r.prompt is None and r.messages is None for _, r in schedule)
+    synth = (PromptSynthesizer(counter, cfg.lengths.scaled_block_tokens, cfg.arrivals.seed)
+             if needs_synth else None)
+    builder = RequestBuilder(cfg.client, model, cfg.lengths, counter, synth)
+    requests = [builder.build(i, offset, rec) for i, (offset, rec) in enumerate(schedule)]
+    if synth is not None and synth.stats.num_inexact:
+        logger.warning("%d of %d synthesized prompts are not of the exact length",
+                       synth.stats.num_inexact, synth.stats.num_prompts)
+    return Prepared(requests, builder.stats, bad, fmt, counter.name)
+
+
+def describe_run(cfg: ReplayConfig, prep: Prepared, model: str) -> dict[str, Any]:
+    """The settings part of the summary: what was replayed, how, against what."""
+    a = cfg.arrivals
+    return {
+        "label": cfg.output.label,
+        "target": cfg.client.target,
+        "model": model,
+        "endpoint": cfg.client.endpoint,
+        "stream": cfg.client.stream,
+        "trace": {"path": cfg.trace.path, "format": prep.trace_format,
+                  "num_bad_lines": prep.bad.num_bad, "bad_lines": prep.bad.first},
+        "arrival": {"mode": a.mode, "rate": a.rate, "burstiness": a.burstiness,
+                    "concurrency": a.concurrency, "time_scale": a.time_scale,
+                    "window_s": [a.window_start_s, a.window_end_s],
+                    "max_requests": a.max_requests, "duration_s": a.duration_s,
+                    "max_concurrency": cfg.client.max_concurrency, "seed": a.seed},
+        "lengths": {"policy": dataclasses.asdict(cfg.lengths),
+                    "description": describe(cfg.lengths, prep.stats.lengths),
+                    **prep.stats.lengths.to_json()},
+        "prompts": {"tokenizer": prep.tokenizer, "exact": prep.stats.tokens_exact,
+                    "num_synthesized": prep.stats.num_synthesized,
+                    "num_from_trace": prep.stats.num_text,
+                    "num_truncated_text": prep.stats.num_truncated_text},
+    }
+
+
+async def replay(cfg: ReplayConfig, records: Sequence[TraceRequest] | None = None
+                 ) -> ReplayResult:
+    """Run one replay; ``records`` replaces reading ``cfg.trace.path`` when given."""
+    async with make_session(cfg.client) as session:
+        model = cfg.client.model or await discover_model(session)
+        prep = await asyncio.to_thread(prepare, cfg, model, records)
+        cap = cfg.arrivals.concurrency if cfg.arrivals.mode == "concurrency" \
+            else cfg.client.max_concurrency
+        runner = Runner(StreamingClient(cfg.client, session), cap, cfg.arrivals.duration_s,
+                        cfg.output.quiet)
+        run = await runner.run(prep.requests)
+    summary = describe_run(cfg, prep, model)
+    summary["started_unix_s"] = run.started_unix_s
+    summary["num_not_sent"] = run.num_not_sent
+    summary.update(summarize(run.results, run.duration_s, cfg.slo))
+    result = ReplayResult(summary, run.results)
+    if cfg.output.directory:
+        from loadgen.report import write_outputs
+
+        await asyncio.to_thread(write_outputs, Path(cfg.output.directory), result,
+                                cfg.output.plots)
+    return result
+
+
+async def sweep(cfg: ReplayConfig) -> list[ReplayResult]:
+    """One replay per rate in ``cfg.sweep_rates`` (each in its own output subfolder)."""
+    out = []
+    for rate in cfg.sweep_rates:
+        directory = cfg.output.directory and str(Path(cfg.output.directory) / f"rate-{rate:g}")
+        one = dataclasses.replace(
+            cfg, sweep_rates=(),
+            arrivals=dataclasses.replace(cfg.arrivals, rate=rate),
+            output=dataclasses.replace(cfg.output, directory=directory,
+                                       label=f"{cfg.output.label or 'rate'} {rate:g} req/s"))
+        out.append(await replay(one))
+    return out
+
+
+def run_replay(cfg: ReplayConfig, records: Sequence[TraceRequest] | None = None
+               ) -> dict[str, Any]:
+    """Synchronous :func:`replay` on a fresh event loop (uvloop when installed): the summary."""
+    return _run(replay(cfg, records)).summary
+
+
+def run_sweep(cfg: ReplayConfig) -> list[dict[str, Any]]:
+    return [r.summary for r in _run(sweep(cfg))]
+
+
+def _run(coro: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)

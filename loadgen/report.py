@@ -1,0 +1,107 @@
+"""Writing a replay's outputs: per-request JSONL, summary JSON, Markdown report, plots."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+if TYPE_CHECKING:
+    from loadgen.replay import ReplayResult
+
+logger = logging.getLogger(__name__)
+
+REQUESTS_FILE = "requests.jsonl"
+SUMMARY_FILE = "summary.json"
+REPORT_FILE = "report.md"
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+def write_outputs(directory: Path, result: ReplayResult, plots: bool = True) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / REQUESTS_FILE).open("wb") as f:
+        for r in result.results:
+            f.write(orjson.dumps(r.to_json()) + b"\n")
+    (directory / SUMMARY_FILE).write_bytes(
+        orjson.dumps(result.summary, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+    images: list[str] = []
+    if plots:
+        from loadgen.plots import write_plots
+
+        images = write_plots(directory, result.results, result.summary)
+    (directory / REPORT_FILE).write_text(markdown(result.summary, images))
+    logger.info("wrote %s", directory)
+
+
+def _latency_table(summary: dict[str, Any]) -> list[str]:
+    rows = ["| metric (ms) | mean | p50 | p90 | p99 | max |", "|---|---|---|---|---|---|"]
+    for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"),
+                      ("e2e_s", "E2E"), ("lag_s", "send lag"), ("queue_s", "slot wait")):
+        d = summary[key]
+        rows.append(f"| {name} | {ms(d['mean'])} | {ms(d['p50'])} | {ms(d['p90'])} | "
+                    f"{ms(d['p99'])} | {ms(d['max'])} |")
+    return rows
+
+
+def _group_table(title: str, groups: dict[str, dict[str, Any]]) -> list[str]:
+    rows = [f"### {title}", "",
+            "| group | requests | ok | goodput req/s | out tok/s | TTFT p50 | TTFT p99 | "
+            "TPOT p50 | TPOT p99 |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, g in groups.items():
+        rows.append(f"| {name} | {g['num_requests']} | {g['num_ok']} | {g['goodput']:.2f} | "
+                    f"{g['output_throughput']:.1f} | {ms(g['ttft_s']['p50'])} | "
+                    f"{ms(g['ttft_s']['p99'])} | {ms(g['tpot_s']['p50'])} | "
+                    f"{ms(g['tpot_s']['p99'])} |")
+    return rows + [""]
+
+
+def markdown(summary: dict[str, Any], images: list[str]) -> str:
+    s = summary
+    slo = ", ".join(f"{k[:-2]} <= {v * 1e3:g} ms" for k, v in s["slo"].items() if v) or "none"
+    lines = [
+        f"# loadgen report{': ' + s['label'] if s.get('label') else ''}", "",
+        f"- target: `{s['target']}`, model `{s['model']}`, endpoint {s['endpoint']}, "
+        f"stream {s['stream']}",
+        f"- trace: `{s['trace']['path']}` ({s['trace']['format']}); "
+        f"{s['trace']['num_bad_lines']} bad lines skipped",
+        f"- arrivals: {_arrival_text(s['arrival'])}",
+        f"- lengths: {s['lengths']['description']}",
+        f"- prompts: {s['prompts']['num_synthesized']} synthesized, "
+        f"{s['prompts']['num_from_trace']} from the trace; token counts "
+        f"{'exact' if s['prompts']['exact'] else 'ESTIMATED'} ({s['prompts']['tokenizer']}); "
+        f"{s['num_prompt_token_mismatch']} requests whose reported prompt_tokens differed",
+        "",
+        "## Results", "",
+        f"- duration {s['duration_s']:.2f} s; {s['num_requests']} sent, {s['num_ok']} ok, "
+        f"{s['num_errors']} errors, {s['num_not_sent']} not sent (duration limit)",
+        f"- throughput {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} "
+        f"output tok/s, {s['total_token_throughput']:.1f} total tok/s",
+        f"- goodput {s['goodput']:.2f} req/s ({s['num_good']} requests met {slo})",
+        "",
+        *_latency_table(s), "",
+    ]
+    if s["errors"]:
+        lines += ["### Errors", "", *(f"- {k}: {v}" for k, v in s["errors"].items()), ""]
+    lines += _group_table("Per domain", s["by_domain"])
+    lines += _group_table("Per worker", s["by_worker"])
+    lines += [f"![{Path(i).stem}]({i})" for i in images]
+    return "\n".join(lines) + "\n"
+
+
+def _arrival_text(a: dict[str, Any]) -> str:
+    parts = [a["mode"]]
+    if a["mode"] == "trace":
+        parts.append(f"time-scale {a['time_scale']:g}, window {a['window_s']}")
+    elif a["mode"] == "concurrency":
+        parts.append(f"{a['concurrency']} in flight")
+    else:
+        parts.append(f"{a['rate']:g} req/s, burstiness {a['burstiness']:g}")
+    for key in ("max_requests", "duration_s", "max_concurrency"):
+        if a[key] is not None:
+            parts.append(f"{key} {a[key]:g}")
+    return ", ".join(parts)

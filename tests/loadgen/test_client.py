@@ -1,0 +1,157 @@
+"""The streaming client's measurements against a server whose timing the test scripts."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import orjson
+import pytest
+
+from loadgen.client import StreamingClient, StreamParser, make_session
+from loadgen.config import ClientConfig
+from loadgen.request import PreparedRequest, RequestResult
+from tests.loadgen.upstream import Script, ScriptedUpstream
+
+
+def _request(path: str = "/v1/completions", max_tokens: int = 8, **extra: Any) -> PreparedRequest:
+    body: dict[str, Any] = {"model": "m", "max_tokens": max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}, **extra}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    return PreparedRequest(index=0, line=1, arrival_s=0.0, path=path, body=orjson.dumps(body),
+                           prompt_tokens=1, max_tokens=max_tokens, domain=None)
+
+
+async def _send(url: str, req: PreparedRequest, stream: bool = True) -> RequestResult:
+    cfg = ClientConfig(url, stream=stream)
+    result = RequestResult(index=0, line=1, scheduled_s=0.0)
+    async with make_session(cfg) as session:
+        await StreamingClient(cfg, session).send(req, result)
+    return result
+
+
+async def test_ttft_itl_tpot_follow_vllm_definitions(upstream: ScriptedUpstream) -> None:
+    upstream.script = Script(ttft_s=0.05, itl_s=0.01, tokens_per_chunk=2)
+    r = await _send(upstream.url, _request(max_tokens=8))
+    served = upstream.received[0]
+    assert r.ok and r.error is None and r.http_status == 200
+    assert len(served.chunk_s) == 4 and len(r.itl_s) == 3  # one gap per chunk, not per token
+    # the client starts its clock before the server sees the request and stops it after
+    # the server wrote the chunk, so its TTFT can only be longer than the server's
+    assert r.ttft_s is not None and r.e2e_s is not None and r.tpot_s is not None
+    assert r.ttft_s >= served.chunk_s[0] - served.recv_s >= 0.05
+    assert r.e2e_s >= served.chunk_s[-1] - served.recv_s
+    assert r.ttft_s + sum(r.itl_s) == pytest.approx(r.e2e_s, abs=1e-9)
+    assert r.completion_tokens == 8 and r.prompt_tokens == 7
+    assert r.tpot_s == (r.e2e_s - r.ttft_s) / (8 - 1)
+
+
+async def test_usage_counts_tokens_not_chunks(upstream: ScriptedUpstream) -> None:
+    upstream.script = Script(usage_completion_tokens=9)
+    r = await _send(upstream.url, _request(max_tokens=5))
+    assert r.completion_tokens == 9
+    assert r.tpot_s == (r.e2e_s - r.ttft_s) / 8  # type: ignore[operator]
+
+
+async def test_without_usage_counts_text_chunks(upstream: ScriptedUpstream) -> None:
+    upstream.script = Script(usage_completion_tokens=-1)
+    r = await _send(upstream.url, _request(max_tokens=5))
+    assert r.ok and r.completion_tokens == 5
+
+
+async def test_one_token_has_no_tpot(upstream: ScriptedUpstream) -> None:
+    r = await _send(upstream.url, _request(max_tokens=1))
+    assert r.ok and r.completion_tokens == 1 and r.tpot_s is None and r.itl_s == []
+    assert r.e2e_s == r.ttft_s
+
+
+async def test_chat_role_chunk_is_not_the_first_token(upstream: ScriptedUpstream) -> None:
+    upstream.script = Script(ttft_s=0.1, role_chunk=True)
+    r = await _send(upstream.url, _request("/v1/chat/completions", max_tokens=3))
+    served = upstream.received[0]
+    assert r.ok and r.completion_tokens == 3
+    assert r.ttft_s is not None and r.ttft_s >= served.chunk_s[0] - served.recv_s >= 0.1
+
+
+async def test_http_error_is_recorded(upstream: ScriptedUpstream) -> None:
+    upstream.script = Script(status=503)
+    r = await _send(upstream.url, _request())
+    assert not r.ok and r.http_status == 503
+    assert r.error is not None and r.error.startswith("HTTP 503:") and "scripted failure" in r.error
+    assert r.ttft_s is None and r.e2e_s is not None
+
+
+async def test_cut_stream_is_an_error(upstream: ScriptedUpstream) -> None:
+    upstream.script = Script(cut_after_chunks=2)
+    r = await _send(upstream.url, _request(max_tokens=8))
+    assert not r.ok and r.error == "stream ended before [DONE]"
+    upstream.script = Script(cut_after_chunks=0)
+    r = await _send(upstream.url, _request(max_tokens=8))
+    assert not r.ok and r.error == "stream carried no tokens"
+
+
+async def test_unreachable_target_is_an_error() -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = await _send(f"http://127.0.0.1:{port}", _request())
+    assert not r.ok and r.error is not None and "Connect" in r.error
+
+
+async def test_proxy_headers_are_recorded(upstream: ScriptedUpstream) -> None:
+    upstream.script = Script(headers=(("x-polyinfer-worker", "w1"),
+                                      ("x-polyinfer-domain", "code"), ("x-request-id", "r-1")))
+    r = await _send(upstream.url, _request())
+    assert (r.worker, r.domain, r.request_id) == ("w1", "code", "r-1")
+
+
+async def test_non_streaming_measures_e2e_only(upstream: ScriptedUpstream) -> None:
+    from aiohttp import web
+
+    async def whole(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"text": "a b"}],
+                                  "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+
+    server = web.Application()
+    server.router.add_post("/v1/completions", whole)
+    runner = web.AppRunner(server)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        r = await _send(f"http://127.0.0.1:{port}", _request(stream=False), stream=False)
+    finally:
+        await runner.cleanup()
+    assert r.ok and r.completion_tokens == 2 and r.e2e_s is not None
+    assert r.ttft_s is None and r.tpot_s is None
+
+
+async def test_client_sockets_set_tcp_nodelay(upstream: ScriptedUpstream) -> None:
+    upstream.script = Script(ttft_s=0.05)  # the stream is still open when we look
+    async with make_session(ClientConfig(upstream.url)) as session, \
+            session.post("/v1/completions", data=_request().body) as resp:
+        sock = resp.connection.transport.get_extra_info("socket")  # type: ignore[union-attr]
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        await resp.read()
+
+
+def test_parser_splits_events_across_reads_and_stamps_per_read() -> None:
+    p = StreamParser()
+    p.feed(b'data: {"choices":[{"text":"a"}]}\n\ndata: {"choi', 1.0)
+    p.feed(b'ces":[{"text":"b"}]}\n\ndata: {"choices":[{"text":"c"}]}\n\n', 1.5)
+    p.feed(b'data: {"choices":[],"usage":{"completion_tokens":3}}\n\ndata: [DONE]\n\n', 2.0)
+    assert (p.first_s, p.last_s, p.itl_s, p.num_chunks) == (1.0, 1.5, [0.5, 0.0], 3)
+    assert p.usage == {"completion_tokens": 3} and p.done and p.error is None
+
+
+def test_parser_reports_error_events_and_garbage() -> None:
+    p = StreamParser()
+    p.feed(b'data: {"error": {"message": "boom"}}\n\n', 1.0)
+    assert p.error is not None and "boom" in p.error
+    q = StreamParser()
+    q.feed(b"data: {not json\n\n", 1.0)
+    assert q.error is not None and q.error.startswith("unparseable")
