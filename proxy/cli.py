@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "proxy.serve_cli",
     "router.cli",
     "loadgen.cli",
+    "loadgen.cli",
     "engine.cli",
 )
 
