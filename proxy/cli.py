@@ -18,7 +18,6 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "proxy.serve_cli",
     "router.cli",
     "loadgen.cli",
-    "loadgen.cli",
     "engine.cli",
 )
 
