@@ -1,0 +1,251 @@
+"""The adaptive routing policy: predicted cost of this request on each worker, plus load.
+
+For every routable worker the policy predicts this request's TTFT and TPOT
+from the worker's learned profile (:mod:`router.profiles`) at the worker's
+current load, with the speculative depth the depth policy
+(:class:`specdec.policy.DepthPolicy`) would pick there, and scores
+
+    cost = TTFT + predicted_output_tokens * TPOT + saturation wait
+
+times an SLO penalty when the prediction misses the request's TTFT/TPOT SLO.
+The lowest cost wins, except that
+
+- a worker that already holds the request's prefix blocks (prefix affinity)
+  wins if its cost is within ``affinity_slack`` of the best and it is not
+  saturated;
+- with probability ``explore_prob`` a random unsaturated worker is tried, so
+  every profile keeps getting fresh samples.
+
+Load enters twice, which is what keeps it from herding: the profiles' TTFT
+depends on the queue and TPOT on the batch size, and a worker past its batch
+capacity (``max_num_seqs``) pays the expected wait for a slot. So when one
+domain's favourite saturates, its cost rises above the next-best worker's and
+traffic spreads (tests/router/test_adaptive.py).
+
+Every decision's reason is counted (``stats()``, for the proxy's /stats):
+``only`` (one candidate), ``fit`` (the cheapest worker even unloaded),
+``load`` (a different worker than the unloaded favourite, because of load),
+``slo`` (the unloaded favourite would miss the SLO), ``affinity``, ``explore``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.affinity import PrefixAffinity
+from router.base import RequestOutcome, RequestShape, RouteDecision, WorkerView
+from router.profiles import LatencyPrior, Prediction, PriorConfig, WorkerProfile
+from specdec.policy import DepthPolicy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    explore_prob: float = 0.03  # chance of routing to a random unsaturated worker
+    affinity_slack: float = 0.5  # affinity wins within (1 + slack) x the best cost
+    affinity_capacity: int = 65536  # prefix-block hashes remembered
+    slo_penalty: float = 4.0  # cost multiplier per unit of relative SLO miss
+    forgetting: float = 0.98  # RLS forgetting factor of the latency profiles
+    prior: PriorConfig = field(default_factory=PriorConfig)
+    max_pending: int = 65536  # decisions awaiting their outcome, remembered
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.explore_prob < 1.0:
+            raise ValueError(f"explore_prob: expected [0, 1), got {self.explore_prob}")
+        if self.affinity_slack < 0 or self.slo_penalty < 0:
+            raise ValueError("affinity_slack and slo_penalty must be >= 0")
+        if not 0.5 < self.forgetting <= 1.0:
+            raise ValueError(f"forgetting: expected (0.5, 1], got {self.forgetting}")
+        if self.max_pending <= 0:
+            raise ValueError("max_pending must be > 0")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One worker's predicted cost for the request at hand."""
+
+    name: str
+    cost_s: float  # predicted seconds, with saturation wait and SLO penalty
+    unloaded_cost_s: float  # the same at zero load: what the worker's fit alone predicts
+    depth: int | None  # speculative depth to send (engine workers)
+    queue: int
+    batch: int
+    saturated: bool
+    meets_slo: bool
+
+
+@dataclass(frozen=True)
+class _Pending:
+    worker: str
+    queue: int
+    batch: int
+    depth: int
+
+
+def load_of(view: WorkerView) -> int:
+    """Requests ahead of a new one: this proxy's outstanding, or the scraped queue if larger."""
+    return max(view.outstanding_requests, view.running + view.waiting)
+
+
+class AdaptivePolicy:
+    """Cost-based routing over learned per-worker profiles; see the module docstring."""
+
+    name = "adaptive"
+
+    def __init__(self, config: AdaptiveConfig | None = None,
+                 depth_policy: DepthPolicy | None = None, seed: int = 0) -> None:
+        self.config = config or AdaptiveConfig()
+        self.depth_policy = depth_policy if depth_policy is not None else DepthPolicy()
+        self.affinity = PrefixAffinity(self.config.affinity_capacity)
+        self._rng = random.Random(seed)
+        self._profiles: dict[str, WorkerProfile] = {}
+        self._pending: OrderedDict[int, _Pending] = OrderedDict()
+        self.reasons: Counter[str] = Counter()
+        self.decisions: Counter[str] = Counter()
+        self.depths: Counter[int] = Counter()
+
+    # --- RoutingPolicy -------------------------------------------------------------------
+
+    def choose(self, shape: RequestShape, workers: Sequence[WorkerView]) -> RouteDecision:
+        cands = [self.candidate(shape, w) for w in workers]
+        pick, reason = self._pick(shape, cands)
+        self._remember(shape, pick)
+        self.reasons[reason] += 1
+        self.decisions[pick.name] += 1
+        if pick.depth is not None:
+            self.depths[pick.depth] += 1
+        return RouteDecision(pick.name, pick.depth, reason)
+
+    def observe(self, outcome: RequestOutcome) -> None:
+        try:
+            self._observe(outcome)
+        except Exception:  # NOTE: contract: observe never raises into the request path
+            logger.exception("adaptive policy failed to learn from an outcome")
+
+    # --- scoring ---------------------------------------------------------------------------
+
+    def profile(self, view: WorkerView) -> WorkerProfile:
+        prof = self._profiles.get(view.name)
+        if prof is None or prof.prior.config is not view.config:
+            # NOTE: a new compiled config (optimizer reload) restarts the worker's profile.
+            prof = WorkerProfile(LatencyPrior(view.config, self.config.prior),
+                                 self.config.forgetting)
+            self._profiles[view.name] = prof
+        return prof
+
+    def candidate(self, shape: RequestShape, view: WorkerView) -> Candidate:
+        prof = self.profile(view)
+        cap = view.config.engine.max_num_seqs
+        queue = load_of(view)
+        batch = min(queue + 1, cap)
+        depth = self._depth(shape, view, batch)
+        pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, depth or 0)
+        idle = prof.predict(shape.domain, shape.prompt_tokens, 0, 1, depth or 0)
+        cost = self._cost(shape, pred)
+        # past capacity the request waits for a slot: about one request's time per full batch
+        wait = max(0, queue + 1 - cap) / cap * cost
+        penalty, meets = self._slo(shape, pred.ttft_s + wait, pred.tpot_s)
+        return Candidate(view.name, (cost + wait) * penalty, self._cost(shape, idle), depth,
+                         queue, batch, queue >= cap, meets)
+
+    @staticmethod
+    def _cost(shape: RequestShape, pred: Prediction) -> float:
+        return pred.ttft_s + max(shape.predicted_output_tokens - 1, 0) * pred.tpot_s
+
+    def _slo(self, shape: RequestShape, ttft_s: float, tpot_s: float) -> tuple[float, bool]:
+        miss = 0.0
+        if shape.slo_ttft_s:
+            miss += max(0.0, ttft_s / shape.slo_ttft_s - 1.0)
+        if shape.slo_tpot_s:
+            miss += max(0.0, tpot_s / shape.slo_tpot_s - 1.0)
+        return 1.0 + self.config.slo_penalty * miss, miss == 0.0
+
+    def _depth(self, shape: RequestShape, view: WorkerView, batch: int) -> int | None:
+        if view.backend != "engine":
+            return None
+        e = view.config.engine
+        if e.spec_method == "none":
+            return 0
+        if shape.speculative_depth is not None:
+            return min(shape.speculative_depth, e.spec_max_depth)
+        return self.depth_policy.decide(view.name, shape.domain, batch, e.spec_max_depth)
+
+    def _pick(self, shape: RequestShape, cands: list[Candidate]) -> tuple[Candidate, str]:
+        if len(cands) == 1:
+            return cands[0], "only"
+        best = min(cands, key=lambda c: c.cost_s)
+        open_ = [c for c in cands if not c.saturated]
+        if open_ and self._rng.random() < self.config.explore_prob:
+            return self._rng.choice(open_), "explore"
+        aff = self._affinity(shape, cands, best)
+        if aff is not None:
+            return aff, "affinity"
+        favourite = min(cands, key=lambda c: c.unloaded_cost_s)
+        if best.name == favourite.name:
+            return best, "fit"
+        return best, ("slo" if not favourite.meets_slo and best.meets_slo else "load")
+
+    def _affinity(self, shape: RequestShape, cands: list[Candidate],
+                  best: Candidate) -> Candidate | None:
+        if not shape.prefix_hashes:
+            return None
+        hit = self.affinity.lookup(shape.prefix_hashes)
+        if hit is None or hit[0] == best.name:
+            return None
+        cand = next((c for c in cands if c.name == hit[0]), None)
+        if cand is None or cand.saturated:
+            return None
+        return cand if cand.cost_s <= best.cost_s * (1.0 + self.config.affinity_slack) else None
+
+    # --- learning --------------------------------------------------------------------------
+
+    def _remember(self, shape: RequestShape, pick: Candidate) -> None:
+        if shape.prefix_hashes:
+            self.affinity.record(shape.prefix_hashes, pick.name)
+        # NOTE: the proxy hands back the same RequestShape object in the outcome, so its
+        # id() recovers the load this decision saw; entries are bounded and evicted FIFO.
+        self._pending[id(shape)] = _Pending(pick.name, pick.queue, pick.batch, pick.depth or 0)
+        while len(self._pending) > self.config.max_pending:
+            self._pending.popitem(last=False)
+
+    def _observe(self, outcome: RequestOutcome) -> None:
+        pending = self._pending.pop(id(outcome.shape), None)
+        if pending is not None and pending.worker != outcome.worker:
+            pending = None  # a retry went elsewhere
+        if outcome.status != "ok":
+            return
+        prof = self._profiles.get(outcome.worker)
+        if prof is None:
+            return
+        shape = outcome.shape
+        queue = pending.queue if pending else (outcome.batch_size or 0)
+        batch = pending.batch if pending else max(1, outcome.batch_size or 1)
+        depth = outcome.spec_depth if outcome.spec_depth is not None else (
+            pending.depth if pending else 0)
+        prof.observe(shape.domain, shape.prompt_tokens, queue, batch, depth,
+                     outcome.ttft_s, outcome.tpot_s)
+        self._observe_depth(outcome, batch, depth)
+
+    def _observe_depth(self, outcome: RequestOutcome, batch: int, depth: int) -> None:
+        if outcome.spec_draft_tokens <= 0 or outcome.ttft_s is None or outcome.e2e_s is None:
+            return
+        self.depth_policy.observe_request(
+            outcome.worker, outcome.shape.domain, batch, depth, outcome.spec_draft_tokens,
+            outcome.spec_accepted_tokens, outcome.completion_tokens,
+            max(outcome.e2e_s - outcome.ttft_s, 0.0))
+
+    # --- introspection ---------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Decision reasons, picks per worker, depths sent and profile summaries (JSON-able)."""
+        return {"policy": self.name, "reasons": dict(self.reasons),
+                "decisions": dict(self.decisions),
+                "depths": {str(k): v for k, v in sorted(self.depths.items())},
+                "affinity_entries": len(self.affinity),
+                "profiles": {n: p.snapshot() for n, p in self._profiles.items()}}

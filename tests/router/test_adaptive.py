@@ -1,0 +1,150 @@
+"""AdaptivePolicy: learned fit, load spreading (no herding), affinity, SLO, depth, stats."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from engine.config import CompiledConfig
+from router.adaptive import AdaptiveConfig, AdaptivePolicy
+from router.base import RequestOutcome, RequestShape, RoutingPolicy, WorkerView
+from specdec.policy import DepthPolicy, PolicyConfig
+
+SMALL = CompiledConfig().with_engine(max_num_seqs=4, max_num_batched_tokens=256,
+                                     spec_method="ngram", spec_max_depth=4)
+BIG = CompiledConfig().with_engine(max_num_seqs=32, max_num_batched_tokens=2048)
+NO_EXPLORE = AdaptiveConfig(explore_prob=0.0)
+
+
+def views() -> list[WorkerView]:
+    return [WorkerView("small", "http://s", "engine", SMALL),
+            WorkerView("big", "http://b", "engine", BIG)]
+
+
+def shape(domain: str = "code", prompt: int = 100, out: int = 100, **kw: object) -> RequestShape:
+    return RequestShape(domain, prompt, None, out, **kw)  # type: ignore[arg-type]
+
+
+def teach(policy: AdaptivePolicy, ws: list[WorkerView], worker: str, domain: str,
+          tpot_s: float, n: int = 30) -> None:
+    view = next(w for w in ws if w.name == worker)
+    for _ in range(n):
+        s = shape(domain)
+        policy.choose(s, [view])
+        policy.observe(RequestOutcome(worker, s, "ok", completion_tokens=100, ttft_s=0.05,
+                                      tpot_s=tpot_s, e2e_s=0.05 + 99 * tpot_s))
+
+
+def test_implements_the_protocol() -> None:
+    assert isinstance(AdaptivePolicy(), RoutingPolicy)
+
+
+def test_learns_which_worker_fits_each_domain() -> None:
+    p, ws = AdaptivePolicy(NO_EXPLORE), views()
+    teach(p, ws, "small", "code", 0.01)
+    teach(p, ws, "big", "code", 0.05)
+    teach(p, ws, "small", "chat", 0.06)
+    teach(p, ws, "big", "chat", 0.02)
+    assert p.choose(shape("code"), ws).worker == "small"
+    assert p.choose(shape("chat"), ws).worker == "big"
+    assert p.stats()["reasons"]["fit"] == 2
+
+
+def test_does_not_herd_when_the_favourite_saturates() -> None:
+    p, ws = AdaptivePolicy(NO_EXPLORE), views()
+    teach(p, ws, "small", "code", 0.01)
+    teach(p, ws, "big", "code", 0.03)
+    picks: Counter[str] = Counter()
+    for _ in range(40):  # all one domain, nothing finishes: outstanding keeps growing
+        d = p.choose(shape("code"), ws)
+        picks[d.worker] += 1
+        next(w for w in ws if w.name == d.worker).outstanding_requests += 1
+    # small is 3x faster per request (e2e ~1.04 s vs ~3.0 s), so it fills its 4 slots and then
+    # queues only while a queued request there still beats a fresh one on big:
+    # (q + 1 - 4) / 4 * 1.04 + 1.04 < 3.0  <=>  q < 10.5 (plus big's own growing batch cost)
+    assert 8 <= picks["small"] <= 16
+    assert picks["big"] >= 24  # traffic spread to the slower worker
+    assert p.stats()["reasons"].get("load", 0) >= 20
+
+
+def test_scraped_queue_counts_as_load() -> None:
+    p, ws = AdaptivePolicy(NO_EXPLORE), views()
+    teach(p, ws, "small", "code", 0.01)
+    teach(p, ws, "big", "code", 0.03)
+    ws[0].running, ws[0].waiting = 4, 20  # another proxy filled it
+    d = p.choose(shape("code"), ws)
+    assert d.worker == "big" and d.reason == "load"
+
+
+def test_prefix_affinity_keeps_a_prefix_on_its_worker_unless_overloaded() -> None:
+    p, ws = AdaptivePolicy(NO_EXPLORE), views()
+    teach(p, ws, "small", "chat", 0.020)
+    teach(p, ws, "big", "chat", 0.018)
+    s1 = shape("chat", prompt=2000, prefix_hashes=(11, 22, 33))
+    assert p.choose(s1, [ws[0]]).worker == "small"  # first seen on small
+    d = p.choose(shape("chat", prompt=2000, prefix_hashes=(11, 22, 44)), ws)
+    assert (d.worker, d.reason) == ("small", "affinity")
+    ws[0].outstanding_requests = 10  # saturated: affinity yields
+    assert p.choose(shape("chat", prompt=2000, prefix_hashes=(11, 22, 55)), ws).worker == "big"
+
+
+def test_slo_steers_away_from_a_worker_that_would_miss_it() -> None:
+    p, ws = AdaptivePolicy(NO_EXPLORE), views()
+    teach(p, ws, "small", "qa", 0.010)  # fast tokens ...
+    teach(p, ws, "big", "qa", 0.012)
+    ws[0].outstanding_requests = 3  # ... but with a queue (batch 4 still fits)
+    tight = shape("qa", out=10, slo_tpot_s=0.011)
+    assert p.choose(shape("qa", out=10), ws).worker == "small"
+    d = p.choose(tight, ws)
+    # small's TPOT at batch 4 is still learned at batch 1 (flat), so it stays under the SLO
+    assert d.worker == "small"
+    ws[0].outstanding_requests = 0
+    teach(p, ws, "small", "qa", 0.030)  # small gets slow
+    d = p.choose(tight, ws)
+    assert d.worker == "big"
+
+
+def test_depth_comes_from_the_depth_policy_and_client_depth_is_capped() -> None:
+    dp = DepthPolicy(PolicyConfig(prior_acceptance=0.9))
+    p, ws = AdaptivePolicy(NO_EXPLORE, depth_policy=dp), views()
+    d_small = p.candidate(shape("code"), ws[0]).depth
+    assert d_small == dp.decide("small", "code", 1, 4) and d_small > 0
+    assert p.candidate(shape("code"), ws[1]).depth == 0  # big does not speculate
+    assert p.candidate(shape("code", speculative_depth=9), ws[0]).depth == 4
+    ext = WorkerView("vllm", "http://v", "vllm", CompiledConfig(backend="vllm"))
+    assert p.candidate(shape("code"), ext).depth is None
+
+
+def test_observe_feeds_acceptance_to_the_depth_policy() -> None:
+    dp = DepthPolicy()
+    p, ws = AdaptivePolicy(NO_EXPLORE, depth_policy=dp), views()
+    before = dp.acceptance("small", "code").mean
+    s = shape("code")
+    p.choose(s, [ws[0]])
+    p.observe(RequestOutcome("small", s, "ok", completion_tokens=100, ttft_s=0.05, tpot_s=0.01,
+                             e2e_s=1.0, spec_depth=4, spec_draft_tokens=120,
+                             spec_accepted_tokens=110))
+    assert dp.acceptance("small", "code").mean > before
+
+
+def test_exploration_rate_and_reason_counts() -> None:
+    p, ws = AdaptivePolicy(AdaptiveConfig(explore_prob=0.2), seed=1), views()
+    for _ in range(500):
+        p.choose(shape("code"), ws)
+    st = p.stats()
+    assert 60 <= st["reasons"]["explore"] <= 140
+    assert sum(st["reasons"].values()) == 500 == sum(st["decisions"].values())
+
+
+def test_single_candidate_and_bad_outcomes() -> None:
+    p, ws = AdaptivePolicy(), views()
+    assert p.choose(shape(), ws[:1]).reason == "only"
+    p.observe(RequestOutcome("nobody", shape(), "ok", ttft_s=0.1, tpot_s=0.1))
+    p.observe(RequestOutcome("small", shape(), "error"))
+    p.observe(RequestOutcome("small", shape(), "ok", ttft_s=float("inf"), tpot_s=None))
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError):
+        AdaptiveConfig(explore_prob=1.5)

@@ -1,0 +1,69 @@
+"""ShapeEstimator: bodies of both endpoints, malformed input, learned output lengths."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import TINY_TARGET
+from router.base import RequestOutcome, RequestShape
+from router.shape import ShapeConfig, ShapeEstimator
+
+
+@pytest.fixture(scope="module")
+def est() -> ShapeEstimator:
+    return ShapeEstimator.load(TINY_TARGET, config=ShapeConfig(slo_ttft_s={"code": 0.5}))
+
+
+def test_chat_body(est: ShapeEstimator) -> None:
+    body = {"model": "m", "stream": True, "max_tokens": 33, "speculative_depth": 2,
+            "messages": [{"role": "user", "content": "Translate German to English: Guten Tag ."}]}
+    s = est.estimate(body, "/v1/chat/completions")
+    assert s.domain == "translation"
+    assert s.stream and s.max_tokens == 33 and s.predicted_output_tokens == 33
+    assert s.speculative_depth == 2
+    # exact: the rendered ChatML prompt, special tokens counted once each
+    rendered = "<|im_start|>user\nTranslate German to English: Guten Tag .<|im_end|>\n" \
+               "<|im_start|>assistant\n"
+    assert s.prompt_tokens == est.counter.count(rendered).num_tokens
+
+
+def test_completions_body_and_domain_slo(est: ShapeEstimator) -> None:
+    s = est.estimate({"prompt": "Write a Python function that merges two sorted lists."},
+                     "completions")
+    assert s.domain == "code" and s.max_tokens is None
+    assert s.slo_ttft_s == 0.5  # per-domain default from the config
+    s2 = est.estimate({"prompt": "Write a Python function.", "slo_ttft_s": 0.1}, "completions")
+    assert s2.slo_ttft_s == 0.1  # per-request wins
+
+
+def test_token_id_prompts(est: ShapeEstimator) -> None:
+    assert est.estimate({"prompt": [1, 2, 3, 4]}, "completions").prompt_tokens == 4
+    assert est.estimate({"prompt": [[5, 6], [7]]}, "completions").prompt_tokens == 2
+
+
+@pytest.mark.parametrize("body", [
+    {}, {"messages": "nope"}, {"messages": [None, 3, {"role": "user"}]}, {"prompt": None},
+    {"prompt": "", "max_tokens": -1}, {"prompt": "x", "max_tokens": True},
+    {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+])
+def test_malformed_bodies_never_raise(est: ShapeEstimator, body: dict) -> None:
+    s = est.estimate(body, "/v1/chat/completions" if "messages" in body else "completions")
+    assert isinstance(s, RequestShape)
+    assert s.max_tokens is None and s.predicted_output_tokens >= 1
+
+
+def test_output_length_is_learned_per_domain() -> None:
+    est = ShapeEstimator.load(TINY_TARGET)
+    body = {"prompt": "Translate German to English: Wir gehen heute ins Kino ."}
+    shape = est.estimate(body, "completions")
+    assert shape.predicted_output_tokens == 64  # the translation prior
+    for n in (10, 20, 30):
+        est.observe(RequestOutcome("w", shape, "ok", completion_tokens=n))
+    est.observe(RequestOutcome("w", shape, "error", completion_tokens=999))  # ignored
+    assert est.estimate(body, "completions").predicted_output_tokens == 20  # mean of 10, 20, 30
+    assert est.stats()["output_tokens"]["translation"]["num_observed"] == 3
+
+
+def test_config_rejects_unknown_domains() -> None:
+    with pytest.raises(ValueError, match="poetry"):
+        ShapeConfig(slo_ttft_s={"poetry": 1.0})

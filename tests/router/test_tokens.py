@@ -1,0 +1,75 @@
+"""Token counts (exact / extrapolated / estimated), ChatML rendering and prefix hashes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+import pytest
+
+from engine.config import TINY_TARGET
+from router.tokens import TokenConfig, TokenCounter, render_chat
+
+
+@pytest.fixture(scope="module")
+def counter() -> TokenCounter:
+    return TokenCounter.load(TINY_TARGET)
+
+
+def test_exact_count_matches_the_tokenizer(counter: TokenCounter) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TINY_TARGET / "tokenizer.json"))
+    text = "The quick brown fox jumps over the lazy dog. " * 10
+    got = counter.count(text)
+    assert got.exact and got.num_tokens == len(tok.encode(text, add_special_tokens=False).ids)
+
+
+def test_long_prompt_extrapolates_from_its_own_head(counter: TokenCounter) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TINY_TARGET / "tokenizer.json"))
+    text = ("Sentence number %d talks about forests and rivers. " * 300) % tuple(range(300))
+    true = len(tok.encode(text, add_special_tokens=False).ids)
+    got = counter.count(text)
+    assert not got.exact
+    assert abs(got.num_tokens - true) / true < 0.1
+
+
+def test_without_tokenizer_estimates_from_length(tmp_path: Path) -> None:
+    c = TokenCounter.load(tmp_path)  # no tokenizer.json there
+    assert not c.has_tokenizer
+    assert c.count("x" * 400).num_tokens == 100
+    assert c.count("").num_tokens == 0
+    assert TokenCounter.load(None).count("abcd").num_tokens == 1
+
+
+def test_render_chat_equals_the_models_template() -> None:
+    cfg = json.loads((TINY_TARGET / "tokenizer_config.json").read_text())
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "Translate 'cat' to French."}]
+    plain = [{**m, "content": m["content"] if isinstance(m["content"], str) else "Hi"}
+             for m in messages]
+    expected = jinja2.Template(cfg["chat_template"]).render(messages=plain,
+                                                            add_generation_prompt=True)
+    assert render_chat(messages) == expected
+
+
+def test_prefix_hashes_share_leading_blocks_only() -> None:
+    c = TokenCounter(TokenConfig(block_chars=100, max_hash_blocks=8))
+    a = "A" * 250 + "tail one"
+    b = "A" * 150 + "B" * 100
+    ha, hb = c.prefix_hashes(a), c.prefix_hashes(b)
+    assert len(ha) == 2 and len(hb) == 2
+    assert ha[0] == hb[0] and ha[1] != hb[1]
+    assert c.prefix_hashes("short") == ()
+    assert all(0 <= h < 2**63 for h in ha)
+    assert len(c.prefix_hashes("x" * 10_000)) == 8  # capped
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError):
+        TokenConfig(exact_max_chars=100, sample_chars=200)
