@@ -29,7 +29,8 @@ class Split:
 
 
 def split(examples: list[Example]) -> Split:
-    train, test = [], []
+    train: list[Example] = []
+    test: list[Example] = []
     for ex in examples:
         frac = HELD_OUT.get(ex.source, 0.0)
         (test if is_held_out(ex.group, frac) else train).append(ex)

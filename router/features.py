@@ -86,7 +86,7 @@ class Featurizer:
                 feats[_hash("w" + w, mask)] += 1
                 feats[_hash(tag + w, mask)] += 1
             if c.word_bigrams:
-                for a, b in zip(words, words[1:]):
+                for a, b in zip(words, words[1:], strict=False):
                     feats[_hash(f"b{a} {b}", mask)] += 1
             if c.char_ngram:
                 span = part[: c.char_window]

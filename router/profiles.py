@@ -66,7 +66,7 @@ class RecursiveLeastSquares:
         self._w = tuple(float(v) for v in self.theta)
 
     def predict(self, x: tuple[float, ...]) -> float:
-        return sum(w * v for w, v in zip(self._w, x))
+        return sum(w * v for w, v in zip(self._w, x, strict=True))
 
 
 @dataclass(frozen=True)

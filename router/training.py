@@ -88,7 +88,7 @@ def evaluate(clf: DomainClassifier, examples: Iterable[Example]) -> dict[str, An
     per = {d: {"precision": round(float(p[i]), 3), "recall": round(float(r[i]), 3),
                "f1": round(float(f[i]), 3), "support": int(s[i])} for i, d in enumerate(labels)}
     macro = sum(v["f1"] for v in per.values()) / max(1, len(per))
-    acc = sum(a == b for a, b in zip(y_true, y_pred)) / max(1, len(y_true))
+    acc = sum(a == b for a, b in zip(y_true, y_pred, strict=True)) / max(1, len(y_true))
     return {"macro_f1": round(macro, 3), "accuracy": round(acc, 3), "num_examples": len(examples),
             "per_domain": per}
 

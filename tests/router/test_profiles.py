@@ -6,8 +6,13 @@ import pytest
 
 from engine.config import CompiledConfig, DeclaredFit
 from router.affinity import PrefixAffinity
-from router.profiles import (LatencyPrior, PriorConfig, RecursiveLeastSquares, WorkerProfile,
-                             prompt_band)
+from router.profiles import (
+    LatencyPrior,
+    PriorConfig,
+    RecursiveLeastSquares,
+    WorkerProfile,
+    prompt_band,
+)
 
 
 def test_rls_recovers_a_linear_function() -> None:
