@@ -130,7 +130,7 @@ class SearchSpace:
         if not draft_model:
             knobs = tuple(Knob(k.name, tuple(v for v in k.values if v != "draft"))
                           if k.name == "spec_method" else k for k in knobs)
-        return cls(base, knobs, ModelShape.from_model_dir(base.model), memory_budget_bytes,
+        return cls(base, tuple(knobs), ModelShape.from_model_dir(base.model), memory_budget_bytes,
                    draft_model)
 
     @property

@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "router.cli",
     "loadgen.cli",
     "engine.cli",
+    "optimizer.cli",
 )
 
 

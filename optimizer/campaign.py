@@ -1,0 +1,205 @@
+"""One campaign: the search for one traffic profile, from screening to a confirmed winner.
+
+    screen   claim proposals from the board (any agent's), prune with the cost
+             model, measure the rest in the fast tier, recalibrate the cost
+             model, until the fast-tier budget is spent or the agents go quiet;
+    confirm  measure the incumbent and the best few screened candidates in the
+             slow tier (repeated), and return the best with its gain report.
+
+Agents run beside it (``AgentRunner`` tasks owned by the service); the
+campaign only reads and writes the board.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import CompiledConfig
+from optimizer.board import Board, Proposal, best_by_key
+from optimizer.costmodel import CostModel, Workload
+from optimizer.errors import MeasurementError
+from optimizer.measure import Measurement, Measurer
+from optimizer.pruner import PruneConfig, Pruner
+from optimizer.space import SearchSpace
+from optimizer.verify import GainReport, gain_beyond_noise
+
+logger = logging.getLogger(__name__)
+
+INCUMBENT_AGENT = "incumbent"
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    fast_budget: int = 24  # fast-tier experiments per campaign
+    finalists: int = 2  # screened candidates confirmed in the slow tier
+    idle_timeout_s: float = 30.0  # screening ends when no proposal arrives for this long
+    min_gain: float = 0.02  # a winner must beat the incumbent by this much (and the noise)
+    prune: PruneConfig = field(default_factory=PruneConfig)
+
+    def __post_init__(self) -> None:
+        if self.fast_budget < 1 or self.finalists < 1 or self.idle_timeout_s <= 0:
+            raise ValueError("search: fast_budget, finalists >= 1 and idle_timeout_s > 0")
+
+
+@dataclass(frozen=True)
+class Confirmed:
+    config: CompiledConfig
+    key: str
+    measurement: Measurement  # slow tier
+    incumbent: Measurement  # slow tier, same run
+    gain: GainReport
+
+
+class Campaign:
+    def __init__(self, campaign_id: str, board: Board, space: SearchSpace, measurer: Measurer,
+                 cost_model: CostModel, work: Workload, incumbent: CompiledConfig,
+                 config: SearchConfig, fast: str = "fast", slow: str = "slow",
+                 claimer: str = "measurer") -> None:
+        self.id = campaign_id
+        self.board = board
+        self.space = space
+        self.measurer = measurer
+        self.cost_model = cost_model
+        self.work = work
+        self.incumbent = space.canonical(incumbent)
+        self.config = config
+        self.fast = fast
+        self.slow = slow
+        self.claimer = claimer
+        self.fast_layers = measurer.tiers[fast].num_layers
+        self.pruner = Pruner(config.prune, self.predict_fast)
+        self.phase = "screening"
+        self.num_fast = 0
+        self.num_failed = 0
+        self.started = time.monotonic()
+        self.log: list[dict[str, Any]] = []  # last experiments, for /stats
+
+    def predict_fast(self, cfg: CompiledConfig) -> float:
+        return self.cost_model.predict(cfg, self.work, self.fast_layers)
+
+    # -- screening ---------------------------------------------------------
+
+    async def measure_incumbent(self) -> float:
+        pid = await self._call(self.board.post, self.id, self.space.key(self.incumbent),
+                               self.incumbent.to_dict(), INCUMBENT_AGENT, None, "live config")
+        existing = await self._call(self.board.find, self.id, self.space.key(self.incumbent))
+        assert existing is not None
+        await self._call(self.board.note, self.id, "service", "incumbent",
+                         {"key": existing.key})
+        if pid is None:  # NOTE: another process already posted (and maybe measured) it
+            measured = best_by_key(await self._call(self.board.results, self.id, self.fast))
+            if existing.key in measured:
+                return measured[existing.key]
+        await self._call(self.board.set_status, existing.id, "claimed")
+        m = await self._measure(existing, self.fast)
+        return m.value if m else 0.0
+
+    async def screen(self) -> None:
+        last_claim = time.monotonic()
+        while self.num_fast < self.config.fast_budget:
+            p = await self._call(self.board.claim, self.id, self.claimer)
+            if p is None:
+                if time.monotonic() - last_claim > self.config.idle_timeout_s:
+                    logger.info("campaign %s: agents quiet, screening ends", self.id)
+                    break
+                await asyncio.sleep(0.1)
+                continue
+            last_claim = time.monotonic()
+            await self._screen_one(p)
+
+    async def _screen_one(self, p: Proposal) -> None:
+        cfg = CompiledConfig.from_dict(p.config)
+        measured = best_by_key(await self._call(self.board.results, self.id, self.fast))
+        best = max(measured.values()) if measured else None
+        decision = self.pruner.decide(cfg, best, self.cost_model.num_calibration_points)
+        if decision.prune and not decision.audit:
+            await self._call(self.board.set_status, p.id, "pruned")
+            self._remember(p, "pruned", decision.predicted, None)
+            return
+        m = await self._measure(p, self.fast)
+        if m is None:
+            return
+        if decision.prune:
+            wrong = self.pruner.record_audit(decision, m.value)
+            await self._call(self.board.set_status, p.id, "pruned")
+            await self._call(self.board.note, self.id, "pruner", "prune_audit",
+                             {"key": p.key, "predicted": decision.predicted,
+                              "threshold": decision.threshold, "measured": m.value,
+                              "wrong": wrong})
+        self._remember(p, "audited" if decision.prune else "measured", decision.predicted,
+                       m.value)
+        await self._recalibrate()
+
+    async def _measure(self, p: Proposal, tier: str) -> Measurement | None:
+        cfg = CompiledConfig.from_dict(p.config)
+        try:
+            m = await self.measurer.measure(cfg, tier)
+        except MeasurementError as e:
+            logger.warning("campaign %s: %s failed: %s", self.id, p.key, e)
+            self.num_failed += 1
+            await self._call(self.board.set_status, p.id, "failed")
+            await self._call(self.board.note, self.id, self.claimer, "failed",
+                             {"key": p.key, "error": str(e)[:300]})
+            return None
+        if tier == self.fast:
+            self.num_fast += 1
+        await self._call(self.board.add_result, p.id, tier, m.value, m.seconds,
+                         {"values": m.values, "reload_s": m.reload_s, "errors": m.num_errors,
+                          **m.details})
+        await self._call(self.board.set_status, p.id, "measured")
+        return m
+
+    async def _recalibrate(self) -> None:
+        results = await self._call(self.board.results, self.id, self.fast)
+        pairs = [(self.space.from_key(k), v) for k, v in best_by_key(results).items()]
+        await asyncio.get_running_loop().run_in_executor(
+            None, self.cost_model.calibrate, pairs, self.work, self.fast_layers)
+
+    def _remember(self, p: Proposal, what: str, predicted: float, value: float | None) -> None:
+        self.log.append({"key": p.key, "agent": p.agent, "what": what,
+                         "predicted": round(predicted, 2),
+                         "value": None if value is None else round(value, 2)})
+        del self.log[:-20]
+
+    # -- confirmation ------------------------------------------------------
+
+    async def confirm(self) -> Confirmed | None:
+        """Slow-tier repeats of the incumbent and the finalists; the best, or None."""
+        self.phase = "confirming"
+        measured = best_by_key(await self._call(self.board.results, self.id, self.fast))
+        inc_key = self.space.key(self.incumbent)
+        inc_fast = measured.get(inc_key, 0.0)
+        finalists = [k for k, v in sorted(measured.items(), key=lambda kv: -kv[1])
+                     if k != inc_key and v > inc_fast][: self.config.finalists]
+        if not finalists:
+            return None
+        incumbent = await self._confirm_one(inc_key)
+        best: Confirmed | None = None
+        for key in finalists:
+            m = await self._confirm_one(key)
+            if incumbent is None or m is None:
+                continue
+            gain = gain_beyond_noise(m, incumbent, self.config.min_gain)
+            if best is None or m.value > best.measurement.value:
+                best = Confirmed(self.space.from_key(key), key, m, incumbent, gain)
+        return best
+
+    async def _confirm_one(self, key: str) -> Measurement | None:
+        p = await self._call(self.board.find, self.id, key)
+        assert p is not None
+        return await self._measure(p, self.slow)
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        """Board calls are blocking SQLite I/O: keep them off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"id": self.id, "phase": self.phase, "fast_experiments": self.num_fast,
+                "fast_budget": self.config.fast_budget, "failed": self.num_failed,
+                "pruning": self.pruner.snapshot(),
+                "elapsed_s": round(time.monotonic() - self.started, 1),
+                "recent": list(self.log[-10:])}

@@ -1,0 +1,93 @@
+"""Start and stop a built-in engine worker as a child process (measurement engine, cold restarts).
+
+``polyinfer engine --model DIR --port N --config compiled.yaml`` is the
+engine engineer's CLI; this module only launches it, waits for it to answer,
+and stops it. The cold start time it measures is what a hot reload avoids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from engine.config import CompiledConfig
+from optimizer.errors import EngineUnavailable
+from optimizer.measure import EngineClient
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EngineProcess:
+    """One engine child process; ``start()`` returns the seconds until it served."""
+
+    def __init__(self, config: CompiledConfig, port: int | None = None,
+                 log_path: str | Path | None = None, nice: int = 0) -> None:
+        self.config = config
+        self.port = port or free_port()
+        self.log_path = Path(log_path) if log_path else None
+        self.nice = nice
+        self._proc: asyncio.subprocess.Process | None = None
+        self._tmp = tempfile.TemporaryDirectory(prefix="polyinfer-opt-engine-")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self, timeout_s: float = 180.0) -> float:
+        cfg_path = Path(self._tmp.name) / "compiled.yaml"
+        cfg_path.write_text(yaml.safe_dump(self.config.to_dict()))
+        cmd = [sys.executable, "-m", "proxy.cli", "--log-level", "WARNING", "engine",
+               "--model", self.config.model, "--port", str(self.port), "--config", str(cfg_path)]
+        if self.nice:
+            cmd = ["nice", "-n", str(self.nice), *cmd]
+        log = open(self.log_path, "ab") if self.log_path else asyncio.subprocess.DEVNULL
+        t0 = time.perf_counter()
+        self._proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if self.log_path:
+            log.close()  # type: ignore[union-attr]
+        async with aiohttp.ClientSession() as session:
+            ready = asyncio.ensure_future(EngineClient(self.url, session).wait_ready(timeout_s))
+            exited = asyncio.ensure_future(self._proc.wait())
+            done, _ = await asyncio.wait({ready, exited}, return_when=asyncio.FIRST_COMPLETED)
+            if exited in done:
+                ready.cancel()
+                raise EngineUnavailable(f"engine exited with code {self._proc.returncode} during"
+                                        f" start-up (log: {self.log_path})")
+            exited.cancel()
+            ready.result()
+        return time.perf_counter() - t0
+
+    async def stop(self, timeout_s: float = 20.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.returncode is not None:
+            return
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+    async def __aenter__(self) -> EngineProcess:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+        self._tmp.cleanup()

@@ -1,0 +1,231 @@
+"""Measurement on a persistent engine: hot-reload a candidate, replay the sample, score it.
+
+The engine is started once (model loaded once); every candidate is swapped
+in with ``POST /admin/reload`` and scored by a closed-loop replay of the
+sample through loadgen's runner (all requests due at t=0, ``concurrency`` in
+flight), greedy, streaming. The objective is output tokens per second of
+wall time; requests that fail count zero tokens and are reported.
+
+Two tiers: the fast tier reloads with ``engine.measure_num_layers`` set (the
+first N layers only: wrong outputs, step times that track the full model)
+and a short sample; the slow tier runs the full model on a longer sample,
+repeated to measure noise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from engine.config import CompiledConfig
+from loadgen.client import StreamingClient
+from loadgen.config import ClientConfig
+from loadgen.request import PreparedRequest
+from loadgen.runner import Runner
+from optimizer.errors import EngineUnavailable, MeasurementError, ReloadRejected
+from optimizer.sample import ReplayRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str  # "fast" | "slow"
+    num_layers: int | None  # engine.measure_num_layers; None = the full model
+    num_requests: int  # replay sample size
+    repeats: int = 1  # replays per experiment (noise estimate when > 1)
+    concurrency: int = 8  # closed-loop requests in flight
+    warmup_requests: int = 2  # sent after a reload, not measured
+
+    def __post_init__(self) -> None:
+        if self.num_layers is not None and self.num_layers < 1:
+            raise MeasurementError(f"tier {self.name}: num_layers must be >= 1 or None")
+        if self.num_requests < 1 or self.repeats < 1 or self.concurrency < 1:
+            raise MeasurementError(f"tier {self.name}: num_requests, repeats and concurrency "
+                                   "must be >= 1")
+
+    def apply(self, cfg: CompiledConfig) -> CompiledConfig:
+        return cfg.with_engine(measure_num_layers=self.num_layers)
+
+
+@dataclass(frozen=True)
+class ReplayStats:
+    tokens_per_s: float  # output tokens / wall seconds of the replay
+    num_tokens: int
+    wall_s: float
+    num_errors: int
+    ttft_p50_s: float | None
+    tpot_p50_s: float | None
+    errors: tuple[str, ...] = ()  # the first few error messages
+
+
+@dataclass(frozen=True)
+class Measurement:
+    tier: str
+    value: float  # mean tokens/s over repeats
+    values: tuple[float, ...]  # one per repeat
+    seconds: float  # experiment wall time, reload included
+    reload_s: float  # what the engine reported for the hot reload
+    num_errors: int
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stdev(self) -> float:
+        return statistics.stdev(self.values) if len(self.values) > 1 else 0.0
+
+
+class EngineClient:
+    """The engine's admin + OpenAI API, on one aiohttp session (base URL set on the session)."""
+
+    def __init__(self, base_url: str, session: aiohttp.ClientSession, model: str = "") -> None:
+        self.base_url = base_url.rstrip("/")
+        self.session = session
+        self.model = model
+
+    def _url(self, path: str) -> str:
+        return self.base_url + path
+
+    async def wait_ready(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                async with self.session.get(self._url("/v1/models")) as resp:
+                    if resp.status == 200:
+                        body = await resp.json()
+                        if not self.model and body.get("data"):
+                            self.model = body["data"][0]["id"]
+                        return
+            except (aiohttp.ClientError, OSError) as e:
+                last = e
+            await asyncio.sleep(0.25)
+        raise EngineUnavailable(f"{self.base_url} not ready after {timeout_s:.0f} s ({last})")
+
+    async def config(self) -> CompiledConfig:
+        async with self.session.get(self._url("/admin/config")) as resp:
+            if resp.status != 200:
+                raise EngineUnavailable(f"GET /admin/config: HTTP {resp.status}")
+            body = await resp.json()
+        return CompiledConfig.from_dict(body.get("config", body))
+
+    async def reload(self, cfg: CompiledConfig) -> float:
+        """Apply ``cfg`` without reloading weights; returns the seconds the engine reports."""
+        t0 = time.perf_counter()
+        try:
+            async with self.session.post(self._url("/admin/reload"), json=cfg.to_dict()) as resp:
+                text = await resp.text()
+        except (aiohttp.ClientError, OSError) as e:
+            raise EngineUnavailable(f"{self.base_url}: reload failed ({e})") from e
+        wall = time.perf_counter() - t0
+        if 400 <= resp.status < 500:
+            raise ReloadRejected(f"reload rejected (HTTP {resp.status}): {text[:300]}")
+        if resp.status != 200:
+            raise MeasurementError(f"reload failed (HTTP {resp.status}): {text[:300]}")
+        return _reported_seconds(text, wall)
+
+    async def complete(self, prompt: str, max_tokens: int) -> str:
+        """Greedy completion text (verification)."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "stream": False}
+        async with self.session.post(self._url("/v1/completions"), json=body) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise MeasurementError(f"completion failed (HTTP {resp.status}): {text[:300]}")
+        return str(orjson.loads(text)["choices"][0]["text"])
+
+    async def replay(self, requests: Sequence[ReplayRequest], concurrency: int) -> ReplayStats:
+        client_cfg = ClientConfig(target=self.base_url, endpoint="completions", model=self.model,
+                                  stream=True, max_concurrency=concurrency)
+        prepared = [self._prepared(i, r) for i, r in enumerate(requests)]
+        runner = Runner(StreamingClient(client_cfg, self.session), max_concurrency=concurrency,
+                        quiet=True)
+        run = await runner.run(prepared)
+        return _stats(run.results, run.duration_s)
+
+    def _prepared(self, index: int, r: ReplayRequest) -> PreparedRequest:
+        body = {"model": self.model, "prompt": r.prompt, "max_tokens": r.max_tokens,
+                "temperature": 0.0, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        # NOTE: closed loop: everything is due at t=0 and the runner's semaphore
+        # keeps `concurrency` in flight, so the engine is never idle for lack of work.
+        return PreparedRequest(index=index, line=index + 1, arrival_s=0.0,
+                               path=self._url("/v1/completions"), body=orjson.dumps(body),
+                               prompt_tokens=r.prompt_tokens, max_tokens=r.max_tokens,
+                               domain=r.domain)
+
+
+def _reported_seconds(text: str, wall_s: float) -> float:
+    try:
+        body = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return wall_s
+    if isinstance(body, dict):
+        for key in ("reload_s", "seconds", "elapsed_s", "took_s"):
+            if isinstance(body.get(key), (int, float)):
+                return float(body[key])
+    return wall_s
+
+
+def _stats(results: Sequence[Any], wall_s: float) -> ReplayStats:
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.completion_tokens or 0 for r in ok)
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
+    errors = tuple(str(r.error) for r in results if not r.ok)[:3]
+    return ReplayStats(tokens / wall_s if wall_s > 0 else 0.0, tokens, wall_s,
+                       len(results) - len(ok), statistics.median(ttft) if ttft else None,
+                       statistics.median(tpot) if tpot else None, errors)
+
+
+class Measurer:
+    """Scores configs on one persistent engine; one experiment at a time."""
+
+    def __init__(self, engine: EngineClient, samples: dict[str, list[ReplayRequest]],
+                 tiers: Sequence[Tier]) -> None:
+        missing = [t.name for t in tiers if not samples.get(t.name)]
+        if missing:
+            raise MeasurementError(f"no replay sample for tier(s) {missing}")
+        self.engine = engine
+        self.samples = samples
+        self.tiers = {t.name: t for t in tiers}
+        self._lock = asyncio.Lock()  # NOTE: two replays at once would measure each other
+        self.num_experiments: dict[str, int] = {t.name: 0 for t in tiers}
+        self.seconds: dict[str, float] = {t.name: 0.0 for t in tiers}
+
+    def set_samples(self, samples: dict[str, list[ReplayRequest]]) -> None:
+        self.samples = samples
+
+    async def measure(self, cfg: CompiledConfig, tier_name: str,
+                      repeats: int | None = None) -> Measurement:
+        tier = self.tiers[tier_name]
+        async with self._lock:
+            t0 = time.perf_counter()
+            reload_s = await self.engine.reload(tier.apply(cfg))
+            sample = self.samples[tier_name][: tier.num_requests]
+            if tier.warmup_requests:
+                await self.engine.replay(sample[: tier.warmup_requests], tier.concurrency)
+            runs = [await self.engine.replay(sample, tier.concurrency)
+                    for _ in range(repeats or tier.repeats)]
+            seconds = time.perf_counter() - t0
+        self.num_experiments[tier_name] += 1
+        self.seconds[tier_name] += seconds
+        values = tuple(r.tokens_per_s for r in runs)
+        errors = sum(r.num_errors for r in runs)
+        if errors:
+            logger.warning("%s tier: %d failed requests (%s)", tier_name, errors,
+                           runs[0].errors or runs[-1].errors)
+        return Measurement(tier_name, statistics.fmean(values), values, seconds, reload_s, errors,
+                           {"ttft_p50_s": runs[-1].ttft_p50_s, "tpot_p50_s": runs[-1].tpot_p50_s,
+                            "num_tokens": runs[-1].num_tokens, "wall_s": runs[-1].wall_s})
+
+    def experiments_per_hour(self) -> dict[str, float]:
+        return {t: 3600.0 * n / self.seconds[t] for t, n in self.num_experiments.items()
+                if n and self.seconds[t] > 0}

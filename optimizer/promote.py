@@ -1,0 +1,163 @@
+"""Promotion: apply a verified winner to a live worker, watch it, roll back if it regresses.
+
+Engine workers take the winner by hot reload (``POST /admin/reload``: the
+engine swaps configs between steps, requests in flight continue). vLLM
+workers need a blue-green replacement (a new server, then drain the old),
+which costs a cold start: ``switch_cost_s`` prices that, and a candidate is
+only worth switching to when the time its gain saves over the payback
+horizon exceeds the switch cost. Blue-green itself is issue 8's; until a
+``BlueGreen`` implementation is handed in, vLLM promotions are refused with a
+PromotionError that says so.
+
+After a switch, :class:`LiveWatch` compares the worker's live time per output
+token (scraped from its vLLM-style /metrics) in a window after the switch
+with the window before; a regression beyond the threshold rolls back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.config import CompiledConfig
+from optimizer.errors import PromotionError
+from optimizer.measure import EngineClient
+
+logger = logging.getLogger(__name__)
+
+TPOT_METRIC = "vllm:time_per_output_token_seconds"
+E2E_METRIC = "vllm:e2e_request_latency_seconds"
+
+
+@dataclass(frozen=True)
+class PromotionConfig:
+    watch_s: float = 10.0  # window after a switch before judging it, seconds
+    min_requests: int = 3  # finished requests needed in a window to judge
+    max_tpot_regression: float = 0.15  # roll back above +15% live TPOT
+    hot_reload_cost_s: float = 1.0  # what a hot reload costs (measured reload_s replaces it)
+    restart_cost_s: float = 120.0  # what a cold restart / blue-green switch costs
+    payback_horizon_s: float = 1800.0  # how long a promoted config is expected to live
+
+    def __post_init__(self) -> None:
+        if self.watch_s <= 0 or self.min_requests < 1 or self.max_tpot_regression <= 0:
+            raise PromotionError("watch_s, min_requests and max_tpot_regression must be > 0")
+
+    def switch_cost_s(self, backend: str, measured_reload_s: float | None = None) -> float:
+        if backend == "engine":
+            return measured_reload_s if measured_reload_s is not None else self.hot_reload_cost_s
+        return self.restart_cost_s
+
+    def worth_switching(self, gain: float, backend: str,
+                        measured_reload_s: float | None = None) -> bool:
+        """Time the gain saves over the horizon (as served work) beats the switch cost."""
+        saved_s = self.payback_horizon_s * gain / (1.0 + gain) if gain > 0 else 0.0
+        return saved_s > self.switch_cost_s(backend, measured_reload_s)
+
+
+class ConfigSink(Protocol):
+    """Who else must learn about a promotion (the router's worker profiles)."""
+
+    def config_promoted(self, worker_url: str, config: CompiledConfig,
+                        tokens_per_s: float) -> None:
+        ...
+
+
+class BlueGreen(Protocol):
+    """Replaces a vLLM worker with one running ``config`` (issue 8); returns seconds taken."""
+
+    async def replace(self, worker_url: str, config: CompiledConfig) -> float:
+        ...
+
+
+@dataclass(frozen=True)
+class LiveSample:
+    t: float  # monotonic seconds
+    tpot_sum_s: float
+    tpot_count: float
+    e2e_count: float
+
+
+async def scrape(session: aiohttp.ClientSession, worker_url: str) -> LiveSample:
+    async with session.get(worker_url.rstrip("/") + "/metrics") as resp:
+        if resp.status != 200:
+            raise PromotionError(f"{worker_url}/metrics: HTTP {resp.status}")
+        text = await resp.text()
+    sums = {TPOT_METRIC + "_sum": 0.0, TPOT_METRIC + "_count": 0.0, E2E_METRIC + "_count": 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in sums:
+                sums[s.name] += float(s.value)
+    return LiveSample(time.monotonic(), sums[TPOT_METRIC + "_sum"],
+                      sums[TPOT_METRIC + "_count"], sums[E2E_METRIC + "_count"])
+
+
+def window_tpot(a: LiveSample, b: LiveSample) -> tuple[float | None, int]:
+    """Mean TPOT (seconds) and finished requests between two scrapes."""
+    count = b.tpot_count - a.tpot_count
+    finished = int(b.e2e_count - a.e2e_count)
+    if count <= 0:
+        return None, finished
+    return (b.tpot_sum_s - a.tpot_sum_s) / count, finished
+
+
+@dataclass(frozen=True)
+class PromotionOutcome:
+    status: str  # "promoted" | "rolled_back" | "refused"
+    switch_s: float  # reload (or replacement) seconds
+    tpot_before_s: float | None
+    tpot_after_s: float | None
+    reason: str = ""
+
+
+class Promoter:
+    def __init__(self, session: aiohttp.ClientSession, config: PromotionConfig,
+                 sinks: tuple[ConfigSink, ...] = (), blue_green: BlueGreen | None = None) -> None:
+        self.session = session
+        self.config = config
+        self.sinks = sinks
+        self.blue_green = blue_green
+
+    async def switch(self, worker_url: str, backend: str, cfg: CompiledConfig) -> float:
+        if backend == "engine":
+            return await EngineClient(worker_url, self.session).reload(
+                cfg.with_engine(measure_num_layers=None))
+        if self.blue_green is None:
+            raise PromotionError(f"{worker_url}: a {backend} worker needs a blue-green "
+                                 "replacement (issue 8), and none is configured")
+        return await self.blue_green.replace(worker_url, cfg)
+
+    async def promote(self, worker_url: str, backend: str, winner: CompiledConfig,
+                      previous: CompiledConfig, tokens_per_s: float) -> PromotionOutcome:
+        """Switch, watch one window, roll back on regression; sinks hear only of kept configs."""
+        before_a = await scrape(self.session, worker_url)
+        await asyncio.sleep(self.config.watch_s)
+        before_b = await scrape(self.session, worker_url)
+        switch_s = await self.switch(worker_url, backend, winner)
+        after_a = await scrape(self.session, worker_url)
+        await asyncio.sleep(self.config.watch_s)
+        after_b = await scrape(self.session, worker_url)
+        tpot_before, n_before = window_tpot(before_a, before_b)
+        tpot_after, n_after = window_tpot(after_a, after_b)
+        if self._regressed(tpot_before, n_before, tpot_after, n_after):
+            await self.switch(worker_url, backend, previous)
+            return PromotionOutcome("rolled_back", switch_s, tpot_before, tpot_after,
+                                    f"live TPOT {tpot_after:.4f}s vs {tpot_before:.4f}s before")
+        for sink in self.sinks:
+            sink.config_promoted(worker_url, winner, tokens_per_s)
+        judged = n_before >= self.config.min_requests and n_after >= self.config.min_requests
+        return PromotionOutcome("promoted", switch_s, tpot_before, tpot_after,
+                                "" if judged else "too little live traffic to judge")
+
+    def _regressed(self, before: float | None, n_before: int, after: float | None,
+                   n_after: int) -> bool:
+        if before is None or after is None:
+            return False
+        if n_before < self.config.min_requests or n_after < self.config.min_requests:
+            return False
+        return after > before * (1.0 + self.config.max_tpot_regression)

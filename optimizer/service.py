@@ -1,0 +1,369 @@
+"""The optimizer service: traffic in, better configs out, in the background.
+
+Entry point for ``polyinfer serve --optimize`` (run in a cleanup_ctx task)
+and for ``polyinfer optimize`` (standalone)::
+
+    service = OptimizerService(OptimizerConfig(traces=("traces.jsonl",),
+                                               worker_url="http://127.0.0.1:8101"))
+    task = asyncio.create_task(service.run())   # until cancelled (or one campaign, once=True)
+    service.observe(trace_record_dict)           # optional: live records from the proxy
+    stats["optimizer"] = service.snapshot()      # plain JSON-able dict
+
+One loop: refresh the traffic profile (tail trace files + observed records);
+when there is none yet or it shifted, start a campaign (new board scope,
+replay samples, reference outputs); run the agents beside the screening;
+confirm finalists in the slow tier; verify; promote to the live worker (hot
+reload, rollback on live regression); then wait for the next shift.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from engine.config import TINY_DRAFT, CompiledConfig
+from optimizer.agents.base import Agent, AgentRunner
+from optimizer.agents.bayes import BayesAgent
+from optimizer.agents.costagent import CostModelAgent
+from optimizer.agents.evolution import EvolutionAgent
+from optimizer.agents.llm import LlmAgent
+from optimizer.board import Board
+from optimizer.campaign import Campaign, Confirmed, SearchConfig
+from optimizer.costmodel import CostModel, HardwareConstants, StepTimeModel, Workload
+from optimizer.engine_proc import EngineProcess
+from optimizer.errors import OptimizerError, PromotionError
+from optimizer.measure import EngineClient, Measurer, Tier
+from optimizer.profile import (
+    TraceRecord,
+    TraceTail,
+    TrafficProfile,
+    build_profile,
+    parse_record,
+    profile_distance,
+    stratified_sample,
+)
+from optimizer.promote import ConfigSink, Promoter, PromotionConfig
+from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
+from optimizer.space import ModelShape, SearchSpace
+from optimizer.verify import VerifyConfig, fixed_prompts, reference_outputs, verify_candidate
+
+logger = logging.getLogger(__name__)
+
+AGENT_NAMES = ("costmodel", "bayes", "evolution", "llm")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    base: CompiledConfig = field(default_factory=CompiledConfig)  # model + defaults
+    traces: tuple[str, ...] = ()  # JSONL trace files, tailed
+    board_path: str = "optimizer-board.sqlite"
+    worker_url: str | None = None  # live worker to promote to; None = search only
+    worker_backend: str = "engine"
+    measure_url: str | None = None  # a persistent engine to measure on; None = start one
+    agents: tuple[str, ...] = ("costmodel", "bayes", "evolution")
+    llm_url: str | None = None  # OpenAI-compatible endpoint for the llm agent
+    llm_model: str = ""
+    fast: Tier = field(default_factory=lambda: Tier("fast", 2, 12, concurrency=8))
+    slow: Tier = field(default_factory=lambda: Tier("slow", None, 24, repeats=3, concurrency=8))
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+    promotion: PromotionConfig = field(default_factory=PromotionConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    memory_budget_bytes: int = 1 << 30  # for the KV cache
+    min_records: int = 20  # traffic needed before a campaign starts
+    window_records: int = 5000  # most recent records the profile is built from
+    shift_threshold: float = 0.3  # profile_distance that starts a new campaign
+    refresh_s: float = 5.0  # how often traffic is re-read when idle
+    once: bool = False  # stop after one campaign (the standalone CLI)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.agents) - set(AGENT_NAMES))
+        if unknown:
+            raise OptimizerError(f"agents: unknown {unknown}; expected some of {AGENT_NAMES}")
+        if "llm" in self.agents and not self.llm_url:
+            raise OptimizerError("agents: 'llm' needs llm_url (an OpenAI-compatible endpoint)")
+        if self.worker_backend not in ("engine", "vllm", "external"):
+            raise OptimizerError(f"worker_backend: unexpected {self.worker_backend!r}")
+        if self.min_records < 1 or self.window_records < self.min_records:
+            raise OptimizerError("min_records >= 1 and window_records >= min_records")
+
+
+class OptimizerService:
+    def __init__(self, config: OptimizerConfig, sinks: tuple[ConfigSink, ...] = (),
+                 session: aiohttp.ClientSession | None = None) -> None:
+        self.config = config
+        self.sinks = sinks
+        self._session = session
+        self._tails = [TraceTail(p) for p in config.traces]
+        self._records: deque[TraceRecord] = deque(maxlen=config.window_records)
+        self._num_bad_lines = 0
+        self.state = "starting"
+        self.profile: TrafficProfile | None = None
+        self.campaign: Campaign | None = None
+        self.measurer: Measurer | None = None
+        self.history: list[dict[str, Any]] = []  # finished campaigns, newest last
+        self.timings: dict[str, float] = {}
+        self.last_error: str | None = None
+        self.live_config: CompiledConfig | None = None
+        self.hardware: dict[str, float] = {}
+
+    # -- the public surface -------------------------------------------------
+
+    def observe(self, record: Mapping[str, Any]) -> None:
+        """A live trace record from the proxy (cheap; bad records are counted and dropped)."""
+        try:
+            self._records.append(parse_record(record))
+        except ValueError:
+            self._num_bad_lines += 1
+
+    async def run(self) -> None:
+        own_session = self._session is None
+        session = self._session or aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=600))
+        engine_proc: EngineProcess | None = None
+        try:
+            engine_url = self.config.measure_url
+            if engine_url is None:
+                engine_proc = EngineProcess(self.config.base)
+                self.state = "starting measurement engine"
+                self.timings["cold_start_s"] = await engine_proc.start()
+                engine_url = engine_proc.url
+            await self._run(session, engine_url)
+        except asyncio.CancelledError:
+            self.state = "stopped"
+            raise
+        except Exception as e:
+            self.state, self.last_error = "failed", f"{type(e).__name__}: {e}"
+            logger.exception("optimizer stopped")
+            raise
+        finally:
+            if engine_proc is not None:
+                await asyncio.shield(engine_proc.stop())
+            if own_session:
+                await session.close()
+
+    def snapshot(self) -> dict[str, Any]:
+        m = self.measurer
+        return {
+            "state": self.state,
+            "records": len(self._records), "bad_records": self._num_bad_lines,
+            "profile": _profile_summary(self.profile),
+            "campaign": self.campaign.snapshot() if self.campaign else None,
+            "experiments": dict(m.num_experiments) if m else {},
+            "seconds_per_experiment": ({t: round(m.seconds[t] / n, 3) for t, n in
+                                        m.num_experiments.items() if n} if m else {}),
+            "experiments_per_hour": ({t: round(v, 1) for t, v in m.experiments_per_hour().items()}
+                                     if m else {}),
+            "timings": {k: round(v, 3) for k, v in self.timings.items()},
+            "hardware": self.hardware,
+            "live_config": self.live_config.to_dict()["engine"] if self.live_config else None,
+            "history": self.history[-5:],
+            "board": self.config.board_path,
+            "last_error": self.last_error,
+        }
+
+    # -- the loop -----------------------------------------------------------
+
+    async def _run(self, session: aiohttp.ClientSession, engine_url: str) -> None:
+        loop = asyncio.get_running_loop()
+        engine = EngineClient(engine_url, session)
+        await engine.wait_ready()
+        board = await loop.run_in_executor(None, Board, self.config.board_path)
+        self.state = "measuring hardware"
+        space, cost_model, synth = await loop.run_in_executor(None, self._build_models)
+        self.live_config = await self._live_config(session)
+        promoter = Promoter(session, self.config.promotion, self.sinks)
+        while True:
+            profile = await self._wait_for_traffic()
+            await self._campaign(profile, board, space, cost_model, synth, engine, promoter)
+            if self.config.once:
+                self.state = "done"
+                return
+
+    def _build_models(self) -> tuple[SearchSpace, CostModel, PromptSynthesizer]:
+        t0 = time.perf_counter()
+        base = self.config.base
+        draft = str(TINY_DRAFT) if (TINY_DRAFT / "config.json").exists() else ""
+        space = SearchSpace.default(base, self.config.memory_budget_bytes, draft_model=draft)
+        hw = HardwareConstants.measure()
+        steps = StepTimeModel.fit(space.shape, hw)
+        draft_shape = ModelShape.from_model_dir(draft) if draft else None
+        self.timings["hardware_s"] = time.perf_counter() - t0
+        self.hardware = {"mem_bandwidth_gbps": round(hw.mem_bandwidth_bps / 1e9, 2),
+                         "matmul_gflops": round(hw.matmul_flops / 1e9, 2),
+                         "step_overhead_ms": round(steps.overhead_s * 1e3, 3),
+                         "roofline_scale": round(steps.scale, 2)}
+        logger.info("hardware constants: %s", self.hardware)
+        synth = PromptSynthesizer(Path(base.model) / "tokenizer.json", seed=self.config.seed)
+        return space, CostModel(space, steps, draft_shape), synth
+
+    async def _live_config(self, session: aiohttp.ClientSession) -> CompiledConfig:
+        if self.config.worker_url and self.config.worker_backend == "engine":
+            try:
+                return await EngineClient(self.config.worker_url, session).config()
+            except (OptimizerError, aiohttp.ClientError, OSError) as e:
+                logger.warning("cannot read the live worker's config (%s); using the base", e)
+        return self.config.base
+
+    async def _wait_for_traffic(self) -> TrafficProfile:
+        """Block until there is enough traffic and no campaign has covered this profile."""
+        self.state = "waiting for traffic"
+        while True:
+            await self._read_traces()
+            if len(self._records) >= self.config.min_records:
+                profile = build_profile(list(self._records))
+                if self.profile is None or profile_distance(
+                        profile, self.profile) >= self.config.shift_threshold:
+                    if self.profile is not None:
+                        logger.info("traffic shifted (distance %.2f): new campaign",
+                                    profile_distance(profile, self.profile))
+                    return profile
+            await asyncio.sleep(self.config.refresh_s)
+
+    async def _read_traces(self) -> None:
+        loop = asyncio.get_running_loop()
+        for tail in self._tails:
+            read = await loop.run_in_executor(None, tail.read_new)
+            self._records.extend(read.records)
+            self._num_bad_lines += len(read.bad_lines)
+            for bad in read.bad_lines[:5]:
+                logger.warning("skipped bad trace line %s", bad)
+
+    # -- one campaign -------------------------------------------------------
+
+    async def _campaign(self, profile: TrafficProfile, board: Board, space: SearchSpace,
+                        cost_model: CostModel, synth: PromptSynthesizer, engine: EngineClient,
+                        promoter: Promoter) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        self.profile = profile
+        cid = _campaign_id(profile)
+        self.state = "preparing campaign"
+        samples, prompts = await loop.run_in_executor(None, self._samples, synth)
+        measurer = self.measurer = Measurer(engine, samples, (self.config.fast, self.config.slow))
+        work = Workload(self.config.fast.concurrency, profile, self.config.sample.max_prompt_tokens,
+                        self.config.sample.max_output_tokens)
+        incumbent = self.live_config or self.config.base
+        campaign = self.campaign = Campaign(cid, board, space, measurer, cost_model, work,
+                                            incumbent, self.config.search)
+        reference = await reference_outputs(engine, incumbent, prompts, self.config.verify.max_tokens)
+        self.state = "screening"
+        await campaign.measure_incumbent()
+        stop = asyncio.Event()
+        runners = [AgentRunner(a, board, space, cid, "fast")
+                   for a in self._agents(space, campaign)]
+        tasks = [asyncio.create_task(r.run(stop)) for r in runners]
+        try:
+            await campaign.screen()
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self.state = "confirming"
+        winner = await campaign.confirm()
+        outcome = await self._finish(winner, engine, prompts, reference, promoter, board, cid)
+        campaign.phase = "done"
+        self._record_history(campaign, winner, outcome, runners, time.monotonic() - t0)
+
+    def _samples(self, synth: PromptSynthesizer) -> tuple[dict[str, list[Any]], list[str]]:
+        records = list(self._records)
+        samples = {}
+        for i, tier in enumerate((self.config.fast, self.config.slow)):
+            picked = stratified_sample(records, tier.num_requests, seed=self.config.seed + i)
+            samples[tier.name] = build_replay(picked, synth, self.config.sample)
+        return samples, fixed_prompts(synth, self.config.verify)
+
+    def _agents(self, space: SearchSpace, campaign: Campaign) -> list[Agent]:
+        seed = self.config.seed
+        made: dict[str, Agent] = {
+            "costmodel": CostModelAgent(space, campaign.predict_fast, seed=seed + 2),
+            "bayes": BayesAgent(space, seed=seed),
+            "evolution": EvolutionAgent(space, seed=seed + 1),
+        }
+        if self.config.llm_url:
+            made["llm"] = LlmAgent(space, self.config.llm_url, self.config.llm_model)
+        return [made[n] for n in self.config.agents]
+
+    async def _finish(self, winner: Confirmed | None, engine: EngineClient, prompts: list[str],
+                      reference: list[str], promoter: Promoter, board: Board,
+                      cid: str) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        if winner is None:
+            return {"status": "no_candidate"}
+        out: dict[str, Any] = {"key": json.loads(winner.key), "gain": round(winner.gain.gain, 4),
+                               "noise": round(winner.gain.noise, 4),
+                               "slow_tokens_per_s": round(winner.measurement.value, 2),
+                               "incumbent_slow_tokens_per_s": round(winner.incumbent.value, 2)}
+        if not winner.gain.significant:
+            return {**out, "status": "within_noise"}
+        self.state = "verifying"
+        report = await verify_candidate(engine, winner.config, prompts, reference,
+                                        self.config.verify.max_tokens)
+        await loop.run_in_executor(None, board.note, cid, "verifier", "verification",
+                                   {"key": winner.key, "ok": report.ok,
+                                    "mismatches": list(report.mismatches), **report.details})
+        if not report.ok:
+            return {**out, "status": "verification_failed",
+                    "mismatches": list(report.mismatches)}
+        return {**out, **await self._promote(winner, promoter, board, cid)}
+
+    async def _promote(self, winner: Confirmed, promoter: Promoter, board: Board,
+                       cid: str) -> dict[str, Any]:
+        url, backend = self.config.worker_url, self.config.worker_backend
+        if url is None:
+            return {"status": "verified"}
+        if not self.config.promotion.worth_switching(winner.gain.gain, backend,
+                                                     winner.measurement.reload_s):
+            return {"status": "not_worth_switching"}
+        self.state = "promoting"
+        previous = self.live_config or self.config.base
+        try:
+            outcome = await promoter.promote(url, backend, winner.config, previous,
+                                             winner.measurement.value)
+        except (PromotionError, OptimizerError, aiohttp.ClientError, OSError) as e:
+            self.last_error = f"promotion: {e}"
+            return {"status": "promotion_failed", "error": str(e)[:300]}
+        if outcome.status == "promoted":
+            self.live_config = winner.config
+        self.timings["last_switch_s"] = outcome.switch_s
+        details = {"switch_s": outcome.switch_s, "tpot_before_s": outcome.tpot_before_s,
+                   "tpot_after_s": outcome.tpot_after_s, "reason": outcome.reason}
+        await asyncio.get_running_loop().run_in_executor(
+            None, board.add_promotion, cid, url, winner.key, outcome.status, winner.gain.gain,
+            details)
+        return {"status": outcome.status, **details}
+
+    def _record_history(self, campaign: Campaign, winner: Confirmed | None,
+                        outcome: dict[str, Any], runners: list[AgentRunner],
+                        seconds: float) -> None:
+        entry = {"campaign": campaign.id, "seconds": round(seconds, 1), **outcome,
+                 "fast_experiments": campaign.num_fast, "pruning": campaign.pruner.snapshot(),
+                 "agents": {r.agent.name: r.num_posted for r in runners}}
+        logger.info("campaign finished: %s", entry)
+        self.history.append(entry)
+        del self.history[:-20]
+
+
+def _campaign_id(profile: TrafficProfile) -> str:
+    digest = hashlib.sha1(json.dumps(_profile_summary(profile), sort_keys=True).encode())
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{digest.hexdigest()[:8]}"
+
+
+def _profile_summary(p: TrafficProfile | None) -> dict[str, Any] | None:
+    if p is None:
+        return None
+    return {"requests": p.num_requests, "rate_rps": round(p.arrival_rate_rps, 3),
+            "domain_mix": {d: round(v, 3) for d, v in p.domain_mix.items()},
+            "prompt_tokens_mean": round(p.prompt_tokens.mean, 1),
+            "output_tokens_mean": round(p.output_tokens.mean, 1),
+            "acceptance": {d: round(v, 3) for d, v in p.acceptance_by_domain.items()}}
