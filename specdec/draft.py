@@ -1,0 +1,244 @@
+"""Draft-model proposer: a small model of the same family proposes k tokens, batched.
+
+The draft runs the engine's own :class:`engine.model.LlamaModel` over its own
+paged :class:`engine.kv_cache.KVCache`. One ``propose`` call is ``k_max``
+batched forward passes:
+
+1. catch-up: every sequence feeds the tokens its draft cache has not seen
+   (the whole prompt the first time, then the tokens accepted since the last
+   step plus the bonus token) and drafts token 1 from the last position;
+2. rounds 2..k: each sequence that wants more feeds its previous draft token
+   and drafts the next one.
+
+Afterwards the draft cache holds K/V for ``history + d_1 .. d_{k-1}``. The
+target then accepts ``n`` of the ``k`` drafts: :meth:`DraftProposer.commit`
+keeps ``history + d_1 .. d_min(n, k-1)`` and rolls the rest back (positions are
+simply marked invalid; the next write overwrites them and attention masks by
+position). ``propose`` also re-checks the cached ids against the engine's
+history, so a skipped commit (the scheduler dropped a proposal) can never make
+the draft attend to stale tokens.
+
+Drafts are greedy (argmax), so a proposal is a point mass (``probs=None``) and
+rejection sampling stays lossless at any temperature.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention import SeqSlice, build_metadata, order_short_first
+from engine.checkpoint import load_weights, read_spec
+from engine.kv_cache import BlockAllocator, blocks_needed
+from engine.model import LlamaModel
+from specdec.base import Proposal, ProposalRequest
+from specdec.errors import ProposerConfigError
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    model_dir: str  # draft checkpoint (HF Llama format), same tokenizer as the target
+    dtype: str = "float32"
+    device: str = "cpu"
+    kv_cache_tokens: int = 32768  # draft KV capacity, summed over sequences
+    block_size: int = 16
+    max_model_len: int = 2048  # longest history + depth the draft will see
+    short_q: int = 8  # query length up to which sequences attend in the decode group
+
+    def __post_init__(self) -> None:
+        if not self.model_dir:
+            raise ProposerConfigError("draft.model_dir: expected a checkpoint path, got ''")
+        for name in ("kv_cache_tokens", "block_size", "max_model_len", "short_q"):
+            if getattr(self, name) <= 0:
+                raise ProposerConfigError(
+                    f"draft.{name}: expected a positive integer, got {getattr(self, name)!r}")
+        if self.kv_cache_tokens < self.block_size:
+            raise ProposerConfigError(
+                f"draft.kv_cache_tokens: expected >= block_size ({self.block_size}), "
+                f"got {self.kv_cache_tokens}")
+
+
+@dataclass
+class _DraftSeq:
+    """One sequence's draft-cache state."""
+
+    block_table: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # token at each position whose K/V is written
+    num_history: int = 0  # len(token_ids) at the last propose: positions known to match
+
+
+@dataclass
+class _Round:
+    """One batched forward of the draft: which sequences, feeding which tokens."""
+
+    seq_ids: list[int]
+    feeds: list[list[int]]  # tokens fed per sequence
+    starts: list[int]  # positions already cached per sequence
+
+
+def resolve_model_dir(path: str) -> Path:
+    """A draft path as given, else relative to the repository (configs name ``models/...``)."""
+    p = Path(path)
+    if p.exists() or p.is_absolute():
+        return p
+    return REPO_ROOT / p
+
+
+class DraftProposer:
+    """Batched greedy draft-model proposer with its own paged KV cache (implements ``Proposer``)."""
+
+    def __init__(self, model: LlamaModel, config: DraftConfig) -> None:
+        self.model = model
+        self.config = config
+        num_blocks = config.kv_cache_tokens // config.block_size
+        self.kv = model.new_kv_cache(num_blocks, config.block_size)
+        self.allocator = BlockAllocator(num_blocks)
+        self._seqs: dict[int, _DraftSeq] = {}
+        self._num_q_per_kv = model.spec.num_heads // model.spec.num_kv_heads
+
+    @classmethod
+    def load(cls, config: DraftConfig, target_vocab: int | None = None) -> DraftProposer:
+        model_dir = resolve_model_dir(config.model_dir)
+        spec = read_spec(model_dir)
+        if target_vocab is not None and spec.vocab_size != target_vocab:
+            raise ProposerConfigError(
+                f"draft {model_dir}: vocab {spec.vocab_size} differs from the target's "
+                f"{target_vocab}; draft and target must share a tokenizer")
+        weights = load_weights(model_dir, spec.num_layers)
+        model = LlamaModel(spec, weights, config.dtype, config.device,
+                           max_positions=config.max_model_len + 1)
+        logger.info("draft model %s: %d layers, kv %d tokens", model_dir, spec.num_layers,
+                    config.kv_cache_tokens)
+        return cls(model, config)
+
+    # -- Proposer -----------------------------------------------------------------------------
+
+    def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
+        return self.propose_with_logits(requests)[0]
+
+    def propose_with_logits(self, requests: Sequence[ProposalRequest]
+                            ) -> tuple[list[Proposal], list[torch.Tensor]]:
+        """Proposals, and the draft's logits at each proposed position (``[n, vocab]`` each)."""
+        drafts: dict[int, list[int]] = {r.seq_id: [] for r in requests}
+        rows: dict[int, list[torch.Tensor]] = {r.seq_id: [] for r in requests}
+        active = [r for r in requests if r.depth > 0 and self._prepare(r)]
+        starts = [len(self._seqs[r.seq_id].ids) for r in active]
+        rnd = _Round([r.seq_id for r in active],
+                     [list(r.token_ids[s:]) for r, s in zip(active, starts, strict=True)], starts)
+        depth = {r.seq_id: r.depth for r in active}
+        step = 0
+        while rnd.seq_ids:
+            logits = self._forward(rnd)  # [len(rnd.seq_ids), vocab]
+            tokens = logits.argmax(dim=1).tolist()
+            step += 1
+            for i, seq_id in enumerate(rnd.seq_ids):
+                drafts[seq_id].append(tokens[i])
+                rows[seq_id].append(logits[i])
+            more = [i for i, s in enumerate(rnd.seq_ids) if depth[s] > step]
+            rnd = _Round([rnd.seq_ids[i] for i in more], [[tokens[i]] for i in more],
+                         [rnd.starts[i] + len(rnd.feeds[i]) for i in more])
+        vocab = self.model.spec.vocab_size
+        stacked = [torch.stack(rows[r.seq_id]) if rows[r.seq_id] else torch.empty(0, vocab)
+                   for r in requests]
+        return [Proposal(r.seq_id, drafts[r.seq_id]) for r in requests], stacked
+
+    def commit(self, seq_id: int, num_accepted: int) -> None:
+        """Keep history + the first ``num_accepted`` drafts that were written; drop the rest."""
+        state = self._seqs.get(seq_id)
+        if state is not None:
+            del state.ids[state.num_history + max(num_accepted, 0):]
+
+    def release(self, seq_id: int) -> None:
+        state = self._seqs.pop(seq_id, None)
+        if state is not None:
+            self.allocator.free(state.block_table)
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._seqs)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _prepare(self, request: ProposalRequest) -> bool:
+        """Sync the draft cache with the history and reserve blocks; False = do not propose."""
+        history = request.token_ids
+        if not history or len(history) + request.depth > self.config.max_model_len:
+            return False
+        state = self._seqs.setdefault(request.seq_id, _DraftSeq())
+        # NOTE: at least the last history token is fed, to get the logits for draft 1.
+        del state.ids[min(_common_prefix(state, history), len(history) - 1):]
+        state.num_history = len(history)
+        # Positions written this call: history[len(ids):], then drafts 1 .. depth-1.
+        needed = blocks_needed(len(history) + request.depth - 1, self.config.block_size)
+        missing = needed - len(state.block_table)
+        if missing > 0:
+            if not self.allocator.can_allocate(missing):
+                logger.debug("draft KV cache full: seq %d proposes nothing", request.seq_id)
+                return False
+            state.block_table.extend(self.allocator.allocate(missing))
+        return True
+
+    def _forward(self, rnd: _Round) -> torch.Tensor:
+        """Feed each sequence's tokens, write their K/V; logits at each one's last token.
+
+        Returns ``[len(rnd.seq_ids), vocab]`` float32, rows in ``rnd`` order.
+        """
+        order = order_short_first([len(f) for f in rnd.feeds], self.config.short_q)
+        slices, ids, rows = [], [], []
+        for i in order:
+            seq_id, feed, start = rnd.seq_ids[i], rnd.feeds[i], rnd.starts[i]
+            state = self._seqs[seq_id]
+            slices.append(SeqSlice(len(feed), start, state.block_table))
+            ids.extend(feed)
+            rows.append(len(ids) - 1)
+            state.ids.extend(feed)
+        meta = build_metadata(slices, self.config.block_size, self._num_q_per_kv,
+                              self.config.short_q)
+        logits = self.model.forward(torch.tensor(ids, dtype=torch.long), meta, self.kv,
+                                    torch.tensor(rows, dtype=torch.long))  # rows in `order`
+        inverse = torch.empty(len(order), dtype=torch.long)
+        inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+        return logits[inverse]
+
+
+def _common_prefix(state: _DraftSeq, history: Sequence[int]) -> int:
+    """How many cached positions still match ``history``.
+
+    Positions before the last call's history length matched then and a history
+    only grows, so only a spot check there and the (at most k) drafts after it
+    need comparing.
+    """
+    known = min(state.num_history, len(state.ids))
+    if known > len(history) or (known and state.ids[known - 1] != history[known - 1]):
+        return 0  # the history was rewritten (a reused seq_id): recompute from scratch
+    n = known
+    limit = min(len(state.ids), len(history))
+    while n < limit and state.ids[n] == history[n]:
+        n += 1
+    return n
+
+
+def build_draft_proposer(cfg: EngineConfig) -> DraftProposer:
+    """The engine's factory for ``spec_method: draft`` (see ``engine.proposers``)."""
+    config = DraftConfig(
+        model_dir=cfg.draft_model,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        kv_cache_tokens=cfg.kv_cache_tokens,
+        block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len + cfg.spec_max_depth + 1,
+        short_q=max(cfg.spec_max_depth + 1, 8),
+    )
+    return DraftProposer.load(config)

@@ -1,0 +1,114 @@
+"""Draft-model proposer on the bundled tiny-draft: batching, and KV consistency after rejections."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.config import TINY_DRAFT, EngineConfig
+from specdec.base import ProposalRequest
+from specdec.draft import DraftConfig, DraftProposer, build_draft_proposer
+from specdec.errors import ProposerConfigError
+
+pytestmark = pytest.mark.skipif(not (TINY_DRAFT / "model.safetensors").exists(),
+                                reason="the bundled tiny-draft checkpoint is not trained yet")
+
+CONFIG = DraftConfig(model_dir=str(TINY_DRAFT), kv_cache_tokens=4096, block_size=16,
+                     max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def proposer_model() -> DraftProposer:
+    return DraftProposer.load(CONFIG)
+
+
+def _fresh(like: DraftProposer) -> DraftProposer:
+    """A proposer sharing the weights with an empty cache: recomputes everything from scratch."""
+    return DraftProposer(like.model, CONFIG)
+
+
+def _prompts(seed: int, num: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 8192) for _ in range(rng.randrange(5, 60))] for _ in range(num)]
+
+
+def test_kv_stays_consistent_after_rejections(proposer_model: DraftProposer) -> None:
+    """Random accept/reject/skip cycles; every step's draft logits equal a fresh recomputation."""
+    kept = _fresh(proposer_model)
+    rng = random.Random(1)
+    histories = _prompts(0, 3)
+    for step in range(10):
+        reqs = [ProposalRequest(i, list(h), rng.choice([0, 1, 3, 4, 6]))
+                for i, h in enumerate(histories)]
+        props, logits = kept.propose_with_logits(reqs)
+        fresh_props, fresh_logits = _fresh(proposer_model).propose_with_logits(reqs)
+        for r, p, fp, lg, flg in zip(reqs, props, fresh_props, logits, fresh_logits, strict=True):
+            assert len(p.tokens) == r.depth and p.probs is None
+            assert p.tokens == fp.tokens, (step, r.seq_id)
+            torch.testing.assert_close(lg, flg, rtol=1e-4, atol=1e-4)
+        for i, p in enumerate(props):
+            accepted = rng.randint(0, len(p.tokens))
+            bonus = rng.randrange(4, 8192)
+            histories[i].extend(p.tokens[:accepted] + [bonus])
+            if rng.random() < 0.8:  # sometimes the engine drops a proposal without a commit
+                kept.commit(i, accepted)
+    assert kept.num_tracked == 3
+    for i in range(3):
+        kept.release(i)
+    assert kept.num_tracked == 0
+    assert kept.allocator.num_free == kept.allocator.num_blocks
+
+
+def test_greedy_drafts_follow_the_draft_model(proposer_model: DraftProposer) -> None:
+    """With every draft accepted, proposals chain: k=4 at once equals 4 steps of k=1."""
+    history = _prompts(3, 1)[0]
+    deep = _fresh(proposer_model).propose([ProposalRequest(0, history, 4)])[0].tokens
+    stepper = _fresh(proposer_model)
+    one_by_one: list[int] = []
+    h = list(history)
+    for _ in range(4):
+        tok = stepper.propose([ProposalRequest(0, h, 1)])[0].tokens
+        stepper.commit(0, 1)
+        one_by_one += tok
+        h += tok
+    assert deep == one_by_one
+
+
+def test_reused_seq_id_with_a_new_history(proposer_model: DraftProposer) -> None:
+    a, b = _prompts(5, 2)
+    p = _fresh(proposer_model)
+    p.propose([ProposalRequest(0, a, 3)])
+    again = p.propose_with_logits([ProposalRequest(0, b, 3)])
+    fresh = _fresh(proposer_model).propose_with_logits([ProposalRequest(0, b, 3)])
+    assert again[0][0].tokens == fresh[0][0].tokens
+    torch.testing.assert_close(again[1][0], fresh[1][0], rtol=1e-4, atol=1e-4)
+
+
+def test_full_cache_and_too_long_histories_propose_nothing(proposer_model: DraftProposer) -> None:
+    tiny = DraftProposer(proposer_model.model, DraftConfig(str(TINY_DRAFT), kv_cache_tokens=64,
+                                                           block_size=16, max_model_len=100))
+    out = tiny.propose([ProposalRequest(0, list(range(4, 54)), 4),  # 4 blocks: fits
+                        ProposalRequest(1, list(range(4, 30)), 4),  # no blocks left
+                        ProposalRequest(2, list(range(4, 104)), 4)])  # longer than max_model_len
+    assert [len(p.tokens) for p in out] == [4, 0, 0]
+    tiny.release(0)
+    assert len(tiny.propose([ProposalRequest(1, list(range(4, 30)), 2)])[0].tokens) == 2
+
+
+def test_build_from_engine_config() -> None:
+    cfg = EngineConfig(spec_method="draft", draft_model="models/tiny-draft", spec_max_depth=4,
+                       kv_cache_tokens=2048)
+    proposer = build_draft_proposer(cfg)
+    assert proposer.config.max_model_len == cfg.max_model_len + 5
+    assert len(proposer.propose([ProposalRequest(0, [5, 6, 7], 2)])[0].tokens) == 2
+
+
+def test_config_and_vocab_checks() -> None:
+    with pytest.raises(ProposerConfigError):
+        DraftConfig(model_dir="")
+    with pytest.raises(ProposerConfigError):
+        DraftConfig(model_dir="x", kv_cache_tokens=8, block_size=16)
+    with pytest.raises(ProposerConfigError, match="vocab"):
+        DraftProposer.load(CONFIG, target_vocab=1000)
