@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -20,6 +21,7 @@ from loadgen.errors import TokenizerError
 logger = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4.0  # NOTE: the usual English BPE ratio; only used without a tokenizer
+_WORDS = re.compile(r"\s*\S+")
 
 
 class TokenCounter(Protocol):
@@ -78,13 +80,18 @@ class HfTokenCounter:
 
 
 class EstimateTokenCounter:
-    """``ceil(len(text) / 4)``: used only when no tokenizer is given; counts are estimates."""
+    """Used only when no tokenizer is given; counts are estimates.
 
-    name = "estimate (4 chars/token)"
+    Each word with its leading whitespace counts ``ceil(len / 4)`` tokens (at
+    least one per word, as BPE gives), so counts add up across words the way
+    prompt synthesis needs.
+    """
+
+    name = "estimate (ceil(chars/4) per word)"
     exact = False
 
     def count(self, text: str) -> int:
-        return math.ceil(len(text) / CHARS_PER_TOKEN)
+        return sum(math.ceil(len(w) / CHARS_PER_TOKEN) for w in _WORDS.findall(text))
 
     def count_batch(self, texts: Sequence[str]) -> list[int]:
         return [self.count(t) for t in texts]
