@@ -29,6 +29,7 @@ from proxy.shape import HeuristicShapeEstimator, ShapeEstimator
 from proxy.stats import Stats
 from proxy.traces import TraceWriter
 from router.base import RoutingPolicy
+from specdec.policy import DepthPolicy, PolicyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ def create_app(config: ProxyConfig, *, estimator: ShapeEstimator | None = None,
     stats = Stats()
     pool = WorkerPool(config.health, Path(config.run_dir))
     relay = Relay(config, pool, stats, estimator or default_estimator(config),
-                  policy or build_policy(config.routing.policy, config.routing.seed))
+                  policy or build_policy(config.routing.policy, config.routing.seed),
+                  DepthPolicy(PolicyConfig(max_depth=config.speculation.max_depth)))
     app[keys.CONFIG] = config
     app[keys.STATS] = stats
     app[keys.POOL] = pool

@@ -65,7 +65,7 @@ async def models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     pool = request.app[keys.POOL]
     relay = request.app[keys.RELAY]
-    num_routable = sum(1 for w in pool.workers.values() if w.view.can_route)
+    num_routable = pool.num_routable()
     ok = num_routable > 0 and not relay.draining
     return _json({"status": "ok" if ok else "unavailable", "routable_workers": num_routable,
                   "workers": len(pool.workers), "draining": relay.draining},

@@ -153,6 +153,10 @@ class WorkerPool:
         return [w.view for w in self.workers.values()
                 if model in w.models and w.name not in exclude and w.refresh_health(now)]
 
+    def num_routable(self) -> int:
+        now = time.monotonic()
+        return sum(1 for w in self.workers.values() if w.refresh_health(now))
+
     def serves(self, model: str) -> bool:
         return any(model in w.models for w in self.workers.values())
 
@@ -187,6 +191,7 @@ class WorkerPool:
             logger.warning("worker %s failed its health probe", worker.name)
         worker.num_probe_failures += 0 if ok else 1
         worker.probe_ok = ok
+        worker.refresh_health(time.monotonic())
 
     async def _discover(self, worker: Worker) -> None:
         """Learn served model names (and an engine's live compiled config)."""

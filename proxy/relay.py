@@ -45,6 +45,7 @@ from proxy.stats import Stats
 from proxy.traces import TraceWriter
 from proxy.validate import check_body, parse_body, wants_usage
 from router.base import RoutingPolicy
+from specdec.policy import DepthPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +75,15 @@ class Relay:
     """Everything the request path needs, built once by the app factory."""
 
     def __init__(self, config: ProxyConfig, pool: WorkerPool, stats: Stats,
-                 estimator: ShapeEstimator, policy: RoutingPolicy) -> None:
+                 estimator: ShapeEstimator, policy: RoutingPolicy,
+                 depth_policy: DepthPolicy | None = None) -> None:
         self.config = config
         self.limits = config.limits
         self.pool = pool
         self.stats = stats
         self.estimator = estimator
         self.policy = policy  # swapped at run time by the admin API
+        self.depth_policy = depth_policy  # used in speculation mode "adaptive"
         self.traces: TraceWriter | None = None
         self.session: aiohttp.ClientSession | None = None
         self.draining = False
@@ -141,10 +144,21 @@ class Relay:
             try:
                 self.policy.observe(outcome)
                 self.estimator.observe(outcome)
+                self._observe_depth(rec)
             except Exception:  # learning must never take the request path down
                 logger.exception("observe failed (policy %s)", self.policy.name)
         if self.traces is not None:
             self.traces.append(rec)
+
+    def _observe_depth(self, rec: RequestRecord) -> None:
+        if self.depth_policy is None or rec.spec_depth is None or rec.status != "ok":
+            return
+        if rec.ttft_s is None or rec.e2e_s is None or not rec.completion_tokens:
+            return
+        self.depth_policy.observe_request(
+            rec.worker, rec.domain, (rec.batch_size or 0) + 1, rec.spec_depth,
+            rec.spec_draft_tokens, rec.spec_accepted_tokens, rec.completion_tokens,
+            rec.e2e_s - rec.ttft_s)
 
     async def _read_body(self, request: web.Request) -> bytes:
         if (request.content_length or 0) > self.limits.max_body_bytes:
@@ -204,7 +218,15 @@ class Relay:
         spec = self.config.speculation
         if spec.mode == "off":
             return 0
-        return spec.fixed_depth if spec.mode == "fixed" else policy_depth
+        if spec.mode == "fixed":
+            return spec.fixed_depth
+        if policy_depth is not None or spec.mode == "policy" or self.depth_policy is None:
+            return policy_depth
+        engine = worker.view.config.engine
+        if engine.spec_method == "none":
+            return None
+        return self.depth_policy.decide(worker.name, rec.shape.domain, worker.view.running + 1,
+                                        engine.spec_max_depth)
 
     async def _attempt(self, request: web.Request, rec: RequestRecord, worker: Worker,
                        body: dict[str, Any], strip_usage: bool) -> web.StreamResponse:

@@ -7,6 +7,7 @@ request; percentiles and histograms are computed only when someone asks.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -148,6 +149,7 @@ def _count_by(counter: Counter[tuple[str, str, str]], index: int) -> dict[str, i
 
 def worker_doc(w: Any) -> dict[str, Any]:
     v = w.view
+    w.refresh_health(time.monotonic())
     drafted = w.scraped_draft_tokens
     return {
         "name": w.name, "url": w.url, "backend": v.backend, "models": sorted(w.models),

@@ -1,0 +1,281 @@
+"""Proxy overhead: the same open-loop streaming load, direct and through each proxy.
+
+Every run starts a FakeFastUpstream (bench/fake_upstream.py: streams a fixed
+number of chunks at once), then for each target (direct, polyinfer, and
+vllm-router when its binary is found) and each request rate, a load
+generator in its own process sends streaming chat requests on a fixed
+schedule and measures TTFT (first body byte) and E2E. Printed side by side:
+added TTFT / E2E p50 and p99 versus direct, achieved rate, and the proxy's
+CPU seconds per request (from /proc/<pid>/stat, user + system).
+
+    python bench/proxy_overhead.py                       # rates 200 500 1000
+    python bench/proxy_overhead.py --rates 200 500 1000 2000 --duration 10
+    python bench/proxy_overhead.py --loadgen URL RATE SECONDS   # (internal) one load run
+
+The proxy is pinned to one core (taskset) when there are at least two, and
+the upstream + load generator share the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+BODY = {"model": "fake-fast", "stream": True, "max_tokens": 16,
+        "messages": [{"role": "user", "content": "Say hello in sixteen short words, please."}]}
+
+
+# -- load generator (runs in its own process) ------------------------------------------------
+
+async def _one(session, url: str, payload: bytes, out: list) -> None:  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    ttft = None
+    try:
+        async with session.post(url, data=payload,
+                                headers={"Content-Type": "application/json"}) as r:
+            status = r.status
+            async for _chunk in r.content.iter_any():
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 (counted, not raised: the run goes on)
+        out.append((None, None, type(e).__name__))
+        return
+    out.append((ttft, time.perf_counter() - t0, status))
+
+
+async def _load(url: str, rate: float, seconds: float) -> dict:
+    import aiohttp
+    n = int(rate * seconds)
+    out: list = []
+    lags = []
+    payload = json.dumps(BODY).encode()
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=conn,
+                                     timeout=aiohttp.ClientTimeout(total=30)) as s:
+        # warm-up: open connections, JIT-less but caches warm
+        await asyncio.gather(*(_one(s, url, payload, []) for _ in range(50)))
+        tasks = []
+        start = time.perf_counter()
+        for i in range(n):
+            due = start + i / rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            lags.append(time.perf_counter() - due)
+            tasks.append(asyncio.create_task(_one(s, url, payload, out)))
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
+    ok = [(t, e) for t, e, st in out if st == 200 and t is not None]
+    errors = len(out) - len(ok)
+    ttft = np.array([t for t, _ in ok]) * 1e3
+    e2e = np.array([e for _, e in ok]) * 1e3
+
+    def pct(a: np.ndarray, q: float) -> float | None:
+        return float(np.percentile(a, q)) if len(a) else None
+    return {"sent": n, "ok": len(ok), "errors": errors, "wall_s": wall,
+            "achieved_rps": len(ok) / wall,
+            "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+            "e2e_p50_ms": pct(e2e, 50), "e2e_p99_ms": pct(e2e, 99),
+            "send_lag_p99_ms": float(np.percentile(np.array(lags) * 1e3, 99))}
+
+
+def loadgen_main(url: str, rate: float, seconds: float) -> None:
+    try:
+        import uvloop
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        loop = asyncio.new_event_loop()
+    print(json.dumps(loop.run_until_complete(_load(url, rate, seconds))))
+
+
+# -- orchestration ---------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout_s: float = 60) -> None:
+    import urllib.request
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pinned(cmd: list[str], core: int | None) -> list[str]:
+    if core is None or shutil.which("taskset") is None:
+        return cmd
+    return ["taskset", "-c", str(core), *cmd]
+
+
+@dataclass
+class Target:
+    name: str
+    url: str  # chat completions URL
+    proc: subprocess.Popen | None  # the proxy process (None = direct)
+
+
+def start_polyinfer(upstream: str, workdir: Path, core: int | None) -> Target:
+    port = free_port()
+    cfg = workdir / "polyinfer.yaml"
+    cfg.write_text(f"""
+server: {{host: 127.0.0.1, port: {port}}}
+workers:
+  - {{name: up, url: "{upstream}", config: {{backend: external, model: fake-fast}}}}
+routing: {{policy: round_robin}}
+traces: {{dir: "{workdir / 'traces'}"}}
+limits: {{max_in_flight: 100000}}
+""")
+    proc = subprocess.Popen(pinned([PY, "-m", "proxy.cli", "--log-level", "WARNING", "serve",
+                                    "--config", str(cfg)], core),
+                            cwd=workdir, stdout=subprocess.DEVNULL, stderr=open(workdir / "polyinfer.log", "w"))
+    wait_http(f"http://127.0.0.1:{port}/health")
+    return Target("polyinfer", f"http://127.0.0.1:{port}/v1/chat/completions", proc)
+
+
+def find_vllm_router() -> str | None:
+    for cand in (shutil.which("vllm-router"), "/tmp/vr-venv/bin/vllm-router"):
+        if cand and Path(cand).exists():
+            return cand
+    return None
+
+
+def start_vllm_router(binary: str, upstream: str, workdir: Path, core: int | None) -> Target:
+    port = free_port()
+    proc = subprocess.Popen(pinned([binary, "--worker-urls", upstream, "--port", str(port),
+                                    "--host", "127.0.0.1", "--policy", "round_robin"], core),
+                            cwd=workdir, stdout=open(workdir / "vllm-router.log", "w"),
+                            stderr=subprocess.STDOUT)
+    wait_http(f"http://127.0.0.1:{port}/health")
+    return Target("vllm-router", f"http://127.0.0.1:{port}/v1/chat/completions", proc)
+
+
+def run_load(url: str, rate: float, seconds: float, core: int | None) -> dict:
+    out = subprocess.run(pinned([PY, __file__, "--loadgen", url, str(rate), str(seconds)], core),
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(target: Target, rate: float, seconds: float, core: int | None) -> dict:
+    before = cpu_seconds(target.proc.pid) if target.proc else 0.0
+    res = run_load(target.url, rate, seconds, core)
+    if target.proc:
+        res["cpu_ms_per_req"] = (cpu_seconds(target.proc.pid) - before) * 1e3 / max(res["ok"], 1)
+    return res
+
+
+def fmt(v: float | None, nd: int = 2) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def print_table(rows: list[tuple[str, float, dict, dict]]) -> None:
+    print(f"{'target':<12}{'rate':>6}{'achieved':>9}{'err':>5}{'ttft p50':>9}{'p99':>8}"
+          f"{'e2e p50':>9}{'p99':>8}{'+ttft p50':>10}{'+p99':>8}{'+e2e p50':>9}{'+p99':>8}"
+          f"{'cpu ms/req':>11}")
+    for name, rate, r, d in rows:
+        add = {k: (r[k] - d[k]) if r[k] is not None and d[k] is not None else None
+               for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")}
+        direct = name == "direct"
+        print(f"{name:<12}{rate:>6.0f}{r['achieved_rps']:>9.0f}{r['errors']:>5}"
+              f"{fmt(r['ttft_p50_ms']):>9}{fmt(r['ttft_p99_ms']):>8}{fmt(r['e2e_p50_ms']):>9}"
+              f"{fmt(r['e2e_p99_ms']):>8}"
+              + ("" if direct else f"{fmt(add['ttft_p50_ms']):>10}{fmt(add['ttft_p99_ms']):>8}"
+                 f"{fmt(add['e2e_p50_ms']):>9}{fmt(add['e2e_p99_ms']):>8}"
+                 f"{fmt(r.get('cpu_ms_per_req'), 3):>11}"))
+
+
+def sustained(rows: list[tuple[str, float, dict, dict]], name: str) -> float | None:
+    """Highest offered rate that the target kept up with (>= 95% achieved, no errors)."""
+    good = [rate for n, rate, r, _ in rows
+            if n == name and r["errors"] == 0 and r["achieved_rps"] >= 0.95 * rate]
+    return max(good) if good else None
+
+
+def orchestrate(args: argparse.Namespace) -> None:
+    ncpu = os.cpu_count() or 1
+    proxy_core, other_core = (0, 1) if ncpu >= 2 and not args.no_pin else (None, None)
+    sys.path.insert(0, str(REPO / "bench"))
+    workdir = Path(tempfile.mkdtemp(prefix="proxy-bench-"))
+    up_port = free_port()
+    upstream = subprocess.Popen(pinned([PY, str(REPO / "bench" / "fake_upstream.py"), "--port",
+                                        str(up_port), "--chunks", str(args.chunks)], other_core),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    up_url = f"http://127.0.0.1:{up_port}"
+    targets: list[Target] = []
+    try:
+        wait_http(f"{up_url}/health")
+        targets.append(Target("direct", f"{up_url}/v1/chat/completions", None))
+        targets.append(start_polyinfer(up_url, workdir, proxy_core))
+        binary = find_vllm_router()
+        if binary:
+            try:
+                targets.append(start_vllm_router(binary, up_url, workdir, proxy_core))
+            except RuntimeError as e:
+                print(f"# vllm-router did not start: {e}")
+        else:
+            print("# vllm-router not installed: not compared")
+        print("# litellm not installed: not compared")
+        rows = []
+        for rate in args.rates:
+            direct = None
+            for t in targets:
+                r = measure(t, rate, args.duration, other_core)
+                direct = r if t.name == "direct" else direct
+                assert direct is not None
+                rows.append((t.name, rate, r, direct))
+        print(f"# FakeFastUpstream, {args.chunks} chunks/stream, {args.duration:.0f} s per "
+              f"point; proxy pinned to core {proxy_core}; times in ms")
+        print_table(rows)
+        for t in targets[1:]:
+            print(f"# {t.name}: highest sustained rate tested = {sustained(rows, t.name)} req/s")
+        (workdir / "results.json").write_text(json.dumps(rows, indent=1))
+        print(f"# raw results: {workdir / 'results.json'}")
+    finally:
+        for t in targets:
+            if t.proc is not None:
+                t.proc.terminate()
+                t.proc.wait(timeout=30)
+        upstream.terminate()
+        upstream.wait(timeout=10)
+
+
+def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--loadgen":
+        loadgen_main(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]))
+        return
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", type=float, nargs="+", default=[200, 500, 1000])
+    p.add_argument("--duration", type=float, default=5.0, help="seconds per point")
+    p.add_argument("--chunks", type=int, default=16)
+    p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
+    orchestrate(p.parse_args())
+
+
+if __name__ == "__main__":
+    main()
