@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ from optimizer.errors import MeasurementError
 from optimizer.measure import Measurement, Measurer
 from optimizer.pruner import PruneConfig, Pruner
 from optimizer.space import SearchSpace
-from optimizer.verify import GainReport, gain_beyond_noise
+from optimizer.verify import GainReport, paired_gain
 
 logger = logging.getLogger(__name__)
 
@@ -134,10 +135,11 @@ class Campaign:
                        m.value)
         await self._recalibrate()
 
-    async def _measure(self, p: Proposal, tier: str) -> Measurement | None:
+    async def _measure(self, p: Proposal, tier: str,
+                       repeats: int | None = None) -> Measurement | None:
         cfg = CompiledConfig.from_dict(p.config)
         try:
-            m = await self.measurer.measure(cfg, tier)
+            m = await self.measurer.measure(cfg, tier, repeats)
         except MeasurementError as e:
             logger.warning("campaign %s: %s failed: %s", self.id, p.key, e)
             self.num_failed += 1
@@ -168,30 +170,39 @@ class Campaign:
     # -- confirmation ------------------------------------------------------
 
     async def confirm(self) -> Confirmed | None:
-        """Slow-tier repeats of the incumbent and the finalists; the best, or None."""
+        """Interleaved slow-tier pairs (incumbent, finalist) for each finalist; the best."""
         self.phase = "confirming"
         measured = best_by_key(await self._call(self.board.results, self.id, self.fast))
         inc_key = self.space.key(self.incumbent)
         inc_fast = measured.get(inc_key, 0.0)
         finalists = [k for k, v in sorted(measured.items(), key=lambda kv: -kv[1])
                      if k != inc_key and v > inc_fast][: self.config.finalists]
-        if not finalists:
-            return None
-        incumbent = await self._confirm_one(inc_key)
         best: Confirmed | None = None
         for key in finalists:
-            m = await self._confirm_one(key)
-            if incumbent is None or m is None:
+            pair = await self._confirm_pairs(inc_key, key)
+            if pair is None:
                 continue
-            gain = gain_beyond_noise(m, incumbent, self.config.min_gain)
-            if best is None or m.value > best.measurement.value:
-                best = Confirmed(self.space.from_key(key), key, m, incumbent, gain)
+            cand, inc = pair
+            gain = paired_gain(cand.values, inc.values, self.config.min_gain)
+            if best is None or gain.gain > best.gain.gain:
+                best = Confirmed(self.space.from_key(key), key, cand, inc, gain)
         return best
 
-    async def _confirm_one(self, key: str) -> Measurement | None:
-        p = await self._call(self.board.find, self.id, key)
-        assert p is not None
-        return await self._measure(p, self.slow)
+    async def _confirm_pairs(self, inc_key: str,
+                             key: str) -> tuple[Measurement, Measurement] | None:
+        inc_p = await self._call(self.board.find, self.id, inc_key)
+        cand_p = await self._call(self.board.find, self.id, key)
+        assert inc_p is not None and cand_p is not None
+        inc_runs: list[Measurement] = []
+        cand_runs: list[Measurement] = []
+        for _ in range(self.measurer.tiers[self.slow].repeats):
+            inc = await self._measure(inc_p, self.slow, repeats=1)
+            cand = await self._measure(cand_p, self.slow, repeats=1)
+            if inc is None or cand is None:
+                return None
+            inc_runs.append(inc)
+            cand_runs.append(cand)
+        return _merge(cand_runs), _merge(inc_runs)
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         """Board calls are blocking SQLite I/O: keep them off the event loop."""
@@ -203,3 +214,10 @@ class Campaign:
                 "pruning": self.pruner.snapshot(),
                 "elapsed_s": round(time.monotonic() - self.started, 1),
                 "recent": list(self.log[-10:])}
+
+
+def _merge(runs: list[Measurement]) -> Measurement:
+    values = tuple(v for m in runs for v in m.values)
+    return Measurement(runs[0].tier, statistics.fmean(values), values,
+                       sum(m.seconds for m in runs), statistics.fmean(m.reload_s for m in runs),
+                       sum(m.num_errors for m in runs), runs[-1].details)

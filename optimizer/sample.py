@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 
 _CODE_MODULES = ("json.decoder", "textwrap", "fractions", "heapq", "bisect", "shlex", "string",
                  "statistics", "csv", "argparse")
-_PROSE_MODULES = ("collections", "functools", "itertools", "pathlib", "random", "re", "typing",
-                  "logging", "datetime", "decimal")
+_PROSE_MODULES = ("collections", "functools", "itertools", "pathlib", "random", "logging",
+                  "datetime", "decimal", "argparse", "json")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.config import CompiledConfig
-from optimizer.measure import EngineClient, Measurement
+from optimizer.measure import EngineClient
 from optimizer.sample import PromptSynthesizer
 
 logger = logging.getLogger(__name__)
@@ -78,27 +78,28 @@ async def verify_candidate(engine: EngineClient, candidate: CompiledConfig,
 
 @dataclass(frozen=True)
 class GainReport:
-    gain: float  # candidate mean / incumbent mean - 1
-    noise: float  # relative standard error of the difference
-    threshold: float  # what the gain had to exceed
+    gain: float  # geometric mean of candidate / incumbent over the pairs, minus 1
+    noise: float  # standard error of the mean log ratio (~ relative noise of the gain)
+    threshold: float  # what the mean log ratio had to exceed
     significant: bool
+    num_pairs: int
 
 
-def gain_beyond_noise(candidate: Measurement, incumbent: Measurement, min_gain: float = 0.02,
-                      num_sigma: float = 2.0) -> GainReport:
-    """Gain must exceed ``min_gain`` and ``num_sigma`` standard errors of the difference."""
-    if incumbent.value <= 0:
-        return GainReport(math.inf if candidate.value > 0 else 0.0, 0.0, min_gain,
-                          candidate.value > 0)
-    se = math.sqrt(_var_of_mean(candidate.values) + _var_of_mean(incumbent.values))
-    noise = se / incumbent.value
-    gain = candidate.value / incumbent.value - 1.0
-    threshold = max(min_gain, num_sigma * noise)
-    return GainReport(gain, noise, threshold, gain > threshold)
+def paired_gain(candidate: Sequence[float], incumbent: Sequence[float], min_gain: float = 0.02,
+                num_sigma: float = 2.0) -> GainReport:
+    """Gain from interleaved pairs (incumbent, candidate, incumbent, candidate, ...).
 
-
-def _var_of_mean(values: Sequence[float]) -> float:
-    if len(values) < 2:
-        # NOTE: one sample says nothing about noise; assume 5% so one lucky run never promotes.
-        return (0.05 * values[0]) ** 2 if values else 0.0
-    return statistics.variance(values) / len(values)
+    NOTE: pairs measured back to back share the machine's state at that moment,
+    so the ratio cancels slow drifts (other tenants' load) that would swamp a
+    comparison of two separately measured means on a shared box. The gain counts
+    only when the mean log ratio beats both ``log(1 + min_gain)`` and
+    ``num_sigma`` standard errors; a single pair is assumed 5% noisy.
+    """
+    pairs = [(c, i) for c, i in zip(candidate, incumbent, strict=True) if c > 0 and i > 0]
+    if not pairs:
+        return GainReport(0.0, math.inf, math.inf, False, 0)
+    logs = [math.log(c / i) for c, i in pairs]
+    mean = statistics.fmean(logs)
+    se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.05
+    threshold = max(math.log1p(min_gain), num_sigma * se)
+    return GainReport(math.exp(mean) - 1.0, se, threshold, mean > threshold, len(pairs))

@@ -11,9 +11,11 @@ from __future__ import annotations
 import logging
 import math
 import random
+import warnings
 
 import numpy as np
 from scipy.stats import norm
+from sklearn.exceptions import ConvergenceWarning
 from sklearn.gaussian_process import GaussianProcessRegressor
 from sklearn.gaussian_process.kernels import ConstantKernel, Matern, WhiteKernel
 
@@ -66,9 +68,12 @@ class BayesAgent:
                   * Matern(length_scale=np.full(x.shape[1], 0.5), length_scale_bounds=(0.05, 20.0),
                            nu=2.5)
                   + WhiteKernel(1e-3, (1e-6, 1e-1)))
-        gp = GaussianProcessRegressor(kernel, normalize_y=True, n_restarts_optimizer=2,
+        gp = GaussianProcessRegressor(kernel, normalize_y=True, n_restarts_optimizer=1,
                                       random_state=self.rng.randrange(1 << 30))
-        gp.fit(x, y)
+        with warnings.catch_warnings():
+            # NOTE: length scales at their bounds are expected with a handful of points.
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            gp.fit(x, y)
         return gp
 
     def _pool(self, view: BoardView, keys: list[str]) -> list[CompiledConfig]:
