@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy import keys
 from proxy.errors import ProxyError, error_body
-from proxy.relay import proxy_headers
+from proxy.relay import REC_KEY, proxy_headers
 from proxy.validate import CHAT, COMPLETIONS
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ async def error_middleware(request: web.Request,
         resp = web.Response(status=500, content_type="application/json",
                             body=orjson.dumps(error_body("internal proxy error", "internal_error")))
     if not resp.prepared:
-        rec = request.get("rec")
+        rec = request.get(REC_KEY)
         if rec is not None:
             resp.headers.update(proxy_headers(rec))
         elif "x-request-id" not in resp.headers:

@@ -54,6 +54,10 @@ _JSON_HEADERS = {"Content-Type": "application/json"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
+# NOTE: web.RequestKey exists from aiohttp 3.13; older versions take a plain string key.
+REC_KEY: Any = web.RequestKey("rec", RequestRecord) if hasattr(web, "RequestKey") else "rec"
+
+
 class _Retryable(Exception):
     """The worker failed before any byte reached the client."""
 
@@ -97,7 +101,7 @@ class Relay:
     async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         rec = RequestRecord(request_id=request.headers.get("x-request-id") or self.new_request_id(),
                             ts=time.time(), t0=time.perf_counter(), endpoint=endpoint)
-        request["rec"] = rec
+        request[REC_KEY] = rec
         try:
             self._admit(request)
         except ProxyError as e:

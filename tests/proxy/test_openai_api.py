@@ -1,0 +1,155 @@
+"""The OpenAI API through the proxy, with the real openai client, on real engine workers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from proxy import keys
+from tests.proxy.servers import ProxyThread, read_traces
+
+MODEL = "tiny-target"
+CODE_PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return"
+
+
+def client(proxy: ProxyThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+def test_chat_non_stream_sync_client_and_headers(proxy: ProxyThread) -> None:
+    raw = client(proxy).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=8)
+    resp = raw.parse()
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.usage is not None and 1 <= resp.usage.completion_tokens <= 8
+    assert raw.headers["x-polyinfer-worker"] in ("latency", "throughput")
+    assert raw.headers["x-polyinfer-domain"] != "none"
+    assert raw.headers["x-request-id"]
+    assert "x-polyinfer-spec-depth" in raw.headers
+
+
+def test_completions_stream_relays_chunks_and_strips_usage(proxy: ProxyThread) -> None:
+    stream = client(proxy).completions.create(model=MODEL, prompt=CODE_PROMPT, max_tokens=12,
+                                              stream=True)
+    chunks = list(stream)
+    assert len(chunks) >= 2
+    assert all(c.usage is None for c in chunks), "the proxy asked for usage; the client did not"
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def test_chat_stream_with_client_usage_is_kept(proxy: ProxyThread) -> None:
+    stream = client(proxy).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": CODE_PROMPT}], max_tokens=10,
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].completion_tokens >= 1
+    stats = proxy.app[keys.STATS]
+    assert stats.requests and stats.latency["ttft"]["all"].count >= 1
+
+
+async def test_async_client_concurrent_streams(proxy: ProxyThread) -> None:
+    aclient = openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0,
+                                 timeout=60)
+
+    async def one(i: int) -> str:
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Count to {i}"}],
+            max_tokens=6, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    texts = await asyncio.gather(*(one(i) for i in range(12)))
+    assert all(isinstance(t, str) for t in texts) and any(texts)
+    await aclient.close()
+
+
+def test_openai_fields_reach_the_worker(proxy: ProxyThread) -> None:
+    # The engine refuses `tools` naming the field: proof the proxy passed it through untouched.
+    with pytest.raises(openai.BadRequestError) as e:
+        client(proxy).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert "tools" in str(e.value)
+    assert e.value.response.headers["x-polyinfer-worker"] in ("latency", "throughput")
+
+
+def test_models_merged_and_unknown_model_404(proxy: ProxyThread) -> None:
+    c = client(proxy)
+    assert [m.id for m in c.models.list()] == [MODEL]
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="no-such-model",
+                                  messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+
+def test_engine_worker_gets_speculative_depth_and_reports_acceptance(proxy: ProxyThread) -> None:
+    c = client(proxy)
+    for _ in range(4):
+        raw = c.completions.with_raw_response.create(
+            model=MODEL, prompt=CODE_PROMPT * 3, max_tokens=24, extra_body={"speculative_depth": 3})
+        assert raw.headers["x-polyinfer-spec-depth"] == "3"
+    stats = proxy.app[keys.STATS]
+    assert stats.spec_depths["3"] == 4
+    drafted = sum(d for (w, _), (d, _) in stats.spec_tokens.items() if w == "latency")
+    if any(w == "latency" for (w, _, _) in stats.requests):
+        assert drafted > 0, "the n-gram worker reported usage.spec_decode"
+
+
+def test_stats_metrics_dashboard_health(proxy: ProxyThread) -> None:
+    client(proxy).chat.completions.create(model=MODEL, max_tokens=4,
+                                          messages=[{"role": "user", "content": "hi"}])
+    with httpx.Client(base_url=proxy.url) as h:
+        stats = h.get("/stats").json()
+        assert stats["requests_total"] >= 1 and stats["in_flight"] == 0
+        assert {w["name"] for w in stats["workers"]} == {"latency", "throughput"}
+        assert all(w["healthy"] for w in stats["workers"])
+        assert stats["latency_s"]["e2e"]["all"]["count"] >= 1
+        for key in ("requests_by_domain_worker", "spec_depths", "acceptance", "decision_reasons",
+                    "errors"):
+            assert key in stats
+        text = h.get("/metrics").text
+        assert "polyinfer_requests_total{" in text and "polyinfer_e2e_seconds_bucket" in text
+        assert 'polyinfer_worker_healthy{backend="engine",worker="latency"} 1.0' in text
+        page = h.get("/")
+        assert page.status_code == 200 and "polyinfer" in page.text
+        assert h.get("/health").json()["status"] == "ok"
+        assert "x-request-id" in h.get("/health").headers
+
+
+def test_worker_metrics_are_scraped(proxy: ProxyThread) -> None:
+    pool = proxy.app[keys.POOL]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(
+            w.view.kv_cache_usage or w.view.running for w in pool.workers.values()):
+        client(proxy).completions.create(model=MODEL, prompt="x" * 200, max_tokens=2)
+        time.sleep(0.3)
+    # the scrape loop parsed the engines' vllm:* gauges at least once
+    assert all(w.probe_ok for w in pool.workers.values())
+
+
+def test_one_trace_record_per_request(proxy: ProxyThread, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    c = client(proxy)
+    c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "secret prompt"}],
+                              max_tokens=3)
+    list(c.completions.create(model=MODEL, prompt="hello", max_tokens=3, stream=True))
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="nope", prompt="hello", max_tokens=3)
+    proxy.stop()
+    records = read_traces(tmp_path / "traces")
+    assert len(records) == 3
+    ok = [r for r in records if r["status"] == "ok"]
+    assert len(ok) == 2 and all(r["e2e_s"] > 0 and r["completion_tokens"] for r in ok)
+    streamed = next(r for r in ok if r["stream"])
+    assert streamed["ttft_s"] is not None and streamed["ttft_s"] <= streamed["e2e_s"]
+    expected = {"ts", "request_id", "model", "endpoint", "stream", "domain", "prompt_tokens",
+                "max_tokens", "completion_tokens", "worker", "spec_depth", "spec_draft_tokens",
+                "spec_accepted_tokens", "ttft_s", "tpot_s", "e2e_s", "status", "error",
+                "prefix_hashes"}
+    assert all(set(r) == expected for r in records)
+    assert "secret" not in (tmp_path / "traces").joinpath(
+        next((tmp_path / "traces").glob("*.jsonl")).name).read_text()
