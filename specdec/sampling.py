@@ -59,13 +59,17 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
         raise VerifyInputError(
             f"logits: expected [{len(params)}, vocab], got {tuple(logits.shape)}")
     logits = logits.float()
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    if not greedy_rows:
+        return _softmax_truncated(logits, params)
+    if len(greedy_rows) == len(params):
+        return _one_hot_argmax(logits)
     probs = torch.empty_like(logits)
-    greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
-    if bool(greedy.any()):
-        probs[greedy] = _one_hot_argmax(logits[greedy])
-    if not bool(greedy.all()):
-        rows = (~greedy).nonzero().squeeze(1)
-        probs[rows] = _softmax_truncated(logits[rows], [params[i] for i in rows.tolist()])
+    greedy = torch.tensor(greedy_rows)
+    probs[greedy] = _one_hot_argmax(logits[greedy])
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    probs[torch.tensor(rows)] = _softmax_truncated(logits[torch.tensor(rows)],
+                                                   [params[i] for i in rows])
     return probs
 
 
@@ -75,12 +79,16 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _softmax_truncated(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-    scaled = logits / temperature.unsqueeze(1)  # [n, vocab]
+    temperatures = {p.temperature for p in params}
+    if len(temperatures) == 1:
+        scaled = logits / temperatures.pop()  # [n, vocab]
+    else:
+        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+        scaled = logits / temperature.unsqueeze(1)
     vocab = logits.shape[1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
-    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+    if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
         scaled = _mask_top_k_top_p(scaled, top_k, top_p)
     return torch.softmax(scaled, dim=1)
 
@@ -100,23 +108,34 @@ def _mask_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor,
 
 
 def sample_from_probs(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """One token per row from [N, vocab] probabilities; greedy rows take the argmax."""
+    """One token per row from [N, vocab] probabilities; greedy rows take the argmax.
+
+    Inverse-CDF sampling: one uniform per row (drawn from the row's generator
+    when it has one), so a seeded request's stream advances by one number per
+    sampled token whichever path samples it.
+    """
     tokens = probs.argmax(dim=1)  # [N]
-    shared = [i for i, p in enumerate(params) if not p.greedy and p.generator is None]
-    if shared:
-        rows = torch.tensor(shared)
-        tokens[rows] = _exponential_race(probs[rows], None)
-    for i, p in enumerate(params):
-        if not p.greedy and p.generator is not None:
-            tokens[i] = _exponential_race(probs[i : i + 1], p.generator)[0]
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens
+    index = torch.tensor(rows)
+    picked = _inverse_cdf(probs[index], uniforms([1] * len(rows), [params[i] for i in rows]))
+    tokens[index] = picked
     return tokens
 
 
-def _exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    # argmax(p / E) with E ~ Exp(1) is a draw from p (the Gumbel-max trick in another form)
-    # and needs no cumulative sum, so a batch of rows is one vectorised op.
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / noise.clamp_(min=torch.finfo(probs.dtype).tiny)).argmax(dim=1)
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row-wise draw: the first token whose cumulative mass exceeds u * total."""
+    cdf = probs.cumsum(dim=1)  # [n, vocab]
+    target = (u * cdf[:, -1]).unsqueeze(1)  # [n, 1]
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    picked.clamp_(max=probs.shape[1] - 1)
+    # NOTE: rounding can put target at the very top of the cdf, past the last token with
+    # mass; never return a zero-probability token, take the most likely one instead.
+    zero = probs.gather(1, picked.unsqueeze(1)).squeeze(1) <= 0
+    if bool(zero.any()):
+        picked[zero] = probs[zero].argmax(dim=1)
+    return picked
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
