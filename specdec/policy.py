@@ -126,21 +126,28 @@ class AcceptanceEstimate:
     def mean(self) -> float:
         return self.alpha / (self.alpha + self.beta)
 
-    def observe(self, num_draft: int, num_accepted: int, depth: int, max_evidence: float) -> None:
+    def observe(self, num_draft: int, num_accepted: int, depth: int, max_evidence: float,
+                num_steps: int | None = None) -> None:
         """Add a request's counts; ``depth`` is the k it ran with (0 if unknown).
 
         Successes are the accepted tokens. Failures are the rejections, which the
-        counts do not give directly: with depth k the request ran about
-        ``num_draft / k`` steps, and under the geometric model a step ends in a
-        rejection with probability ``1 - a^k``, where ``a`` solves the observed
-        mean accepted per step. Then alpha / (alpha + beta) moves to ``a``. With
-        no depth, every unaccepted draft token counts as a failure (an underestimate).
+        counts do not give directly: a request that ran ``num_steps`` decode steps
+        at depth k (``num_draft / k`` when not given) accepted ``num_accepted /
+        num_steps`` per step; under the geometric model that mean is
+        ``a + ... + a^k`` and a step ends in a rejection with probability
+        ``1 - a^k``, so failures are ``num_steps * (1 - a^k)`` and
+        alpha / (alpha + beta) moves to ``a``. With no depth, every unaccepted
+        draft token counts as a failure (an underestimate).
+
+        NOTE: given ``num_steps`` (as :meth:`DepthPolicy.observe_request` does),
+        steps where the proposer found nothing to propose count as steps with
+        nothing accepted, so ``a`` is the effective acceptance that goodput needs.
         """
-        if num_draft <= 0:
+        if num_draft <= 0 and not num_steps:
             return
-        num_accepted = min(max(num_accepted, 0), num_draft)
+        num_accepted = min(max(num_accepted, 0), max(num_draft, 0))
         if depth > 0:
-            steps = num_draft / depth
+            steps = float(num_steps) if num_steps else num_draft / depth
             a = solve_acceptance(num_accepted / steps, depth)
             failures = steps * (1.0 - a**depth)
         else:
@@ -155,7 +162,12 @@ class AcceptanceEstimate:
 
 @dataclass
 class StepTimeModel:
-    """t(batch, k) = w . [1, batch, batch*k, k] seconds, least squares over decayed samples."""
+    """t(batch, k) = w . [1, batch, batch*k, k] seconds, least squares over decayed samples.
+
+    NOTE: samples are weighted by 1 / t^2, i.e. the fit minimises relative error,
+    so a 10 ms batch-1 step counts as much as a 200 ms batch-64 one (the policy
+    compares ratios of step times at one batch size).
+    """
 
     prior_xtx: np.ndarray  # [4, 4] prior pseudo-samples' X^T X (not decayed)
     prior_xty: np.ndarray  # [4]
@@ -174,8 +186,8 @@ class StepTimeModel:
         grid = [_features(b, k) for b in _PRIOR_BATCHES for k in _PRIOR_DEPTHS]
         x = np.array(grid)  # [G, 4]
         y = x @ np.array(coefficients)  # [G]
-        scale = weight / len(grid)
-        return cls(scale * x.T @ x, scale * x.T @ y, decay)
+        w = weight / len(grid) / y**2  # [G] relative-error weights
+        return cls((x * w[:, None]).T @ x, (x * w[:, None]).T @ y, decay)
 
     @classmethod
     def from_coefficients(cls, coefficients: tuple[float, ...]) -> StepTimeModel:
@@ -186,8 +198,9 @@ class StepTimeModel:
         if not (step_s > 0.0 and math.isfinite(step_s)) or batch <= 0 or k < 0:
             return
         x = np.array(_features(batch, k))
-        self.xtx = self.decay * self.xtx + np.outer(x, x)
-        self.xty = self.decay * self.xty + x * step_s
+        w = 1.0 / step_s**2
+        self.xtx = self.decay * self.xtx + w * np.outer(x, x)
+        self.xty = self.decay * self.xty + w * x * step_s
         self.num_samples += 1
         self._solve()
 
@@ -237,9 +250,9 @@ class DepthPolicy:
                             self.step_time(worker), cap, self.config.min_gain)
 
     def observe_acceptance(self, worker: str, domain: str, num_draft: int, num_accepted: int,
-                           depth: int = 0) -> None:
+                           depth: int = 0, num_steps: int | None = None) -> None:
         self.acceptance(worker, domain).observe(num_draft, num_accepted, depth,
-                                                self.config.max_evidence)
+                                                self.config.max_evidence, num_steps)
 
     def observe_step(self, worker: str, batch: int, k: int, step_s: float) -> None:
         self.step_time(worker).observe(batch, k, step_s)
@@ -252,7 +265,8 @@ class DepthPolicy:
         ``num_output_tokens - 1 - num_accepted`` steps after the first token, and its
         mean step time is ``decode_s`` over that.
         """
-        self.observe_acceptance(worker, domain, num_draft, num_accepted, depth)
         steps = num_output_tokens - 1 - num_accepted
+        if depth > 0 and steps > 0:
+            self.observe_acceptance(worker, domain, num_draft, num_accepted, depth, steps)
         if steps > 0 and decode_s > 0:
             self.observe_step(worker, batch, depth, decode_s / steps)

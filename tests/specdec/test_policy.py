@@ -79,6 +79,17 @@ def test_acceptance_update_with_depth_undoes_the_truncation_bias() -> None:
     assert (est.alpha, est.beta) == pytest.approx((159.0, 99.0))
 
 
+def test_acceptance_update_with_measured_steps() -> None:
+    """Steps where the proposer found nothing count: a is the effective per-token acceptance."""
+    est = AcceptanceEstimate(4.0, 4.0)
+    # k = 4, 20 decode steps but only 10 proposed (40 drafts), 30 accepted:
+    # 1.5 accepted per step = a + a^2 + a^3 + a^4 -> a = 0.6445; failures = 20 (1 - a^4) = 16.55
+    # (from the drafts alone: 3 per proposing step -> a = 0.888)
+    assert solve_acceptance(1.5, 4) == pytest.approx(0.6445, abs=1e-4)
+    est.observe(40, 30, depth=4, max_evidence=1e9, num_steps=20)
+    assert (est.alpha, est.beta) == pytest.approx((34.0, 4.0 + 16.55), abs=0.01)
+
+
 def test_acceptance_update_without_depth_and_evidence_cap() -> None:
     est = AcceptanceEstimate(4.0, 4.0)
     est.observe(200, 75, depth=0, max_evidence=1e9)  # every unaccepted draft is a failure
@@ -136,7 +147,14 @@ def test_observe_request_feeds_both_models() -> None:
     policy.observe_request("w", "code", batch=2, depth=4, num_draft=40, num_accepted=30,
                            num_output_tokens=41, decode_s=0.5)
     assert policy.step_time("w").num_samples == 1
-    assert policy.acceptance("w", "code").alpha == pytest.approx(0.5 * 8 + 30)
+    # 3 accepted per step at k = 4 -> a = 0.8882; failures = 10 (1 - a^4) = 3.777
+    est = policy.acceptance("w", "code")
+    assert (est.alpha, est.beta) == pytest.approx((4.0 + 30, 4.0 + 3.777), abs=0.01)
+    # depth 0: a step-time sample, no acceptance evidence
+    policy.observe_request("w", "chat", batch=2, depth=0, num_draft=0, num_accepted=0,
+                           num_output_tokens=41, decode_s=0.4)
+    assert policy.step_time("w").num_samples == 2
+    assert policy.acceptance("w", "chat").mean == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("kwargs", [

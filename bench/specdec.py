@@ -1,0 +1,396 @@
+"""Speculative decoding on the bundled pair: output tokens/s by depth, proposer and concurrency.
+
+Starts a real engine (``polyinfer engine``) per proposer (n-gram, draft model),
+sends Spec-Bench prompts over HTTP with ``speculative_depth`` per request, and
+prints tokens/s for depth 0, fixed k and the adaptive policy at each
+concurrency, with ratios against depth 0 and against the best fixed k, plus
+acceptance per domain. Requests are greedy with ``ignore_eos`` so every mode
+generates the same number of tokens (and, greedy, the same text: mismatches are
+counted as a sanity check).
+
+The adaptive mode uses :class:`specdec.policy.DepthPolicy` as the proxy would:
+it decides per request from the concurrency in flight and the acceptance it
+has learned, and it learns online from every response of the run (fixed-k
+runs included: it sees all traffic, as the proxy does).
+
+Modes run in ABBA order (forward, then reversed) and the rounds are summed, so
+slow drift of a shared machine hits every mode alike.
+
+    python bench/specdec.py                     # full run (a few minutes on 2 cores)
+    python bench/specdec.py --quick             # smaller, for a smoke test
+    python bench/specdec.py --micro             # proposer / policy / verify micro-costs only
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+REPO = Path(__file__).resolve().parents[1]
+# NOTE: run as a script, this file's directory comes first on sys.path and the
+# file's name would shadow the specdec package; specdec is imported lazily below.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(REPO)
+PROMPTS = REPO.parent / "shared" / "data" / "prompts" / "spec_bench_questions.jsonl"
+CATEGORY_DOMAIN = {
+    "translation": "translation", "summarization": "summarization", "qa": "qa",
+    "math_reasoning": "math", "math": "math", "rag": "rag", "coding": "code",
+    "extraction": "extraction", "writing": "chat", "roleplay": "chat", "reasoning": "chat",
+    "stem": "chat", "humanities": "chat",
+}
+FIXED_DEPTHS = (0, 1, 2, 4, 6)
+ADAPTIVE = "adaptive"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    domain: str
+    text: str
+
+
+@dataclass
+class RunStats:
+    tokens: int = 0
+    seconds: float = 0.0
+    num_draft: int = 0
+    num_accepted: int = 0
+    depths: list[int] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    prompt_key: str  # the prompt text (kept in memory only, never printed)
+    domain: str
+    depth: int
+    batch: int
+    text: str
+    tokens: int
+    num_draft: int
+    num_accepted: int
+    ttft_s: float
+    e2e_s: float
+
+
+def load_prompts(path: Path, per_domain: int, seed: int) -> list[Prompt]:
+    by_domain: dict[str, list[Prompt]] = defaultdict(list)
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        domain = CATEGORY_DOMAIN.get(row["category"], "chat")
+        by_domain[domain].append(Prompt(domain, row["turns"][0]))
+    rng = random.Random(seed)
+    picked = []
+    for domain in sorted(by_domain):
+        picked += rng.sample(by_domain[domain], min(per_domain, len(by_domain[domain])))
+    rng.shuffle(picked)
+    return picked
+
+
+# -- engine process -------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def engine_process(method: str, max_depth: int, max_num_seqs: int) -> Iterator[str]:
+    engine = {"max_num_seqs": max_num_seqs, "kv_cache_tokens": 32768,
+              "spec_method": method, "spec_max_depth": max_depth}
+    if method == "draft":
+        engine["draft_model"] = str(REPO / "models" / "tiny-draft")
+    config = {"backend": "engine", "model": str(REPO / "models" / "tiny-target"),
+              "engine": engine}
+    port = _free_port()
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(config, f)
+    log = open(Path(tempfile.gettempdir()) / f"bench-specdec-{method}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "--log-level", "WARNING",
+                             "engine", "--config", f.name, "--port", str(port)],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(_wait_healthy(url, proc))
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+        os.unlink(f.name)
+
+
+async def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(600):
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine exited with {proc.returncode}; see its log")
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(url + "/health") as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+    raise RuntimeError("engine did not become healthy in 120 s")
+
+
+# -- client ---------------------------------------------------------------------------------
+
+
+async def send(session: aiohttp.ClientSession, url: str, prompt: Prompt, depth: int,
+               max_tokens: int, batch: int) -> Outcome:
+    body = {"model": "tiny-target", "messages": [{"role": "user", "content": prompt.text}],
+            "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "speculative_depth": depth}
+    t0 = time.perf_counter()
+    ttft = 0.0
+    parts: list[str] = []
+    usage: dict[str, object] = {}
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = orjson.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                if not ttft:
+                    ttft = time.perf_counter() - t0
+                parts.append(choice.get("delta", {}).get("content") or "")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    spec = usage.get("spec_decode") or {}
+    assert isinstance(spec, dict)
+    return Outcome(prompt.text, prompt.domain, depth, batch, "".join(parts),
+                   int(usage.get("completion_tokens", 0)),  # type: ignore[call-overload]
+                   int(spec.get("num_draft_tokens", 0)), int(spec.get("num_accepted_tokens", 0)),
+                   ttft, time.perf_counter() - t0)
+
+
+class Bench:
+    def __init__(self, url: str, worker: str, policy: object, max_tokens: int,
+                 max_depth: int) -> None:
+        from specdec.policy import DepthPolicy
+
+        assert isinstance(policy, DepthPolicy)
+        self.url = url
+        self.worker = worker
+        self.policy = policy
+        self.max_tokens = max_tokens
+        self.max_depth = max_depth
+        self.in_flight = 0
+        self.outcomes: list[Outcome] = []
+
+    def _depth(self, mode: int | str, domain: str) -> int:
+        if mode == ADAPTIVE:
+            return self.policy.decide(self.worker, domain, self.in_flight, self.max_depth)
+        assert isinstance(mode, int)
+        return mode
+
+    def _learn(self, o: Outcome) -> None:
+        self.policy.observe_request(self.worker, o.domain, o.batch, o.depth, o.num_draft,
+                                    o.num_accepted, o.tokens, o.e2e_s - o.ttft_s)
+
+    async def run(self, prompts: list[Prompt], mode: int | str, concurrency: int) -> RunStats:
+        queue = list(reversed(prompts))
+        stats = RunStats()
+        async with aiohttp.ClientSession() as session:
+
+            async def worker() -> None:
+                while queue:
+                    prompt = queue.pop()
+                    self.in_flight += 1
+                    depth = self._depth(mode, prompt.domain)
+                    try:
+                        o = await send(session, self.url, prompt, depth, self.max_tokens,
+                                       self.in_flight)
+                    finally:
+                        self.in_flight -= 1
+                    self._learn(o)
+                    self.outcomes.append(o)
+                    stats.tokens += o.tokens
+                    stats.num_draft += o.num_draft
+                    stats.num_accepted += o.num_accepted
+                    stats.depths.append(depth)
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            stats.seconds = time.perf_counter() - t0
+        return stats
+
+
+# -- the benchmark --------------------------------------------------------------------------
+
+
+def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -> None:
+    from specdec.policy import DepthPolicy, PolicyConfig
+
+    policy = DepthPolicy(PolicyConfig(max_depth=max(FIXED_DEPTHS)))
+    modes: list[int | str] = [*FIXED_DEPTHS, ADAPTIVE]
+    with engine_process(method, max(FIXED_DEPTHS), max(args.concurrency)) as url:
+        bench = Bench(url, method, policy, args.max_tokens, max(FIXED_DEPTHS))
+        asyncio.run(bench.run(prompts[:2], 0, 2))  # warm-up
+        for conc in args.concurrency:
+            n = max(args.min_requests, args.requests_per_slot * conc)
+            batch = [prompts[i % len(prompts)] for i in range(n)]
+            totals = {m: RunStats() for m in modes}
+            for rnd in range(args.rounds):
+                for mode in modes if rnd % 2 == 0 else list(reversed(modes)):
+                    s = asyncio.run(bench.run(batch, mode, conc))
+                    t = totals[mode]
+                    t.tokens += s.tokens
+                    t.seconds += s.seconds
+                    t.num_draft += s.num_draft
+                    t.num_accepted += s.num_accepted
+                    t.depths += s.depths
+            print_concurrency(method, conc, n, totals)
+        print_acceptance(method, bench, policy)
+        print_mismatches(method, bench)
+
+
+def print_concurrency(method: str, conc: int, n: int, totals: dict[int | str, RunStats]) -> None:
+    base = totals[0].tokens_per_s
+    fixed = {m: t for m, t in totals.items() if m != ADAPTIVE and m != 0}
+    best_k = max(fixed, key=lambda m: fixed[m].tokens_per_s)
+    best = fixed[best_k].tokens_per_s
+    print(f"\n[{method}] concurrency {conc}: {n} requests x rounds per mode")
+    print(f"  {'mode':>9} {'tok/s':>8} {'vs k=0':>7} {'vs best k':>9} {'accept':>7}  depths")
+    for mode, t in totals.items():
+        acc = t.num_accepted / t.num_draft if t.num_draft else 0.0
+        hist = defaultdict(int)
+        for d in t.depths:
+            hist[d] += 1
+        depths = " ".join(f"{d}:{c}" for d, c in sorted(hist.items()))
+        label = f"k={mode}" if mode != ADAPTIVE else ADAPTIVE
+        print(f"  {label:>9} {t.tokens_per_s:8.1f} {t.tokens_per_s / base:7.2f} "
+              f"{t.tokens_per_s / best:9.2f} {acc:7.2f}  {depths}")
+    print(f"  best fixed k = {best_k}; adaptive / best fixed = "
+          f"{totals[ADAPTIVE].tokens_per_s / best:.3f}; adaptive / k=0 = "
+          f"{totals[ADAPTIVE].tokens_per_s / base:.3f}")
+
+
+def print_acceptance(method: str, bench: Bench, policy: object) -> None:
+    from specdec.policy import DepthPolicy
+
+    assert isinstance(policy, DepthPolicy)
+    counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for o in bench.outcomes:
+        counts[o.domain][0] += o.num_draft
+        counts[o.domain][1] += o.num_accepted
+    print(f"\n[{method}] acceptance per domain (accepted / drafted; per-token a learned by the "
+          f"policy)")
+    for domain, (drafted, accepted) in sorted(counts.items()):
+        if drafted:
+            a = policy.acceptance(method, domain).mean
+            print(f"  {domain:>13} {accepted / drafted:6.2f}  ({accepted}/{drafted})  a={a:.2f}")
+    coef = policy.step_time(method).coef
+    print(f"  step-time model t = {coef[0] * 1e3:.2f} + {coef[1] * 1e3:.3f}*b + "
+          f"{coef[2] * 1e3:.3f}*b*k + {coef[3] * 1e3:.3f}*k  ms")
+
+
+def print_mismatches(method: str, bench: Bench) -> None:
+    """Greedy outputs must not depend on the depth; count prompts where they do."""
+    texts: dict[str, set[str]] = defaultdict(set)
+    for o in bench.outcomes:
+        texts[o.prompt_key].add(o.text)
+    differing = sum(1 for t in texts.values() if len(t) > 1)
+    print(f"  greedy outputs differing across depths/batches: {differing} of {len(texts)} "
+          f"prompts (float32 batch-composition rounding can flip a near-tie argmax)")
+
+
+# -- micro-costs ----------------------------------------------------------------------------
+
+
+def _per_call_us(fn: object, number: int) -> float:
+    assert callable(fn)
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter() - t0) / number * 1e6
+
+
+def run_micro() -> None:
+    """Costs of the pieces that run on every step or request (no engine)."""
+    import torch
+
+    from specdec.base import Proposal, ProposalRequest
+    from specdec.ngram import NgramConfig, NgramProposer
+    from specdec.policy import DepthPolicy
+    from specdec.sampling import SamplingParams
+    from specdec.verify import verify
+
+    rng = random.Random(0)
+    print("micro-costs (median of 5 repeats, microseconds per call)")
+    for length in (512, 2048):
+        history = [rng.randrange(8192) for _ in range(length)]
+        proposer = NgramProposer(NgramConfig(min_n=1, max_n=4))
+
+        def step(history: list[int] = history, proposer: NgramProposer = proposer) -> None:
+            history.append(rng.randrange(8192))
+            proposer.propose([ProposalRequest(1, history, 4)])
+
+        us = sorted(_per_call_us(step, 300) for _ in range(5))[2]
+        print(f"  ngram propose, 1 seq, {length}-token context (incremental): {us:8.1f}")
+    policy = DepthPolicy()
+    policy.observe_request("w", "code", 4, 4, 40, 30, 48, 0.4)
+    us = sorted(_per_call_us(lambda: policy.decide("w", "code", 8, 6), 5000) for _ in range(5))[2]
+    print(f"  depth policy decide (k <= 6): {us:8.1f}")
+    us = sorted(_per_call_us(lambda: policy.observe_request("w", "code", 4, 4, 40, 30, 48, 0.4),
+                             2000) for _ in range(5))[2]
+    print(f"  depth policy observe_request: {us:8.1f}")
+    for temperature in (0.0, 1.0):
+        props = [Proposal(i, [rng.randrange(8192) for _ in range(4)]) for i in range(16)]
+        logits = torch.randn(16 * 5, 8192)
+        params = [SamplingParams(temperature)] * 16
+        us = sorted(_per_call_us(lambda: verify(logits, props, params), 50)  # noqa: B023
+                    for _ in range(5))[2]
+        print(f"  verify 16 seqs x k=4, vocab 8192, temperature {temperature}: {us:8.1f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", nargs="+", default=["ngram", "draft"])
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--requests-per-slot", type=int, default=2)
+    parser.add_argument("--min-requests", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--per-domain", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="one round, fewer requests")
+    parser.add_argument("--micro", action="store_true", help="micro-costs only, no engine")
+    args = parser.parse_args()
+    if args.micro:
+        run_micro()
+        return 0
+    if args.quick:
+        args.rounds, args.min_requests, args.requests_per_slot = 1, 4, 1
+    prompts = load_prompts(PROMPTS, args.per_domain, args.seed)
+    print(f"bench/specdec.py  {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  prompts={len(prompts)} "
+          f"max_tokens={args.max_tokens} rounds={args.rounds} concurrency={args.concurrency}")
+    for method in args.methods:
+        bench_method(method, prompts, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
