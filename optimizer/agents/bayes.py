@@ -12,12 +12,14 @@ import logging
 import math
 import random
 import warnings
+from typing import Any
 
 import numpy as np
+from scipy.optimize import minimize
 from scipy.stats import norm
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.gaussian_process import GaussianProcessRegressor
-from sklearn.gaussian_process.kernels import ConstantKernel, Matern, WhiteKernel
+from sklearn.gaussian_process.kernels import ConstantKernel, Kernel, Matern, WhiteKernel
 
 from engine.config import CompiledConfig
 from optimizer.agents.base import BoardView, Candidate, fresh
@@ -38,11 +40,14 @@ class BayesAgent:
     name = "bayes"
 
     def __init__(self, space: SearchSpace, seed: int = 0, num_init: int = 3,
-                 pool_size: int = 400) -> None:
+                 pool_size: int = 300, max_iter: int = 60) -> None:
         self.space = space
         self.rng = random.Random(seed)
         self.num_init = num_init
         self.pool_size = pool_size
+        self.max_iter = max_iter
+        self._kernel: Kernel | None = None
+        self._dim = 0
 
     def propose(self, view: BoardView, num: int) -> list[Candidate]:
         measured = {k: v for k, v in view.measured.items() if v > 0}
@@ -64,16 +69,19 @@ class BayesAgent:
                 for i in order]
 
     def _fit(self, x: np.ndarray, y: np.ndarray) -> GaussianProcessRegressor:
-        kernel = (ConstantKernel(1.0, (1e-3, 1e3))
-                  * Matern(length_scale=np.full(x.shape[1], 0.5), length_scale_bounds=(0.05, 20.0),
-                           nu=2.5)
-                  + WhiteKernel(1e-3, (1e-6, 1e-1)))
-        gp = GaussianProcessRegressor(kernel, normalize_y=True, n_restarts_optimizer=1,
-                                      random_state=self.rng.randrange(1 << 30))
+        kernel = self._kernel if self._kernel is not None and self._dim == x.shape[1] else (
+            ConstantKernel(1.0, (1e-3, 1e3))
+            * Matern(length_scale=np.full(x.shape[1], 0.5), length_scale_bounds=(0.05, 20.0),
+                     nu=2.5)
+            + WhiteKernel(1e-3, (1e-6, 1e-1)))
+        gp = GaussianProcessRegressor(kernel, normalize_y=True, optimizer=_lbfgs(self.max_iter),
+                                      n_restarts_optimizer=0)
         with warnings.catch_warnings():
             # NOTE: length scales at their bounds are expected with a handful of points.
             warnings.simplefilter("ignore", ConvergenceWarning)
             gp.fit(x, y)
+        # NOTE: warm start: the next fit (one more point) starts from these hyperparameters.
+        self._kernel, self._dim = gp.kernel_, x.shape[1]
         return gp
 
     def _pool(self, view: BoardView, keys: list[str]) -> list[CompiledConfig]:
@@ -85,3 +93,14 @@ class BayesAgent:
     def _random(self, view: BoardView, num: int) -> list[Candidate]:
         configs = fresh(self.space, view, [self.space.sample(self.rng) for _ in range(20 * num)])
         return [Candidate(c, reason="initial design (random)") for c in configs[:num]]
+
+
+def _lbfgs(max_iter: int) -> Any:
+    """sklearn's default optimiser with a cap on iterations (fits run once per proposal)."""
+
+    def optimize(obj_func: Any, initial_theta: np.ndarray, bounds: np.ndarray) -> tuple[Any, Any]:
+        res = minimize(obj_func, initial_theta, method="L-BFGS-B", jac=True, bounds=bounds,
+                       options={"maxiter": max_iter})
+        return res.x, res.fun
+
+    return optimize
