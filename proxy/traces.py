@@ -59,7 +59,7 @@ class RotatingJsonl:
         self._prune()
 
     def _prune(self) -> None:
-        files = sorted(self.directory.glob("traces-*.jsonl"), key=lambda p: p.stat().st_mtime)
+        files = sorted(self.directory.glob("traces-*.jsonl"))  # names sort by start time, index
         for old in files[:-self.max_files]:
             with contextlib.suppress(OSError):
                 old.unlink()

@@ -1,0 +1,194 @@
+"""Pure cores of the proxy on tiny inputs: config, breaker, metrics parsing, SSE usage
+scanning, shapes, stats, trace rotation, the CLI config builder."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import orjson
+import pytest
+
+from engine.config import ConfigError
+from proxy.breaker import CircuitBreaker
+from proxy.config import ProxyConfig, default_config
+from proxy.pool import parse_metrics
+from proxy.record import RequestRecord
+from proxy.relay import _scan_usage_events
+from proxy.routing import build_policy
+from proxy.serve_cli import build_config
+from proxy.shape import HeuristicShapeEstimator, prefix_hashes
+from proxy.stats import LatencySeries, Stats
+from proxy.traces import RotatingJsonl
+from router.base import RequestShape
+
+
+def test_default_config_has_two_differently_compiled_engine_workers() -> None:
+    config = default_config()
+    assert [w.name for w in config.workers] == ["latency", "throughput"]
+    lat, thr = (w.config for w in config.workers)
+    assert all(w.launch is not None and w.backend == "engine" for w in config.workers)
+    assert lat.engine.spec_method == "ngram" and thr.engine.spec_method == "none"
+    assert thr.engine.max_num_seqs > lat.engine.max_num_seqs
+    assert config.server.host == "127.0.0.1" and config.server.port == 8000
+
+
+def test_yaml_config_loads_with_config_file(tmp_path: Path) -> None:
+    (tmp_path / "big.yaml").write_text("backend: engine\nengine: {max_num_seqs: 64}\n")
+    (tmp_path / "polyinfer.yaml").write_text("""
+workers:
+  - {name: a, url: "http://127.0.0.1:9000", config_file: big.yaml}
+  - {name: b, launch: {port: 9100}, config: {backend: engine, fit: {domains: [code]}}}
+routing: {policy: least_outstanding}
+traces: {record_prompt_text: true}
+auth: {api_keys: [k1], admin_key: adm}
+""")
+    config = ProxyConfig.load(tmp_path / "polyinfer.yaml")
+    assert config.workers[0].config.engine.max_num_seqs == 64
+    assert config.workers[1].launch is not None and config.workers[1].launch.port == 9100
+    assert config.workers[1].config.fit.domains == ("code",)
+    assert config.routing.policy == "least_outstanding" and config.traces.record_prompt_text
+    assert config.auth.api_keys == ("k1",)
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"routing": {"policy": "fastest"}}, "routing.policy"),
+    ({"routing": {"polcy": "random"}}, "routing"),
+    ({"limits": {"max_in_flight": "many"}}, "limits.max_in_flight"),
+    ({"limits": {"max_in_flight": 0}}, "limits.max_in_flight"),
+    ({"workers": [{"name": "a"}]}, "url"),
+    ({"workers": [{"name": "a", "url": "http://x", "launch": {}}]}, "url"),
+    ({"workers": [{"name": "a", "url": "x"}]}, "url"),
+    ({"workers": [{"name": "a", "url": "http://x", "config": {"engine": {"max_num_seqs": -1}}}]},
+     "engine.max_num_seqs"),
+    ({"workers": [{"name": "a", "url": "http://x"}, {"name": "a", "url": "http://y"}]},
+     "unique names"),
+    ({"workers": [{"name": "a", "launch": {}, "config": {"backend": "external"}}]}, "launch"),
+    ({"speculation": {"mode": "sometimes"}}, "speculation.mode"),
+    ({"traces": {"max_files": 0}}, "traces.max_files"),
+    ({"server": {"port": 70000}}, "server.port"),
+])
+def test_config_errors_name_the_key(data: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        ProxyConfig.from_dict(data)
+
+
+def test_cli_config_builder() -> None:
+    ns = argparse.Namespace(config=None, worker=["http://127.0.0.1:9/"], host=None, port=8123,
+                            policy="random")
+    config = build_config(ns)
+    assert config.workers[0].url == "http://127.0.0.1:9" and config.workers[0].discover
+    assert config.server.port == 8123 and config.routing.policy == "random"
+    default = build_config(argparse.Namespace(config=None, worker=[], host=None, port=None,
+                                              policy=None))
+    assert len(default.workers) == 2 and default.server.port == 8000
+
+
+def test_build_policy_by_name_and_path() -> None:
+    assert build_policy("round_robin").name == "round_robin"
+    assert build_policy("router.baselines:RandomPolicy", seed=3).name == "random"
+    with pytest.raises(ConfigError, match="not available"):
+        build_policy("router.nothing:Nope")
+
+
+def test_breaker_opens_half_opens_and_closes() -> None:
+    b = CircuitBreaker(max_failures=2, cooldown_s=10)
+    b.record_failure(now=0)
+    assert b.allows(now=0) and b.state == "closed"
+    b.record_failure(now=1)
+    assert not b.allows(now=5)
+    assert b.allows(now=11)  # half-open: one more chance
+    b.record_failure(now=11)  # failed again in half-open: open at once
+    assert not b.allows(now=12) and b.num_opened == 2
+    b.record_success()
+    assert b.allows(now=12) and b.state == "closed"
+
+
+def test_parse_metrics_sums_label_sets() -> None:
+    text = """# HELP vllm:num_requests_running x
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="a"} 3.0
+vllm:num_requests_running{model_name="b",engine="1"} 2
+vllm:num_requests_waiting 4
+vllm:kv_cache_usage_perc{model_name="a"} 0.25
+vllm:spec_decode_num_draft_tokens_total{model_name="a"} 100 1700000000
+vllm:spec_decode_num_accepted_tokens_total{model_name="a"} 60
+vllm:time_to_first_token_seconds_bucket{le="0.1"} 9
+garbage line
+"""
+    assert parse_metrics(text) == {"running": 5.0, "waiting": 4.0, "kv_cache_usage": 0.25,
+                                   "scraped_draft_tokens": 100.0,
+                                   "scraped_accepted_tokens": 60.0}
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def test_usage_event_is_read_and_stripped_only_when_asked() -> None:
+    chunk = _event({"choices": [{"index": 0, "delta": {"content": "x"}}]})
+    usage = _event({"choices": [], "usage": {"completion_tokens": 7, "spec_decode": {
+        "num_draft_tokens": 9, "num_accepted_tokens": 4}}})
+    done = b"data: [DONE]\n\n"
+    rec = RequestRecord(request_id="r", ts=0, t0=0, endpoint="completions")
+    assert _scan_usage_events(chunk + usage + done, rec, strip=True) == chunk + done
+    assert (rec.completion_tokens, rec.spec_draft_tokens, rec.spec_accepted_tokens) == (7, 9, 4)
+    rec2 = RequestRecord(request_id="r", ts=0, t0=0, endpoint="completions")
+    assert _scan_usage_events(chunk + usage + done, rec2, strip=False) == chunk + usage + done
+    assert rec2.completion_tokens == 7
+    assert _scan_usage_events(usage, rec2, strip=True) == b""
+
+
+def test_heuristic_shape() -> None:
+    est = HeuristicShapeEstimator()
+    s = est.estimate({"messages": [{"role": "user", "content": "def f(x):\n  return x"}],
+                      "max_tokens": 5, "stream": True, "speculative_depth": 2},
+                     "/v1/chat/completions")
+    assert (s.domain, s.max_tokens, s.stream, s.speculative_depth) == ("code", 5, True, 2)
+    ids = est.estimate({"prompt": [1, 2, 3, 4]}, "/v1/completions")
+    assert ids.prompt_tokens == 4 and ids.predicted_output_tokens == 256
+
+
+def test_prefix_hashes_chain_full_blocks_only() -> None:
+    a, b = "a" * 2048, "b" * 2048
+    assert prefix_hashes(a[:-1]) == ()
+    ha, hab = prefix_hashes(a), prefix_hashes(a + b + "tail")
+    assert len(ha) == 1 and len(hab) == 2 and hab[0] == ha[0]
+    assert prefix_hashes(b + a)[1] != hab[1], "a block's hash depends on what precedes it"
+
+
+def test_latency_series_percentiles_and_buckets() -> None:
+    s = LatencySeries()
+    for v in range(1, 101):
+        s.add(v / 1000)
+    p = s.percentiles()
+    assert p["count"] == 100 and p["p50"] == pytest.approx(0.0505)
+    assert p["p99"] == pytest.approx(0.09901)
+    assert sum(s.buckets) == 100
+
+
+def test_stats_counts_requests_errors_and_spec() -> None:
+    stats = Stats()
+    shape = RequestShape(domain="code", prompt_tokens=3, max_tokens=4, predicted_output_tokens=4)
+    ok = RequestRecord(request_id="a", ts=0, t0=0, endpoint="completions", shape=shape,
+                       worker="w", reason="fit", spec_depth=3, completion_tokens=4,
+                       spec_draft_tokens=6, spec_accepted_tokens=3, ttft_s=0.1, e2e_s=0.4)
+    bad = RequestRecord(request_id="b", ts=0, t0=0, endpoint="completions", status="error",
+                        http_status=400, error="invalid_request_error: x")
+    stats.record(ok)
+    stats.record(bad)
+    assert stats.requests[("w", "code", "ok")] == 1 and stats.rejected[400] == 1
+    assert stats.spec_depths["3"] == 1 and stats.spec_tokens[("w", "code")] == [6, 3]
+    assert stats.latency["tpot"]["w"].percentiles()["p50"] == pytest.approx(0.1)
+    assert ok.to_trace()["tpot_s"] == pytest.approx(0.1)
+
+
+def test_rotating_jsonl_rotates_and_prunes(tmp_path: Path) -> None:
+    out = RotatingJsonl(tmp_path, max_bytes=100, max_files=3)
+    for i in range(40):
+        out.write([b'{"i": %d, "pad": "xxxxxxxxxxxxxxxxxxxx"}\n' % i])
+    out.close()
+    files = sorted(tmp_path.glob("traces-*.jsonl"))
+    assert len(files) == 3
+    lines = [orjson.loads(line) for f in files for line in f.read_bytes().splitlines()]
+    assert [r["i"] for r in lines] == list(range(40 - len(lines), 40))
