@@ -94,6 +94,7 @@ async def _load(url: str, rate: float, seconds: float) -> dict:
 
 
 def loadgen_main(url: str, rate: float, seconds: float) -> None:
+    loop: asyncio.AbstractEventLoop
     try:
         import uvloop
         loop = uvloop.new_event_loop()

@@ -5,6 +5,8 @@
     POST   /admin/workers/{name}/drain    stop sending it new requests
     POST   /admin/workers/{name}/undrain  send it requests again
     DELETE /admin/workers/{name}          drain, wait for in-flight, remove (stop if supervised)
+    POST   /admin/workers/{name}/replace  blue-green: start a candidate with a new config, shift
+                                          traffic, drain and stop the old (proxy.bluegreen)
     GET    /admin/policy                  the routing policy in use
     PUT    /admin/policy                  {"policy": "least_outstanding"} switch at run time
 
@@ -20,8 +22,9 @@ from aiohttp import web
 
 from engine.config import ConfigError, build_dataclass
 from proxy import keys
+from proxy.bluegreen import ReplacementBusy, ReplacementError, ReplaceRequest
 from proxy.config import WorkerSpec
-from proxy.errors import Forbidden, InvalidRequest, NotFound, Unauthorized
+from proxy.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unauthorized, UpstreamError
 from proxy.routing import build_policy
 from proxy.stats import worker_doc
 from proxy.validate import parse_body
@@ -87,6 +90,25 @@ async def remove_worker(request: web.Request) -> web.Response:
     return _json({"removed": name})
 
 
+async def replace_worker(request: web.Request) -> web.Response:
+    """Blue-green replacement; answers when the old worker is stopped, with the timings."""
+    _authorize(request)
+    name = _worker(request)
+    try:
+        replace = build_dataclass(ReplaceRequest, parse_body(await request.read()), "replace")
+    except ConfigError as e:
+        raise InvalidRequest(str(e)) from e
+    try:
+        report = await request.app[keys.BLUEGREEN].replace(name, replace)
+    except ReplacementBusy as e:
+        raise Conflict(str(e)) from e
+    except ReplacementError as e:
+        raise UpstreamError(str(e)) from e
+    except ConfigError as e:
+        raise InvalidRequest(str(e)) from e
+    return _json(report.to_dict())
+
+
 async def get_policy(request: web.Request) -> web.Response:
     _authorize(request)
     return _json({"policy": request.app[keys.RELAY].policy.name})
@@ -116,5 +138,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/admin/workers/{name}/drain", drain_worker)
     app.router.add_post("/admin/workers/{name}/undrain", undrain_worker)
     app.router.add_delete("/admin/workers/{name}", remove_worker)
+    app.router.add_post("/admin/workers/{name}/replace", replace_worker)
     app.router.add_get("/admin/policy", get_policy)
     app.router.add_put("/admin/policy", set_policy)

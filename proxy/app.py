@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy import admin, handlers, keys
+from proxy.bluegreen import BlueGreen
 from proxy.config import ProxyConfig
 from proxy.metrics import make_registry
 from proxy.pool import WorkerPool
@@ -28,6 +29,7 @@ from proxy.routing import build_policy
 from proxy.shape import HeuristicShapeEstimator, ShapeEstimator
 from proxy.stats import Stats
 from proxy.traces import TraceWriter
+from proxy.vllm_acceptance import ScrapedAcceptance
 from router.base import RoutingPolicy
 from specdec.policy import DepthPolicy, PolicyConfig
 
@@ -51,6 +53,10 @@ def create_app(config: ProxyConfig, *, estimator: ShapeEstimator | None = None,
     app[keys.TRACES] = TraceWriter(config.traces, Path(config.traces.dir))
     app[keys.REGISTRY] = make_registry(stats, pool, lambda: relay.policy.name)
     app[keys.DASHBOARD] = resources.files("proxy").joinpath("static/dashboard.html").read_bytes()
+    app[keys.BLUEGREEN] = BlueGreen(pool, config.limits.drain_timeout_s)
+    acceptance = ScrapedAcceptance(stats, relay.depth_policy)  # vLLM: scraped spec counters
+    pool.on_scrape.append(acceptance.on_scrape)
+    relay.on_finish.append(acceptance.on_finish)
     app.cleanup_ctx.extend([_traces_ctx, _session_ctx, _pool_ctx])
     handlers.add_routes(app)
     admin.add_routes(app)

@@ -8,8 +8,9 @@ The tree::
     │   ├── BodyTooLarge            (413 invalid_request_error)
     │   ├── Unauthorized            (401 invalid_api_key)
     │   ├── Forbidden               (403 permission_error)
-    │   └── NotFound                (404 not_found)
-    │       └── ModelNotFound       (404 model_not_found)
+    │   ├── NotFound                (404 not_found)
+    │   │   └── ModelNotFound       (404 model_not_found)
+    │   └── Conflict                (409 conflict: e.g. a worker already being replaced)
     ├── Overloaded                  (429 rate_limit_exceeded, Retry-After)
     ├── NoHealthyWorker             (503 service_unavailable, Retry-After)
     ├── ShuttingDown                (503 service_unavailable, Retry-After)
@@ -80,6 +81,11 @@ class NotFound(ClientRequestError):
 
 class ModelNotFound(NotFound):
     code = "model_not_found"
+
+
+class Conflict(ClientRequestError):
+    status = 409
+    code = "conflict"
 
 
 class Overloaded(ProxyError):

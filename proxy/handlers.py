@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import orjson
 from aiohttp import web
@@ -21,8 +22,9 @@ _HTTP_ERROR_TYPES = {404: "not_found", 405: "invalid_request_error",
 
 
 @web.middleware
-async def error_middleware(request: web.Request,
-                           handler: web.Handler) -> web.StreamResponse:
+async def error_middleware(
+        request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """Turn every error into an OpenAI error body; put the proxy headers on every response."""
     try:
         resp = await handler(request)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from proxy.bluegreen import BlueGreen
 from proxy.config import ProxyConfig
 from proxy.pool import WorkerPool
 from proxy.relay import Relay
@@ -18,3 +19,4 @@ RELAY = web.AppKey("relay", Relay)
 TRACES = web.AppKey("traces", TraceWriter)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 DASHBOARD = web.AppKey("dashboard", bytes)
+BLUEGREEN = web.AppKey("bluegreen", BlueGreen)

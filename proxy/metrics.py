@@ -47,8 +47,8 @@ class ProxyCollector(Collector):
         yield err
         rej = CounterMetricFamily("polyinfer_rejected", "Requests refused by the proxy",
                                   labels=["status"])
-        for status, n in s.rejected.items():
-            rej.add_metric([str(status)], n)
+        for http_status, n in s.rejected.items():
+            rej.add_metric([str(http_status)], n)
         yield rej
         reasons = CounterMetricFamily("polyinfer_route_decisions", "Routing decisions by reason",
                                       labels=["reason", "policy"])
@@ -67,9 +67,9 @@ class ProxyCollector(Collector):
                                     labels=["worker", "domain"])
         acc = CounterMetricFamily("polyinfer_spec_accepted_tokens", "Accepted tokens (usage)",
                                   labels=["worker", "domain"])
-        for (worker, domain), (d, a) in self.stats.spec_tokens.items():
-            draft.add_metric([worker, domain], d)
-            acc.add_metric([worker, domain], a)
+        for (worker, domain), (num_draft, num_acc) in self.stats.spec_tokens.items():
+            draft.add_metric([worker, domain], num_draft)
+            acc.add_metric([worker, domain], num_acc)
         yield draft
         yield acc
 

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +93,7 @@ class WorkerPool:
         self.health = health
         self.run_dir = run_dir
         self.workers: dict[str, Worker] = {}
+        self.on_scrape: list[Callable[[Worker], None]] = []  # called after each scrape
         self._session: aiohttp.ClientSession | None = None
 
     # -- membership ---------------------------------------------------------------------
@@ -234,6 +235,8 @@ class WorkerPool:
         view.kv_cache_usage = usage / 100.0 if usage > 1.0 else usage
         worker.scraped_draft_tokens = values.get("scraped_draft_tokens", 0.0)
         worker.scraped_accepted_tokens = values.get("scraped_accepted_tokens", 0.0)
+        for hook in self.on_scrape:
+            hook(worker)
 
     async def probe_loop(self) -> None:
         while True:

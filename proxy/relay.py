@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -89,6 +90,7 @@ class Relay:
         self.policy = policy  # swapped at run time by the admin API
         self.depth_policy = depth_policy  # used in speculation mode "adaptive"
         self.traces: TraceWriter | None = None
+        self.on_finish: list[Callable[[RequestRecord], None]] = []  # learners, never raising
         self.session: aiohttp.ClientSession | None = None
         self.draining = False
         self._api_keys = frozenset(f"Bearer {k}" for k in config.auth.api_keys)
@@ -149,6 +151,8 @@ class Relay:
                 self.policy.observe(outcome)
                 self.estimator.observe(outcome)
                 self._observe_depth(rec)
+                for hook in self.on_finish:
+                    hook(rec)
             except Exception:  # learning must never take the request path down
                 logger.exception("observe failed (policy %s)", self.policy.name)
         if self.traces is not None:

@@ -19,6 +19,7 @@ POLICIES: MappingProxyType[str, str] = MappingProxyType({
     "least_outstanding": "router.baselines:LeastOutstandingPolicy",
     "random": "router.baselines:RandomPolicy",
     "adaptive": "router.adaptive:AdaptivePolicy",
+    "declared_fit": "router.fit:DeclaredFitPolicy",
 })
 
 
