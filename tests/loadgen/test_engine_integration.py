@@ -1,0 +1,108 @@
+"""Integration: loadgen against a real `polyinfer engine` serving the bundled model.
+
+The engine reports ``usage.prompt_tokens`` from its own tokenizer, so this
+checks end to end that synthesized prompts (completions) and templated chat
+prompts have exactly the length loadgen intended, and that ``ignore_eos``
+yields exactly ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from engine.config import TINY_TARGET
+from loadgen import ArrivalConfig, ClientConfig, LengthConfig, OutputConfig, ReplayConfig
+from loadgen import SloConfig, TraceConfig, replay
+from tests.loadgen.conftest import REPO, SHARED_DATA
+
+STARTUP_S = 240.0  # generous: the CI box is shared
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine_url() -> AsyncIterator[str]:
+    port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy.cli", "engine", "--model", str(TINY_TARGET),
+        "--port", str(port), cwd=REPO, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await _wait_ready(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        await proc.wait()
+
+
+async def _wait_ready(url: str, proc: asyncio.subprocess.Process) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + STARTUP_S
+    async with aiohttp.ClientSession() as session:
+        while loop.time() < deadline:
+            if proc.returncode is not None:
+                err = await proc.stderr.read() if proc.stderr else b""
+                raise RuntimeError(f"engine exited: {err.decode()[-2000:]}")
+            try:
+                async with session.get(f"{url}/v1/models") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"engine at {url} not ready after {STARTUP_S} s")
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.asyncio(loop_scope="module")
+async def test_replay_against_the_engine(engine_url: str, tmp_path: Path) -> None:
+    trace = tmp_path / "mc.jsonl"
+    rows = [(0, 3000, 6, [1, 2, 3, 4, 5, 6]), (200, 2600, 4, [1, 2, 3, 4, 9]),
+            (300, 900, 5, [7, 8])]
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": i, "output_length": o,
+                                         "hash_ids": h}) + "\n" for t, i, o, h in rows))
+    cfg = ReplayConfig(
+        trace=TraceConfig(str(trace)), client=ClientConfig(engine_url),
+        arrivals=ArrivalConfig(mode="trace"),
+        lengths=LengthConfig(prompt_scale=0.25, max_model_len=2048),
+        slo=SloConfig(ttft_s=60.0, tpot_s=10.0), output=OutputConfig(quiet=True),
+        tokenizer=str(TINY_TARGET))
+    result = await replay(cfg)
+    s = result.summary
+    assert s["num_ok"] == 3, s["errors"]
+    assert s["model"] == "tiny-target"
+    by_index = sorted(result.results, key=lambda r: r.index)
+    assert [r.expected_prompt_tokens for r in by_index] == [750, 650, 225]
+    assert [r.prompt_tokens for r in by_index] == [750, 650, 225]  # the engine's own count
+    assert [r.completion_tokens for r in by_index] == [6, 4, 5]  # ignore_eos
+    assert all(r.ttft_s and r.tpot_s and len(r.itl_s) >= 1 for r in by_index)
+    assert s["num_prompt_token_mismatch"] == 0 and s["num_good"] == 3
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.asyncio(loop_scope="module")
+async def test_chat_prompts_count_the_template(engine_url: str) -> None:
+    cfg = ReplayConfig(
+        trace=TraceConfig(str(SHARED_DATA / "prompts/spec_bench_questions.jsonl")),
+        client=ClientConfig(engine_url),
+        arrivals=ArrivalConfig(mode="concurrency", concurrency=2, max_requests=2),
+        lengths=LengthConfig(default_output_tokens=3), output=OutputConfig(quiet=True),
+        tokenizer=str(TINY_TARGET))
+    result = await replay(cfg)
+    assert result.summary["num_ok"] == 2
+    for r in result.results:
+        assert r.prompt_tokens == r.expected_prompt_tokens and r.completion_tokens == 3
