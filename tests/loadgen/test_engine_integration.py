@@ -20,8 +20,16 @@ import pytest
 import pytest_asyncio
 
 from engine.config import TINY_TARGET
-from loadgen import ArrivalConfig, ClientConfig, LengthConfig, OutputConfig, ReplayConfig
-from loadgen import SloConfig, TraceConfig, replay
+from loadgen import (
+    ArrivalConfig,
+    ClientConfig,
+    LengthConfig,
+    OutputConfig,
+    ReplayConfig,
+    SloConfig,
+    TraceConfig,
+    replay,
+)
 from tests.loadgen.conftest import REPO, SHARED_DATA
 
 STARTUP_S = 240.0  # generous: the CI box is shared
