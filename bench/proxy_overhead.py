@@ -141,22 +141,25 @@ class Target:
     proc: subprocess.Popen | None  # the proxy process (None = direct)
 
 
-def start_polyinfer(upstream: str, workdir: Path, core: int | None) -> Target:
+def start_polyinfer(upstream: str, workdir: Path, core: int | None,
+                    shape_estimator: str) -> Target:
     port = free_port()
-    cfg = workdir / "polyinfer.yaml"
+    cfg = workdir / f"polyinfer-{shape_estimator}.yaml"
     cfg.write_text(f"""
 server: {{host: 127.0.0.1, port: {port}}}
 workers:
   - {{name: up, url: "{upstream}", config: {{backend: external, model: fake-fast}}}}
-routing: {{policy: round_robin}}
+routing: {{policy: round_robin, shape_estimator: {shape_estimator}}}
 traces: {{dir: "{workdir / 'traces'}"}}
 limits: {{max_in_flight: 100000}}
 """)
     proc = subprocess.Popen(pinned([PY, "-m", "proxy.cli", "--log-level", "WARNING", "serve",
                                     "--config", str(cfg)], core),
-                            cwd=workdir, stdout=subprocess.DEVNULL, stderr=open(workdir / "polyinfer.log", "w"))
+                            cwd=workdir, stdout=subprocess.DEVNULL,
+                            stderr=open(workdir / f"polyinfer-{shape_estimator}.log", "w"))
     wait_http(f"http://127.0.0.1:{port}/health")
-    return Target("polyinfer", f"http://127.0.0.1:{port}/v1/chat/completions", proc)
+    name = "polyinfer" if shape_estimator == "classifier" else f"polyinfer-{shape_estimator[:5]}"
+    return Target(name, f"http://127.0.0.1:{port}/v1/chat/completions", proc)
 
 
 def find_vllm_router() -> str | None:
@@ -195,14 +198,14 @@ def fmt(v: float | None, nd: int = 2) -> str:
 
 
 def print_table(rows: list[tuple[str, float, dict, dict]]) -> None:
-    print(f"{'target':<12}{'rate':>6}{'achieved':>9}{'err':>5}{'ttft p50':>9}{'p99':>8}"
+    print(f"{'target':<16}{'rate':>6}{'achieved':>9}{'err':>5}{'ttft p50':>9}{'p99':>8}"
           f"{'e2e p50':>9}{'p99':>8}{'+ttft p50':>10}{'+p99':>8}{'+e2e p50':>9}{'+p99':>8}"
           f"{'cpu ms/req':>11}")
     for name, rate, r, d in rows:
         add = {k: (r[k] - d[k]) if r[k] is not None and d[k] is not None else None
                for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")}
         direct = name == "direct"
-        print(f"{name:<12}{rate:>6.0f}{r['achieved_rps']:>9.0f}{r['errors']:>5}"
+        print(f"{name:<16}{rate:>6.0f}{r['achieved_rps']:>9.0f}{r['errors']:>5}"
               f"{fmt(r['ttft_p50_ms']):>9}{fmt(r['ttft_p99_ms']):>8}{fmt(r['e2e_p50_ms']):>9}"
               f"{fmt(r['e2e_p99_ms']):>8}"
               + ("" if direct else f"{fmt(add['ttft_p50_ms']):>10}{fmt(add['ttft_p99_ms']):>8}"
@@ -220,7 +223,6 @@ def sustained(rows: list[tuple[str, float, dict, dict]], name: str) -> float | N
 def orchestrate(args: argparse.Namespace) -> None:
     ncpu = os.cpu_count() or 1
     proxy_core, other_core = (0, 1) if ncpu >= 2 and not args.no_pin else (None, None)
-    sys.path.insert(0, str(REPO / "bench"))
     workdir = Path(tempfile.mkdtemp(prefix="proxy-bench-"))
     up_port = free_port()
     upstream = subprocess.Popen(pinned([PY, str(REPO / "bench" / "fake_upstream.py"), "--port",
@@ -231,7 +233,8 @@ def orchestrate(args: argparse.Namespace) -> None:
     try:
         wait_http(f"{up_url}/health")
         targets.append(Target("direct", f"{up_url}/v1/chat/completions", None))
-        targets.append(start_polyinfer(up_url, workdir, proxy_core))
+        for estimator in args.shape_estimators:
+            targets.append(start_polyinfer(up_url, workdir, proxy_core, estimator))
         binary = find_vllm_router()
         if binary:
             try:
@@ -275,6 +278,10 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=5.0, help="seconds per point")
     p.add_argument("--chunks", type=int, default=16)
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
+    p.add_argument("--shape-estimators", nargs="+", default=["classifier", "heuristic"],
+                   choices=["classifier", "heuristic"],
+                   help="polyinfer variants: router classifier (default config) and/or the "
+                        "cheap heuristic shape estimator")
     orchestrate(p.parse_args())
 
 

@@ -351,9 +351,15 @@ class Relay:
                 out, tail = (buf, b"") if cut == len(buf) else (buf[:cut], buf[cut:])
                 if b'"usage":{' in out or b'"usage": {' in out:
                     out = _scan_usage_events(out, rec, strip_usage)
+                if rec.ttft_s is None and out:
+                    rec.ttft_s = time.perf_counter() - rec.t0
+                if not tail and out.endswith(_DONE_EVENTS):
+                    # NOTE: the stream's last event: send it with the chunked-encoding
+                    # terminator (and, for a one-read stream, the headers) in one write.
+                    await _write_client(resp, out, eof=True)
+                    await _drain_upstream(content)
+                    return
                 if out:
-                    if rec.ttft_s is None:
-                        rec.ttft_s = time.perf_counter() - rec.t0
                     await _write_client(resp, out)
             else:
                 tail = buf
@@ -362,11 +368,23 @@ class Relay:
             await _write_client(resp, tail)
 
 
-async def _write_client(resp: web.StreamResponse, data: bytes) -> None:
+_DONE_EVENTS = (b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n")
+
+
+async def _write_client(resp: web.StreamResponse, data: bytes, eof: bool = False) -> None:
     try:
-        await resp.write(data)
+        if eof:
+            await resp.write_eof(data)
+        else:
+            await resp.write(data)
     except (ConnectionError, RuntimeError) as e:
         raise _ClientGone() from e
+
+
+async def _drain_upstream(content: aiohttp.StreamReader) -> None:
+    """Read the worker's response to its end so the connection can be reused."""
+    while await content.readany():
+        pass
 
 
 async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:

@@ -9,6 +9,7 @@ estimates tokens from text length and picks a domain from a few keywords.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -74,10 +75,14 @@ def prefix_hashes(text: str) -> tuple[int, ...]:
     return tuple(hashes)
 
 
+_DOMAIN_PATTERNS = tuple((domain, re.compile("|".join(re.escape(k) for k in keywords)))
+                         for domain, keywords in _DOMAIN_KEYWORDS)
+
+
 def guess_domain(text: str) -> str:
     tail = text[-2000:].lower()
-    for domain, keywords in _DOMAIN_KEYWORDS:
-        if any(k in tail for k in keywords):
+    for domain, pattern in _DOMAIN_PATTERNS:
+        if pattern.search(tail):
             return domain
     return "chat"
 

@@ -7,6 +7,7 @@ the worker untouched, and the worker judges it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -37,14 +38,11 @@ def check_body(body: dict[str, Any], endpoint: str) -> None:
         _check_messages(body.get("messages"))
     else:
         _check_prompt(body.get("prompt"))
-    _check_optional(body, "stream", _is_bool, "a boolean")
-    for name in ("max_tokens", "max_completion_tokens", "n"):
-        _check_optional(body, name, _is_positive_int, "a positive integer")
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        _check_optional(body, name, _is_number, "a number")
-    _check_optional(body, "stream_options", lambda v: isinstance(v, dict), "an object")
-    _check_optional(body, "speculative_depth",
-                    lambda v: _is_int(v) and 0 <= v <= MAX_SPEC_DEPTH, f"an integer 0..{MAX_SPEC_DEPTH}")
+    for name, value in body.items():
+        check = _FIELD_CHECKS.get(name)
+        if check is not None and value is not None and not check[0](value):
+            raise InvalidRequest(f"'{name}' must be {check[1]}, got "
+                                 f"{orjson.dumps(value)[:80]!r}", param=name)
 
 
 def _check_messages(messages: Any) -> None:
@@ -72,13 +70,6 @@ def _check_prompt(prompt: Any) -> None:
                              param="prompt")
 
 
-def _check_optional(body: dict[str, Any], name: str, ok: Any, expected: str) -> None:
-    value = body.get(name)
-    if value is not None and not ok(value):
-        raise InvalidRequest(f"'{name}' must be {expected}, got {orjson.dumps(value)[:80]!r}",
-                             param=name)
-
-
 def _is_bool(v: Any) -> bool:
     return isinstance(v, bool)
 
@@ -93,6 +84,29 @@ def _is_positive_int(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_spec_depth(v: Any) -> bool:
+    return _is_int(v) and 0 <= v <= MAX_SPEC_DEPTH
+
+
+def _is_object(v: Any) -> bool:
+    return isinstance(v, dict)
+
+
+# field -> (check, what was expected); None values are always allowed.
+_FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "stream": (_is_bool, "a boolean"),
+    "max_tokens": (_is_positive_int, "a positive integer"),
+    "max_completion_tokens": (_is_positive_int, "a positive integer"),
+    "n": (_is_positive_int, "a positive integer"),
+    "temperature": (_is_number, "a number"),
+    "top_p": (_is_number, "a number"),
+    "presence_penalty": (_is_number, "a number"),
+    "frequency_penalty": (_is_number, "a number"),
+    "stream_options": (_is_object, "an object"),
+    "speculative_depth": (_is_spec_depth, f"an integer 0..{MAX_SPEC_DEPTH}"),
+}
 
 
 def wants_usage(body: dict[str, Any]) -> bool:
