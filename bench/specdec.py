@@ -115,9 +115,11 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def engine_process(method: str, max_depth: int, max_num_seqs: int) -> Iterator[str]:
-    engine = {"max_num_seqs": max_num_seqs, "kv_cache_tokens": 32768,
-              "spec_method": method, "spec_max_depth": max_depth}
+def engine_process(method: str, max_depth: int, max_num_seqs: int,
+                   device: str = "cpu") -> Iterator[str]:
+    engine: dict[str, object] = {"max_num_seqs": max_num_seqs, "kv_cache_tokens": 32768,
+                                 "spec_method": method, "spec_max_depth": max_depth,
+                                 "device": device}
     if method == "draft":
         engine["draft_model"] = str(REPO / "models" / "tiny-draft")
     config = {"backend": "engine", "model": str(REPO / "models" / "tiny-target"),
@@ -245,7 +247,7 @@ def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -
 
     policy = DepthPolicy(PolicyConfig(max_depth=max(FIXED_DEPTHS)))
     modes: list[int | str] = [*FIXED_DEPTHS, ADAPTIVE]
-    with engine_process(method, max(FIXED_DEPTHS), max(args.concurrency)) as url:
+    with engine_process(method, max(FIXED_DEPTHS), max(args.concurrency), args.device) as url:
         bench = Bench(url, method, policy, args.max_tokens, max(FIXED_DEPTHS))
         asyncio.run(bench.run(prompts[:2], 0, 2))  # warm-up
         for conc in args.concurrency:
@@ -376,6 +378,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--per-domain", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts", type=Path, default=PROMPTS, help="Spec-Bench question.jsonl")
+    parser.add_argument("--device", default="cpu", help="engine device (cpu, cuda)")
     parser.add_argument("--quick", action="store_true", help="one round, fewer requests")
     parser.add_argument("--micro", action="store_true", help="micro-costs only, no engine")
     args = parser.parse_args()
@@ -384,9 +388,10 @@ def main() -> int:
         return 0
     if args.quick:
         args.rounds, args.min_requests, args.requests_per_slot = 1, 4, 1
-    prompts = load_prompts(PROMPTS, args.per_domain, args.seed)
+    prompts = load_prompts(args.prompts, args.per_domain, args.seed)
     print(f"bench/specdec.py  {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  prompts={len(prompts)} "
-          f"max_tokens={args.max_tokens} rounds={args.rounds} concurrency={args.concurrency}")
+          f"max_tokens={args.max_tokens} rounds={args.rounds} concurrency={args.concurrency} "
+          f"device={args.device} cpus={os.cpu_count()}")
     for method in args.methods:
         bench_method(method, prompts, args)
     return 0

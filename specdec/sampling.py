@@ -65,11 +65,11 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     if len(greedy_rows) == len(params):
         return _one_hot_argmax(logits)
     probs = torch.empty_like(logits)
-    greedy = torch.tensor(greedy_rows)
+    greedy = torch.tensor(greedy_rows, device=logits.device)
     probs[greedy] = _one_hot_argmax(logits[greedy])
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    probs[torch.tensor(rows)] = _softmax_truncated(logits[torch.tensor(rows)],
-                                                   [params[i] for i in rows])
+    index = torch.tensor(rows, device=logits.device)
+    probs[index] = _softmax_truncated(logits[index], [params[i] for i in rows])
     return probs
 
 
@@ -83,12 +83,15 @@ def _softmax_truncated(logits: torch.Tensor, params: Sequence[SamplingParams]) -
     if len(temperatures) == 1:
         scaled = logits / temperatures.pop()  # [n, vocab]
     else:
-        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
+                                   device=logits.device)
         scaled = logits / temperature.unsqueeze(1)
     vocab = logits.shape[1]
     if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                             device=logits.device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype,
+                             device=logits.device)
         scaled = _mask_top_k_top_p(scaled, top_k, top_p)
     return torch.softmax(scaled, dim=1)
 
@@ -97,7 +100,7 @@ def _mask_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor,
                       top_p: torch.Tensor) -> torch.Tensor:
     """Set to -inf every logit outside the top-k, then outside the top-p nucleus of what is left."""
     ordered, order = scaled.sort(dim=1, descending=True)  # [n, vocab]
-    ranks = torch.arange(scaled.shape[1]).unsqueeze(0)
+    ranks = torch.arange(scaled.shape[1], device=scaled.device).unsqueeze(0)
     ordered = ordered.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
     sorted_probs = torch.softmax(ordered, dim=1)
     mass_before = sorted_probs.cumsum(dim=1) - sorted_probs
@@ -118,8 +121,9 @@ def sample_from_probs(probs: torch.Tensor, params: Sequence[SamplingParams]) -> 
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens
-    index = torch.tensor(rows)
-    picked = _inverse_cdf(probs[index], uniforms([1] * len(rows), [params[i] for i in rows]))
+    index = torch.tensor(rows, device=probs.device)
+    u = uniforms([1] * len(rows), [params[i] for i in rows]).to(probs.device)
+    picked = _inverse_cdf(probs[index], u)
     tokens[index] = picked
     return tokens
 
@@ -146,7 +150,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tens
 
 
 def uniforms(counts: Sequence[int], params: Sequence[SamplingParams]) -> torch.Tensor:
-    """``counts[i]`` uniforms in [0, 1) for each row, concatenated; drawn from each row's generator."""
+    """``counts[i]`` uniforms in [0, 1) for each row, concatenated; drawn from each row's generator.
+
+    Drawn on the CPU (per-request generators are CPU generators), so a seeded
+    request gets the same numbers on any device.
+    """
     total = sum(counts)
     out = torch.rand(total) if any(p.generator is None for p in params) else torch.empty(total)
     start = 0

@@ -73,7 +73,7 @@ def verify(target_logits: torch.Tensor, proposals: Sequence[Proposal],
     p = process_logits(target_logits, flat_params)  # [T, vocab]
     q_draft = _draft_prob_of_token(proposals, layout)  # [T]
     p_draft = p.gather(1, layout.draft_tokens.unsqueeze(1)).squeeze(1)  # [T]
-    u = uniforms([c - 1 for c in counts], sampling)  # [T - B]
+    u = uniforms([c - 1 for c in counts], sampling).to(p.device)  # [T - B]
     accepted = torch.zeros_like(layout.is_draft)
     accepted[layout.is_draft] = u * q_draft[layout.is_draft] < p_draft[layout.is_draft]
     num_accepted = _leading_true(accepted, layout)  # [B]
@@ -103,11 +103,12 @@ def _layout(logits: torch.Tensor, proposals: Sequence[Proposal],
         _check_proposal(prop, vocab)
         flat.extend(prop.tokens)
         flat.append(0)
-    num_draft = torch.tensor([c - 1 for c in counts], dtype=torch.int64)
-    starts = torch.cumsum(torch.tensor([0] + counts[:-1], dtype=torch.int64), dim=0)
-    is_draft = torch.ones(total, dtype=torch.bool)
+    dev = logits.device
+    num_draft = torch.tensor([c - 1 for c in counts], dtype=torch.int64, device=dev)
+    starts = torch.cumsum(torch.tensor([0] + counts[:-1], dtype=torch.int64, device=dev), dim=0)
+    is_draft = torch.ones(total, dtype=torch.bool, device=dev)
     is_draft[starts + num_draft] = False
-    return _Layout(num_draft, starts, torch.tensor(flat, dtype=torch.int64), is_draft)
+    return _Layout(num_draft, starts, torch.tensor(flat, dtype=torch.int64, device=dev), is_draft)
 
 
 def _check_proposal(prop: Proposal, vocab: int) -> None:
@@ -132,7 +133,7 @@ def _leading_true(accepted: torch.Tensor, layout: _Layout) -> torch.Tensor:
     max_k = int(layout.num_draft.max()) if layout.num_draft.numel() else 0
     if max_k == 0:
         return torch.zeros_like(layout.num_draft)
-    offsets = torch.arange(max_k)
+    offsets = torch.arange(max_k, device=accepted.device)
     valid = offsets.unsqueeze(0) < layout.num_draft.unsqueeze(1)  # [B, max_k]
     index = (layout.starts.unsqueeze(1) + offsets).clamp_(max=accepted.shape[0] - 1)
     grid = accepted[index] & valid  # [B, max_k]
@@ -141,12 +142,14 @@ def _leading_true(accepted: torch.Tensor, layout: _Layout) -> torch.Tensor:
 
 def _draft_prob_of_token(proposals: Sequence[Proposal], layout: _Layout) -> torch.Tensor:
     """q(x) for each position's draft token: 1 for point-mass proposals."""
-    q = torch.ones(layout.draft_tokens.shape[0], dtype=torch.float32)
+    dev = layout.draft_tokens.device
+    q = torch.ones(layout.draft_tokens.shape[0], dtype=torch.float32, device=dev)
     for i, prop in enumerate(proposals):
         if prop.probs is not None and prop.tokens:
             start = int(layout.starts[i])
-            tokens = torch.tensor(prop.tokens, dtype=torch.int64).unsqueeze(1)
-            q[start : start + len(prop.tokens)] = prop.probs.float().gather(1, tokens).squeeze(1)
+            tokens = torch.tensor(prop.tokens, dtype=torch.int64, device=dev).unsqueeze(1)
+            q[start : start + len(prop.tokens)] = prop.probs.to(dev, torch.float32).gather(
+                1, tokens).squeeze(1)
     return q
 
 
@@ -154,14 +157,14 @@ def _draft_rows(proposals: Sequence[Proposal], layout: _Layout, final_pos: torch
                 rejected: torch.Tensor, vocab: int) -> torch.Tensor:
     """q at each rejected sequence's rejection position: [num_rejected, vocab]."""
     rows = rejected.nonzero().squeeze(1).tolist()
-    q = torch.zeros(len(rows), vocab, dtype=torch.float32)
+    q = torch.zeros(len(rows), vocab, dtype=torch.float32, device=final_pos.device)
     for r, i in enumerate(rows):
         j = int(final_pos[i] - layout.starts[i])
         probs = proposals[i].probs
         if probs is None:
             q[r, proposals[i].tokens[j]] = 1.0
         else:
-            q[r] = probs[j].float()
+            q[r] = probs[j].to(q.device, torch.float32)
     return q
 
 

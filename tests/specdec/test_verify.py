@@ -117,17 +117,18 @@ def _fixed_target_logits() -> torch.Tensor:
 DRAFT_Q = torch.tensor([[0.05, 0.5, 0.05, 0.1, 0.2, 0.1]] * DEPTH)  # a poor draft
 
 
-def _emitted_counts(verifier: Callable[..., list[VerifyResult]], params: SamplingParams,
-                    with_probs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def emitted_counts(verifier: Callable[..., list[VerifyResult]], params: SamplingParams,
+                   with_probs: bool, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Counts of the first emitted token, and of the second given that one is emitted."""
-    logits_one = _fixed_target_logits()
+    logits_one = _fixed_target_logits().to(device)
     first = torch.zeros(VOCAB)
     second = torch.zeros(VOCAB)
     gen = torch.Generator().manual_seed(123)
     for _ in range(NUM_CALLS):
         if with_probs:
             drafts = torch.multinomial(DRAFT_Q, NUM_SEQS, replacement=True, generator=gen).T
-            proposals = [Proposal(i, drafts[i].tolist(), DRAFT_Q.clone()) for i in range(NUM_SEQS)]
+            q = DRAFT_Q.to(device)
+            proposals = [Proposal(i, drafts[i].tolist(), q) for i in range(NUM_SEQS)]
         else:
             proposals = [Proposal(i, [1, 4, 2]) for i in range(NUM_SEQS)]
         logits = logits_one.repeat(NUM_SEQS, 1)
@@ -138,7 +139,7 @@ def _emitted_counts(verifier: Callable[..., list[VerifyResult]], params: Samplin
     return first, second
 
 
-def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     n = counts.sum()
     keep = probs > 0
     assert counts[~keep].sum() == 0, "sampled a token the target gives probability 0"
@@ -147,7 +148,7 @@ def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chi2.sf(stat, int(keep.sum()) - 1))
 
 
-def _target_probs(params: SamplingParams) -> torch.Tensor:
+def target_probs(params: SamplingParams) -> torch.Tensor:
     return process_logits(_fixed_target_logits(), [params] * (DEPTH + 1))
 
 
@@ -162,11 +163,11 @@ SAMPLED = [SamplingParams(1.0), SamplingParams(0.8, top_p=0.9), SamplingParams(1
 def test_speculative_sampling_matches_target_distribution(params: SamplingParams,
                                                           with_probs: bool) -> None:
     torch.manual_seed(7)
-    first, second = _emitted_counts(verify, params, with_probs)
-    p = _target_probs(params)
-    assert _chi_square_p_value(first, p[0]) > ALPHA
+    first, second = emitted_counts(verify, params, with_probs)
+    p = target_probs(params)
+    assert chi_square_p_value(first, p[0]) > ALPHA
     assert second.sum() > 500  # enough second tokens to test
-    assert _chi_square_p_value(second, p[1]) > ALPHA
+    assert chi_square_p_value(second, p[1]) > ALPHA
 
 
 def _always_accept(logits: torch.Tensor, proposals: Sequence[Proposal],
@@ -180,23 +181,23 @@ def _always_accept(logits: torch.Tensor, proposals: Sequence[Proposal],
 
 def test_statistical_test_fails_for_an_always_accepting_sampler() -> None:
     torch.manual_seed(7)
-    first, _ = _emitted_counts(_always_accept, SamplingParams(1.0), with_probs=True)
-    assert _chi_square_p_value(first, _target_probs(SamplingParams(1.0))[0]) < ALPHA
+    first, _ = emitted_counts(_always_accept, SamplingParams(1.0), with_probs=True)
+    assert chi_square_p_value(first, target_probs(SamplingParams(1.0))[0]) < ALPHA
 
 
 def test_statistical_test_fails_when_resampling_from_p(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(verify_mod, "_residual", lambda p, q: p)  # the classic bug
     torch.manual_seed(7)
-    first, _ = _emitted_counts(verify_mod.verify, SamplingParams(1.0), with_probs=True)
-    assert _chi_square_p_value(first, _target_probs(SamplingParams(1.0))[0]) < ALPHA
+    first, _ = emitted_counts(verify_mod.verify, SamplingParams(1.0), with_probs=True)
+    assert chi_square_p_value(first, target_probs(SamplingParams(1.0))[0]) < ALPHA
 
 
 def test_acceptance_rate_matches_theory() -> None:
     """E[accept] at one position = sum_x min(p(x), q(x)) (Leviathan et al., Thm 3.5)."""
     torch.manual_seed(3)
     params = SamplingParams(1.0)
-    first, second = _emitted_counts(verify, params, with_probs=True)
-    p0 = _target_probs(params)[0]
+    first, second = emitted_counts(verify, params, with_probs=True)
+    p0 = target_probs(params)[0]
     alpha = float(torch.minimum(p0, DRAFT_Q[0]).sum())
     n = NUM_SEQS * NUM_CALLS
     observed = float(second.sum()) / n  # a second token is emitted iff the first draft is accepted

@@ -1,0 +1,60 @@
+"""verify() and the shared sampler on CUDA tensors: same answers as on the CPU, still lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.base import Proposal
+from specdec.sampling import SamplingParams, process_logits, sample
+from specdec.verify import verify
+from tests.specdec.test_verify import (
+    ALPHA,
+    SAMPLED,
+    chi_square_p_value,
+    emitted_counts,
+    target_probs,
+)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_greedy_verify_on_cuda_equals_cpu() -> None:
+    torch.manual_seed(0)
+    depths = [0, 1, 3, 6, 2, 4, 0, 5]
+    logits = torch.randn(sum(k + 1 for k in depths), 512)
+    argmax = logits.argmax(dim=1).tolist()
+    proposals, row = [], 0
+    for i, k in enumerate(depths):
+        # half of each proposal matches the argmax, then it diverges
+        tokens = [argmax[row + j] if j < k // 2 else (argmax[row + j] + 1) % 512
+                  for j in range(k)]
+        proposals.append(Proposal(i, tokens))
+        row += k + 1
+    params = [SamplingParams(0.0)] * len(depths)
+    assert verify(logits.cuda(), proposals, params) == verify(logits, proposals, params)
+
+
+def test_process_logits_on_cuda_matches_cpu() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(6, 300)
+    params = [SamplingParams(1.0), SamplingParams(0.0), SamplingParams(0.7, top_p=0.8),
+              SamplingParams(1.3, top_k=20), SamplingParams(0.9, top_p=0.5, top_k=50),
+              SamplingParams(2.0)]
+    torch.testing.assert_close(process_logits(logits.cuda(), params).cpu(),
+                               process_logits(logits, params), rtol=1e-5, atol=1e-6)
+    seeded = [SamplingParams.seeded(i, 1.0) for i in range(6)]
+    again = [SamplingParams.seeded(i, 1.0) for i in range(6)]
+    assert sample(logits.cuda(), seeded).tolist() == sample(logits, again).tolist()
+
+
+@pytest.mark.parametrize("with_probs", [True, False], ids=["draft-probs", "point-mass"])
+@pytest.mark.parametrize("params", SAMPLED, ids=["t1", "t0.8-p0.9", "t1.2-k4"])
+def test_speculative_sampling_on_cuda_matches_target(params: SamplingParams,
+                                                     with_probs: bool) -> None:
+    torch.manual_seed(11)
+    first, second = emitted_counts(verify, params, with_probs, device="cuda")
+    p = target_probs(params)
+    assert chi_square_p_value(first, p[0]) > ALPHA
+    assert chi_square_p_value(second, p[1]) > ALPHA
