@@ -8,8 +8,10 @@ finished on it in that window, in proportion to their output tokens::
 
     draft(worker, domain) += delta_draft * tokens(domain) / tokens(all)
 
-That is exact for a one-domain window and an estimate for a mixed one (drafts
-of a request that runs across a scrape boundary fall in two windows); over
+A scrape with no finished request in its window keeps the baseline, so the
+drafts of long requests are attributed when they finish. That is exact for a
+one-domain window and an estimate for a mixed one (drafts of requests still
+running at the end of a window go to the domains that finished in it); over
 many windows it converges to the per-domain rates. The result goes where the
 engine workers' per-request counts go: the proxy's ``/stats`` acceptance table
 (and so :func:`specdec.schedule.acceptance_from_counts`) and the depth policy.
@@ -65,16 +67,22 @@ class ScrapedAcceptance:
     def _on_scrape(self, worker: Worker) -> None:
         current = (worker.scraped_draft_tokens, worker.scraped_accepted_tokens)
         previous = self._last.get(worker.url)
-        self._last[worker.url] = current
-        window = self._tokens.pop(worker.name, None)
-        if previous is None or not window:
-            return  # first sight of this server: its history is not ours to attribute
-        draft, accepted = current[0] - previous[0], current[1] - previous[1]
-        if draft < 0 or accepted < 0:
-            draft, accepted = current  # counters reset: the server restarted
-        if draft <= 0:
+        if previous is None:  # first sight of this server: its history is not ours
+            self._last[worker.url] = current
+            self._tokens.pop(worker.name, None)
             return
-        self._attribute(worker, window, draft, min(accepted, draft))
+        if current[0] < previous[0] or current[1] < previous[1]:
+            previous = (0.0, 0.0)  # counters went down: the server restarted
+        window = self._tokens.pop(worker.name, None)
+        if not window:
+            # NOTE: keep the old baseline: drafts of requests still running are
+            # attributed when they finish, not dropped.
+            self._last[worker.url] = previous
+            return
+        self._last[worker.url] = current
+        draft, accepted = current[0] - previous[0], current[1] - previous[1]
+        if draft > 0:
+            self._attribute(worker, window, draft, min(accepted, draft))
 
     def _attribute(self, worker: Worker, window: dict[str, float], draft: float,
                    accepted: float) -> None:
