@@ -27,7 +27,7 @@ from loadgen.prepare import PrepareStats, RequestBuilder
 from loadgen.readers import BadLines, detect_format, read_trace
 from loadgen.request import PreparedRequest, RequestResult, TraceRequest
 from loadgen.runner import Runner
-from loadgen.synth import PromptSynthesizer
+from loadgen.synth import PromptSynthesizer, SynthStats
 from loadgen.tokenizer import load_token_counter
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class Prepared:
     bad: BadLines
     trace_format: str
     tokenizer: str
+    synth: SynthStats | None
 
 
 async def discover_model(session: aiohttp.ClientSession) -> str:
@@ -78,7 +79,8 @@ def prepare(cfg: ReplayConfig, model: str, records: Sequence[TraceRequest] | Non
     if synth is not None and synth.stats.num_inexact:
         logger.warning("%d of %d synthesized prompts are not of the exact length",
                        synth.stats.num_inexact, synth.stats.num_prompts)
-    return Prepared(requests, builder.stats, bad, fmt, counter.name)
+    return Prepared(requests, builder.stats, bad, fmt, counter.name,
+                    synth.stats if synth is not None else None)
 
 
 def describe_run(cfg: ReplayConfig, prep: Prepared, model: str) -> dict[str, Any]:
@@ -103,7 +105,9 @@ def describe_run(cfg: ReplayConfig, prep: Prepared, model: str) -> dict[str, Any
         "prompts": {"tokenizer": prep.tokenizer, "exact": prep.stats.tokens_exact,
                     "num_synthesized": prep.stats.num_synthesized,
                     "num_from_trace": prep.stats.num_text,
-                    "num_truncated_text": prep.stats.num_truncated_text},
+                    "num_truncated_text": prep.stats.num_truncated_text,
+                    "num_recounted": prep.synth.num_verified if prep.synth else 0,
+                    "num_inexact": prep.synth.num_inexact if prep.synth else 0},
     }
 
 

@@ -4,9 +4,11 @@ The corpus (``loadgen/data/corpus.txt``) is split into words that each start
 with a space. With a byte-level BPE tokenizer a space always starts a new
 pre-token, so the token count of a run of words is the sum of the words'
 counts: a prompt of exactly ``n`` tokens is a run of words whose counts sum to
-at most ``n``, topped up with one-token filler words. Every prompt is
-re-counted with the real tokenizer and corrected if that assumption ever
-fails (a tokenizer of another kind); what could not be made exact is counted.
+at most ``n``, topped up with one-token filler words. Prompts are re-counted
+with the real tokenizer (a sample, or all after one miss) and corrected if that
+assumption ever fails (a tokenizer of another kind); what could not be made
+exact is counted. Servers report ``usage.prompt_tokens`` too, and every
+summary counts the requests whose reported length differs from the intended.
 
 Prefix sharing: prefix block ``h`` (Mooncake ``hash_ids``, polyinfer
 ``prefix_hashes``) is always the same text of exactly ``block_tokens`` tokens,
@@ -31,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 FILLER = " the"  # one token in common BPE vocabularies; checked at start-up
 MAX_FIXUP_ROUNDS = 4
+VERIFY_FIRST = 64  # re-count the first prompts in full ...
+VERIFY_EVERY = 50  # ... then one in this many, unless one was ever off
 
 
 def load_corpus_words(text: str | None = None) -> list[str]:
@@ -48,6 +52,7 @@ def stable_hash(*parts: int) -> int:
 @dataclass
 class SynthStats:
     num_prompts: int = 0
+    num_verified: int = 0  # prompts re-counted with the tokenizer
     num_inexact: int = 0  # prompts whose re-count differed from the target after fix-ups
 
 
@@ -55,7 +60,7 @@ class PromptSynthesizer:
     """Builds prompts of a given token length from the corpus; deterministic for a seed."""
 
     def __init__(self, counter: TokenCounter, block_tokens: int = 512, seed: int = 0,
-                 words: list[str] | None = None) -> None:
+                 words: list[str] | None = None, verify_all: bool = False) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens: expected a positive integer, got {block_tokens}")
         self.counter = counter
@@ -68,6 +73,7 @@ class PromptSynthesizer:
         self._blocks: dict[int, str] = {}
         self.filler = self._one_token_word()
         self.stats = SynthStats()
+        self.verify_all = verify_all  # re-count every prompt (else a sample)
 
     @property
     def corpus_tokens(self) -> int:
@@ -118,11 +124,25 @@ class PromptSynthesizer:
             parts.append(self.span(stable_hash(self.seed, 2, key), rest))
         return self.exact("".join(parts), num_tokens)
 
+    def _should_verify(self) -> bool:
+        n = self.stats.num_prompts
+        return self.verify_all or n <= VERIFY_FIRST or n % VERIFY_EVERY == 0
+
     def exact(self, text: str, num_tokens: int) -> str:
-        """Re-count ``text`` and trim or pad its tail until it has ``num_tokens`` tokens."""
+        """Re-count ``text`` and trim or pad its tail until it has ``num_tokens`` tokens.
+
+        NOTE: re-counting costs ~3 us per token, more than building the
+        prompt, so only a sample is re-counted while the word-sum assumption
+        holds; the first miss switches to re-counting every prompt.
+        """
         self.stats.num_prompts += 1
-        if not self.counter.exact:
+        if not self.counter.exact or not self._should_verify():
             return text
+        self.stats.num_verified += 1
+        if not self.verify_all and self.counter.count(text) != num_tokens:
+            logger.warning("tokenizer %s is not additive over words: re-counting every prompt",
+                           self.counter.name)
+            self.verify_all = True
         for _ in range(MAX_FIXUP_ROUNDS):
             got = self.counter.count(text)
             if got == num_tokens:

@@ -73,7 +73,8 @@ async def test_mooncake_replay_bodies_timing_and_prefixes(upstream: ScriptedUpst
     assert [round(sent[i].scheduled_s, 6) for i in range(5)] == [0.0, 0.1, 0.25, 0.3, 0.4]
     assert s["lengths"]["num_prompt_clipped"] == 1 and s["lengths"]["num_raised_to_min"] == 1
     assert s["prompts"] == {"tokenizer": str(TINY_TARGET / "tokenizer.json"), "exact": True,
-                            "num_synthesized": 5, "num_from_trace": 0, "num_truncated_text": 0}
+                            "num_synthesized": 5, "num_from_trace": 0, "num_truncated_text": 0,
+                            "num_recounted": 5, "num_inexact": 0}
     lines = (out / "requests.jsonl").read_bytes().splitlines()
     assert len(lines) == 5 and orjson.loads(lines[0])["ok"] is True
     assert orjson.loads((out / "summary.json").read_bytes())["num_ok"] == 5

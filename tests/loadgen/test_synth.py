@@ -66,3 +66,34 @@ def test_estimate_mode_is_flagged_and_approximate() -> None:
     text = s.prompt(100, key=1)
     assert not s.counter.exact
     assert EstimateTokenCounter().count(text) == 100  # exact in its own (estimated) units
+
+
+class CharCounterFixture:
+    """FIXTURE: an "exact" counter that is not additive over words (len // 3 of the text)."""
+
+    name = "chars//3"
+    exact = True
+
+    def count(self, text: str) -> int:
+        return len(text) // 3
+
+    def count_batch(self, texts: list[str]) -> list[int]:
+        return [self.count(t) for t in texts]
+
+
+def test_a_miss_switches_to_recounting_every_prompt() -> None:
+    s = PromptSynthesizer(CharCounterFixture(), block_tokens=16,  # type: ignore[arg-type]
+                          words=[" ab", " cde", " fghij"] * 200)
+    assert not s.verify_all
+    for n in range(100, 200):
+        s.prompt(n, key=n)
+    assert s.verify_all and s.stats.num_verified == 100
+    assert s.stats.num_prompts == 100
+
+
+def test_additive_tokenizer_recounts_only_a_sample() -> None:
+    s = PromptSynthesizer(HfTokenCounter(TINY_TARGET), block_tokens=16,
+                          words=[" alpha", " beta,", " gamma"] * 100)
+    for n in range(1, 201):
+        assert len(_ids(s.prompt(n, key=n))) == n
+    assert not s.verify_all and s.stats.num_verified == 64 + 3 and s.stats.num_inexact == 0
