@@ -1,31 +1,39 @@
 """Per-worker latency profiles, learned online from finished requests.
 
-Two linear models per (worker, shape bucket), fitted by recursive least
-squares with forgetting (old samples fade, so a re-tuned worker is re-learned):
+Two linear models per (worker, shape bucket):
 
 - TTFT (seconds) against ``[1, prompt_tokens / 1000, queue / 8]``, where
   ``queue`` is the worker's load when the request was sent;
 - TPOT (seconds per output token) against ``[1, batch / 8, k / 4]`` — batch
   size and speculative depth.
 
-A shape bucket is ``(domain, prompt-length band)``. A prediction blends, by
-sample count, the bucket's model, the worker's all-bucket model and a prior
-derived from the worker's compiled config and declared fit
-(:class:`LatencyPrior`), so a new worker starts from what it says it is tuned
-for and measurements replace that. Everything is pure Python + tiny numpy: a
-predict is a few microseconds, an update a few tens.
+Each is Bayesian linear regression solved by recursive least squares with
+forgetting, whose *prior mean* is the coefficient vector that
+:class:`LatencyPrior` derives from the worker's compiled config and declared
+fit, and whose prior variance is ``prior_variance`` (relative to the noise,
+in units of the prior's own intercept). So a new worker predicts what its
+config says, each sample moves the fit only as far as the evidence goes, and
+a slope that the traffic never exercises (queue always 0, say) stays at the
+prior's value instead of drifting anywhere. Old samples fade with the
+forgetting factor, so a re-tuned worker is re-learned.
+
+A shape bucket is ``(domain, prompt-length band)``. A bucket model starts
+from the worker-level model's current fit (scaled by the bucket's prior
+factor), so one bucket's evidence informs the others until they have their
+own. A predict is a 3-term dot product; an update a few tens of microseconds.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from engine.config import CompiledConfig, DeclaredFit
 
 PROMPT_BANDS = (256, 1024, 4096)  # bucket upper edges, tokens; last band is open
+Vec = tuple[float, float, float]
 
 
 def prompt_band(prompt_tokens: int) -> int:
@@ -35,38 +43,54 @@ def prompt_band(prompt_tokens: int) -> int:
     return len(PROMPT_BANDS)
 
 
-def ttft_features(prompt_tokens: int, queue: float) -> tuple[float, float, float]:
+def ttft_features(prompt_tokens: int, queue: float) -> Vec:
     return (1.0, prompt_tokens / 1000.0, queue / 8.0)
 
 
-def tpot_features(batch: float, depth: int) -> tuple[float, float, float]:
+def tpot_features(batch: float, depth: int) -> Vec:
     return (1.0, batch / 8.0, depth / 4.0)
 
 
-class RecursiveLeastSquares:
-    """Online least squares with exponential forgetting; ``predict`` is a 3-term dot product."""
+class BayesianRLS:
+    """Online ridge regression toward a prior mean, with exponential forgetting.
 
-    def __init__(self, dim: int, forgetting: float = 0.98, delta: float = 100.0) -> None:
-        self.theta = np.zeros(dim)
-        self.p = np.eye(dim) * delta
+    Targets are divided by ``scale`` (the prior's intercept) so that one prior
+    variance fits models whose outputs differ by orders of magnitude.
+    """
+
+    def __init__(self, prior_mean: Vec, prior_variance: float = 1.0, forgetting: float = 0.98
+                 ) -> None:
+        self.scale = max(abs(prior_mean[0]), 1e-6)
+        self.theta = np.asarray(prior_mean, dtype=np.float64) / self.scale
+        self.p = np.eye(len(prior_mean)) * prior_variance
         self.forgetting = forgetting
         self.num_samples = 0
-        self._w = tuple(0.0 for _ in range(dim))
+        self._p_cap = prior_variance
+        self._w = self._weights()
 
-    def update(self, x: tuple[float, ...], y: float) -> None:
+    def _weights(self) -> Vec:
+        t = self.theta * self.scale
+        return (float(t[0]), float(t[1]), float(t[2]))
+
+    def update(self, x: Vec, y: float) -> None:
         xv = np.asarray(x)
         px = self.p @ xv
         gain = px / (self.forgetting + xv @ px)
-        self.theta = self.theta + gain * (y - xv @ self.theta)
+        self.theta = self.theta + gain * (y / self.scale - xv @ self.theta)
         self.p = (self.p - np.outer(gain, px)) / self.forgetting
-        # NOTE: keep P bounded; with forgetting and unexciting inputs (queue always 0)
-        # it would otherwise grow without limit and make one sample swing the fit.
-        np.clip(self.p, -1e4, 1e4, out=self.p)
+        # NOTE: forgetting inflates P along directions the data never excites;
+        # cap it at the prior's variance so those slopes stay near the prior.
+        np.clip(self.p, -self._p_cap, self._p_cap, out=self.p)
         self.num_samples += 1
-        self._w = tuple(float(v) for v in self.theta)
+        self._w = self._weights()
 
-    def predict(self, x: tuple[float, ...]) -> float:
-        return sum(w * v for w, v in zip(self._w, x, strict=True))
+    @property
+    def coef(self) -> Vec:
+        return self._w
+
+    def predict(self, x: Vec) -> float:
+        w = self._w
+        return w[0] * x[0] + w[1] * x[1] + w[2] * x[2]
 
 
 @dataclass(frozen=True)
@@ -79,96 +103,119 @@ class PriorConfig:
     spec_speedup: float = 0.75  # TPOT factor for speculating workers on copy-heavy domains
     copy_domains: tuple[str, ...] = ("code", "extraction", "summarization", "rag")
     fit_bonus: float = 0.85  # cost factor when the declared fit covers the shape
-    weight_samples: float = 8.0  # the prior counts as this many samples
+    prior_variance: float = 1.0  # coefficient variance, in units of the prior intercept
 
     def __post_init__(self) -> None:
-        if min(self.step_s, self.prefill_s_per_token, self.weight_samples) <= 0:
-            raise ValueError("step_s, prefill_s_per_token and weight_samples must be > 0")
+        if min(self.step_s, self.prefill_s_per_token, self.prior_variance) <= 0:
+            raise ValueError("step_s, prefill_s_per_token and prior_variance must be > 0")
         if not 0 < self.spec_speedup <= 1 or not 0 < self.fit_bonus <= 1:
             raise ValueError("spec_speedup and fit_bonus must be in (0, 1]")
 
 
 class LatencyPrior:
-    """TTFT/TPOT guesses from a compiled config: batch cap, prefill budget, speculation, fit."""
+    """TTFT/TPOT coefficient guesses from a compiled config: batch cap, prefill budget,
+    speculation and declared fit."""
 
     def __init__(self, config: CompiledConfig, prior: PriorConfig) -> None:
         self.config = config
         self.prior = prior
 
-    def _factor(self, domain: str, prompt_tokens: int) -> float:
+    def factor(self, domain: str, prompt_tokens: int) -> float:
         fit = self.config.fit
         # NOTE: the default fit (any domain, any length) declares nothing: no bonus.
         declared = bool(fit.domains) or fit.prompt_tokens != DeclaredFit().prompt_tokens
         return self.prior.fit_bonus if declared and fit.covers(domain, prompt_tokens) else 1.0
 
-    def ttft_s(self, domain: str, prompt_tokens: int, queue: float) -> float:
+    def ttft_coef(self) -> Vec:
+        """[s, s per 1000 prompt tokens, s per 8 queued requests] for an average shape."""
         p, e = self.prior, self.config.engine
-        chunks = max(1, math.ceil(prompt_tokens / e.max_num_batched_tokens))
-        prefill = chunks * p.step_s + prompt_tokens * p.prefill_s_per_token
-        # waiting behind a full batch: about one request's worth of steps per batch slot
-        waits = max(0.0, queue - e.max_num_seqs + 1) / e.max_num_seqs
-        return (prefill + waits * 128 * self.tpot_s(domain, prompt_tokens, queue, 0)) \
-            * self._factor(domain, prompt_tokens)
+        per_k = 1000 * (p.prefill_s_per_token + p.step_s / e.max_num_batched_tokens)
+        # a queued request ahead costs about one prefill step; past the batch cap a whole
+        # request's decode (the policy adds that saturation wait separately)
+        return (p.step_s, per_k, 8 * p.step_s)
+
+    def tpot_coef(self, domain: str) -> Vec:
+        p, e = self.prior, self.config.engine
+        f = p.spec_speedup if e.spec_method != "none" and domain in p.copy_domains else 1.0
+        return (p.step_s * f, 8 * p.step_per_seq_s * f, 0.0)
+
+    def ttft_s(self, domain: str, prompt_tokens: int, queue: float) -> float:
+        c = self.ttft_coef()
+        x = ttft_features(prompt_tokens, queue)
+        return (c[0] + c[1] * x[1] + c[2] * x[2]) * self.factor(domain, prompt_tokens)
 
     def tpot_s(self, domain: str, prompt_tokens: int, batch: float, depth: int) -> float:
-        p, e = self.prior, self.config.engine
-        t = p.step_s + p.step_per_seq_s * min(batch, e.max_num_seqs)
-        if (depth > 0 or e.spec_method != "none") and domain in p.copy_domains:
-            t *= p.spec_speedup
-        return t * self._factor(domain, prompt_tokens)
+        c = self.tpot_coef(domain)
+        x = tpot_features(min(batch, self.config.engine.max_num_seqs), depth)
+        return (c[0] + c[1] * x[1] + c[2] * x[2]) * self.factor(domain, prompt_tokens)
 
 
 @dataclass
 class _Models:
-    ttft: RecursiveLeastSquares = field(default_factory=lambda: RecursiveLeastSquares(3))
-    tpot: RecursiveLeastSquares = field(default_factory=lambda: RecursiveLeastSquares(3))
+    ttft: BayesianRLS
+    tpot: BayesianRLS
 
 
 @dataclass(frozen=True)
 class Prediction:
     ttft_s: float
     tpot_s: float
-    num_samples: int  # bucket samples behind it (0 = prior / worker-level only)
+    num_samples: int  # samples of the request's own bucket behind it
 
 
 class WorkerProfile:
-    """Learned TTFT/TPOT for one worker: per-bucket and all-bucket models over a prior."""
+    """Learned TTFT/TPOT for one worker: a worker-level model and per-bucket models."""
 
     def __init__(self, prior: LatencyPrior, forgetting: float = 0.98) -> None:
         self.prior = prior
         self._forgetting = forgetting
-        self._all = self._new()
+        v = prior.prior.prior_variance
+        self._all = _Models(BayesianRLS(prior.ttft_coef(), v, forgetting),
+                            BayesianRLS(prior.tpot_coef("chat"), v, forgetting))
         self._buckets: dict[tuple[str, int], _Models] = {}
 
-    def _new(self) -> _Models:
-        return _Models(RecursiveLeastSquares(3, self._forgetting),
-                       RecursiveLeastSquares(3, self._forgetting))
+    def _bucket_init(self, domain: str, prompt_tokens: int) -> _Models:
+        """A bucket starts at the worker-level fit, shaped by the bucket's prior factors."""
+        f = self.prior.factor(domain, prompt_tokens)
+        spec = self.prior.tpot_coef(domain)[0] / self.prior.tpot_coef("chat")[0]
+        v = self.prior.prior.prior_variance
+        ttft = tuple(c * f for c in self._all.ttft.coef)
+        tpot = tuple(c * f * spec for c in self._all.tpot.coef)
+        return _Models(BayesianRLS(ttft, v, self._forgetting),  # type: ignore[arg-type]
+                       BayesianRLS(tpot, v, self._forgetting))  # type: ignore[arg-type]
 
     def predict(self, domain: str, prompt_tokens: int, queue: float, batch: float,
                 depth: int) -> Prediction:
-        xt, xp = ttft_features(prompt_tokens, queue), tpot_features(batch, depth)
-        ttft = self.prior.ttft_s(domain, prompt_tokens, queue)
-        tpot = self.prior.tpot_s(domain, prompt_tokens, batch, depth)
-        n0 = self.prior.prior.weight_samples
+        xt = ttft_features(prompt_tokens, queue)
+        xp = tpot_features(min(batch, self.prior.config.engine.max_num_seqs), depth)
         bucket = self._buckets.get((domain, prompt_band(prompt_tokens)))
-        for models in (self._all, bucket):
-            if models is None:
-                continue
-            ttft = _blend(ttft, models.ttft, xt, n0)
-            tpot = _blend(tpot, models.tpot, xp, n0)
-        return Prediction(ttft, tpot, bucket.tpot.num_samples if bucket else 0)
+        if bucket is None:
+            bucket = self._bucket_init(domain, prompt_tokens)
+            n = 0
+        else:
+            n = bucket.tpot.num_samples
+        # NOTE: floors: a fit may extrapolate below zero far from its data.
+        floor_ttft = 0.1 * bucket.ttft.coef[0] if bucket.ttft.coef[0] > 0 else 1e-4
+        ttft = max(bucket.ttft.predict(xt), floor_ttft, 1e-4)
+        tpot = max(bucket.tpot.predict(xp), 1e-5)
+        return Prediction(ttft, tpot, n)
 
     def observe(self, domain: str, prompt_tokens: int, queue: float, batch: float, depth: int,
                 ttft_s: float | None, tpot_s: float | None) -> None:
         key = (domain, prompt_band(prompt_tokens))
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = self._new()
-        for models in (self._all, bucket):
-            if ttft_s is not None and ttft_s >= 0 and math.isfinite(ttft_s):
-                models.ttft.update(ttft_features(prompt_tokens, queue), ttft_s)
-            if tpot_s is not None and tpot_s > 0 and math.isfinite(tpot_s):
-                models.tpot.update(tpot_features(batch, depth), tpot_s)
+            bucket = self._buckets[key] = self._bucket_init(domain, prompt_tokens)
+        xt = ttft_features(prompt_tokens, queue)
+        xp = tpot_features(min(batch, self.prior.config.engine.max_num_seqs), depth)
+        f = self.prior.factor(domain, prompt_tokens)
+        spec = self.prior.tpot_coef(domain)[0] / self.prior.tpot_coef("chat")[0]
+        if ttft_s is not None and ttft_s >= 0 and math.isfinite(ttft_s):
+            bucket.ttft.update(xt, ttft_s)
+            self._all.ttft.update(xt, ttft_s / f)
+        if tpot_s is not None and tpot_s > 0 and math.isfinite(tpot_s):
+            bucket.tpot.update(xp, tpot_s)
+            self._all.tpot.update(xp, tpot_s / (f * spec))
 
     def num_samples(self, domain: str, prompt_tokens: int) -> int:
         bucket = self._buckets.get((domain, prompt_band(prompt_tokens)))
@@ -177,15 +224,5 @@ class WorkerProfile:
     def snapshot(self) -> dict[str, object]:
         return {"num_samples": self._all.tpot.num_samples,
                 "buckets": {f"{d}/{b}": m.tpot.num_samples for (d, b), m in self._buckets.items()},
-                "ttft_coef": [round(float(v), 5) for v in self._all.ttft.theta],
-                "tpot_coef": [round(float(v), 6) for v in self._all.tpot.theta]}
-
-
-def _blend(prior: float, model: RecursiveLeastSquares, x: tuple[float, ...], n0: float) -> float:
-    """Sample-count weighted mix of a prediction so far and a learned model's (floored at 0)."""
-    n = model.num_samples
-    if n == 0:
-        return prior
-    learned = max(model.predict(x), 0.0)
-    w = n / (n + n0)
-    return w * learned + (1.0 - w) * prior
+                "ttft_coef": [round(v, 5) for v in self._all.ttft.coef],
+                "tpot_coef": [round(v, 6) for v in self._all.tpot.coef]}

@@ -1,0 +1,240 @@
+# ruff: noqa: E402
+"""Routing policies side by side on heterogeneous engine workers and mixed real traffic.
+
+Two built-in engine workers on the bundled tiny model, with different compiled
+configs (below), serve the same replayed workload through one in-process
+polyinfer proxy per policy, one policy after the other:
+
+- ``round_robin`` and ``least_outstanding`` with each worker's static default
+  speculative depth (speculation mode "policy");
+- ``adaptive`` routing with adaptive depth (router.adaptive.AdaptivePolicy,
+  which asks specdec's DepthPolicy for k).
+
+Workload: real prompts (Spec-Bench questions, all 13 categories, and GSM8K
+problems) as chat requests, with arrival times and output lengths taken from
+the Azure LLM 2023 conversation trace (time-scaled to ``--rate``; outputs
+scaled by ``--output-scale`` and clipped), replayed with loadgen's Python API.
+Prints goodput at the stated SLO, TTFT/TPOT percentiles, where requests went,
+and the ratios.
+
+    nice -n 10 /work/venv/bin/python bench/routing.py [--requests 120] [--rate 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import datetime
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# NOTE: bench/specdec.py would shadow the specdec package when this file runs as a script.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import aiohttp
+import yaml
+from aiohttp import web
+
+from engine.config import TINY_TARGET, CompiledConfig, DeclaredFit, EngineConfig
+from loadgen.config import (
+    ArrivalConfig,
+    ClientConfig,
+    LengthConfig,
+    OutputConfig,
+    ReplayConfig,
+    SloConfig,
+    TraceConfig,
+)
+from loadgen.replay import replay
+from loadgen.request import TraceRequest
+from proxy.app import create_app
+from proxy.config import HealthConfig, ProxyConfig, RoutingConfig, SpeculationConfig, WorkerSpec
+from proxy.config import TraceConfig as ProxyTraceConfig
+from proxy.routing import build_policy
+from router.corpus import SPEC_BENCH_MAP
+from router.shape import ShapeEstimator
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# NOTE: two deliberately different compiled configs. "spec-small": n-gram
+# speculation, 4 sequences, 256-token prefill chunks (tuned for short,
+# copy-heavy requests); "batch-big": no speculation, 32 sequences, 2048-token
+# prefill chunks (tuned for throughput and long prompts).
+WORKERS: dict[str, CompiledConfig] = {
+    "spec-small": CompiledConfig(
+        model=str(TINY_TARGET),
+        engine=EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, spec_method="ngram",
+                            spec_max_depth=4, spec_default_depth=2, max_model_len=2048),
+        fit=DeclaredFit(domains=("code", "extraction", "qa"))),
+    "batch-big": CompiledConfig(
+        model=str(TINY_TARGET),
+        engine=EngineConfig(max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=2048),
+        fit=DeclaredFit(domains=("chat", "math", "summarization", "rag", "translation"))),
+}
+POLICIES = (("round_robin", "policy"), ("least_outstanding", "policy"), ("adaptive", "adaptive"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_workers(tmp: Path) -> tuple[dict[str, str], list[subprocess.Popen[bytes]]]:
+    urls, procs = {}, []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, cfg in WORKERS.items():
+        path = tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg.to_dict()))
+        port = free_port()
+        log = (tmp / f"{name}.log").open("wb")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "--log-level", "WARNING", "engine",
+             "--config", str(path), "--port", str(port)], stdout=log, stderr=log, env=env))
+        urls[name] = f"http://127.0.0.1:{port}"
+    return urls, procs
+
+
+async def wait_healthy(urls: dict[str, str], timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as s:
+        for url in urls.values():
+            while True:
+                try:
+                    async with s.get(f"{url}/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"worker {url} not healthy after {timeout_s} s")
+                await asyncio.sleep(0.5)
+
+
+def build_workload(data: Path, num: int, rate: float, seed: int) -> list[TraceRequest]:
+    """Real prompts x Azure conversation arrivals and output lengths."""
+    rng = random.Random(seed)
+    prompts = []
+    for line in (data / "prompts/spec_bench_questions.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        prompts.append((row["turns"][0], SPEC_BENCH_MAP[row["category"]]))
+    with (data / "prompts/gsm8k_train.jsonl").open() as f:
+        prompts += [(json.loads(next(f))["question"], "math") for _ in range(80)]
+    rng.shuffle(prompts)
+    with (data / "traces/azure_llm_2023_conv.csv").open() as f:
+        rows = list(csv.DictReader(f))[:num]
+    ts = [datetime.datetime.fromisoformat(r["TIMESTAMP"][:26]).timestamp() for r in rows]
+    span = (ts[-1] - ts[0]) or 1.0
+    scale = (num / rate) / span  # trace gaps stretched/shrunk to the target mean rate
+    out = []
+    for i, row in enumerate(rows):
+        text, domain = prompts[i % len(prompts)]
+        out.append(TraceRequest(line=i + 1, timestamp_s=(ts[i] - ts[0]) * scale,
+                                messages=({"role": "user", "content": text},),
+                                output_tokens=int(row["GeneratedTokens"]), domain=domain))
+    return out
+
+
+async def run_policy(name: str, spec_mode: str, urls: dict[str, str], records: list[TraceRequest],
+                     args: argparse.Namespace) -> dict[str, Any]:
+    config = ProxyConfig(
+        workers=tuple(WorkerSpec(n, url=urls[n], config=WORKERS[n]) for n in WORKERS),
+        routing=RoutingConfig(policy=name), speculation=SpeculationConfig(mode=spec_mode),
+        traces=ProxyTraceConfig(enabled=False),
+        health=HealthConfig(interval_s=1.0, metrics_interval_s=0.25))
+    policy = build_policy(name, seed=args.seed)
+    estimator = ShapeEstimator.load(TINY_TARGET)
+    app = create_app(config, estimator=estimator, policy=policy)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        await asyncio.sleep(1.5)  # first health probe + metrics scrape
+        cfg = ReplayConfig(
+            trace=TraceConfig(path="<records>"),
+            client=ClientConfig(target=f"http://127.0.0.1:{port}", model=WORKERS["batch-big"].model_name,
+                                stream=True, ignore_eos=True, timeout_s=300.0),
+            arrivals=ArrivalConfig(mode="trace", seed=args.seed),
+            lengths=LengthConfig(output_scale=args.output_scale, max_output_tokens=args.max_output,
+                                 min_output_tokens=8, max_model_len=2048),
+            slo=SloConfig(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot),
+            output=OutputConfig(quiet=True, label=name), tokenizer=str(TINY_TARGET))
+        result = await replay(cfg, records)
+    finally:
+        await runner.cleanup()
+    summary = result.summary
+    summary["policy_stats"] = policy.stats() if hasattr(policy, "stats") else {}
+    return summary
+
+
+def fmt_row(name: str, s: dict[str, Any]) -> str:
+    t, p = s["ttft_s"], s["tpot_s"]
+    workers = ", ".join(f"{w}:{v['num_requests']}" for w, v in s["by_worker"].items())
+    return (f"{name:<18} goodput {s['goodput']:5.2f} req/s  ({s['num_good']:>3}/{s['num_requests']}"
+            f" ok={s['num_ok']})  out {s['output_throughput']:6.1f} tok/s  "
+            f"TTFT p50 {t['p50'] or 0:6.3f} p99 {t['p99'] or 0:6.3f}  "
+            f"TPOT p50 {p['p50'] or 0:6.4f} p99 {p['p99'] or 0:6.4f}  [{workers}]")
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    records = build_workload(args.data, args.requests, args.rate, args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        urls, procs = start_workers(Path(tmp))
+        try:
+            await wait_healthy(urls)
+            results = {}
+            order = list(POLICIES) if not args.reverse else list(reversed(POLICIES))
+            for name, mode in order:
+                results[name] = await run_policy(name, mode, urls, records, args)
+                print(fmt_row(name, results[name]), flush=True)
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(timeout=30)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--rate", type=float, default=3.0, help="mean arrival rate, req/s")
+    ap.add_argument("--output-scale", type=float, default=0.25)
+    ap.add_argument("--max-output", type=int, default=96)
+    ap.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
+    ap.add_argument("--slo-tpot", type=float, default=0.15, help="seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reverse", action="store_true", help="run the policies in reverse order")
+    ap.add_argument("--json", type=Path, help="write all summaries here")
+    args = ap.parse_args()
+    print(f"{args.requests} requests at {args.rate} req/s mean (Azure conv arrivals), SLO "
+          f"TTFT<={args.slo_ttft}s TPOT<={args.slo_tpot}s; workers: "
+          + "; ".join(f"{n}: {c.engine.max_num_seqs} seqs, {c.engine.max_num_batched_tokens}-token "
+                      f"prefill, spec={c.engine.spec_method}" for n, c in WORKERS.items()),
+          flush=True)
+    results = asyncio.run(main_async(args))
+    base = {n: results[n]["goodput"] for n in results}
+    ad = base["adaptive"]
+    for other in ("round_robin", "least_outstanding"):
+        ratio = ad / base[other] if base[other] else float("inf")
+        print(f"goodput ratio adaptive / {other}: {ratio:.2f}x")
+    print("adaptive decisions:", json.dumps({k: results["adaptive"]["policy_stats"].get(k)
+                                             for k in ("reasons", "decisions", "depths")}))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
