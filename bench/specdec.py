@@ -277,7 +277,7 @@ def print_concurrency(method: str, conc: int, n: int, totals: dict[int | str, Ru
     print(f"  {'mode':>9} {'tok/s':>8} {'vs k=0':>7} {'vs best k':>9} {'accept':>7}  depths")
     for mode, t in totals.items():
         acc = t.num_accepted / t.num_draft if t.num_draft else 0.0
-        hist = defaultdict(int)
+        hist: dict[int, int] = defaultdict(int)
         for d in t.depths:
             hist[d] += 1
         depths = " ".join(f"{d}:{c}" for d, c in sorted(hist.items()))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,6 +64,8 @@ class PolicyConfig:
     prior_acceptance: float = 0.5  # Beta prior mean for an unseen (worker, domain)
     prior_strength: float = 8.0  # Beta prior weight, in tested draft tokens
     max_evidence: float = 4000.0  # cap on alpha + beta, so estimates track drift
+    # Weight, in decode steps, of the geometric E(a, k) against steps measured at k.
+    prior_steps_per_depth: float = 50.0
     # Prior step time in seconds, coefficients of [1, batch, batch*k, k].
     step_prior_s: tuple[float, float, float, float] = (0.010, 0.0005, 0.0003, 0.0005)
     step_prior_weight: float = 4.0  # prior weight, in measured samples
@@ -75,6 +78,7 @@ class PolicyConfig:
             (0.0 < self.prior_acceptance < 1.0, "prior_acceptance", "in (0, 1)"),
             (self.prior_strength > 0, "prior_strength", "> 0"),
             (self.max_evidence > self.prior_strength, "max_evidence", "> prior_strength"),
+            (self.prior_steps_per_depth > 0, "prior_steps_per_depth", "> 0"),
             (len(self.step_prior_s) == NUM_FEATURES and self.step_prior_s[0] > 0
              and all(c >= 0 for c in self.step_prior_s), "step_prior_s",
              "4 coefficients >= 0 with a positive intercept"),
@@ -88,12 +92,18 @@ class PolicyConfig:
 
 
 def choose_depth(acceptance: float, batch: int, step_time: StepTimeModel, max_depth: int,
-                 min_gain: float = 1.0) -> int:
-    """The k in 0..max_depth maximising E[accepted + 1] / t(batch, k); 0 unless it pays."""
+                 min_gain: float = 1.0, tokens_per_step: Sequence[float] | None = None) -> int:
+    """The k in 0..max_depth maximising E[accepted + 1] / t(batch, k); 0 unless it pays.
+
+    ``tokens_per_step[k]``, when given, replaces the geometric E for k (see
+    :meth:`AcceptanceEstimate.tokens_per_step`).
+    """
     base = 1.0 / step_time.predict(batch, 0)
     best_k, best = 0, base * min_gain
     for k in range(1, max_depth + 1):
-        goodput = expected_tokens_per_step(acceptance, k) / step_time.predict(batch, k)
+        expected = (tokens_per_step[k] if tokens_per_step is not None and k < len(tokens_per_step)
+                    else expected_tokens_per_step(acceptance, k))
+        goodput = expected / step_time.predict(batch, k)
         if goodput > best:
             best_k, best = k, goodput
     return best_k
@@ -117,14 +127,36 @@ def solve_acceptance(mean_accepted: float, k: int) -> float:
 
 @dataclass
 class AcceptanceEstimate:
-    """Beta(alpha, beta) posterior over the per-token acceptance probability."""
+    """Beta(alpha, beta) posterior over the per-token acceptance probability.
+
+    It also keeps, per depth k, the decode steps measured at k and the tokens
+    they produced. Acceptance is not geometric in practice (an n-gram match
+    in a repeated span is accepted whole, or not at all), so where a depth has
+    been measured its observed tokens per step take over from the geometric
+    prediction, which remains the prior for depths not tried yet.
+    """
 
     alpha: float
     beta: float
+    steps_at: dict[int, float] = field(default_factory=dict)  # depth -> decode steps seen
+    tokens_at: dict[int, float] = field(default_factory=dict)  # depth -> tokens they produced
 
     @property
     def mean(self) -> float:
         return self.alpha / (self.alpha + self.beta)
+
+    def tokens_per_step(self, max_depth: int, prior_steps: float) -> list[float]:
+        """E[accepted + 1] for k = 0..max_depth: measured steps shrunk toward the geometric E.
+
+        ``(tokens_k + prior_steps * E_geo(a, k)) / (steps_k + prior_steps)``.
+        """
+        a = self.mean
+        out = []
+        for k in range(max_depth + 1):
+            geo = expected_tokens_per_step(a, k)
+            steps = self.steps_at.get(k, 0.0)
+            out.append((self.tokens_at.get(k, 0.0) + prior_steps * geo) / (steps + prior_steps))
+        return out
 
     def observe(self, num_draft: int, num_accepted: int, depth: int, max_evidence: float,
                 num_steps: int | None = None) -> None:
@@ -158,6 +190,18 @@ class AcceptanceEstimate:
         if total > max_evidence:
             self.alpha *= max_evidence / total
             self.beta *= max_evidence / total
+        if depth > 0 and num_steps:
+            self._observe_steps(depth, num_steps, num_accepted, max_evidence)
+
+    def _observe_steps(self, depth: int, num_steps: int, num_accepted: int,
+                       max_evidence: float) -> None:
+        steps = self.steps_at.get(depth, 0.0) + num_steps
+        tokens = self.tokens_at.get(depth, 0.0) + num_steps + num_accepted
+        if steps > max_evidence:
+            tokens *= max_evidence / steps
+            steps = max_evidence
+        self.steps_at[depth] = steps
+        self.tokens_at[depth] = tokens
 
 
 @dataclass
@@ -246,8 +290,10 @@ class DepthPolicy:
     def decide(self, worker: str, domain: str, batch: int, max_depth: int | None = None) -> int:
         """k for a request joining ``worker`` (``batch`` sequences running, counting itself)."""
         cap = self.config.max_depth if max_depth is None else min(max_depth, self.config.max_depth)
-        return choose_depth(self.acceptance(worker, domain).mean, max(batch, 1),
-                            self.step_time(worker), cap, self.config.min_gain)
+        est = self.acceptance(worker, domain)
+        return choose_depth(est.mean, max(batch, 1), self.step_time(worker), cap,
+                            self.config.min_gain,
+                            est.tokens_per_step(cap, self.config.prior_steps_per_depth))
 
     def observe_acceptance(self, worker: str, domain: str, num_draft: int, num_accepted: int,
                            depth: int = 0, num_steps: int | None = None) -> None:

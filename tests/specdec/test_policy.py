@@ -165,3 +165,22 @@ def test_observe_request_feeds_both_models() -> None:
 def test_config_rejects_bad_values(kwargs: dict[str, object]) -> None:
     with pytest.raises(ProposerConfigError):
         PolicyConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_measured_tokens_per_step_take_over_from_the_geometric_prior() -> None:
+    est = AcceptanceEstimate(4.0, 4.0)
+    assert est.tokens_per_step(2, prior_steps=50.0) == pytest.approx([1.0, 1.5, 1.75])  # a = .5
+    # 20 steps at k = 4 produced 20 + 30 = 50 tokens (2.5 per step); a moves to 34 / 54.55 = .6233
+    # whose geometric E(4) = 2.4048; shrunk: (50 + 50 * 2.4048) / (20 + 50) = 2.4320
+    est.observe(40, 30, depth=4, max_evidence=1e9, num_steps=20)
+    out = est.tokens_per_step(4, prior_steps=50.0)
+    assert out[4] == pytest.approx(2.4320, abs=1e-3)
+    assert out[1] == pytest.approx(1.6233, abs=1e-3)  # not measured: geometric 1 + a
+
+
+def test_bursty_acceptance_favours_a_deeper_measured_k() -> None:
+    model = _model(0.010, 0.0, 0.0, 0.002)
+    # geometric a = 0.4: 1.4/.012 = 116.7, 1.56/.014 = 111.4 ... -> k = 1
+    assert choose_depth(0.4, 1, model, 4) == 1
+    # but k = 4 was measured at 3 tokens per step (whole matches accepted): 3/.018 = 166.7
+    assert choose_depth(0.4, 1, model, 4, tokens_per_step=[1.0, 1.4, 1.56, 1.62, 3.0]) == 4
