@@ -41,6 +41,7 @@ class RequestRecord:
     ttft_s: float | None = None
     e2e_s: float | None = None
     batch_size: int | None = None  # worker's scraped running requests when sent
+    responded: bool = False  # the whole response reached the client's socket
     prompt_text: str | None = field(default=None, repr=False)  # only when enabled
 
     @property

@@ -117,7 +117,9 @@ class Relay:
             self._fail(rec, e)
             raise
         except asyncio.CancelledError:
-            rec.status, rec.error = STATUS_CANCELLED, "client_disconnected"
+            # NOTE: a client that closes as soon as it has read [DONE] is not a cancellation.
+            if not rec.responded:
+                rec.status, rec.error = STATUS_CANCELLED, "client_disconnected"
             raise
         except Exception as e:
             rec.status, rec.error, rec.http_status = STATUS_ERROR, f"internal: {e!r}", 500
@@ -327,6 +329,8 @@ class Relay:
             rec.status, rec.error = STATUS_CANCELLED, "client_disconnected"
             return resp
         except UPSTREAM_ERRORS as e:
+            if rec.responded:  # failed while reading past [DONE]: the client has it all
+                return resp
             worker.breaker.record_failure()
             rec.status, rec.http_status = STATUS_ERROR, 502
             rec.error = f"upstream_broken: {worker.name}: {type(e).__name__}"
@@ -334,9 +338,11 @@ class Relay:
             await _write_quietly(resp, sse_error_event(
                 f"worker {worker.name} failed mid-stream ({type(e).__name__}); "
                 f"the response is incomplete (request {rec.request_id})"))
-        rec.e2e_s = time.perf_counter() - rec.t0
+        if rec.e2e_s is None:
+            rec.e2e_s = time.perf_counter() - rec.t0
         try:
             await resp.write_eof()
+            rec.responded = True
         except ConnectionError:
             pass
         return resp
@@ -357,6 +363,8 @@ class Relay:
                     # NOTE: the stream's last event: send it with the chunked-encoding
                     # terminator (and, for a one-read stream, the headers) in one write.
                     await _write_client(resp, out, eof=True)
+                    rec.responded = True
+                    rec.e2e_s = time.perf_counter() - rec.t0
                     await _drain_upstream(content)
                     return
                 if out:

@@ -135,3 +135,13 @@ def read_traces(directory: Path) -> list[dict[str, Any]]:
     for f in sorted(directory.glob("traces-*.jsonl")):
         records += [orjson.loads(line) for line in f.read_bytes().splitlines() if line]
     return records
+
+
+def eventually(predicate: Any, timeout_s: float = 10.0) -> bool:
+    """Poll ``predicate`` until true (a streamed request is recorded just after its last byte)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return bool(predicate())

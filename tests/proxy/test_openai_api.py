@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
 
 from proxy import keys
-from tests.proxy.servers import ProxyThread, read_traces
+from tests.proxy.servers import ProxyThread, eventually, read_traces
 
 MODEL = "tiny-target"
 CODE_PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return"
@@ -50,7 +49,8 @@ def test_chat_stream_with_client_usage_is_kept(proxy: ProxyThread) -> None:
     usage = [c.usage for c in chunks if c.usage is not None]
     assert len(usage) == 1 and usage[0].completion_tokens >= 1
     stats = proxy.app[keys.STATS]
-    assert stats.requests and stats.latency["ttft"]["all"].count >= 1
+    assert eventually(lambda: stats.latency["ttft"]["all"].count >= 1)
+    assert sum(n for (_, _, s), n in stats.requests.items() if s == "ok") == 1
 
 
 async def test_async_client_concurrent_streams(proxy: ProxyThread) -> None:
@@ -122,14 +122,14 @@ def test_stats_metrics_dashboard_health(proxy: ProxyThread) -> None:
 
 
 def test_worker_metrics_are_scraped(proxy: ProxyThread) -> None:
-    pool = proxy.app[keys.POOL]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not any(
-            w.view.kv_cache_usage or w.view.running for w in pool.workers.values()):
-        client(proxy).completions.create(model=MODEL, prompt="x" * 200, max_tokens=2)
-        time.sleep(0.3)
-    # the scrape loop parsed the engines' vllm:* gauges at least once
-    assert all(w.probe_ok for w in pool.workers.values())
+    latency = proxy.app[keys.POOL].workers["latency"]
+    c = client(proxy)
+    for _ in range(2):  # round robin: one of the two lands on the n-gram worker
+        c.completions.create(model=MODEL, prompt=CODE_PROMPT * 3, max_tokens=24,
+                             extra_body={"speculative_depth": 3})
+    # the scrape loop reads the engine's vllm:spec_decode_* counters into the pool
+    assert eventually(lambda: latency.scraped_draft_tokens > 0, timeout_s=10)
+    assert 0 <= latency.scraped_accepted_tokens <= latency.scraped_draft_tokens
 
 
 def test_one_trace_record_per_request(proxy: ProxyThread, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -153,3 +153,32 @@ def test_one_trace_record_per_request(proxy: ProxyThread, tmp_path) -> None:  # 
     assert all(set(r) == expected for r in records)
     assert "secret" not in (tmp_path / "traces").joinpath(
         next((tmp_path / "traces").glob("*.jsonl")).name).read_text()
+
+
+def test_prompt_text_only_when_enabled(engines, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tests.proxy.servers import external_config
+    config = external_config(engines, tmp_path, traces={"record_prompt_text": True})
+    with ProxyThread(config) as p:
+        client(p).chat.completions.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "my secret words"}])
+    (record,) = read_traces(tmp_path / "traces")
+    assert "my secret words" in record["prompt_text"]
+
+
+def test_tcp_nodelay_on_both_sides(proxy: ProxyThread) -> None:
+    import socket
+
+    with httpx.Client(base_url=proxy.url) as h:
+        h.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+
+        def nodelay(transport) -> bool:  # type: ignore[no-untyped-def]
+            sock = transport.get_extra_info("socket")
+            return bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        server = proxy.server._runner.server  # type: ignore[union-attr]
+        client_side = [c.transport for c in server.connections if c.transport is not None]
+        upstream = [proto.transport for protos in
+                    proxy.app[keys.RELAY].session.connector._conns.values()  # type: ignore[union-attr]
+                    for proto, _ in protos if proto.transport is not None]
+        assert client_side and upstream
+        assert all(nodelay(t) for t in client_side + upstream)

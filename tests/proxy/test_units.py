@@ -192,3 +192,32 @@ def test_rotating_jsonl_rotates_and_prunes(tmp_path: Path) -> None:
     assert len(files) == 3
     lines = [orjson.loads(line) for f in files for line in f.read_bytes().splitlines()]
     assert [r["i"] for r in lines] == list(range(40 - len(lines), 40))
+
+
+def test_launch_command_builders(tmp_path: Path) -> None:
+    import sys
+
+    from engine.config import CompiledConfig, VllmConfig
+    from proxy.config import LaunchSpec, WorkerSpec
+    from proxy.supervisor import LAUNCH_BUILDERS
+
+    engine = WorkerSpec(name="e", launch=LaunchSpec(args=("--x",)), config=CompiledConfig())
+    cmd = LAUNCH_BUILDERS["engine"](engine, "127.0.0.1", 9001, tmp_path / "e.yaml")
+    assert cmd[:4] == [sys.executable, "-m", "proxy.cli", "engine"]
+    assert cmd[cmd.index("--port") + 1] == "9001" and cmd[-1] == "--x"
+    assert cmd[cmd.index("--config") + 1] == str(tmp_path / "e.yaml")
+    vllm = WorkerSpec(name="v", launch=LaunchSpec(), config=CompiledConfig(
+        backend="vllm", model="/m", vllm=VllmConfig(
+            speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
+            max_num_seqs=8, dtype="float32", args=("--enforce-eager",))))
+    cmd = LAUNCH_BUILDERS["vllm"](vllm, "127.0.0.1", 9002, tmp_path / "v.yaml")
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--speculative-config") + 1].startswith('{"method": "ngram"')
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "8" and "--enforce-eager" in cmd
+
+
+def test_example_config_loads() -> None:
+    from importlib import resources
+    path = resources.files("proxy").joinpath("data/polyinfer.example.yaml")
+    config = ProxyConfig.load(str(path))
+    assert {w.backend for w in config.workers} == {"engine", "vllm", "external"}
