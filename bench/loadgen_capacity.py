@@ -153,18 +153,23 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--chunks", type=int, default=16)
     p.add_argument("--loops", default="uvloop,asyncio")
+    p.add_argument("--no-pin", action="store_true",
+                   help="let the OS place both processes (a loaded shared machine)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        _pin(1)
+        if not args.no_pin:
+            _pin(1)
         serve(args.chunks)
         return 0
     upstream = subprocess.Popen([sys.executable, __file__, "--serve", "--chunks",
-                                 str(args.chunks)], stdout=subprocess.PIPE, text=True)
+                                 str(args.chunks), *(["--no-pin"] if args.no_pin else [])],
+                                stdout=subprocess.PIPE, text=True)
     try:
         assert upstream.stdout is not None
         url = f"http://127.0.0.1:{int(upstream.stdout.readline())}"
-        _pin(0)
+        if not args.no_pin:
+            _pin(0)
         rows = [measure(url, float(r) if r != "closed" else None, args.seconds,
                         loop == "uvloop")
                 for loop in args.loops.split(",") for r in ["closed", *args.rates.split(",")]]
@@ -184,8 +189,8 @@ def report(rows: list[dict[str, Any]]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         offered = "closed loop x16" if r["closed"] else f"{r['schedule_rate']:.0f}"
-        print(f"| {r['loop']} | {offered} | {r['send_rate']:.0f} | "
-              f"{r['send_rate'] / r['schedule_rate']:.3f} | {r['done_rate']:.0f} | {r['errors']} | "
+        ratio = "-" if r["closed"] else f"{r['send_rate'] / r['schedule_rate']:.3f}"
+        print(f"| {r['loop']} | {offered} | {r['send_rate']:.0f} | {ratio} | {r['done_rate']:.0f} | {r['errors']} | "
               f"{r['lag_p50_ms']:.3f} | {r['lag_p99_ms']:.3f} | {r['lag_p99_ms']:.2f}x | "
               f"{r['ttft_p50_ms']:.2f} | {r['ttft_p99_ms']:.2f} | {r['cpu_us_per_req']:.0f} |")
     for loop in dict.fromkeys(r["loop"] for r in rows):
