@@ -57,7 +57,7 @@ def create_app(config: ProxyConfig, *, estimator: ShapeEstimator | None = None,
     acceptance = ScrapedAcceptance(stats, relay.depth_policy)  # vLLM: scraped spec counters
     pool.on_scrape.append(acceptance.on_scrape)
     relay.on_finish.append(acceptance.on_finish)
-    app.cleanup_ctx.extend([_traces_ctx, _session_ctx, _pool_ctx])
+    app.cleanup_ctx.extend([_traces_ctx, _session_ctx, _pool_ctx, _lag_ctx])
     handlers.add_routes(app)
     admin.add_routes(app)
     return app
@@ -105,6 +105,14 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     app[keys.RELAY].session = session
     yield
     await session.close()
+
+
+async def _lag_ctx(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(app[keys.RELAY].measure_loop_lag(), name="loop-lag")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:

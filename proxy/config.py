@@ -174,6 +174,9 @@ class LimitsConfig:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0  # no byte from the worker for this long = failure
     drain_timeout_s: float = 30.0  # SIGTERM: wait this long for in-flight requests
+    # Shed (429) while the event loop runs this late: the proxy's own CPU is saturated,
+    # and admitting more would only queue them. 0 = off.
+    max_loop_lag_s: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("max_in_flight", "max_body_bytes", "max_attempts"):
@@ -181,6 +184,7 @@ class LimitsConfig:
         for name in ("connect_timeout_s", "read_timeout_s", "drain_timeout_s"):
             _check(getattr(self, name) > 0, f"limits.{name}", "> 0", getattr(self, name))
         _check(self.retry_after_s >= 0, "limits.retry_after_s", ">= 0", self.retry_after_s)
+        _check(self.max_loop_lag_s >= 0, "limits.max_loop_lag_s", ">= 0", self.max_loop_lag_s)
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,10 @@ async def health(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     app = request.app
-    return _json(app[keys.STATS].snapshot(app[keys.POOL], app[keys.RELAY].policy.name))
+    relay = app[keys.RELAY]
+    doc = app[keys.STATS].snapshot(app[keys.POOL], relay.policy.name)
+    doc["loop_lag_ms"] = relay.loop_lag_s * 1e3
+    return _json(doc)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -93,6 +93,7 @@ class Relay:
         self.on_finish: list[Callable[[RequestRecord], None]] = []  # learners, never raising
         self.session: aiohttp.ClientSession | None = None
         self.draining = False
+        self.loop_lag_s = 0.0  # smoothed event-loop lag, from measure_loop_lag()
         self._api_keys = frozenset(f"Bearer {k}" for k in config.auth.api_keys)
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
@@ -139,6 +140,21 @@ class Relay:
         if self.stats.in_flight >= self.limits.max_in_flight:
             raise Overloaded(f"more than {self.limits.max_in_flight} requests in flight",
                              retry_after_s=retry)
+        max_lag = self.limits.max_loop_lag_s
+        if max_lag and self.loop_lag_s > max_lag:
+            raise Overloaded(f"proxy saturated (event loop {self.loop_lag_s * 1e3:.0f} ms late)",
+                             retry_after_s=retry)
+
+    async def measure_loop_lag(self, period_s: float = 0.01) -> None:
+        """Track how late the event loop wakes a sleeper: the proxy's own saturation signal."""
+        lag = 0.0
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(period_s)
+            late = time.perf_counter() - t - period_s
+            # NOTE: smoothed over ~50 ms so a single scheduling hiccup sheds nothing.
+            lag = 0.8 * lag + 0.2 * late
+            self.loop_lag_s = lag
 
     @staticmethod
     def _fail(rec: RequestRecord, e: ProxyError) -> None:

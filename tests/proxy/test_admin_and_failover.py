@@ -11,7 +11,7 @@ import pytest
 
 from proxy import keys
 from proxy.supervisor import free_port
-from tests.proxy.servers import EngineProcess, ProxyThread, external_config
+from tests.proxy.servers import EngineProcess, ProxyThread, eventually, external_config
 
 MODEL = "tiny-target"
 ADMIN = {"x-admin-key": "admin-test"}
@@ -86,6 +86,17 @@ def test_sheds_load_past_max_in_flight(engines: list[EngineProcess], tmp_path) -
         assert shed.headers["Retry-After"] == "2"
         assert shed.json()["error"]["type"] == "rate_limit_exceeded"
         assert p.app[keys.STATS].rejected[429] == codes.count(429)
+
+
+def test_sheds_while_the_event_loop_lags(engines: list[EngineProcess], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Any real loop is some nanoseconds late: with this limit every request is shed.
+    config = external_config(engines, tmp_path, limits={"max_loop_lag_s": 1e-9})
+    with ProxyThread(config) as p, httpx.Client(base_url=p.url, timeout=30) as h:
+        assert eventually(lambda: p.app[keys.RELAY].loop_lag_s > 1e-9)
+        r = h.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 429 and "saturated" in r.json()["error"]["message"]
+        assert r.headers["Retry-After"] == "1"
+        assert h.get("/stats").json()["loop_lag_ms"] > 0
 
 
 def test_retry_on_another_worker_and_breaker(engines: list[EngineProcess], tmp_path) -> None:  # type: ignore[no-untyped-def]

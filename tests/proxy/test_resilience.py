@@ -19,7 +19,14 @@ import openai
 import pytest
 
 from proxy import keys
-from proxy.config import HealthConfig, LaunchSpec, ServerConfig, TraceConfig, default_config
+from proxy.config import (
+    HealthConfig,
+    LaunchSpec,
+    LimitsConfig,
+    ServerConfig,
+    TraceConfig,
+    default_config,
+)
 from proxy.pool import parse_metrics
 from proxy.supervisor import free_port
 from tests.proxy.servers import (
@@ -41,6 +48,7 @@ def _embedded_default(tmp: Path):  # type: ignore[no-untyped-def]
         base, server=ServerConfig(port=0), run_dir=str(tmp / "run"),
         workers=tuple(dataclasses.replace(w, launch=launch) for w in base.workers),
         traces=TraceConfig(dir=str(tmp / "traces"), flush_interval_s=0.1),
+        limits=LimitsConfig(max_loop_lag_s=0),
         health=HealthConfig(interval_s=0.3, metrics_interval_s=0.5, breaker_failures=1,
                             breaker_cooldown_s=1.0))
 
