@@ -26,6 +26,8 @@ from loadgen.errors import LoadgenError
 
 logger = logging.getLogger(__name__)
 
+TIMED_FORMATS = ("azure", "burstgpt", "mooncake", "polyinfer")  # formats with timestamps
+
 
 def _window(text: str) -> tuple[float, float | None]:
     start, _, end = text.partition(":")
@@ -105,7 +107,10 @@ def _default_arrival(args: argparse.Namespace) -> Any:
     from loadgen.readers import detect_format
 
     fmt = detect_format(args.trace) if args.format == "auto" else args.format
-    return "trace" if fmt in ("azure", "burstgpt", "mooncake", "polyinfer") else "poisson"
+    if fmt in TIMED_FORMATS:
+        return "trace"
+    raise LoadgenError(f"{args.trace} ({fmt}) has no timestamps: pass --rate R (Poisson), "
+                       "--arrival gamma --rate R --burstiness B, or --concurrency N")
 
 
 def build_config(args: argparse.Namespace) -> ReplayConfig:

@@ -46,7 +46,7 @@ def _cdfs(plt: Any, results: Sequence[RequestResult], summary: dict[str, Any]) -
         ax.set_title(f"{name} CDF")
         ax.set_xlabel("ms")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("fraction of requests")
+    axes[0].set_ylabel("fraction (of requests; of gaps for ITL)")
     return fig
 
 

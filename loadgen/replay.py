@@ -146,6 +146,13 @@ async def sweep(cfg: ReplayConfig) -> list[ReplayResult]:
             output=dataclasses.replace(cfg.output, directory=directory,
                                        label=f"{cfg.output.label or 'rate'} {rate:g} req/s"))
         out.append(await replay(one))
+    if cfg.output.directory:
+        from loadgen.compare import compare_table
+
+        table = compare_table([r.summary for r in out], [f"{r:g} req/s" for r in cfg.sweep_rates])
+        path = Path(cfg.output.directory) / "sweep.md"
+        title = f"# rate sweep{': ' + cfg.output.label if cfg.output.label else ''}"
+        await asyncio.to_thread(path.write_text, f"{title}\n\n{table}\n")
     return out
 
 

@@ -25,8 +25,9 @@ def _request(path: str = "/v1/completions", max_tokens: int = 8, **extra: Any) -
                            prompt_tokens=1, max_tokens=max_tokens, domain=None)
 
 
-async def _send(url: str, req: PreparedRequest, stream: bool = True) -> RequestResult:
-    cfg = ClientConfig(url, stream=stream)
+async def _send(url: str, req: PreparedRequest, stream: bool = True,
+                timeout_s: float = 600.0) -> RequestResult:
+    cfg = ClientConfig(url, stream=stream, timeout_s=timeout_s)
     result = RequestResult(index=0, line=1, scheduled_s=0.0)
     async with make_session(cfg) as session:
         await StreamingClient(cfg, session).send(req, result)
@@ -91,6 +92,13 @@ async def test_cut_stream_is_an_error(upstream: ScriptedUpstream) -> None:
     upstream.script = Script(cut_after_chunks=0)
     r = await _send(upstream.url, _request(max_tokens=8))
     assert not r.ok and r.error == "stream carried no tokens"
+
+
+async def test_timeout_is_an_error(upstream: ScriptedUpstream) -> None:
+    upstream.script = Script(ttft_s=2.0)
+    r = await _send(upstream.url, _request(), timeout_s=0.2)
+    assert not r.ok and r.error is not None and r.error.startswith("TimeoutError")
+    assert r.e2e_s is not None and r.e2e_s >= 0.2 and r.ttft_s is None
 
 
 async def test_unreachable_target_is_an_error() -> None:

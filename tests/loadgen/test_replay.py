@@ -127,6 +127,7 @@ async def test_rate_sweep_writes_one_run_per_rate(upstream: ScriptedUpstream,
     assert [r.summary["label"] for r in results] == ["gsm 50 req/s", "gsm 100 req/s"]
     table = compare_files([str(tmp_path / "rate-50"), str(tmp_path / "rate-100")])
     assert "| goodput (req/s) |" in table and "gsm 100 req/s / gsm 50 req/s" in table
+    assert "| 50 req/s | 100 req/s | 100 req/s / 50 req/s |" in (tmp_path / "sweep.md").read_text()
 
 
 async def test_cli_module_end_to_end(upstream: ScriptedUpstream, tmp_path: Path) -> None:
@@ -166,3 +167,15 @@ def test_compare_rejects_non_summaries(tmp_path: Path) -> None:
     (tmp_path / "x.json").write_text("{}")
     with pytest.raises(LoadgenError, match="not a loadgen summary"):
         compare_files([str(tmp_path / "x.json"), str(tmp_path / "x.json")])
+
+
+def test_cli_errors_exit_2(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from proxy.cli import main
+
+    assert main(["loadgen", "--trace", str(_mooncake(tmp_path))]) == 2
+    assert "--trace and --target are required" in caplog.text
+    assert main(["loadgen", "compare", "only-one.json"]) == 2
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "hi"}\n')
+    assert main(["loadgen", "--trace", str(bad), "--target", "http://127.0.0.1:9"]) == 2
+    assert "has no timestamps: pass --rate R" in caplog.text
