@@ -48,13 +48,13 @@ def _cell(value: float | None, scale: float) -> str:
     if value is None:
         return "-"
     v = value * scale
-    return f"{v:.0f}" if float(v).is_integer() and abs(v) >= 10 else f"{v:.3g}"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
 def _ratio(base: float | None, other: float | None) -> str:
     if not base or other is None:
         return "-"
-    return f"{other / base:.2f}x"
+    return f"{other / base:.3g}x"
 
 
 def compare_table(summaries: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
