@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import numpy as np
@@ -9,6 +10,8 @@ import numpy as np
 from loadgen.config import ArrivalConfig
 from loadgen.errors import TraceError
 from loadgen.request import TraceRequest
+
+logger = logging.getLogger(__name__)
 
 # NOTE: a rate-driven run without --max-requests or --duration sends the
 # trace once; with a limit it cycles through the trace's prompts.
@@ -25,6 +28,10 @@ def trace_arrivals(records: Iterable[TraceRequest], cfg: ArrivalConfig
         stamped.append((r.timestamp_s, r))
     if not stamped:
         return []
+    num_unordered = sum(1 for a, b in zip(stamped, stamped[1:], strict=False) if b[0] < a[0])
+    if num_unordered:
+        logger.warning("%d records are out of timestamp order; replaying in time order",
+                       num_unordered)
     stamped.sort(key=lambda pair: pair[0])  # stable: equal stamps keep file order
     start = stamped[0][0] + cfg.window_start_s
     end = None if cfg.window_end_s is None else stamped[0][0] + cfg.window_end_s

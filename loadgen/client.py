@@ -13,9 +13,10 @@ Definitions follow vLLM's ``bench serve`` (``backend_request_func``):
 - ``completion_tokens`` from the final ``usage`` (``stream_options.include_usage``),
   falling back to the number of text-bearing chunks when a server sends none.
 
-NOTE: a chat chunk that carries only the role (``delta: {"role": ...}``) is
-not a token: servers that send it before prefill would otherwise report a
-TTFT of zero. Non-streaming requests have no TTFT/TPOT, only ``e2e_s``.
+NOTE: one deliberate difference from ``bench serve``, which times every chunk
+that has ``choices``: a chunk with no text (a chat chunk that carries only the
+role, a final chunk with only ``finish_reason``) is not a token here. A server
+that sends the role chunk before prefill would otherwise report a TTFT of zero. Non-streaming requests have no TTFT/TPOT, only ``e2e_s``.
 """
 
 from __future__ import annotations
