@@ -125,6 +125,7 @@ async def replay(cfg: ReplayConfig, records: Sequence[TraceRequest] | None = Non
     summary = describe_run(cfg, prep, model)
     summary["started_unix_s"] = run.started_unix_s
     summary["num_not_sent"] = run.num_not_sent
+    summary["loadgen_cpu_s_per_request"] = run.cpu_s / max(len(run.results), 1)
     summary.update(summarize(run.results, run.duration_s, cfg.slo))
     result = ReplayResult(summary, run.results)
     if cfg.output.directory:

@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 REQUESTS_FILE = "requests.jsonl"
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.md"
+LAG_WARNING_S = 1e-3  # DESIGN.md: loadgen keeps send lag p99 under 1 ms
 
 
 def ms(value: float | None) -> str:
@@ -84,6 +85,13 @@ def markdown(summary: dict[str, Any], images: list[str]) -> str:
         f"- goodput {s['goodput']:.2f} req/s ({s['num_good']} requests met {slo})",
         "",
         *_latency_table(s), "",
+        f"loadgen itself: {s['loadgen_cpu_s_per_request'] * 1e6:.0f} us of CPU per request; "
+        f"send lag p99 {ms(s['lag_s']['p99'])} ms.",
+        *([f"**Warning: send lag p99 is over {LAG_WARNING_S * 1e3:g} ms: the client fell "
+           "behind its schedule (a loaded machine, or too high a rate), so offered load "
+           "was lower than intended.**"]
+          if (s["lag_s"]["p99"] or 0) > LAG_WARNING_S else []),
+        "",
     ]
     if s["errors"]:
         lines += ["### Errors", "", *(f"- {k}: {v}" for k, v in s["errors"].items()), ""]

@@ -34,6 +34,7 @@ class RunResult:
     duration_s: float  # first send to last completion
     num_not_sent: int  # dropped by the duration limit
     started_unix_s: float
+    cpu_s: float = 0.0  # this process's CPU time during the run (loadgen's own cost)
 
 
 async def sleep_until(deadline: float) -> None:
@@ -60,6 +61,7 @@ class Runner:
         results: list[RequestResult] = []
         tasks: list[asyncio.Task[None]] = []
         started_unix = time.time()
+        cpu0 = time.process_time()
         with tqdm(total=len(requests), disable=self._quiet, unit="req", smoothing=0.1,
                   dynamic_ncols=True) as bar:
             t0 = time.perf_counter()
@@ -83,7 +85,8 @@ class Runner:
                 await asyncio.gather(*tasks)
             duration = time.perf_counter() - t0
         sent = [r for r in results if r.error != "not sent"]
-        return RunResult(sent, duration, len(results) - len(sent), started_unix)
+        return RunResult(sent, duration, len(results) - len(sent), started_unix,
+                         time.process_time() - cpu0)
 
     async def _one(self, req: PreparedRequest, result: RequestResult, bar: tqdm) -> None:
         ready = self._t0 + req.arrival_s

@@ -78,7 +78,9 @@ async def test_mooncake_replay_bodies_timing_and_prefixes(upstream: ScriptedUpst
     lines = (out / "requests.jsonl").read_bytes().splitlines()
     assert len(lines) == 5 and orjson.loads(lines[0])["ok"] is True
     assert orjson.loads((out / "summary.json").read_bytes())["num_ok"] == 5
+    assert 0 < s["loadgen_cpu_s_per_request"] < 1.0
     report = (out / "report.md").read_text()
+    assert "us of CPU per request" in report
     assert "2048-token context" in report and "![latency_cdf](latency_cdf.png)" in report
     for png in ("latency_cdf.png", "over_time.png", "per_domain.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
