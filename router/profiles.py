@@ -34,6 +34,7 @@ from engine.config import CompiledConfig, DeclaredFit
 
 PROMPT_BANDS = (256, 1024, 4096)  # bucket upper edges, tokens; last band is open
 Vec = tuple[float, float, float]
+OUTLIER_FACTOR = 4.0  # one sample counts as at most this many times the current prediction
 
 
 def prompt_band(prompt_tokens: int) -> int:
@@ -76,7 +77,14 @@ class BayesianRLS:
         xv = np.asarray(x)
         px = self.p @ xv
         gain = px / (self.forgetting + xv @ px)
-        self.theta = self.theta + gain * (y / self.scale - xv @ self.theta)
+        pred = float(xv @ self.theta)
+        target = y / self.scale
+        if pred > 0:
+            # NOTE: latencies are heavy-tailed (a stall, a co-tenant); bound one sample's
+            # pull to [pred / 4, 4 * pred] so a real shift is followed over a few samples
+            # and a single outlier cannot swing the fit by orders of magnitude.
+            target = min(max(target, pred / OUTLIER_FACTOR), pred * OUTLIER_FACTOR)
+        self.theta = self.theta + gain * (target - pred)
         self.p = (self.p - np.outer(gain, px)) / self.forgetting
         # NOTE: forgetting inflates P along directions the data never excites;
         # cap it at the prior's variance so those slopes stay near the prior.

@@ -86,3 +86,14 @@ def test_prefix_affinity_lru() -> None:
     assert len(aff) == 3 and aff.lookup((1,)) is None
     aff.forget_worker("c")
     assert aff.lookup((1, 2, 3, 7, 8)) == ("b", 3)
+
+
+def test_rls_bounds_an_outliers_pull_but_follows_a_real_shift() -> None:
+    rls = BayesianRLS((0.02, 0.0, 0.0), prior_variance=1.0, forgetting=0.98)
+    for _ in range(100):
+        rls.update((1.0, 0.0, 0.0), 0.02)
+    rls.update((1.0, 0.0, 0.0), 5.0)  # one 250x stall
+    assert rls.predict((1.0, 0.0, 0.0)) < 0.03
+    for _ in range(200):  # the worker really became 10x slower
+        rls.update((1.0, 0.0, 0.0), 0.2)
+    assert rls.predict((1.0, 0.0, 0.0)) == pytest.approx(0.2, rel=0.05)
