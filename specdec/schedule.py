@@ -30,6 +30,7 @@ the ranges vLLM takes::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import defaultdict
@@ -39,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.config import CompiledConfig
 from specdec.errors import ProposerConfigError
 from specdec.policy import (
     PolicyConfig,
@@ -120,6 +122,22 @@ class SpeculativeSchedule:
         """The same as JSON text for ``VllmConfig.speculative_config`` ("" = no speculation)."""
         spec = self.speculative_config(base)
         return json.dumps(spec, separators=(",", ":")) if spec is not None else ""
+
+
+def with_schedule(config: CompiledConfig, schedule: SpeculativeSchedule) -> CompiledConfig:
+    """``config`` with ``schedule`` in its vLLM speculative config (method and options kept).
+
+    The result is what a blue-green replacement (:mod:`proxy.bluegreen`) starts;
+    an all-zero schedule drops speculation altogether.
+    """
+    base = {k: v for k, v in (config.vllm.speculative or {}).items()
+            if k not in ("num_speculative_tokens", "num_speculative_tokens_per_batch_size")}
+    if schedule.max_k > 0 and not ("method" in base or "model" in base):
+        raise ProposerConfigError("with_schedule: the config's vllm.speculative_config names no "
+                                  "'method' or 'model' to schedule")
+    vllm = dataclasses.replace(config.vllm,
+                               speculative_config=schedule.speculative_config_json(base))
+    return dataclasses.replace(config, vllm=vllm)
 
 
 def fit_schedule(traces: Iterable[TraceRecord], *, acceptance: Mapping[str, float] | None = None,

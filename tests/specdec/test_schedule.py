@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from engine.config import CompiledConfig, VllmConfig
 from specdec.errors import ProposerConfigError
 from specdec.policy import StepTimeModel, expected_tokens_per_step
 from specdec.schedule import (
@@ -18,6 +19,7 @@ from specdec.schedule import (
     domain_mix_by_load,
     fit_schedule,
     fit_step_time,
+    with_schedule,
 )
 
 # t(b, k) = 10 ms + 1 ms per sequence + 0.5 ms per sequence per speculated token
@@ -162,3 +164,19 @@ def test_unusable_records_are_ignored():
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(ProposerConfigError, match=field):
         ScheduleConfig(**{field: value})
+
+
+def test_with_schedule_keeps_the_method_and_replaces_the_schedule():
+    old = json.dumps({"method": "ngram", "prompt_lookup_max": 4, "num_speculative_tokens": 5,
+                      "num_speculative_tokens_per_batch_size": [[1, 8, 5]]})
+    config = CompiledConfig(backend="vllm", vllm=VllmConfig(speculative_config=old))
+    new = with_schedule(config, SpeculativeSchedule((3, 1, 0), (1.5, 1.1, 1.0), {}))
+    assert new.vllm.speculative == {"method": "ngram", "prompt_lookup_max": 4,
+                                    "num_speculative_tokens": 3,
+                                    "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 2, 1],
+                                                                              [3, 3, 0]]}
+    assert new.backend == "vllm" and config.vllm.speculative_config == old  # not mutated
+    off = with_schedule(config, SpeculativeSchedule((0, 0), (1.0, 1.0), {}))
+    assert off.vllm.speculative_config == "" and off.vllm.speculative is None
+    with pytest.raises(ProposerConfigError, match="method"):
+        with_schedule(CompiledConfig(backend="vllm"), SpeculativeSchedule((2,), (1.2,), {}))
