@@ -353,9 +353,12 @@ def run_micro() -> None:
         us = sorted(_per_call_us(step, 300) for _ in range(5))[2]
         print(f"  ngram propose, 1 seq, {length}-token context (incremental): {us:8.1f}")
     policy = DepthPolicy()
-    policy.observe_request("w", "code", 4, 4, 40, 30, 48, 0.4)
+    domains = ("code", "math", "chat", "qa", "summarization", "translation", "rag", "extraction")
+    for i, d in enumerate(domains):
+        policy.observe_request("w", d, 4, 4, 40, 10 + 2 * i, 48, 0.4)
+        policy.decide("w", d, 8, 6)
     us = sorted(_per_call_us(lambda: policy.decide("w", "code", 8, 6), 5000) for _ in range(5))[2]
-    print(f"  depth policy decide (k <= 6): {us:8.1f}")
+    print(f"  depth policy decide (k <= 6, batch 8, 8-domain mix): {us:8.1f}")
     us = sorted(_per_call_us(lambda: policy.observe_request("w", "code", 4, 4, 40, 30, 48, 0.4),
                              2000) for _ in range(5))[2]
     print(f"  depth policy observe_request: {us:8.1f}")

@@ -66,6 +66,10 @@ class PolicyConfig:
     max_evidence: float = 4000.0  # cap on alpha + beta, so estimates track drift
     # Weight, in decode steps, of the geometric E(a, k) against steps measured at k.
     prior_steps_per_depth: float = 50.0
+    # Under load, choose k for the worker's domain mix (see batch_tokens_per_step);
+    # the mix forgets old requests by this factor per decision.
+    share_depth_under_load: bool = True
+    mix_decay: float = 0.98
     # Prior step time in seconds, coefficients of [1, batch, batch*k, k].
     step_prior_s: tuple[float, float, float, float] = (0.010, 0.0005, 0.0003, 0.0005)
     step_prior_weight: float = 4.0  # prior weight, in measured samples
@@ -79,6 +83,7 @@ class PolicyConfig:
             (self.prior_strength > 0, "prior_strength", "> 0"),
             (self.max_evidence > self.prior_strength, "max_evidence", "> prior_strength"),
             (self.prior_steps_per_depth > 0, "prior_steps_per_depth", "> 0"),
+            (0.0 < self.mix_decay <= 1.0, "mix_decay", "in (0, 1]"),
             (len(self.step_prior_s) == NUM_FEATURES and self.step_prior_s[0] > 0
              and all(c >= 0 for c in self.step_prior_s), "step_prior_s",
              "4 coefficients >= 0 with a positive intercept"),
@@ -107,6 +112,24 @@ def choose_depth(acceptance: float, batch: int, step_time: StepTimeModel, max_de
         if goodput > best:
             best_k, best = k, goodput
     return best_k
+
+
+def batch_tokens_per_step(own: Sequence[float], mix: Sequence[tuple[float, Sequence[float]]],
+                          batch: int) -> list[float]:
+    """E[tokens per step] per k, averaged over a request and the ``batch - 1`` sharing its steps.
+
+    ``mix`` is (weight, E per k) for each domain in the worker's recent traffic.
+    NOTE: one engine step pads every decode query to the deepest one in the
+    batch, so under load a worker gains most from one depth that suits its whole
+    traffic mix, not from a different depth per request; at batch 1 this is the
+    request's own E.
+    """
+    total = sum(w for w, _ in mix)
+    if batch <= 1 or total <= 0.0:
+        return list(own)
+    share = (batch - 1) / batch
+    return [(1.0 - share) * own[k] + share * sum(w * e[k] for w, e in mix) / total
+            for k in range(len(own))]
 
 
 def solve_acceptance(mean_accepted: float, k: int) -> float:
@@ -140,6 +163,8 @@ class AcceptanceEstimate:
     beta: float
     steps_at: dict[int, float] = field(default_factory=dict)  # depth -> decode steps seen
     tokens_at: dict[int, float] = field(default_factory=dict)  # depth -> tokens they produced
+    _cache: dict[tuple[int, float], list[float]] = field(default_factory=dict, repr=False,
+                                                         compare=False)
 
     @property
     def mean(self) -> float:
@@ -148,14 +173,19 @@ class AcceptanceEstimate:
     def tokens_per_step(self, max_depth: int, prior_steps: float) -> list[float]:
         """E[accepted + 1] for k = 0..max_depth: measured steps shrunk toward the geometric E.
 
-        ``(tokens_k + prior_steps * E_geo(a, k)) / (steps_k + prior_steps)``.
+        ``(tokens_k + prior_steps * E_geo(a, k)) / (steps_k + prior_steps)``. Cached
+        until the next observation (decisions outnumber observations).
         """
+        cached = self._cache.get((max_depth, prior_steps))
+        if cached is not None:
+            return cached
         a = self.mean
         out = []
         for k in range(max_depth + 1):
             geo = expected_tokens_per_step(a, k)
             steps = self.steps_at.get(k, 0.0)
             out.append((self.tokens_at.get(k, 0.0) + prior_steps * geo) / (steps + prior_steps))
+        self._cache[(max_depth, prior_steps)] = out
         return out
 
     def observe(self, num_draft: int, num_accepted: int, depth: int, max_evidence: float,
@@ -177,6 +207,7 @@ class AcceptanceEstimate:
         """
         if num_draft <= 0 and not num_steps:
             return
+        self._cache.clear()
         num_accepted = min(max(num_accepted, 0), max(num_draft, 0))
         if depth > 0:
             steps = float(num_steps) if num_steps else num_draft / depth
@@ -269,6 +300,7 @@ class DepthPolicy:
         self.config = config or PolicyConfig()
         self._acceptance: dict[tuple[str, str], AcceptanceEstimate] = {}
         self._step_time: dict[str, StepTimeModel] = {}
+        self._mix: dict[str, dict[str, float]] = {}  # worker -> domain -> decayed request count
 
     def acceptance(self, worker: str, domain: str) -> AcceptanceEstimate:
         est = self._acceptance.get((worker, domain))
@@ -289,11 +321,20 @@ class DepthPolicy:
 
     def decide(self, worker: str, domain: str, batch: int, max_depth: int | None = None) -> int:
         """k for a request joining ``worker`` (``batch`` sequences running, counting itself)."""
-        cap = self.config.max_depth if max_depth is None else min(max_depth, self.config.max_depth)
+        c = self.config
+        cap = c.max_depth if max_depth is None else min(max_depth, c.max_depth)
         est = self.acceptance(worker, domain)
-        return choose_depth(est.mean, max(batch, 1), self.step_time(worker), cap,
-                            self.config.min_gain,
-                            est.tokens_per_step(cap, self.config.prior_steps_per_depth))
+        expected = est.tokens_per_step(cap, c.prior_steps_per_depth)
+        mix = self._mix.setdefault(worker, {})
+        if c.share_depth_under_load and batch > 1:
+            others = [(w, self.acceptance(worker, d).tokens_per_step(cap, c.prior_steps_per_depth))
+                      for d, w in mix.items()]
+            expected = batch_tokens_per_step(expected, others, batch)
+        for d in mix:
+            mix[d] *= c.mix_decay
+        mix[domain] = mix.get(domain, 0.0) + 1.0
+        return choose_depth(est.mean, max(batch, 1), self.step_time(worker), cap, c.min_gain,
+                            expected)
 
     def observe_acceptance(self, worker: str, domain: str, num_draft: int, num_accepted: int,
                            depth: int = 0, num_steps: int | None = None) -> None:

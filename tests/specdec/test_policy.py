@@ -7,6 +7,7 @@ import pytest
 from specdec.errors import ProposerConfigError
 from specdec.policy import (
     AcceptanceEstimate,
+    batch_tokens_per_step,
     DepthPolicy,
     PolicyConfig,
     StepTimeModel,
@@ -159,7 +160,8 @@ def test_observe_request_feeds_both_models() -> None:
 
 @pytest.mark.parametrize("kwargs", [
     {"max_depth": 17}, {"min_gain": 0.9}, {"prior_acceptance": 1.0}, {"prior_strength": 0.0},
-    {"max_evidence": 1.0}, {"step_prior_s": (0.0, 0.0, 0.0, 0.0)},
+    {"max_evidence": 1.0}, {"step_prior_s": (0.0, 0.0, 0.0, 0.0)}, {"mix_decay": 0.0},
+    {"prior_steps_per_depth": 0.0},
     {"step_prior_s": (0.01, -1.0, 0.0, 0.0)}, {"step_prior_weight": 0.0}, {"step_decay": 0.0},
 ])
 def test_config_rejects_bad_values(kwargs: dict[str, object]) -> None:
@@ -184,3 +186,34 @@ def test_bursty_acceptance_favours_a_deeper_measured_k() -> None:
     assert choose_depth(0.4, 1, model, 4) == 1
     # but k = 4 was measured at 3 tokens per step (whole matches accepted): 3/.018 = 166.7
     assert choose_depth(0.4, 1, model, 4, tokens_per_step=[1.0, 1.4, 1.56, 1.62, 3.0]) == 4
+
+
+def test_batch_tokens_per_step_blends_the_domain_mix() -> None:
+    own = [1.0, 2.0, 3.0]
+    mix = [(1.0, [1.0, 1.2, 1.3]), (3.0, [1.0, 1.6, 2.0])]
+    assert batch_tokens_per_step(own, mix, batch=1) == own
+    assert batch_tokens_per_step(own, [], batch=8) == own
+    # mix average [1, 1.5, 1.825]; batch 4 -> 1/4 own + 3/4 mix
+    assert batch_tokens_per_step(own, mix, batch=4) == pytest.approx([1.0, 1.625, 2.11875])
+
+
+def test_under_load_a_request_follows_the_workers_depth() -> None:
+    policy = DepthPolicy(PolicyConfig(step_prior_s=(0.010, 0.0, 0.0, 0.0005),
+                                      step_prior_weight=1e9))
+    for _ in range(20):
+        policy.observe_acceptance("w", "code", 40, 36, depth=4)
+        policy.observe_acceptance("w", "chat", 40, 0, depth=4)
+    assert policy.decide("w", "chat", batch=1) == 0  # alone, chat does not pay
+    first = policy.decide("w", "code", batch=16)  # the mix so far is the one chat request
+    for _ in range(20):
+        last = policy.decide("w", "code", batch=16)
+    assert 0 < first < last == 6
+    # in a batch of code requests the step runs at depth 6 anyway: chat speculates too
+    assert policy.decide("w", "chat", batch=16) > 0
+    off = DepthPolicy(PolicyConfig(step_prior_s=(0.010, 0.0, 0.0, 0.0005), step_prior_weight=1e9,
+                                   share_depth_under_load=False))
+    for _ in range(20):
+        off.observe_acceptance("w", "code", 40, 36, depth=4)
+        off.observe_acceptance("w", "chat", 40, 0, depth=4)
+        off.decide("w", "code", batch=16)
+    assert off.decide("w", "chat", batch=16) == 0
