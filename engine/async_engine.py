@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -60,7 +60,7 @@ class AsyncEngine:
     # -- requests ---------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: GenerationParams) -> AsyncIterator[RequestOutput]:
+                       params: GenerationParams) -> AsyncGenerator[RequestOutput, None]:
         """Yield outputs until the request finishes; leaving early aborts it."""
         stream = _Stream(asyncio.Queue(), time.monotonic())
         self._streams[request_id] = stream
@@ -127,7 +127,7 @@ class AsyncEngine:
             self.core.abort(request_id)
             stream = self._streams.get(request_id)
             if stream is not None:
-                stream.queue.put_nowait(RequestOutput(request_id, "", 0, True, "abort", None,
+                stream.queue.put_nowait(RequestOutput(request_id, "", [], True, "abort", None,
                                                       0, 0, 0, 0))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -136,7 +136,7 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            if out.num_new_tokens:
+            if out.new_token_ids:
                 self._time_tokens(stream, now)
             if out.finished:
                 self._finish_metrics(stream, out, now)

@@ -74,6 +74,9 @@ class EngineConfig:
     execution: Literal["eager", "compiled", "cuda_graph"] = "eager"
     attention: Literal["sdpa", "naive", "triton"] = "sdpa"
     device: str = "cpu"
+    # torch intra-op threads for the step loop; 0 = auto (half the CPU cores, at least 1,
+    # leaving the rest to the event loop: at tiny sizes per-op overhead, not FLOPs, decides)
+    num_threads: int = 0
     # NOTE: measurement only. Loading only the first N layers makes a fast,
     # wrong model whose step times track the full one; never serve it.
     measure_num_layers: int | None = None
@@ -101,6 +104,8 @@ class EngineConfig:
                f">= block_size ({self.block_size})", self.kv_cache_tokens)
         _check(self.spec_method != "draft" or bool(self.draft_model), "engine.draft_model",
                "a path when spec_method is 'draft'", self.draft_model)
+        _check(self.num_threads >= 0, "engine.num_threads", "0 (auto) or a positive integer",
+               self.num_threads)
         _check(self.measure_num_layers is None or self.measure_num_layers > 0,
                "engine.measure_num_layers", "a positive integer or null", self.measure_num_layers)
 
@@ -266,7 +271,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
         _check(len(value) == len(args), key, f"a list of {len(args)} items", value)
-        return tuple(_coerce(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        return tuple(_coerce(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=False)))
     if origin is dict or tp is dict:
         _check(isinstance(value, Mapping), key, "a mapping", value)
         return dict(value)

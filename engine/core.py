@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +20,7 @@ import torch
 from engine.checkpoint import ModelSpec, load_weights
 from engine.config import CompiledConfig, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import ReloadError
+from engine.errors import ContextLengthError, ReloadError
 from engine.kv_cache import BlockAllocator
 from engine.model import LlamaModel
 from engine.proposers import build_proposer
@@ -37,7 +39,7 @@ class RequestOutput:
 
     request_id: str
     text: str  # newly released text
-    num_new_tokens: int
+    new_token_ids: list[int]  # tokens generated this step (a stop token id included)
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
     stop_reason: str | int | None
@@ -69,6 +71,7 @@ class EngineCore:
         self.requests: dict[str, Sequence] = {}
         self.detoks: dict[int, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs made between steps (reload)
+        self._threads_for: int | None = None  # thread whose torch thread count is set
         self.config = config
         self._build(config.engine)
 
@@ -83,6 +86,7 @@ class EngineCore:
         self.scheduler = Scheduler(cfg, self.allocator)
         self.runner = ModelRunner(self.model, kv, short_q=max(cfg.spec_max_depth + 1, 8))
         self.proposer: Proposer | None = build_proposer(cfg, self.spec, self.weights)
+        self._threads_for = None
         logger.info("engine built: dtype=%s kv=%d blocks x %d (%.1f MiB) max_num_seqs=%d "
                     "budget=%d spec=%s/%d", cfg.dtype, cfg.num_kv_blocks, cfg.block_size,
                     kv.num_bytes / 2**20, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -134,6 +138,10 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_ids: list[int],
                     params: GenerationParams) -> None:
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            # The parser checks this first; a sequence that can never fit would stall the queue.
+            raise ContextLengthError(f"prompt ({len(prompt_ids)}) + max_tokens "
+                                     f"({params.max_tokens}) exceeds {self.max_model_len}")
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), len(prompt_ids),
                        params, time.monotonic())
         self.requests[request_id] = seq
@@ -152,7 +160,15 @@ class EngineCore:
 
     # -- the step ---------------------------------------------------------------------------
 
+    def _ensure_threads(self) -> None:
+        # NOTE: OpenMP thread counts are per calling thread, so set them where steps run.
+        if self._threads_for != threading.get_ident():
+            n = self.config.engine.num_threads or max(1, (os.cpu_count() or 2) // 2)
+            torch.set_num_threads(n)
+            self._threads_for = threading.get_ident()
+
     def step(self) -> tuple[list[RequestOutput], StepStats]:
+        self._ensure_threads()
         outputs, self._pending = self._pending, []
         stats = StepStats()
         plan = self.scheduler.schedule(self._propose())
@@ -254,7 +270,8 @@ class EngineCore:
             self.proposer.release(seq.seq_id)
 
     def _output(self, seq: Sequence, text: str, new: int) -> RequestOutput:
-        return RequestOutput(seq.request_id, text, new, seq.finish_reason is not None,
+        new_ids = seq.token_ids[seq.num_tokens - new:] if new else []
+        return RequestOutput(seq.request_id, text, new_ids, seq.finish_reason is not None,
                              seq.finish_reason, seq.stop_reason, seq.num_prompt_tokens,
                              seq.num_output_tokens, seq.num_draft_tokens,
                              seq.num_accepted_tokens)

@@ -46,15 +46,17 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class KVCache:
-    """Key and value tensors for every layer: ``[num_layers, num_blocks, block_size, Hkv, D]``.
+    """Key and value tensors for every layer: ``[num_layers, Hkv, num_blocks, block_size, D]``.
 
-    Allocated zeroed once (a masked-out slot must never hold NaN, since SDPA
-    multiplies it by a zero weight).
+    NOTE: head-major, so gathering a sequence's blocks yields ``(Hkv, B, L, D)``
+    whose (L, D) planes are contiguous — SDPA runs about twice as fast on that
+    as on a token-major gather. Allocated zeroed once (a masked-out slot must
+    never hold NaN, since SDPA multiplies it by a zero weight).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: str = "cpu") -> None:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
@@ -67,5 +69,6 @@ class KVCache:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ``[T, Hkv, D]`` at flat slots ``[T]`` of ``layer``."""
         kl, vl = self.k[layer], self.v[layer]
-        kl.view(-1, *kl.shape[2:]).index_copy_(0, slots, k)
-        vl.view(-1, *vl.shape[2:]).index_copy_(0, slots, v)
+        heads, dim = kl.shape[0], kl.shape[-1]
+        kl.view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
+        vl.view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))

@@ -56,5 +56,11 @@ class EngineMetrics:
                                              "Accepted speculative tokens by position.",
                                              ("position",))
 
+        for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens,
+                       self.generation_tokens, self.preemptions, self.ttft, self.itl, self.tpot,
+                       self.e2e, self.spec_drafts, self.spec_draft_tokens,
+                       self.spec_accepted_tokens):
+            metric.labels(model_name=model_name)  # export zeros before the first request
+
     def expose(self) -> bytes:
         return generate_latest(self.registry)

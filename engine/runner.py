@@ -42,7 +42,8 @@ class ModelRunner:
         order = order_short_first([s.q_len for s in scheduled], self.short_q)
         items = [scheduled[i] for i in order]
         ids: list[int] = []
-        slices, rows = [], []
+        slices: list[SeqSlice] = []
+        rows: list[int] = []
         for it in items:
             start = it.seq.num_computed
             ids.extend(it.seq.token_ids[start:start + it.num_new])
@@ -64,7 +65,7 @@ class ModelRunner:
         params = [it.seq.params.sampling for it in sampled]
         if not any(it.drafts for it in sampled):
             tokens = sample(logits, params).tolist()
-            return [StepResult(it, [t], 0) for it, t in zip(sampled, tokens)]
+            return [StepResult(it, [t], 0) for it, t in zip(sampled, tokens, strict=False)]
         proposals = [Proposal(it.seq.seq_id, it.drafts, it.draft_probs) for it in sampled]
         results = verify(logits, proposals, params)
-        return [StepResult(it, r.tokens, r.num_accepted) for it, r in zip(sampled, results)]
+        return [StepResult(it, r.tokens, r.num_accepted) for it, r in zip(sampled, results, strict=False)]

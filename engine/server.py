@@ -27,8 +27,14 @@ from engine.core import EngineCore, RequestOutput
 from engine.errors import EngineError, InvalidRequestError, ReloadError, RequestError
 from engine.loader import load_core
 from engine.metrics import CONTENT_TYPE, EngineMetrics
-from engine.protocol import ParsedRequest, RequestParser, chunk_body, completion_body, usage, \
-    usage_chunk
+from engine.protocol import (
+    ParsedRequest,
+    RequestParser,
+    chunk_body,
+    completion_body,
+    usage,
+    usage_chunk,
+)
 
 logger = logging.getLogger(__name__)
 INLINE_TOKENIZE_BYTES = 16384  # larger bodies are parsed (and tokenized) off the event loop

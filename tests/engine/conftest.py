@@ -46,3 +46,68 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if (TINY_TARGET / "model.safetensors").exists():
         return TINY_TARGET
     return save_random_checkpoint(tmp_path_factory.mktemp("tiny-target"))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EngineProcess:
+    """A real `python -m engine` server on loopback, started from a compiled config."""
+
+    def __init__(self, config: dict, workdir: Path) -> None:
+        import subprocess
+        import sys
+
+        import yaml
+
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        path = workdir / "engine.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.log = open(workdir / "engine.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine", "--config", str(path), "--port", str(self.port),
+             "--log-level", "WARNING"], stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise TimeoutError("engine did not become ready")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except Exception:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def engine_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One engine per test module: ngram speculation available, small but real limits."""
+    config = {"backend": "engine", "model": str(tiny_model_dir), "served_model_name": "tiny",
+              "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 256,
+                         "kv_cache_tokens": 8192, "max_model_len": 2048,
+                         "spec_method": "ngram", "spec_max_depth": 4}}
+    proc = EngineProcess(config, tmp_path_factory.mktemp("engine"))
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()

@@ -40,17 +40,17 @@ def run_chunks(model: LlamaModel, seqs: list[list[int]], chunk: int) -> list[tor
         next_block += n
     done = [0] * len(seqs)
     logits: list[list[torch.Tensor]] = [[] for _ in seqs]
-    while any(d < len(s) for d, s in zip(done, seqs)):
+    while any(d < len(s) for d, s in zip(done, seqs, strict=False)):
         active = [i for i, s in enumerate(seqs) if done[i] < len(s)]
         q_lens = [min(chunk, len(seqs[i]) - done[i]) for i in active]
         order = [active[j] for j in order_short_first(q_lens, 5)]
         slices = [SeqSlice(min(chunk, len(seqs[i]) - done[i]), done[i], tables[i]) for i in order]
-        ids = torch.tensor([t for i, sl in zip(order, slices)
+        ids = torch.tensor([t for i, sl in zip(order, slices, strict=False)
                             for t in seqs[i][sl.start:sl.start + sl.q_len]])
         meta = build_metadata(slices, BLOCK, model.spec.num_heads // model.spec.num_kv_heads, 5)
         out = model.forward(ids, meta, kv)
         row = 0
-        for i, sl in zip(order, slices):
+        for i, sl in zip(order, slices, strict=False):
             logits[i].append(out[row:row + sl.q_len])
             row += sl.q_len
             done[i] += sl.q_len
@@ -82,7 +82,7 @@ def test_chunked_mixed_batch_matches_whole_prompt(tiny_model_dir: Path) -> None:
     whole = run_chunks(model, seqs, chunk=64)
     for chunk in (1, 3, 7):
         got = run_chunks(model, seqs, chunk=chunk)
-        for a, b in zip(got, whole):
+        for a, b in zip(got, whole, strict=False):
             assert (a - b).abs().max().item() < 1e-4
 
 

@@ -1,0 +1,166 @@
+"""Pure cores: block allocator, scheduler, detokenizer with stop strings, request parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import CompiledConfig, EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    UnsupportedOptionError,
+)
+from engine.kv_cache import BlockAllocator
+from engine.protocol import RequestParser
+from engine.scheduler import Scheduler
+from engine.sequence import GenerationParams, Sequence, Status
+from engine.tokenizer import TextTokenizer
+from specdec.base import Proposal
+
+
+def seq(i: int, n: int, max_tokens: int = 8) -> Sequence:
+    return Sequence(i, f"r{i}", list(range(1, n + 1)), n, GenerationParams(max_tokens), 0.0)
+
+
+def test_allocator_hands_out_and_takes_back() -> None:
+    a = BlockAllocator(4)
+    assert a.allocate(3) == [0, 1, 2]
+    assert not a.can_allocate(2)
+    a.free([1, 2])
+    assert a.num_free == 3
+    assert a.usage == pytest.approx(0.25)
+
+
+def test_chunked_prefill_respects_token_budget() -> None:
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=10, kv_cache_tokens=64,
+                       block_size=4)
+    s = Scheduler(cfg, BlockAllocator(cfg.num_kv_blocks))
+    a, b = seq(0, 7), seq(1, 9)
+    s.add(a)
+    s.add(b)
+    out = s.schedule({})
+    assert [(x.seq.seq_id, x.num_new) for x in out.scheduled] == [(0, 7), (1, 3)]
+    assert out.scheduled[0].samples and not out.scheduled[1].samples
+    a.num_computed, b.num_computed = 7, 3
+    a.token_ids.append(99)  # a sampled a token; b still prefills
+    out = s.schedule({0: Proposal(0, [5, 6])})
+    assert [(x.seq.seq_id, x.num_new, x.drafts) for x in out.scheduled] == [(0, 1, [5, 6]),
+                                                                             (1, 6, [])]
+
+
+def test_max_num_seqs_limits_admission() -> None:
+    cfg = EngineConfig(max_num_seqs=2, max_num_batched_tokens=100, kv_cache_tokens=256)
+    s = Scheduler(cfg, BlockAllocator(cfg.num_kv_blocks))
+    for i in range(3):
+        s.add(seq(i, 5))
+    out = s.schedule({})
+    assert len(out.scheduled) == 2 and len(s.waiting) == 1
+
+
+def test_full_cache_preempts_newest_and_requeues_it_first() -> None:
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_tokens=16,
+                       block_size=4)  # 4 blocks
+    s = Scheduler(cfg, BlockAllocator(cfg.num_kv_blocks))
+    a, b = seq(0, 8), seq(1, 8)
+    s.add(a)
+    s.add(b)
+    s.schedule({})  # both prefill: 2 blocks each, cache full
+    for x in (a, b):
+        x.num_computed = 8
+        x.token_ids.append(7)
+    out = s.schedule({})  # a needs a 3rd block: b is preempted
+    assert [x.seq.seq_id for x in out.scheduled] == [0]
+    assert out.preempted == [b] and b.status is Status.WAITING and b.num_computed == 0
+    assert list(s.waiting) == [b] and b.block_table == []
+    s.finish(a)
+    out = s.schedule({})
+    assert [(x.seq.seq_id, x.num_new) for x in out.scheduled] == [(1, 9)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TextTokenizer:
+    from engine.config import TINY_TARGET
+
+    return TextTokenizer(TINY_TARGET)
+
+
+def run_detok(tok: TextTokenizer, text: str, stop: tuple[str, ...]) -> tuple[list[str], str | None]:
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(tok, tok.encode("Q:"), stop)
+    pieces, hit = [], None
+    for t in ids:
+        delta = d.push([t])
+        pieces.append(delta.text)
+        if delta.stop_string:
+            hit = delta.stop_string
+            break
+    if hit is None:
+        pieces.append(d.finish())
+    return pieces, hit
+
+
+def test_detokenizer_reassembles_text(tokenizer: TextTokenizer) -> None:
+    text = " The café costs 3€ — déjà vu, naïve 日本語 code: x = y + 1\n"
+    pieces, hit = run_detok(tokenizer, text, ())
+    assert hit is None and "".join(pieces) == text
+
+
+def test_stop_string_across_tokens_is_trimmed_and_never_streamed(tokenizer: TextTokenizer) -> None:
+    text = " alpha beta gamma delta epsilon"
+    pieces, hit = run_detok(tokenizer, text, ("ma del",))
+    assert hit == "ma del"
+    assert "".join(pieces) == " alpha beta gam"
+
+
+def parser(tokenizer: TextTokenizer, **engine: object) -> RequestParser:
+    cfg = CompiledConfig(served_model_name="tiny", engine=EngineConfig(**engine))  # type: ignore
+    return RequestParser(cfg, tokenizer, 64)
+
+
+@pytest.mark.parametrize("body, error", [
+    ([1, 2], InvalidRequestError),
+    ({}, InvalidRequestError),
+    ({"prompt": "hi", "max_tokens": -1}, InvalidRequestError),
+    ({"prompt": "hi", "max_tokens": "3"}, InvalidRequestError),
+    ({"prompt": "hi", "max_tokens": 10_000}, ContextLengthError),
+    ({"prompt": "hi " * 100}, ContextLengthError),
+    ({"prompt": "hi", "model": "gpt-4"}, ModelNotFoundError),
+    ({"prompt": "hi", "n": 2}, UnsupportedOptionError),
+    ({"prompt": "hi", "best_of": 3}, UnsupportedOptionError),
+    ({"prompt": "hi", "logprobs": 2}, UnsupportedOptionError),
+    ({"prompt": "hi", "temperature": -0.5}, InvalidRequestError),
+    ({"prompt": "hi", "top_p": 0}, InvalidRequestError),
+    ({"prompt": "hi", "stop": 3}, InvalidRequestError),
+    ({"prompt": [1, 99999]}, InvalidRequestError),
+    ({"prompt": ["a", "b"]}, UnsupportedOptionError),
+    ({"prompt": ""}, InvalidRequestError),
+    ({"prompt": "hi", "speculative_depth": -1}, InvalidRequestError),
+    ({"prompt": "hi", "stream": "yes"}, InvalidRequestError),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, InvalidRequestError),
+])
+def test_bad_completion_requests(tokenizer: TextTokenizer, body: object,
+                                 error: type[Exception]) -> None:
+    with pytest.raises(error):
+        parser(tokenizer).parse(body, chat=False)
+
+
+@pytest.mark.parametrize("body", [{"messages": []}, {"messages": [{"content": "x"}]},
+                                  {"messages": "hi"}, {"messages": [{"role": "user",
+                                                                     "content": 5}]}])
+def test_bad_chat_requests(tokenizer: TextTokenizer, body: object) -> None:
+    with pytest.raises(InvalidRequestError):
+        parser(tokenizer).parse(body, chat=True)
+
+
+def test_parse_caps_speculative_depth_and_defaults(tokenizer: TextTokenizer) -> None:
+    p = parser(tokenizer, spec_method="ngram", spec_max_depth=3, spec_default_depth=2)
+    assert p.parse({"prompt": "hi", "speculative_depth": 9}, False).params.spec_depth == 3
+    assert p.parse({"prompt": "hi"}, False).params.spec_depth == 2
+    chat = p.parse({"messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+                    "stop": "x", "seed": 3}, True)
+    assert chat.params.max_tokens == 64 - len(chat.prompt_ids)
+    assert chat.params.sampling.greedy and chat.params.stop == ("x",)
+    assert parser(tokenizer).parse({"prompt": "hi", "speculative_depth": 4},
+                                   False).params.spec_depth == 0
