@@ -167,6 +167,14 @@ class Campaign:
                          "value": None if value is None else round(value, 2)})
         del self.log[:-20]
 
+    async def best_fast(self) -> tuple[str, float] | None:
+        """The best screened candidate (key, fast-tier value), incumbent included."""
+        measured = best_by_key(await self._call(self.board.results, self.id, self.fast))
+        if not measured:
+            return None
+        key = max(measured, key=lambda k: measured[k])
+        return key, measured[key]
+
     # -- confirmation ------------------------------------------------------
 
     async def confirm(self) -> Confirmed | None:

@@ -32,6 +32,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of a Linux process from /proc (threads included)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError as e:
+        raise EngineUnavailable(f"cannot read CPU time of process {pid} ({e})") from e
+    fields = stat[stat.rindex(")") + 2:].split()  # NOTE: the command name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class EngineProcess:
     """One engine child process; ``start()`` returns the seconds until it served."""
 
@@ -72,6 +82,12 @@ class EngineProcess:
             exited.cancel()
             ready.result()
         return time.perf_counter() - t0
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds the engine process has used (all its threads)."""
+        if self._proc is None:
+            raise EngineUnavailable("engine not running")
+        return process_cpu_seconds(self._proc.pid)
 
     async def stop(self, timeout_s: float = 20.0) -> None:
         proc, self._proc = self._proc, None

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,16 +185,33 @@ def _stats(results: Sequence[Any], wall_s: float) -> ReplayStats:
                        statistics.median(tpot) if tpot else None, errors)
 
 
+OBJECTIVES = ("wall", "cpu")
+
+
 class Measurer:
-    """Scores configs on one persistent engine; one experiment at a time."""
+    """Scores configs on one persistent engine; one experiment at a time.
+
+    ``objective="wall"`` scores output tokens per wall second (what a client
+    sees on a dedicated machine). ``"cpu"`` scores output tokens per CPU
+    second of the engine process: NOTE: on a box shared with other tenants,
+    wall time swings with their load while the engine's own CPU time barely
+    does, so it ranks configs far more repeatably; it needs the engine's PID
+    (a measurement engine this process started).
+    """
 
     def __init__(self, engine: EngineClient, samples: dict[str, list[ReplayRequest]],
-                 tiers: Sequence[Tier]) -> None:
+                 tiers: Sequence[Tier], cpu_seconds: Callable[[], float] | None = None,
+                 objective: str = "wall") -> None:
         missing = [t.name for t in tiers if not samples.get(t.name)]
         if missing:
             raise MeasurementError(f"no replay sample for tier(s) {missing}")
+        if objective not in OBJECTIVES or (objective == "cpu" and cpu_seconds is None):
+            raise MeasurementError(f"objective: expected one of {OBJECTIVES} ('cpu' needs the "
+                                   f"engine's CPU clock), got {objective!r}")
         self.engine = engine
         self.samples = samples
+        self.cpu_seconds = cpu_seconds
+        self.objective = objective
         self.tiers = {t.name: t for t in tiers}
         self._lock = asyncio.Lock()  # NOTE: two replays at once would measure each other
         self.num_experiments: dict[str, int] = {t.name: 0 for t in tiers}
@@ -212,19 +229,27 @@ class Measurer:
             sample = self.samples[tier_name][: tier.num_requests]
             if tier.warmup_requests:
                 await self.engine.replay(sample[: tier.warmup_requests], tier.concurrency)
-            runs = [await self.engine.replay(sample, tier.concurrency)
-                    for _ in range(repeats or tier.repeats)]
+            runs, cpu = [], []
+            for _ in range(repeats or tier.repeats):
+                cpu0 = self.cpu_seconds() if self.cpu_seconds else 0.0
+                runs.append(await self.engine.replay(sample, tier.concurrency))
+                cpu.append(self.cpu_seconds() - cpu0 if self.cpu_seconds else 0.0)
             seconds = time.perf_counter() - t0
         self.num_experiments[tier_name] += 1
         self.seconds[tier_name] += seconds
-        values = tuple(r.tokens_per_s for r in runs)
+        wall = tuple(r.tokens_per_s for r in runs)
+        per_cpu = tuple(r.num_tokens / c if c > 0 else 0.0 for r, c in zip(runs, cpu, strict=True))
+        values = per_cpu if self.objective == "cpu" else wall
         errors = sum(r.num_errors for r in runs)
         if errors:
             logger.warning("%s tier: %d failed requests (%s)", tier_name, errors,
                            runs[0].errors or runs[-1].errors)
         return Measurement(tier_name, statistics.fmean(values), values, seconds, reload_s, errors,
                            {"ttft_p50_s": runs[-1].ttft_p50_s, "tpot_p50_s": runs[-1].tpot_p50_s,
-                            "num_tokens": runs[-1].num_tokens, "wall_s": runs[-1].wall_s})
+                            "num_tokens": runs[-1].num_tokens, "wall_s": runs[-1].wall_s,
+                            "wall_tokens_per_s": statistics.fmean(wall),
+                            "cpu_tokens_per_s": statistics.fmean(per_cpu) if self.cpu_seconds
+                            else None})
 
     def experiments_per_hour(self) -> dict[str, float]:
         return {t: 3600.0 * n / self.seconds[t] for t, n in self.num_experiments.items()

@@ -19,12 +19,13 @@ reload, rollback on live regression); then wait for the next shift.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ from optimizer.profile import (
 )
 from optimizer.promote import ConfigSink, Promoter, PromotionConfig
 from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
-from optimizer.space import ModelShape, SearchSpace
+from optimizer.space import DEFAULT_KNOBS, Knob, ModelShape, SearchSpace
 from optimizer.verify import VerifyConfig, fixed_prompts, reference_outputs, verify_candidate
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,13 @@ class OptimizerConfig:
     promotion: PromotionConfig = field(default_factory=PromotionConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     memory_budget_bytes: int = 1 << 30  # for the KV cache
+    knobs: tuple[Knob, ...] = DEFAULT_KNOBS  # the search space's dimensions
+    # "auto": tokens per engine CPU second when this service started the
+    # measurement engine (robust on a shared box), else tokens per wall second.
+    objective: str = "auto"
+    # Replay concurrency follows the traffic (Little's law on the traces) up to
+    # each tier's concurrency; False = always the tier's concurrency.
+    concurrency_from_traffic: bool = True
     min_records: int = 20  # traffic needed before a campaign starts
     window_records: int = 5000  # most recent records the profile is built from
     shift_threshold: float = 0.3  # profile_distance that starts a new campaign
@@ -95,6 +103,8 @@ class OptimizerConfig:
             raise OptimizerError("agents: 'llm' needs llm_url (an OpenAI-compatible endpoint)")
         if self.worker_backend not in ("engine", "vllm", "external"):
             raise OptimizerError(f"worker_backend: unexpected {self.worker_backend!r}")
+        if self.objective not in ("auto", "wall", "cpu"):
+            raise OptimizerError(f"objective: expected auto, wall or cpu, got {self.objective!r}")
         if self.min_records < 1 or self.window_records < self.min_records:
             raise OptimizerError("min_records >= 1 and window_records >= min_records")
 
@@ -117,6 +127,7 @@ class OptimizerService:
         self.last_error: str | None = None
         self.live_config: CompiledConfig | None = None
         self.hardware: dict[str, float] = {}
+        self._cpu_clock: Callable[[], float] | None = None
 
     # -- the public surface -------------------------------------------------
 
@@ -139,6 +150,7 @@ class OptimizerService:
                 self.state = "starting measurement engine"
                 self.timings["cold_start_s"] = await engine_proc.start()
                 engine_url = engine_proc.url
+            self._cpu_clock = engine_proc.cpu_seconds if engine_proc is not None else None
             await self._run(session, engine_url)
         except asyncio.CancelledError:
             self.state = "stopped"
@@ -160,6 +172,8 @@ class OptimizerService:
             "records": len(self._records), "bad_records": self._num_bad_lines,
             "profile": _profile_summary(self.profile),
             "campaign": self.campaign.snapshot() if self.campaign else None,
+            "objective": m.objective if m else None,
+            "replay_concurrency": ({t.name: t.concurrency for t in m.tiers.values()} if m else {}),
             "experiments": dict(m.num_experiments) if m else {},
             "seconds_per_experiment": ({t: round(m.seconds[t] / n, 3) for t, n in
                                         m.num_experiments.items() if n} if m else {}),
@@ -195,7 +209,8 @@ class OptimizerService:
         t0 = time.perf_counter()
         base = self.config.base
         draft = str(TINY_DRAFT) if (TINY_DRAFT / "config.json").exists() else ""
-        space = SearchSpace.default(base, self.config.memory_budget_bytes, draft_model=draft)
+        space = SearchSpace.default(base, self.config.memory_budget_bytes, self.config.knobs,
+                                    draft_model=draft)
         hw = HardwareConstants.measure()
         steps = StepTimeModel.fit(space.shape, hw)
         draft_shape = ModelShape.from_model_dir(draft) if draft else None
@@ -251,8 +266,10 @@ class OptimizerService:
         cid = _campaign_id(profile)
         self.state = "preparing campaign"
         samples, prompts = await loop.run_in_executor(None, self._samples, synth)
-        measurer = self.measurer = Measurer(engine, samples, (self.config.fast, self.config.slow))
-        work = Workload(self.config.fast.concurrency, profile, self.config.sample.max_prompt_tokens,
+        fast, slow = (self._tier_for(t, profile) for t in (self.config.fast, self.config.slow))
+        measurer = self.measurer = Measurer(engine, samples, (fast, slow), self._cpu_clock,
+                                            self._objective())
+        work = Workload(fast.concurrency, profile, self.config.sample.max_prompt_tokens,
                         self.config.sample.max_output_tokens)
         incumbent = self.live_config or self.config.base
         campaign = self.campaign = Campaign(cid, board, space, measurer, cost_model, work,
@@ -273,7 +290,24 @@ class OptimizerService:
         winner = await campaign.confirm()
         outcome = await self._finish(winner, engine, prompts, reference, promoter, board, cid)
         campaign.phase = "done"
+        best = await campaign.best_fast()
+        if best is not None:
+            outcome["best_fast"] = {"key": json.loads(best[0]), "value": round(best[1], 2)}
         self._record_history(campaign, winner, outcome, runners, time.monotonic() - t0)
+
+    def _tier_for(self, tier: Tier, profile: TrafficProfile) -> Tier:
+        if not self.config.concurrency_from_traffic or profile.mean_concurrency <= 0:
+            return tier
+        wanted = max(1, min(tier.concurrency, round(profile.mean_concurrency)))
+        return dataclasses.replace(tier, concurrency=wanted)
+
+    def _objective(self) -> str:
+        if self.config.objective == "auto":
+            return "cpu" if self._cpu_clock is not None else "wall"
+        if self.config.objective == "cpu" and self._cpu_clock is None:
+            raise OptimizerError("objective 'cpu' needs a measurement engine started by the "
+                                 "optimizer (no measure_url)")
+        return self.config.objective
 
     def _samples(self, synth: PromptSynthesizer) -> tuple[dict[str, list[Any]], list[str]]:
         records = list(self._records)

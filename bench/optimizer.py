@@ -1,0 +1,386 @@
+"""The optimizer on replayed traffic: search efficiency, gain, reload vs restart, traffic shift.
+
+Two traffic shapes are built from the Azure LLM inference traces
+(../shared/data/traces) as proxy trace records:
+
+  A "conv, busy":  the conversation trace's lengths, chat/qa/summarization/
+                   translation domains, enough load for ~8 requests in flight;
+  B "code, quiet": the code-completion trace's lengths, domain code, about one
+                   request in flight.
+
+Steps (all on real engines on the bundled model, loopback HTTP):
+
+  1. grid     every config of a small space (42 points) measured in the fast
+              tier on traffic B; the best is the reference;
+  2. search   the three agents (cost model, GP-EI, evolution) on the measured
+              grid table, budget = a quarter of the grid, 10 seeds, plus a
+              random-search baseline: gap to the grid's best;
+  3. service  ``OptimizerService`` with a live worker: traffic A is written to
+              the trace file (campaign 1), then traffic B is appended (a shift:
+              campaign 2); time from the shift to the promotion, and gains;
+  4. gain     found configs vs the default config, paired slow-tier replays on
+              their own traffic (interleaved, so drift hits both alike);
+  5. reload   hot-reload seconds (from every experiment) vs cold engine starts;
+              experiments per hour per tier.
+
+The objective is output tokens per engine CPU second (see optimizer.measure:
+on this shared box wall time swings 2x with other tenants' load); wall
+tokens/s are reported beside it.
+
+    python bench/optimizer.py                 # ~10-15 minutes on a busy 2-core box
+    python bench/optimizer.py --quick         # smaller grid and samples, a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import datetime as dt
+import json
+import logging
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from engine.config import TINY_TARGET, CompiledConfig
+from optimizer.agents.base import BoardView
+from optimizer.agents.bayes import BayesAgent
+from optimizer.agents.costagent import CostModelAgent
+from optimizer.agents.evolution import EvolutionAgent
+from optimizer.campaign import SearchConfig
+from optimizer.costmodel import CostModel, HardwareConstants, StepTimeModel, Workload
+from optimizer.engine_proc import EngineProcess
+from optimizer.measure import EngineClient, Measurer, Tier
+from optimizer.profile import build_profile, read_trace_files, stratified_sample
+from optimizer.promote import PromotionConfig
+from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
+from optimizer.service import OptimizerConfig, OptimizerService
+from optimizer.space import Knob, SearchSpace
+from optimizer.verify import VerifyConfig, paired_gain
+
+logger = logging.getLogger("bench.optimizer")
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+CONV_DOMAINS = ("chat", "qa", "summarization", "translation")
+SMALL_KNOBS = (
+    Knob("max_num_seqs", (1, 4, 16)),
+    Knob("max_num_batched_tokens", (128, 1024)),
+    Knob("spec_method", ("none", "ngram")),
+    Knob("spec_max_depth", (0, 2, 4, 8)),
+    Knob("spec_default_depth", (0, 2, 4, 8)),
+)
+BASE = CompiledConfig(model=str(TINY_TARGET)).with_engine(kv_cache_tokens=16384,
+                                                          max_model_len=1024)
+
+
+def azure_records(path: Path, n: int, seed: int, domains: tuple[str, ...], rate_rps: float,
+                  e2e_s: float, t0: float) -> list[dict[str, Any]]:
+    """``n`` consecutive rows from a random start, as proxy trace records at ``rate_rps``."""
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    rng = random.Random(seed)
+    start = rng.randrange(len(rows) - n)
+    out = []
+    for i, row in enumerate(rows[start: start + n]):
+        out.append({"ts": t0 + i / rate_rps, "request_id": f"{path.stem}-{start + i}",
+                    "domain": rng.choice(domains), "prompt_tokens": int(row["ContextTokens"]),
+                    "max_tokens": int(row["GeneratedTokens"]),
+                    "completion_tokens": int(row["GeneratedTokens"]), "status": "ok",
+                    "e2e_s": e2e_s, "stream": True})
+    return out
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]], mode: str = "w") -> None:
+    with open(path, mode) as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+# ------------------------------------------------------------------ grid + tabular search
+
+
+async def measure_grid(measurer: Measurer, space: SearchSpace) -> dict[str, dict[str, float]]:
+    table = {}
+    for i, cfg in enumerate(space.grid()):
+        m = await measurer.measure(cfg, "fast")
+        table[space.key(cfg)] = {"value": m.value, "wall": m.details["wall_tokens_per_s"],
+                                 "seconds": m.seconds, "reload_s": m.reload_s}
+        logger.info("grid %d: %s -> %.1f tok/cpu-s", i, space.key(cfg), m.value)
+    return table
+
+
+def tabular_search(space: SearchSpace, table: dict[str, float], budget: int, seed: int,
+                   predict: Any, strategy: str) -> str:
+    """Replay a search on the measured grid: agents take turns, every proposal is looked up."""
+    if strategy == "random":
+        keys = sorted(table)
+        return max(random.Random(seed).sample(keys, budget), key=lambda k: table[k])
+    agents = [CostModelAgent(space, predict, seed=seed + 2, pool_size=300),
+              BayesAgent(space, seed=seed), EvolutionAgent(space, seed=seed + 1)]
+    measured: dict[str, float] = {}
+    turn = 0
+    while len(measured) < budget:
+        view = BoardView("tab", dict(measured), frozenset(measured))
+        cands = agents[turn % len(agents)].propose(view, 1)
+        turn += 1
+        if cands:
+            key = space.key(cands[0].config)
+            measured[key] = table.get(key, 0.0)
+        if turn > 10 * budget:
+            break
+    return max(measured, key=lambda k: measured[k])
+
+
+# ------------------------------------------------------------------ paired gain
+
+
+async def paired(measurer: Measurer, a: CompiledConfig, b: CompiledConfig, tier: str,
+                 pairs: int) -> dict[str, float]:
+    """b vs a, interleaved a, b, a, b...: CPU-objective gain (with noise) and wall gain."""
+    va, vb, wa, wb = [], [], [], []
+    for _ in range(pairs):
+        ma = await measurer.measure(a, tier, repeats=1)
+        mb = await measurer.measure(b, tier, repeats=1)
+        va.append(ma.value)
+        vb.append(mb.value)
+        wa.append(ma.details["wall_tokens_per_s"])
+        wb.append(mb.details["wall_tokens_per_s"])
+    g = paired_gain(vb, va, min_gain=0.0)
+    return {"ratio": 1 + g.gain, "noise": g.noise, "significant": g.significant,
+            "a": statistics.fmean(va), "b": statistics.fmean(vb),
+            "wall_ratio": statistics.fmean(wb) / statistics.fmean(wa)}
+
+
+# ------------------------------------------------------------------ the service run
+
+
+async def run_service(args: argparse.Namespace, work: Path, recs_a: list[dict[str, Any]],
+                      recs_b: list[dict[str, Any]], live_url: str) -> dict[str, Any]:
+    trace = work / "live-trace.jsonl"
+    trace.write_text("")
+    cfg = OptimizerConfig(
+        base=BASE, traces=(str(trace),), board_path=str(work / "board.sqlite"),
+        worker_url=live_url, knobs=SMALL_KNOBS,
+        fast=Tier("fast", args.fast_layers, args.fast_requests, concurrency=8),
+        slow=Tier("slow", None, args.slow_requests, repeats=args.pairs, concurrency=8),
+        sample=SampleConfig(args.max_prompt_tokens, args.max_output_tokens),
+        search=SearchConfig(fast_budget=args.budget, finalists=2, idle_timeout_s=60),
+        promotion=PromotionConfig(watch_s=args.watch_s),
+        verify=VerifyConfig(num_prompts=4, max_tokens=16),
+        min_records=len(recs_a) // 2, window_records=len(recs_b), refresh_s=1.0, seed=args.seed)
+    service = OptimizerService(cfg)
+    task = asyncio.create_task(service.run())
+    try:
+        write_jsonl(trace, recs_a)
+        t_a = time.monotonic()
+        await _wait_history(service, task, 1, args.campaign_timeout_s)
+        first_s = time.monotonic() - t_a
+        write_jsonl(trace, recs_b, mode="a")
+        t_shift = time.monotonic()
+        await _wait_history(service, task, 2, args.campaign_timeout_s)
+        shift_s = time.monotonic() - t_shift
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    snap = service.snapshot()
+    return {"snapshot": snap, "first_campaign_s": first_s, "shift_to_done_s": shift_s,
+            "live_config": service.live_config}
+
+
+async def _wait_history(service: OptimizerService, task: asyncio.Task[None], n: int,
+                        timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(service.history) < n:
+        if task.done():
+            task.result()
+            raise RuntimeError("optimizer service stopped early")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"campaign {n} did not finish in {timeout_s} s")
+        await asyncio.sleep(0.5)
+
+
+# ------------------------------------------------------------------ main
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench-optimizer-"))
+    recs_a = azure_records(DATA / "azure_llm_2023_conv.csv", args.records, args.seed, CONV_DOMAINS,
+                           rate_rps=4.0, e2e_s=2.5, t0=1.7e9)
+    recs_b = azure_records(DATA / "azure_llm_2023_code.csv", args.records, args.seed + 1,
+                           ("code",), rate_rps=0.5, e2e_s=2.0, t0=1.7e9 + 3600)
+    write_jsonl(work / "a.jsonl", recs_a)
+    write_jsonl(work / "b.jsonl", recs_b)
+    prof_b = build_profile(read_trace_files([work / "b.jsonl"]).records)
+    synth = PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=args.seed)
+    sample_cfg = SampleConfig(args.max_prompt_tokens, args.max_output_tokens)
+
+    def replay(path: Path, n: int, seed: int) -> list[Any]:
+        return build_replay(stratified_sample(read_trace_files([path]).records, n, seed), synth,
+                            sample_cfg)
+
+    samples = {"fast_b": replay(work / "b.jsonl", args.fast_requests, 0),
+               "slow_a": replay(work / "a.jsonl", args.slow_requests, 1),
+               "slow_b": replay(work / "b.jsonl", args.slow_requests, 1)}
+    tiers = [Tier("fast_b", args.fast_layers, args.fast_requests, concurrency=1),
+             Tier("slow_a", None, args.slow_requests, concurrency=8),
+             Tier("slow_b", None, args.slow_requests, concurrency=1)]
+    space = SearchSpace.default(BASE, 1 << 30, SMALL_KNOBS)
+    out: dict[str, Any] = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                           "args": vars(args), "cold_start_s": [], "reload_s": []}
+
+    # 1. grid on traffic B, fast tier; 5. reload seconds
+    grid_engine = EngineProcess(BASE, log_path=work / "grid-engine.log")
+    out["cold_start_s"].append(await grid_engine.start())
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        engine = EngineClient(grid_engine.url, session)
+        await engine.wait_ready()
+        measurer = Measurer(engine, {**samples, "fast": samples["fast_b"]},
+                            [*tiers, Tier("fast", args.fast_layers, args.fast_requests,
+                                          concurrency=1)],
+                            grid_engine.cpu_seconds, "cpu")
+        t0 = time.perf_counter()
+        table = await measure_grid(measurer, space)
+        out["grid_s"] = time.perf_counter() - t0
+        out["grid"] = table
+        noise = [(await measurer.measure(BASE, "fast")).value for _ in range(3)]
+        out["fast_tier_noise"] = statistics.stdev(noise) / statistics.fmean(noise)
+        await grid_engine.stop()
+    out["cold_start_s"].append(await grid_engine.start())  # a cold restart, for the ratio
+    await grid_engine.stop()
+
+    # 2. tabular search vs the grid
+    values = {k: v["value"] for k, v in table.items()}
+    best = max(values.values())
+    hw = HardwareConstants.measure()
+    cost = CostModel(space, StepTimeModel.fit(space.shape, hw))
+    work_b = Workload(1, prof_b, args.max_prompt_tokens, args.max_output_tokens)
+    budget = max(1, len(values) // 4)
+    out["search"] = {}
+    for strategy in ("agents", "random"):
+        gaps = []
+        for seed in range(args.search_seeds):
+            found = tabular_search(space, values, budget, seed,
+                                   lambda c: cost.predict(c, work_b, args.fast_layers), strategy)
+            gaps.append(1 - values[found] / best)
+        out["search"][strategy] = {"budget": budget, "grid": len(values), "gaps": gaps}
+
+    # 3. the service: traffic A, then a shift to B, promoted to a live worker
+    live = EngineProcess(BASE, log_path=work / "live-engine.log")
+    out["cold_start_s"].append(await live.start())
+    try:
+        svc = await run_service(args, work, recs_a, recs_b, live.url)
+    finally:
+        await live.stop()
+    snap = svc["snapshot"]
+    out["service"] = {k: snap[k] for k in ("history", "experiments", "seconds_per_experiment",
+                                            "experiments_per_hour", "timings", "objective",
+                                            "hardware")}
+    out["service"]["first_campaign_s"] = svc["first_campaign_s"]
+    out["service"]["shift_to_done_s"] = svc["shift_to_done_s"]
+    hist = snap["history"]
+    found = {"a": _found(space, hist[0]), "b": _found(space, hist[1])}
+    out["found"] = {k: (space.key(v) if v else None) for k, v in found.items()}
+    out["live_gap_b"] = (1 - values[space.key(found["b"])] / best
+                         if found["b"] and space.key(found["b"]) in values else None)
+
+    # 4. gain over the default, paired, slow tier, each on its own traffic
+    gain_engine = EngineProcess(BASE, log_path=work / "gain-engine.log")
+    out["cold_start_s"].append(await gain_engine.start())
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        engine = EngineClient(gain_engine.url, session)
+        await engine.wait_ready()
+        measurer = Measurer(engine, samples, tiers, gain_engine.cpu_seconds, "cpu")
+        out["gain"] = {}
+        for name, tier in (("a", "slow_a"), ("b", "slow_b")):
+            if found[name] is not None:
+                out["gain"][name] = await paired(measurer, BASE, found[name], tier, args.pairs)
+        if found["a"] is not None and found["b"] is not None:
+            out["gain"]["b_vs_a_on_b"] = await paired(measurer, found["a"], found["b"], "slow_b",
+                                                      args.pairs)
+        await gain_engine.stop()
+    out["reload_s"] = [v["reload_s"] for v in table.values()]
+    return out
+
+
+def _found(space: SearchSpace, entry: dict[str, Any]) -> CompiledConfig | None:
+    """The campaign's confirmed winner, else its best screened config (None: the incumbent)."""
+    key = entry.get("key") or (entry.get("best_fast") or {}).get("key")
+    return space.from_key(json.dumps(key, sort_keys=True)) if key else None
+
+
+def report(out: dict[str, Any]) -> str:
+    lines = []
+    grid = out["grid"]
+    best_key = max(grid, key=lambda k: grid[k]["value"])
+    lines.append(f"grid: {len(grid)} configs, fast tier, traffic B, {out['grid_s']:.0f} s; "
+                 f"fast-tier noise (3 repeats of default) {out['fast_tier_noise']:.1%}")
+    lines.append(f"  grid best {grid[best_key]['value']:.1f} tok/cpu-s: {best_key}")
+    for strategy, s in out["search"].items():
+        gaps = s["gaps"]
+        within = sum(g <= 0.05 for g in gaps)
+        lines.append(f"search[{strategy}] budget {s['budget']}/{s['grid']} "
+                     f"({s['budget'] / s['grid']:.2f} of the grid): gap median "
+                     f"{statistics.median(gaps):.1%}, max {max(gaps):.1%}, within 5% in "
+                     f"{within}/{len(gaps)} seeds")
+    if out.get("live_gap_b") is not None:
+        lines.append(f"live campaign on B: found config's grid gap {out['live_gap_b']:.1%}")
+    svc = out["service"]
+    for i, h in enumerate(svc["history"]):
+        lines.append(f"campaign {i + 1}: {h.get('status')} gain {h.get('gain')} noise "
+                     f"{h.get('noise')} in {h['seconds']} s, fast exps {h['fast_experiments']}, "
+                     f"pruning {h['pruning']}, agents {h['agents']}")
+    lines.append(f"traffic shift -> campaign 2 finished in {svc['shift_to_done_s']:.0f} s "
+                 f"(first campaign {svc['first_campaign_s']:.0f} s)")
+    for name, g in out["gain"].items():
+        lines.append(f"gain[{name}]: {g['ratio']:.3f}x tok/cpu-s (noise {g['noise']:.3f}, "
+                     f"significant {g['significant']}), wall {g['wall_ratio']:.3f}x")
+    rl = sorted(out["reload_s"])
+    cold = out["cold_start_s"]
+    lines.append(f"hot reload p50 {statistics.median(rl):.3f} s, max {max(rl):.3f} s; cold start "
+                 f"median {statistics.median(cold):.1f} s -> restart/reload "
+                 f"{statistics.median(cold) / statistics.median(rl):.0f}x")
+    lines.append(f"experiments/hour: {svc['experiments_per_hour']}, seconds/experiment: "
+                 f"{svc['seconds_per_experiment']}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--records", type=int, default=200)
+    p.add_argument("--fast-layers", type=int, default=2)
+    p.add_argument("--fast-requests", type=int, default=6)
+    p.add_argument("--slow-requests", type=int, default=12)
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--budget", type=int, default=10, help="fast-tier experiments per campaign")
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--max-output-tokens", type=int, default=48)
+    p.add_argument("--search-seeds", type=int, default=10)
+    p.add_argument("--watch-s", type=float, default=3.0)
+    p.add_argument("--campaign-timeout-s", type=float, default=900.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="", help="write the raw results as JSON here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.fast_requests, args.slow_requests, args.pairs, args.budget = 3, 4, 2, 4
+        args.search_seeds, args.max_output_tokens = 3, 16
+    return args
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("aiohttp.access", "optimizer.measure"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    args = parse_args()
+    result = asyncio.run(main(args))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    print(report(result))
+    sys.exit(0)
