@@ -47,23 +47,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+# NOTE: run as a script, this file's directory comes first on sys.path and its
+# name would shadow the `optimizer` package it benchmarks.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from engine.config import TINY_TARGET, CompiledConfig
-from optimizer.agents.base import BoardView
-from optimizer.agents.bayes import BayesAgent
-from optimizer.agents.costagent import CostModelAgent
-from optimizer.agents.evolution import EvolutionAgent
-from optimizer.campaign import SearchConfig
-from optimizer.costmodel import CostModel, HardwareConstants, StepTimeModel, Workload
-from optimizer.engine_proc import EngineProcess
-from optimizer.measure import EngineClient, Measurer, Tier
-from optimizer.profile import build_profile, read_trace_files, stratified_sample
-from optimizer.promote import PromotionConfig
-from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
-from optimizer.service import OptimizerConfig, OptimizerService
-from optimizer.space import Knob, SearchSpace
-from optimizer.verify import VerifyConfig, paired_gain
+import aiohttp  # noqa: E402
+
+from engine.config import TINY_TARGET, CompiledConfig  # noqa: E402
+from optimizer.agents.base import BoardView  # noqa: E402
+from optimizer.agents.bayes import BayesAgent  # noqa: E402
+from optimizer.agents.costagent import CostModelAgent  # noqa: E402
+from optimizer.agents.evolution import EvolutionAgent  # noqa: E402
+from optimizer.campaign import SearchConfig  # noqa: E402
+from optimizer.costmodel import CostModel, HardwareConstants, StepTimeModel, Workload  # noqa: E402
+from optimizer.engine_proc import EngineProcess  # noqa: E402
+from optimizer.measure import EngineClient, Measurer, Tier  # noqa: E402
+from optimizer.profile import build_profile, read_trace_files, stratified_sample  # noqa: E402
+from optimizer.promote import PromotionConfig  # noqa: E402
+from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay  # noqa: E402
+from optimizer.service import OptimizerConfig, OptimizerService  # noqa: E402
+from optimizer.space import Knob, SearchSpace  # noqa: E402
+from optimizer.verify import VerifyConfig, paired_gain  # noqa: E402
 
 logger = logging.getLogger("bench.optimizer")
 
