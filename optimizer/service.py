@@ -9,6 +9,10 @@ and for ``polyinfer optimize`` (standalone)::
     service.observe(trace_record_dict)           # optional: live records from the proxy
     stats["optimizer"] = service.snapshot()      # plain JSON-able dict
 
+Inside the proxy, pass ``sinks=(optimizer.bridge.PoolConfigSink(pool),)`` so the
+router's profiles follow promotions, and ``blue_green=PoolBlueGreen(bg, pool)``
+for vLLM workers (see :mod:`optimizer.bridge`).
+
 One loop: refresh the traffic profile (tail trace files + observed records);
 when there is none yet or it shifted, start a campaign (new board scope,
 replay samples, reference outputs); run the agents beside the screening;
@@ -53,7 +57,7 @@ from optimizer.profile import (
     profile_distance,
     stratified_sample,
 )
-from optimizer.promote import ConfigSink, Promoter, PromotionConfig
+from optimizer.promote import BlueGreen, ConfigSink, Promoter, PromotionConfig
 from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
 from optimizer.space import DEFAULT_KNOBS, Knob, ModelShape, SearchSpace
 from optimizer.verify import VerifyConfig, fixed_prompts, reference_outputs, verify_candidate
@@ -111,9 +115,11 @@ class OptimizerConfig:
 
 class OptimizerService:
     def __init__(self, config: OptimizerConfig, sinks: tuple[ConfigSink, ...] = (),
-                 session: aiohttp.ClientSession | None = None) -> None:
+                 session: aiohttp.ClientSession | None = None,
+                 blue_green: BlueGreen | None = None) -> None:
         self.config = config
         self.sinks = sinks
+        self.blue_green = blue_green
         self._session = session
         self._tails = [TraceTail(p) for p in config.traces]
         self._records: deque[TraceRecord] = deque(maxlen=config.window_records)
@@ -197,7 +203,7 @@ class OptimizerService:
         self.state = "measuring hardware"
         space, cost_model, synth = await loop.run_in_executor(None, self._build_models)
         self.live_config = await self._live_config(session)
-        promoter = Promoter(session, self.config.promotion, self.sinks)
+        promoter = Promoter(session, self.config.promotion, self.sinks, self.blue_green)
         while True:
             profile = await self._wait_for_traffic()
             await self._campaign(profile, board, space, cost_model, synth, engine, promoter)
