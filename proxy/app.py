@@ -129,4 +129,5 @@ async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
     loops.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await loops
+    await app[keys.BLUEGREEN].close()
     await pool.close()
