@@ -128,7 +128,7 @@ async def vllm_blue_green(tmp: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     await server.start()
     cold_s = time.monotonic() - t0
-    stop, results = asyncio.Event(), []
+    stop, results = asyncio.Event(), list[int]()
     clients = [asyncio.create_task(client_loop(server.url, stop, results)) for _ in range(2)]
     try:
         await asyncio.sleep(2.0)

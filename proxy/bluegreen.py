@@ -108,6 +108,13 @@ class BlueGreen:
     def busy(self, name: str) -> bool:
         return name in self._running
 
+    async def close(self) -> None:
+        """Cancel replacements under way (each stops what it started); for app shutdown."""
+        tasks = list(self._running.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def replace(self, name: str, request: ReplaceRequest) -> Replacement:
         """Replace worker ``name`` as ``request`` says; raise :class:`ReplacementError` on failure.
 
@@ -131,6 +138,8 @@ class BlueGreen:
         try:
             if request.warmup:
                 await warm_up(candidate, old, request.warmup_timeout_s)
+            if self.pool.workers.get(name) is not old:
+                raise ReplacementError(f"{name}: removed or replaced while the candidate started")
         except BaseException:
             await self._discard(candidate)
             raise
@@ -185,8 +194,8 @@ def candidate_spec(live: WorkerSpec, request: ReplaceRequest) -> WorkerSpec:
     launch = request.launch
     if launch is None:
         if live.launch is None:
-            raise ReplacementError(f"{live.name}: attached by URL; give a 'url' or a 'launch' "
-                                   "for the candidate")
+            raise ConfigError(f"replace.url: {live.name} is attached by URL; expected a 'url' "
+                              "or a 'launch' for the candidate, got neither")
         # NOTE: a fresh port: the live worker still holds its own until it is drained.
         launch = dataclasses.replace(live.launch, port=0)
     return WorkerSpec(name=name, launch=launch, config=config)

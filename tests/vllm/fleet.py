@@ -126,19 +126,20 @@ class Outcome:
     seconds: float = 0.0
 
 
-def one_request(client: openai.OpenAI, kind: str, stream: bool, max_tokens: int = 24) -> Outcome:
+def one_request(client: openai.OpenAI, kind: str, stream: bool, max_tokens: int = 24,
+                extra: dict[str, Any] | None = None) -> Outcome:
     """One completion through the proxy; failures are caught and described, never raised."""
     prompt = CODE_PROMPT if kind == "code" else CHAT_PROMPT
     t0 = time.monotonic()
     try:
         if stream:
             text = "".join(c.choices[0].text for c in client.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
-                if c.choices)
+                model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+                extra_body=extra) if c.choices)
             return Outcome(kind, stream, bool(text), "" if text else "empty stream", "",
                            time.monotonic() - t0)
         raw = client.completions.with_raw_response.create(
-            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra)
         done = raw.parse()
         ok = done.usage is not None and done.usage.completion_tokens > 0
         return Outcome(kind, stream, ok, "", raw.headers.get("x-polyinfer-worker", ""),

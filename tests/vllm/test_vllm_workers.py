@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from tests.vllm.fleet import (
     MODEL,
     NGRAM_BASE,
     FleetProxy,
+    Outcome,
     Traffic,
     first_schedule,
     fleet_config,
@@ -111,23 +113,26 @@ def test_metrics_scraped_into_stats(fleet: FleetProxy):
     """running / kv-cache use while a burst runs; spec_decode counters -> acceptance per domain."""
     client = fleet.client()
     peak: dict[str, float] = {"running": 0, "kv": 0.0}
-    done = threading.Event()
+    outcomes: list[Outcome] = []
 
     def burst() -> None:
-        threads = [threading.Thread(target=lambda k=k: client.completions.create(
-            model=MODEL, prompt=CODE_PROMPT if k % 2 else "Tell me a long story.",
-            max_tokens=400, temperature=0, extra_body={"ignore_eos": True})) for k in range(6)]
+        # NOTE: ignore_eos (a vLLM sampling field, passed through untouched) fixes the length
+        threads = [threading.Thread(target=lambda k=k: outcomes.append(one_request(
+            client, ("code", "chat")[k % 2], stream=False, max_tokens=120,
+            extra={"ignore_eos": True}))) for k in range(4)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(120)
-        done.set()
+            t.join(150)
 
-    threading.Thread(target=burst, daemon=True).start()
-    while not done.wait(0.1):
+    runner = threading.Thread(target=burst, daemon=True)
+    runner.start()
+    while runner.is_alive():
         for w in fleet.stats()["workers"]:
             peak["running"] = max(peak["running"], w["running"])
             peak["kv"] = max(peak["kv"], w["kv_cache_usage"])
+        time.sleep(0.1)
+    assert len(outcomes) == 4 and all(o.ok for o in outcomes), outcomes
     assert peak["running"] >= 1 and 0.0 < peak["kv"] <= 1.0
     wait_until(lambda: "ngram" in fleet.stats()["acceptance"], 10, "scraped acceptance")
     stats = fleet.stats()
