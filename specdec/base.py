@@ -22,12 +22,18 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from specdec.sampling import SamplingParams
+
 
 @dataclass(frozen=True)
 class ProposalRequest:
     seq_id: int
     token_ids: Sequence[int]  # prompt + generated so far, including the last sampled token
     depth: int  # k: how many tokens to propose at most (> 0)
+    # How the request samples. A proposer may draft from the same processed
+    # distribution (the draft model does, returning it as ``Proposal.probs``),
+    # which raises acceptance at temperature > 0; None = draft greedily.
+    sampling: SamplingParams | None = None
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,11 @@ position). ``propose`` also re-checks the cached ids against the engine's
 history, so a skipped commit (the scheduler dropped a proposal) can never make
 the draft attend to stale tokens.
 
-Drafts are greedy (argmax), so a proposal is a point mass (``probs=None``) and
-rejection sampling stays lossless at any temperature.
+Drafts are greedy (argmax, ``probs=None``: a point mass) unless the request
+carries non-greedy ``sampling``: then each draft token is drawn from the draft's
+distribution processed exactly as the target's (temperature, top-k, top-p), and
+that distribution is returned as ``Proposal.probs`` for rejection sampling. Both
+are lossless; sampled drafts are accepted more often at temperature > 0.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from engine.kv_cache import BlockAllocator, blocks_needed
 from engine.model import LlamaModel
 from specdec.base import Proposal, ProposalRequest
 from specdec.errors import ProposerConfigError
+from specdec.sampling import SamplingParams, process_logits, sample_from_probs
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+GREEDY = SamplingParams(0.0)
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,9 @@ class DraftProposer:
         """Proposals, and the draft's logits at each proposed position (``[n, vocab]`` each)."""
         drafts: dict[int, list[int]] = {r.seq_id: [] for r in requests}
         rows: dict[int, list[torch.Tensor]] = {r.seq_id: [] for r in requests}
+        probs: dict[int, list[torch.Tensor]] = {r.seq_id: [] for r in requests}
+        sampling = {r.seq_id: r.sampling for r in requests
+                    if r.sampling is not None and not r.sampling.greedy}
         active = [r for r in requests if r.depth > 0 and self._prepare(r)]
         starts = [len(self._seqs[r.seq_id].ids) for r in active]
         rnd = _Round([r.seq_id for r in active],
@@ -141,18 +149,23 @@ class DraftProposer:
         step = 0
         while rnd.seq_ids:
             logits = self._forward(rnd)  # [len(rnd.seq_ids), vocab]
-            tokens = logits.argmax(dim=1).tolist()
+            tokens, q = _pick(logits, [sampling.get(s) for s in rnd.seq_ids])
             step += 1
             for i, seq_id in enumerate(rnd.seq_ids):
                 drafts[seq_id].append(tokens[i])
                 rows[seq_id].append(logits[i])
+                if seq_id in sampling:
+                    probs[seq_id].append(q[i])
             more = [i for i, s in enumerate(rnd.seq_ids) if depth[s] > step]
             rnd = _Round([rnd.seq_ids[i] for i in more], [[tokens[i]] for i in more],
                          [rnd.starts[i] + len(rnd.feeds[i]) for i in more])
         vocab = self.model.spec.vocab_size
         stacked = [torch.stack(rows[r.seq_id]) if rows[r.seq_id] else torch.empty(0, vocab)
                    for r in requests]
-        return [Proposal(r.seq_id, drafts[r.seq_id]) for r in requests], stacked
+        out = [Proposal(r.seq_id, drafts[r.seq_id],
+                        torch.stack(probs[r.seq_id]) if probs[r.seq_id] else None)
+               for r in requests]
+        return out, stacked
 
     def commit(self, seq_id: int, num_accepted: int) -> None:
         """Keep history + the first ``num_accepted`` drafts that were written; drop the rest."""
@@ -211,6 +224,17 @@ class DraftProposer:
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
         return logits[inverse]
+
+
+def _pick(logits: torch.Tensor, sampling: list[SamplingParams | None]
+          ) -> tuple[list[int], torch.Tensor]:
+    """Draft tokens: argmax for greedy rows; for sampled rows a draw from the request's own
+    processed distribution q (temperature, top-k, top-p), returned as ``[rows, vocab]``."""
+    params = [s if s is not None else GREEDY for s in sampling]
+    if all(p.greedy for p in params):
+        return logits.argmax(dim=1).tolist(), logits
+    q = process_logits(logits, params)  # greedy rows: one-hot on the argmax
+    return sample_from_probs(q, params).tolist(), q
 
 
 def _common_prefix(state: _DraftSeq, history: Sequence[int]) -> int:

@@ -112,3 +112,24 @@ def test_config_and_vocab_checks() -> None:
         DraftConfig(model_dir="x", kv_cache_tokens=8, block_size=16)
     with pytest.raises(ProposerConfigError, match="vocab"):
         DraftProposer.load(CONFIG, target_vocab=1000)
+
+
+def test_sampled_drafts_return_their_distribution(proposer_model: DraftProposer) -> None:
+    from specdec.sampling import SamplingParams, process_logits
+    from specdec.verify import verify
+
+    histories = _prompts(9, 3)
+    params = [SamplingParams.seeded(1, 0.8, top_p=0.9), SamplingParams.seeded(2, 1.0, top_k=1),
+              SamplingParams(0.0)]
+    reqs = [ProposalRequest(i, h, 4, params[i]) for i, h in enumerate(histories)]
+    props, logits = _fresh(proposer_model).propose_with_logits(reqs)
+    sampled, top1, greedy = props
+    assert greedy.probs is None and greedy.tokens == logits[2].argmax(dim=1).tolist()
+    assert top1.probs is not None and top1.tokens == logits[1].argmax(dim=1).tolist()
+    assert sampled.probs is not None and sampled.probs.shape == (4, 8192)
+    torch.testing.assert_close(sampled.probs, process_logits(logits[0], [params[0]] * 4))
+    assert all(sampled.probs[j, t] > 0 for j, t in enumerate(sampled.tokens))
+    # A target whose distribution equals the draft's accepts every sampled draft (p = q).
+    target = torch.cat([logits[0], torch.zeros(1, 8192)])
+    result = verify(target, [sampled], [SamplingParams(0.8, top_p=0.9)])[0]
+    assert result.num_accepted == 4 and result.tokens[:4] == sampled.tokens
