@@ -105,15 +105,22 @@ def _group(slices: Sequence[SeqSlice], lo: int, hi: int, tables: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttnMetadata, scale: float) -> torch.Tensor:
+                    meta: AttnMetadata, scale: float, naive: bool = False) -> torch.Tensor:
     """q: [T, H, D]; caches: [Hkv, num_blocks, block_size, D]. Returns [T, H * D]."""
-    outs = [_attend_group(q[g.rows[0]:g.rows[1]], k_cache, v_cache, g, scale)
+    outs = [_attend_group(q[g.rows[0]:g.rows[1]], k_cache, v_cache, g, scale, naive)
             for g in meta.groups]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def _naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hkv, G * mq, L)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
+
+
 def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttnGroup,
-                  scale: float) -> torch.Tensor:
+                  scale: float, naive: bool) -> torch.Tensor:
     rows, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[0]
     qpg = num_heads // num_kv
@@ -128,7 +135,10 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # index_select copies whole blocks (memcpy); advanced indexing is ~4x slower here.
     k = k_cache.index_select(1, blocks).view(num_kv, b, length, head_dim).transpose(0, 1)
     v = v_cache.index_select(1, blocks).view(num_kv, b, length, head_dim).transpose(0, 1)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
+    if naive:
+        o = _naive_attention(qg, k, v, g.mask, scale)
+    else:
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
     # (B, Hkv, G * mq, D) -> (B, mq, Hkv, G, D) -> rows
     o = o.view(b, num_kv, qpg, mq, head_dim).permute(0, 3, 1, 2, 4).reshape(
         b * mq, num_heads * head_dim)

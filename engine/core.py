@@ -80,7 +80,8 @@ class EngineCore:
     def _build(self, cfg: EngineConfig) -> None:
         self.max_model_len = min(cfg.max_model_len, cfg.num_kv_blocks * cfg.block_size)
         self.model = LlamaModel(self.spec, self._layer_weights(cfg), cfg.dtype, cfg.device,
-                                max_positions=self.max_model_len + cfg.spec_max_depth + 1)
+                                max_positions=self.max_model_len + cfg.spec_max_depth + 1,
+                                execution=cfg.execution, attention=cfg.attention)
         kv = self.model.new_kv_cache(cfg.num_kv_blocks, cfg.block_size)
         self.allocator = BlockAllocator(cfg.num_kv_blocks)
         self.scheduler = Scheduler(cfg, self.allocator)

@@ -10,6 +10,8 @@
     │   ├── UnsupportedOptionError   400: a valid OpenAI option this engine does not implement
     │   ├── ContextLengthError       400: prompt (+ max_tokens) longer than max_model_len
     │   └── ModelNotFoundError       404: the request names a model this engine does not serve
+    ├── UnsupportedConfigError       a compiled config value this engine/device cannot run
+    │                                (e.g. cuda_graph on a CPU); 400 when it comes by reload
     └── ReloadError                  400: a compiled config cannot be applied to this engine
 
 Each ``RequestError`` carries the OpenAI error body fields (``type``, ``param``,
@@ -73,6 +75,10 @@ class ModelNotFoundError(RequestError):
     def __init__(self, model: str, served: str) -> None:
         super().__init__(f"The model `{model}` does not exist; this engine serves `{served}`.",
                          "model", "model_not_found")
+
+
+class UnsupportedConfigError(EngineError):
+    """A compiled-config value this engine or device cannot run; the message says which."""
 
 
 class ReloadError(EngineError):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttnMetadata, paged_attention
 from engine.checkpoint import ModelSpec
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, UnsupportedConfigError
 from engine.kv_cache import KVCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -74,12 +74,38 @@ def rope_table(spec: ModelSpec, max_positions: int) -> tuple[torch.Tensor, torch
     return emb.cos(), emb.sin()
 
 
+def _mlp_block(h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               eps: float) -> torch.Tensor:
+    """h + SwiGLU(RMSNorm(h)): the dense half of a layer, the part worth compiling."""
+    x = F.rms_norm(h, (h.shape[-1],), norm, eps)
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, down)
+
+
 class LlamaModel:
-    """Inference-only forward pass; weights cast from a (kept) on-disk copy to ``dtype``."""
+    """Inference-only forward pass; weights cast from a (kept) on-disk copy to ``dtype``.
+
+    ``execution="compiled"`` runs the dense half of every layer through
+    ``torch.compile`` (dynamic shapes, so one graph serves every batch size;
+    the first steps pay the compile). ``attention="naive"`` replaces SDPA by an
+    explicit matmul-softmax-matmul (a reference, and a fallback for dtypes
+    SDPA handles badly).
+    """
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: str = "float32",
-                 device: str = "cpu", max_positions: int | None = None) -> None:
+                 device: str = "cpu", max_positions: int | None = None,
+                 execution: str = "eager", attention: str = "sdpa") -> None:
+        if execution == "cuda_graph" or attention == "triton":
+            if not str(device).startswith("cuda"):
+                raise UnsupportedConfigError(f"execution={execution!r} attention={attention!r} "
+                                             f"needs a CUDA device; this engine runs on {device!r}")
+            raise UnsupportedConfigError("cuda_graph execution and triton attention are not "
+                                  "implemented in this engine yet")
         self.spec = spec
+        self.naive_attention = attention == "naive"
+        self._mlp = _mlp_block
+        if execution == "compiled":
+            self._mlp = torch.compile(_mlp_block, dynamic=True)
         self.dtype = DTYPES[dtype]
         self.device = device
         self.num_layers = sum(1 for k in weights if k.endswith(".input_layernorm.weight"))
@@ -109,9 +135,7 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(h, (h.shape[-1],), layer.input_norm, eps)
             h = h + self._attention(x, layer, i, cos, sin, meta, kv)
-            x = F.rms_norm(h, (h.shape[-1],), layer.post_norm, eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            h = self._mlp(h, layer.post_norm, layer.gate_up, layer.down, eps)
         if logit_rows is not None:
             h = h.index_select(0, logit_rows)
         h = F.rms_norm(h, (h.shape[-1],), self.norm, eps)
@@ -127,5 +151,6 @@ class LlamaModel:
         rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
         qk = qk * cos + rotated * sin
         kv.write(i, meta.slot_mapping, qk[:, nq:], qkv[:, nq + nkv:])
-        out = paged_attention(qk[:, :nq], kv.k[i], kv.v[i], meta, self.scale)
+        out = paged_attention(qk[:, :nq], kv.k[i], kv.v[i], meta, self.scale,
+                              self.naive_attention)
         return F.linear(out, layer.o)

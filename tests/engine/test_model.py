@@ -89,3 +89,25 @@ def test_chunked_mixed_batch_matches_whole_prompt(tiny_model_dir: Path) -> None:
 def test_measure_num_layers_loads_only_first_layers(tiny_model_dir: Path) -> None:
     model = load(tiny_model_dir, num_layers=2)
     assert model.num_layers == 2
+
+
+def test_naive_attention_matches_sdpa(tiny_model_dir: Path) -> None:
+    spec = read_spec(tiny_model_dir)
+    weights = load_weights(tiny_model_dir, spec.num_layers)
+    gen = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, 8192, (n,), generator=gen).tolist() for n in (9, 30)]
+    sdpa = run_chunks(LlamaModel(spec, weights), seqs, chunk=4)
+    naive = run_chunks(LlamaModel(spec, weights, attention="naive"), seqs, chunk=4)
+    for a, b in zip(sdpa, naive, strict=True):
+        assert (a - b).abs().max().item() < 1e-4
+
+
+def test_cuda_only_options_are_refused_on_cpu(tiny_model_dir: Path) -> None:
+    from engine.errors import UnsupportedConfigError
+
+    spec = read_spec(tiny_model_dir)
+    weights = load_weights(tiny_model_dir, 1)
+    with pytest.raises(UnsupportedConfigError, match="CUDA"):
+        LlamaModel(spec, weights, execution="cuda_graph")
+    with pytest.raises(UnsupportedConfigError, match="CUDA"):
+        LlamaModel(spec, weights, attention="triton")
