@@ -56,6 +56,8 @@ class ScriptedUpstream:
     async def start(self) -> str:
         app = web.Application()
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         self._runner = web.AppRunner(app)
@@ -72,6 +74,13 @@ class ScriptedUpstream:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "scripted-model"}]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=f"vllm:num_requests_running {self.in_flight}\n"
+                                 "vllm:num_requests_waiting 0\n")
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         got = Received(request.path, await request.json(), time.perf_counter())

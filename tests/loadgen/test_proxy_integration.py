@@ -1,0 +1,112 @@
+"""Integration: loadgen through the real `polyinfer serve` proxy, then a replay of the proxy's
+own trace records.
+
+The proxy fronts the scripted upstream fixture (``--worker``), so the test
+knows the timing underneath; the proxy adds its headers and writes trace
+records, which loadgen must read (``--format auto``) and replay with the
+recorded lengths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from engine.config import DOMAINS, TINY_TARGET
+from loadgen import (
+    ArrivalConfig,
+    ClientConfig,
+    LengthConfig,
+    OutputConfig,
+    ReplayConfig,
+    TraceConfig,
+    replay,
+)
+from loadgen.readers import detect_format, read_trace
+from tests.loadgen.conftest import SHARED_DATA
+from tests.loadgen.upstream import Script, ScriptedUpstream
+
+STARTUP_S = 240.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest_asyncio.fixture
+async def upstream_slow() -> AsyncIterator[ScriptedUpstream]:
+    server = ScriptedUpstream(Script(ttft_s=0.05, itl_s=0.005))
+    await server.start()
+    yield server
+    await server.close()
+
+
+async def _wait_ready(url: str, proc: asyncio.subprocess.Process) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + STARTUP_S
+    async with aiohttp.ClientSession() as session:
+        while loop.time() < deadline:
+            if proc.returncode is not None:
+                raise RuntimeError(f"proxy exited with {proc.returncode}")
+            try:
+                async with session.get(f"{url}/v1/models") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"proxy at {url} not ready after {STARTUP_S} s")
+
+
+@pytest.mark.timeout(400)
+async def test_through_the_proxy_and_back_from_its_traces(upstream_slow: ScriptedUpstream,
+                                                          tmp_path: Path) -> None:
+    port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy.cli", "serve", "--worker", upstream_slow.url,
+        "--port", str(port), cwd=tmp_path,  # the proxy writes traces/ under its cwd
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    proxy_url = f"http://127.0.0.1:{port}"
+    try:
+        await _wait_ready(proxy_url, proc)
+        cfg = ReplayConfig(
+            trace=TraceConfig(str(SHARED_DATA / "prompts/spec_bench_questions.jsonl")),
+            client=ClientConfig(proxy_url),
+            arrivals=ArrivalConfig(mode="poisson", rate=20.0, max_requests=6, seed=2),
+            lengths=LengthConfig(default_output_tokens=4), output=OutputConfig(quiet=True),
+            tokenizer=str(TINY_TARGET))
+        first = await replay(cfg)
+    finally:
+        proc.terminate()  # the proxy flushes its trace writer on shutdown
+        await proc.wait()
+    assert first.summary["num_ok"] == 6
+    assert set(first.summary["by_worker"]) == {"w0"}
+    assert all(r.domain in DOMAINS and r.request_id for r in first.results)
+    assert len(upstream_slow.received) == 6
+    assert all(r.ttft_s is not None and r.ttft_s >= 0.05 for r in first.results)
+
+    (trace,) = (tmp_path / "traces").glob("*.jsonl")
+    assert detect_format(trace) == "polyinfer"
+    records = list(read_trace(trace))
+    assert len(records) == 6 and all(r.prompt is None and r.messages is None for r in records)
+    upstream_slow.received = []
+    again = await replay(ReplayConfig(
+        trace=TraceConfig(str(trace)), client=ClientConfig(upstream_slow.url),
+        arrivals=ArrivalConfig(mode="trace"), output=OutputConfig(quiet=True),
+        tokenizer=str(TINY_TARGET)))
+    assert again.summary["num_ok"] == 6 and again.summary["trace"]["format"] == "polyinfer"
+    by_time = sorted(records, key=lambda r: r.timestamp_s or 0.0)
+    replayed = sorted(again.results, key=lambda r: r.index)
+    assert [r.expected_prompt_tokens for r in replayed] == [r.prompt_tokens for r in by_time]
+    assert [r.max_tokens for r in replayed] == [r.output_tokens for r in by_time] == [4] * 6
+    assert [r.domain for r in replayed] == [r.domain for r in by_time]
+    assert len(upstream_slow.received) == 6
