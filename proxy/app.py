@@ -2,7 +2,7 @@
 
 Lifetimes are ``cleanup_ctx`` generators, started in order and stopped in
 reverse: the trace writer (last to stop, so it flushes every record), the
-upstream client session, then the worker pool (supervised workers started and
+upstream client, then the worker pool (supervised workers started and
 waited for; probe and scrape loops).
 """
 
@@ -11,12 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import AsyncIterator
 from importlib import resources
 from pathlib import Path
 
-import aiohttp
 from aiohttp import web
 
 from proxy import admin, handlers, keys
@@ -29,6 +27,7 @@ from proxy.routing import build_policy
 from proxy.shape import HeuristicShapeEstimator, ShapeEstimator
 from proxy.stats import Stats
 from proxy.traces import TraceWriter
+from proxy.upstream import UpstreamClient
 from proxy.vllm_acceptance import ScrapedAcceptance
 from router.base import RoutingPolicy
 from specdec.policy import DepthPolicy, PolicyConfig
@@ -57,7 +56,7 @@ def create_app(config: ProxyConfig, *, estimator: ShapeEstimator | None = None,
     acceptance = ScrapedAcceptance(stats, relay.depth_policy)  # vLLM: scraped spec counters
     pool.on_scrape.append(acceptance.on_scrape)
     relay.on_finish.append(acceptance.on_finish)
-    app.cleanup_ctx.extend([_traces_ctx, _session_ctx, _pool_ctx, _lag_ctx])
+    app.cleanup_ctx.extend([_traces_ctx, _client_ctx, _pool_ctx, _lag_ctx])
     handlers.add_routes(app)
     admin.add_routes(app)
     return app
@@ -89,22 +88,13 @@ async def _traces_ctx(app: web.Application) -> AsyncIterator[None]:
     await writer.close()
 
 
-def _upstream_connector() -> aiohttp.TCPConnector:
-    # NOTE: limit=0: no artificial pool cap; the proxy's own max_in_flight bounds load.
-    return aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60,
-                                ttl_dns_cache=300, enable_cleanup_closed=False,
-                                family=socket.AF_INET)
-
-
-async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
+async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
     limits = app[keys.CONFIG].limits
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=limits.connect_timeout_s,
-                                    sock_read=limits.read_timeout_s)
-    session = aiohttp.ClientSession(connector=_upstream_connector(), timeout=timeout,
-                                    auto_decompress=False, skip_auto_headers=("User-Agent",))
-    app[keys.RELAY].session = session
+    # NOTE: no cap on connections per worker; the proxy's own max_in_flight bounds load.
+    client = UpstreamClient(limits.connect_timeout_s, limits.read_timeout_s)
+    app[keys.RELAY].client = client
     yield
-    await session.close()
+    client.close()
 
 
 async def _lag_ctx(app: web.Application) -> AsyncIterator[None]:

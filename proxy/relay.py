@@ -44,6 +44,7 @@ from proxy.record import STATUS_CANCELLED, STATUS_ERROR, RequestRecord
 from proxy.shape import ShapeEstimator, prompt_text
 from proxy.stats import Stats
 from proxy.traces import TraceWriter
+from proxy.upstream import UpstreamClient, UpstreamResponse
 from proxy.validate import check_body, parse_body, wants_usage
 from router.base import RoutingPolicy
 from specdec.policy import DepthPolicy
@@ -91,7 +92,7 @@ class Relay:
         self.depth_policy = depth_policy  # used in speculation mode "adaptive"
         self.traces: TraceWriter | None = None
         self.on_finish: list[Callable[[RequestRecord], None]] = []  # learners, never raising
-        self.session: aiohttp.ClientSession | None = None
+        self.client: UpstreamClient | None = None  # set by the app's lifetime context
         self.draining = False
         self.loop_lag_s = 0.0  # smoothed event-loop lag, from measure_loop_lag()
         self._api_keys = frozenset(f"Bearer {k}" for k in config.auth.api_keys)
@@ -274,34 +275,35 @@ class Relay:
                 return await self._relay_body(rec, worker, upstream)
             finally:
                 # NOTE: release() keeps a fully read connection for reuse and closes one
-                # with unread payload (client gone, worker broken), aborting the upstream.
+                # with unread body (client gone, worker broken), aborting the upstream.
                 upstream.release()
         finally:
             view.outstanding_requests -= 1
             view.outstanding_tokens -= num_tokens
 
-    async def _send(self, worker: Worker, payload: bytes,
-                    rec: RequestRecord) -> aiohttp.ClientResponse:
-        assert self.session is not None
-        url = f"{worker.url}/v1/{rec.endpoint}"
+    async def _send(self, worker: Worker, payload: bytes, rec: RequestRecord) -> UpstreamResponse:
+        assert self.client is not None
         try:
-            upstream = await self.session.post(url, data=payload, headers={
-                "Content-Type": "application/json", "x-request-id": rec.request_id})
+            upstream = await self.client.post(worker.url, f"/v1/{rec.endpoint}", payload,
+                                              rec.request_id)
         except UPSTREAM_ERRORS as e:
             worker.breaker.record_failure()
             raise _Retryable(f"{worker.name}: {type(e).__name__}: {e}") from e
         if upstream.status >= 500 or upstream.status == 429:
-            detail = (await upstream.read())[:200]
-            upstream.close()
+            try:
+                detail = (await upstream.read_all())[:200]
+            except UPSTREAM_ERRORS:
+                detail = b""
+            upstream.release()
             if upstream.status >= 500:
                 worker.breaker.record_failure()
             raise _Retryable(f"{worker.name}: HTTP {upstream.status} {detail!r}")
         return upstream
 
     async def _relay_body(self, rec: RequestRecord, worker: Worker,
-                          upstream: aiohttp.ClientResponse) -> web.Response:
+                          upstream: UpstreamResponse) -> web.Response:
         try:
-            raw = await upstream.read()
+            raw = await upstream.read_all()
         except UPSTREAM_ERRORS as e:
             worker.breaker.record_failure()
             raise _Retryable(f"{worker.name}: {type(e).__name__}: {e}") from e
@@ -313,7 +315,7 @@ class Relay:
             rec.status, rec.error = STATUS_ERROR, f"upstream_{upstream.status}: {raw[:200]!r}"
         rec.e2e_s = time.perf_counter() - rec.t0
         headers = proxy_headers(rec)
-        headers["Content-Type"] = upstream.headers.get("Content-Type", "application/json")
+        headers["Content-Type"] = upstream.content_type or "application/json"
         return web.Response(status=upstream.status, body=raw, headers=headers)
 
     @staticmethod
@@ -325,11 +327,11 @@ class Relay:
         _take_usage(usage, rec)
 
     async def _relay_stream(self, request: web.Request, rec: RequestRecord, worker: Worker,
-                            upstream: aiohttp.ClientResponse, strip_usage: bool
+                            upstream: UpstreamResponse, strip_usage: bool
                             ) -> web.StreamResponse:
-        content = upstream.content
+        content = upstream
         try:
-            first = await content.readany()
+            first = await content.read_chunk()
         except UPSTREAM_ERRORS as e:
             worker.breaker.record_failure()
             raise _Retryable(f"{worker.name}: {type(e).__name__}: {e}") from e
@@ -363,7 +365,7 @@ class Relay:
             pass
         return resp
 
-    async def _pump(self, content: aiohttp.StreamReader, chunk: bytes, resp: web.StreamResponse,
+    async def _pump(self, content: UpstreamResponse, chunk: bytes, resp: web.StreamResponse,
                     rec: RequestRecord, strip_usage: bool) -> None:
         tail = b""
         while chunk:
@@ -387,7 +389,7 @@ class Relay:
                     await _write_client(resp, out)
             else:
                 tail = buf
-            chunk = await content.readany()
+            chunk = await content.read_chunk()
         if tail:
             await _write_client(resp, tail)
 
@@ -405,9 +407,9 @@ async def _write_client(resp: web.StreamResponse, data: bytes, eof: bool = False
         raise _ClientGone() from e
 
 
-async def _drain_upstream(content: aiohttp.StreamReader) -> None:
+async def _drain_upstream(content: UpstreamResponse) -> None:
     """Read the worker's response to its end so the connection can be reused."""
-    while await content.readany():
+    while await content.read_chunk():
         pass
 
 

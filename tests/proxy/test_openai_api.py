@@ -177,8 +177,8 @@ def test_tcp_nodelay_on_both_sides(proxy: ProxyThread) -> None:
 
         server = proxy.server._runner.server  # type: ignore[union-attr]
         client_side = [c.transport for c in server.connections if c.transport is not None]
-        upstream = [proto.transport for protos in
-                    proxy.app[keys.RELAY].session.connector._conns.values()  # type: ignore[union-attr]
-                    for proto, _ in protos if proto.transport is not None]
+        upstream = [conn.transport for pool in
+                    proxy.app[keys.RELAY].client._pools.values()  # type: ignore[union-attr]
+                    for conn in pool.idle if conn.transport is not None]
         assert client_side and upstream
         assert all(nodelay(t) for t in client_side + upstream)
