@@ -1,0 +1,155 @@
+"""The lean upstream client against a real aiohttp server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from proxy.upstream import UpstreamClient, UpstreamConnectionError
+
+
+async def _json(request: web.Request) -> web.Response:
+    return web.Response(body=b'{"echo":' + await request.read() + b"}",
+                        content_type="application/json",
+                        headers={"x-seen-id": request.headers["x-request-id"]})
+
+
+async def _chunks(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(5):
+        await resp.write(b"data: %d\n\n" % i)
+        await asyncio.sleep(0.01)
+    await resp.write_eof()
+    return resp
+
+
+async def _dies(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse()
+    await resp.prepare(request)
+    await resp.write(b"partial")
+    assert request.transport is not None
+    request.transport.close()  # the worker dies mid-body
+    return resp
+
+
+async def _slow(request: web.Request) -> web.Response:
+    await asyncio.sleep(5)
+    return web.Response(text="late")
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[TestServer]:
+    app = web.Application()
+    app.router.add_post("/json", _json)
+    app.router.add_post("/chunks", _chunks)
+    app.router.add_post("/dies", _dies)
+    app.router.add_post("/slow", _slow)
+    async with TestServer(app, host="127.0.0.1") as s:
+        yield s
+
+
+def base(server: TestServer) -> str:
+    return f"http://127.0.0.1:{server.port}"
+
+
+async def test_json_and_connection_reuse(server: TestServer) -> None:
+    client = UpstreamClient(connect_timeout_s=2, read_timeout_s=2)
+    for i in range(3):
+        r = await client.post(base(server), "/json", b"[%d]" % i, f"id{i}")
+        assert r.status == 200 and r.content_type.startswith("application/json")
+        assert await r.read_all() == b'{"echo":[%d]}' % i
+        r.release()
+    (pool,) = client._pools.values()
+    assert len(pool.idle) == 1, "one keep-alive connection served all three"
+    client.close()
+
+
+async def test_chunked_stream_arrives_in_pieces(server: TestServer) -> None:
+    client = UpstreamClient(connect_timeout_s=2, read_timeout_s=2)
+    r = await client.post(base(server), "/chunks", b"{}", "id")
+    pieces = []
+    while chunk := await r.read_chunk():
+        pieces.append(chunk)
+    r.release()
+    assert b"".join(pieces) == b"".join(b"data: %d\n\n" % i for i in range(5))
+    assert len(pieces) >= 2, "not buffered into one body"
+    client.close()
+
+
+async def test_early_release_closes_instead_of_pooling(server: TestServer) -> None:
+    client = UpstreamClient(connect_timeout_s=2, read_timeout_s=2)
+    r = await client.post(base(server), "/chunks", b"{}", "id")
+    await r.read_chunk()
+    r.release()  # e.g. the client went away: the worker must see the connection close
+    assert not next(iter(client._pools.values())).idle
+    client.close()
+
+
+async def test_worker_dying_mid_body_raises(server: TestServer) -> None:
+    client = UpstreamClient(connect_timeout_s=2, read_timeout_s=2)
+    r = await client.post(base(server), "/dies", b"{}", "id")
+    with pytest.raises(UpstreamConnectionError):
+        await r.read_all()
+    r.release()
+    client.close()
+
+
+async def test_read_timeout_and_refused_connection(server: TestServer) -> None:
+    client = UpstreamClient(connect_timeout_s=2, read_timeout_s=0.2)
+    with pytest.raises(TimeoutError):
+        await client.post(base(server), "/slow", b"{}", "id")
+    from proxy.supervisor import free_port
+    with pytest.raises(UpstreamConnectionError, match="cannot connect"):
+        await client.post(f"http://127.0.0.1:{free_port()}", "/json", b"{}", "id")
+    client.close()
+
+
+async def test_pooled_connection_closed_by_the_worker_is_not_reused(server: TestServer) -> None:
+    client = UpstreamClient(connect_timeout_s=2, read_timeout_s=2)
+    r = await client.post(base(server), "/json", b"1", "id")
+    await r.read_all()
+    r.release()
+    (pool,) = client._pools.values()
+    stale = pool.idle[0]
+    for proto in list(server.runner.server.connections):  # type: ignore[union-attr]
+        proto.force_close()
+        if proto.transport is not None:
+            proto.transport.close()
+    await asyncio.sleep(0.05)
+    assert stale.closed
+    r = await client.post(base(server), "/json", b"2", "id")
+    assert await r.read_all() == b'{"echo":2}'
+    r.release()
+    client.close()
+
+
+async def test_request_on_a_connection_the_worker_just_closed_is_retried() -> None:
+    """The keep-alive race: the worker closes an idle connection as the request goes out."""
+
+    async def one_request_per_connection(reader: asyncio.StreamReader,
+                                         writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")  # the next request on this connection...
+        writer.close()  # ...is dropped unanswered
+
+    server = await asyncio.start_server(one_request_per_connection, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = UpstreamClient(connect_timeout_s=2, read_timeout_s=2)
+    try:
+        for _ in range(3):
+            r = await client.post(f"http://127.0.0.1:{port}", "/x", b"{}", "id")
+            assert await r.read_all() == b"ok"
+            r.release()
+    finally:
+        client.close()
+        server.close()
+        await server.wait_closed()
