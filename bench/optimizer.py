@@ -360,7 +360,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--records", type=int, default=200)
     p.add_argument("--fast-layers", type=int, default=2)
-    p.add_argument("--fast-requests", type=int, default=6)
+    p.add_argument("--fast-requests", type=int, default=8)
     p.add_argument("--slow-requests", type=int, default=12)
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--budget", type=int, default=10, help="fast-tier experiments per campaign")

@@ -25,6 +25,7 @@ from optimizer.sample import PromptSynthesizer
 
 logger = logging.getLogger(__name__)
 
+NOISE_FLOOR = 0.01  # smallest standard error a paired comparison is credited with
 VERIFY_DOMAINS = ("code", "chat", "math", "qa", "extraction", "summarization")
 
 
@@ -101,5 +102,8 @@ def paired_gain(candidate: Sequence[float], incumbent: Sequence[float], min_gain
     logs = [math.log(c / i) for c, i in pairs]
     mean = statistics.fmean(logs)
     se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.05
+    # NOTE: a few identical ratios (coarse clocks: CPU time ticks at 10 ms) would claim
+    # zero noise; no comparison of two replays on one machine is better than ~1%.
+    se = max(se, NOISE_FLOOR)
     threshold = max(math.log1p(min_gain), num_sigma * se)
     return GainReport(math.exp(mean) - 1.0, se, threshold, mean > threshold, len(pairs))

@@ -129,3 +129,10 @@ def test_step_time_fit_on_this_machine(model_dir: Path) -> None:
     assert [n for n, _ in steps.samples] == [1, 16, 64]
     assert all(s > 0 and math.isfinite(s) for _, s in steps.samples)
     assert steps.step_s(64) >= steps.step_s(1)
+
+
+def test_identical_ratios_still_carry_the_noise_floor() -> None:
+    # identical ratios (a coarse clock) must not read as zero noise: 2 x 1% is the bar
+    g = paired_gain([101.5, 101.5, 101.5], [100.0, 100.0, 100.0], min_gain=0.0)
+    assert g.noise == 0.01 and not g.significant
+    assert paired_gain([103.0, 103.0, 103.0], [100.0, 100.0, 100.0], min_gain=0.0).significant
