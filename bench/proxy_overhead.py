@@ -4,11 +4,13 @@ Every run starts a FakeFastUpstream (bench/fake_upstream.py: streams a fixed
 number of chunks at once), then for each target (direct, polyinfer, and
 vllm-router when its binary is found) and each request rate, a load
 generator in its own process sends streaming chat requests on a fixed
-schedule and measures TTFT (first body byte) and E2E. Printed side by side:
+schedule and measures TTFT (first body byte) and E2E. litellm's proxy joins
+when its `litellm` binary is found (PATH or /tmp/litellm-venv), at rates up to
+200 req/s. Printed side by side:
 added TTFT / E2E p50 and p99 versus direct, achieved rate, and the proxy's
 CPU seconds per request (from /proc/<pid>/stat, user + system).
 
-    python bench/proxy_overhead.py                       # rates 200 500 1000
+    python bench/proxy_overhead.py                       # rates 50 200 500 1000
     python bench/proxy_overhead.py --rates 200 500 1000 2000 --duration 10
     python bench/proxy_overhead.py --loadgen URL RATE SECONDS   # (internal) one load run
 
@@ -34,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+NUM_WARMUP = 50  # requests sent before the timed schedule (connections opened, caches warm)
 PY = sys.executable
 BODY = {"model": "fake-fast", "stream": True, "max_tokens": 16,
         "messages": [{"role": "user", "content": "Say hello in sixteen short words, please."}]}
@@ -67,7 +70,7 @@ async def _load(url: str, rate: float, seconds: float) -> dict:
     async with aiohttp.ClientSession(connector=conn,
                                      timeout=aiohttp.ClientTimeout(total=30)) as s:
         # warm-up: open connections, JIT-less but caches warm
-        await asyncio.gather(*(_one(s, url, payload, []) for _ in range(50)))
+        await asyncio.gather(*(_one(s, url, payload, []) for _ in range(NUM_WARMUP)))
         tasks = []
         start = time.perf_counter()
         for i in range(n):
@@ -80,13 +83,15 @@ async def _load(url: str, rate: float, seconds: float) -> dict:
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
     ok = [(t, e) for t, e, st in out if st == 200 and t is not None]
-    errors = len(out) - len(ok)
+    shed = sum(1 for _, _, st in out if st in (429, 503))
+    errors = len(out) - len(ok) - shed
     ttft = np.array([t for t, _ in ok]) * 1e3
     e2e = np.array([e for _, e in ok]) * 1e3
 
     def pct(a: np.ndarray, q: float) -> float | None:
         return float(np.percentile(a, q)) if len(a) else None
-    return {"sent": n, "ok": len(ok), "errors": errors, "wall_s": wall,
+    return {"sent": n, "ok": len(ok), "errors": errors, "shed": shed, "wall_s": wall,
+            "num_total": n + NUM_WARMUP,  # every request the proxy handled, warm-up included
             "achieved_rps": len(ok) / wall,
             "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
             "e2e_p50_ms": pct(e2e, 50), "e2e_p99_ms": pct(e2e, 99),
@@ -123,9 +128,28 @@ def wait_http(url: str, timeout_s: float = 60) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
+def _descendants(pid: int) -> list[int]:
+    out = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            out += _descendants(int(child))
+    return out
+
+
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU of a process and its live descendants (a proxy's workers)."""
+    total = 0
+    for p in _descendants(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def pinned(cmd: list[str], core: int | None) -> list[str]:
@@ -139,6 +163,7 @@ class Target:
     name: str
     url: str  # chat completions URL
     proc: subprocess.Popen | None  # the proxy process (None = direct)
+    max_rate: float = float("inf")  # not offered more than this (it would only time out)
 
 
 def start_polyinfer(upstream: str, workdir: Path, core: int | None,
@@ -151,7 +176,6 @@ workers:
   - {{name: up, url: "{upstream}", config: {{backend: external, model: fake-fast}}}}
 routing: {{policy: round_robin, shape_estimator: {shape_estimator}}}
 traces: {{dir: "{workdir / 'traces'}"}}
-limits: {{max_in_flight: 100000}}
 """)
     proc = subprocess.Popen(pinned([PY, "-m", "proxy.cli", "--log-level", "WARNING", "serve",
                                     "--config", str(cfg)], core),
@@ -179,6 +203,31 @@ def start_vllm_router(binary: str, upstream: str, workdir: Path, core: int | Non
     return Target("vllm-router", f"http://127.0.0.1:{port}/v1/chat/completions", proc)
 
 
+def find_litellm() -> str | None:
+    for cand in (shutil.which("litellm"), "/tmp/litellm-venv/bin/litellm"):
+        if cand and Path(cand).exists():
+            return cand
+    return None
+
+
+def start_litellm(binary: str, upstream: str, workdir: Path, core: int | None) -> Target:
+    port = free_port()
+    cfg = workdir / "litellm.yaml"
+    cfg.write_text(f"""model_list:
+  - model_name: fake-fast
+    litellm_params: {{model: openai/fake-fast, api_base: "{upstream}/v1", api_key: none}}
+litellm_settings: {{telemetry: false}}
+""")
+    env = {**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"}
+    proc = subprocess.Popen(pinned([binary, "--config", str(cfg), "--port", str(port),
+                                    "--host", "127.0.0.1", "--num_workers", "1"], core),
+                            cwd=workdir, env=env, stdout=open(workdir / "litellm.log", "w"),
+                            stderr=subprocess.STDOUT)
+    wait_http(f"http://127.0.0.1:{port}/health/liveliness", timeout_s=120)
+    return Target("litellm", f"http://127.0.0.1:{port}/v1/chat/completions", proc,
+                  max_rate=200)
+
+
 def run_load(url: str, rate: float, seconds: float, core: int | None) -> dict:
     out = subprocess.run(pinned([PY, __file__, "--loadgen", url, str(rate), str(seconds)], core),
                          capture_output=True, text=True, check=True)
@@ -189,7 +238,7 @@ def measure(target: Target, rate: float, seconds: float, core: int | None) -> di
     before = cpu_seconds(target.proc.pid) if target.proc else 0.0
     res = run_load(target.url, rate, seconds, core)
     if target.proc:
-        res["cpu_ms_per_req"] = (cpu_seconds(target.proc.pid) - before) * 1e3 / max(res["ok"], 1)
+        res["cpu_ms_per_req"] = (cpu_seconds(target.proc.pid) - before) * 1e3 / res["num_total"]
     return res
 
 
@@ -198,14 +247,14 @@ def fmt(v: float | None, nd: int = 2) -> str:
 
 
 def print_table(rows: list[tuple[str, float, dict, dict]]) -> None:
-    print(f"{'target':<16}{'rate':>6}{'achieved':>9}{'err':>5}{'ttft p50':>9}{'p99':>8}"
+    print(f"{'target':<16}{'rate':>6}{'goodput':>9}{'err':>5}{'shed':>6}{'ttft p50':>9}{'p99':>8}"
           f"{'e2e p50':>9}{'p99':>8}{'+ttft p50':>10}{'+p99':>8}{'+e2e p50':>9}{'+p99':>8}"
           f"{'cpu ms/req':>11}")
     for name, rate, r, d in rows:
         add = {k: (r[k] - d[k]) if r[k] is not None and d[k] is not None else None
                for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")}
         direct = name == "direct"
-        print(f"{name:<16}{rate:>6.0f}{r['achieved_rps']:>9.0f}{r['errors']:>5}"
+        print(f"{name:<16}{rate:>6.0f}{r['achieved_rps']:>9.0f}{r['errors']:>5}{r['shed']:>6}"
               f"{fmt(r['ttft_p50_ms']):>9}{fmt(r['ttft_p99_ms']):>8}{fmt(r['e2e_p50_ms']):>9}"
               f"{fmt(r['e2e_p99_ms']):>8}"
               + ("" if direct else f"{fmt(add['ttft_p50_ms']):>10}{fmt(add['ttft_p99_ms']):>8}"
@@ -216,7 +265,8 @@ def print_table(rows: list[tuple[str, float, dict, dict]]) -> None:
 def sustained(rows: list[tuple[str, float, dict, dict]], name: str) -> float | None:
     """Highest offered rate that the target kept up with (>= 95% achieved, no errors)."""
     good = [rate for n, rate, r, _ in rows
-            if n == name and r["errors"] == 0 and r["achieved_rps"] >= 0.95 * rate]
+            if n == name and r["errors"] == 0 and r["shed"] == 0
+            and r["achieved_rps"] >= 0.95 * rate]
     return max(good) if good else None
 
 
@@ -243,11 +293,20 @@ def orchestrate(args: argparse.Namespace) -> None:
                 print(f"# vllm-router did not start: {e}")
         else:
             print("# vllm-router not installed: not compared")
-        print("# litellm not installed: not compared")
+        litellm = find_litellm() if not args.skip_litellm else None
+        if litellm:
+            try:
+                targets.append(start_litellm(litellm, up_url, workdir, proxy_core))
+            except RuntimeError as e:
+                print(f"# litellm did not start: {e}")
+        else:
+            print("# litellm not installed (or --skip-litellm): not compared")
         rows = []
         for rate in args.rates:
             direct = None
             for t in targets:
+                if rate > t.max_rate:
+                    continue
                 r = measure(t, rate, args.duration, other_core)
                 direct = r if t.name == "direct" else direct
                 assert direct is not None
@@ -274,10 +333,11 @@ def main() -> None:
         return
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rates", type=float, nargs="+", default=[200, 500, 1000])
+    p.add_argument("--rates", type=float, nargs="+", default=[50, 200, 500, 1000])
     p.add_argument("--duration", type=float, default=5.0, help="seconds per point")
     p.add_argument("--chunks", type=int, default=16)
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
+    p.add_argument("--skip-litellm", action="store_true")
     p.add_argument("--shape-estimators", nargs="+", default=["classifier", "heuristic"],
                    choices=["classifier", "heuristic"],
                    help="polyinfer variants: router classifier (default config) and/or the "
