@@ -31,6 +31,7 @@ from optimizer.verify import GainReport, paired_gain
 logger = logging.getLogger(__name__)
 
 INCUMBENT_AGENT = "incumbent"
+STALE_CLAIM_S = 900.0  # a claim older than this (no result) is taken to be abandoned
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,8 @@ class Campaign:
         return m.value if m else 0.0
 
     async def screen(self) -> None:
+        # NOTE: claims left by a measurer process that died go back on the board.
+        await self._call(self.board.requeue_stale, self.id, STALE_CLAIM_S)
         last_claim = time.monotonic()
         while self.num_fast < self.config.fast_budget:
             p = await self._call(self.board.claim, self.id, self.claimer)

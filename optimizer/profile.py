@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -159,6 +160,10 @@ class TraceTail:
     def read_new(self) -> TraceRead:
         try:
             with open(self.path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self._offset:
+                    # NOTE: truncated or rotated: start over from the top of the new file.
+                    logger.info("%s shrank: reading it from the start", self.path)
+                    self._offset, self._line_no = 0, 0
                 f.seek(self._offset)
                 data = f.read()
         except FileNotFoundError:

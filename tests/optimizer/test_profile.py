@@ -105,3 +105,13 @@ def test_tail_reads_only_appended_complete_lines(tmp_path: Path) -> None:
         f.write(', "domain": "qa", "prompt_tokens": 3}\n')
     second = tail.read_new()
     assert [r.ts for r in second.records] == [2.0] and second.bad_lines == []
+
+
+def test_tail_starts_over_when_the_file_is_truncated(tmp_path: Path) -> None:
+    path = tmp_path / "live.jsonl"
+    path.write_text(json.dumps(rec(1.0, "qa", 5, 5)) + "\n" + json.dumps(rec(2.0, "qa", 5, 5)) + "\n")
+    tail = TraceTail(path)
+    assert len(tail.read_new().records) == 2
+    path.write_text("oops\n")  # rotated: a new, shorter file
+    again = tail.read_new()
+    assert again.records == [] and [b.line_no for b in again.bad_lines] == [1]
