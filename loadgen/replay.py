@@ -49,20 +49,47 @@ class Prepared:
     synth: SynthStats | None
 
 
-async def discover_model(session: aiohttp.ClientSession) -> str:
-    """The first model id the target lists at ``GET /v1/models``."""
+async def discover_models(session: aiohttp.ClientSession) -> list[tuple[str, str | None]]:
+    """(id, root) of every model the target lists at ``GET /v1/models``."""
     try:
         async with session.get("/v1/models") as resp:
             body = await resp.json(content_type=None)
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         raise TargetError(f"GET /v1/models failed ({e}); pass --model") from e
     models = body.get("data") if isinstance(body, dict) else None
-    if not models or not isinstance(models[0], dict) or "id" not in models[0]:
+    listed = [(str(m["id"]), m.get("root") if isinstance(m.get("root"), str) else None)
+              for m in models or () if isinstance(m, dict) and "id" in m]
+    if not listed:
         raise TargetError(f"GET /v1/models listed no model ({str(body)[:200]}); pass --model")
-    return str(models[0]["id"])
+    return listed
 
 
-def prepare(cfg: ReplayConfig, model: str, records: Sequence[TraceRequest] | None) -> Prepared:
+async def resolve_target(session: aiohttp.ClientSession, cfg: ReplayConfig
+                         ) -> tuple[str, str | None]:
+    """The model name to send, and the tokenizer to count with.
+
+    Without ``--tokenizer``, a checkpoint directory that the server reports as
+    the model's ``root`` (the engine and vLLM do) is used when it exists on
+    this machine; otherwise lengths are estimated.
+    """
+    if cfg.client.model and cfg.tokenizer:
+        return cfg.client.model, cfg.tokenizer
+    try:
+        listed = await discover_models(session)
+    except TargetError:
+        if cfg.client.model:
+            return cfg.client.model, cfg.tokenizer
+        raise
+    name = cfg.client.model or listed[0][0]
+    root = next((r for n, r in listed if n == name), None)
+    if cfg.tokenizer is None and root and (Path(root) / "tokenizer.json").is_file():
+        logger.info("counting tokens with the target's own tokenizer at %s", root)
+        return name, root
+    return name, cfg.tokenizer
+
+
+def prepare(cfg: ReplayConfig, model: str, tokenizer: str | None,
+            records: Sequence[TraceRequest] | None) -> Prepared:
     """Read, schedule and build every request (blocking: run it in a thread)."""
     bad = BadLines(cfg.trace.bad_lines)
     fmt = "records"
@@ -70,7 +97,7 @@ def prepare(cfg: ReplayConfig, model: str, records: Sequence[TraceRequest] | Non
         fmt = detect_format(cfg.trace.path) if cfg.trace.format == "auto" else cfg.trace.format
         records = list(read_trace(cfg.trace.path, fmt, bad))
     schedule = arrivals(list(records), cfg.arrivals)
-    counter = load_token_counter(cfg.tokenizer)
+    counter = load_token_counter(tokenizer)
     needs_synth = any(r.prompt is None and r.messages is None for _, r in schedule)
     synth = (PromptSynthesizer(counter, cfg.lengths.scaled_block_tokens, cfg.arrivals.seed)
              if needs_synth else None)
@@ -115,8 +142,8 @@ async def replay(cfg: ReplayConfig, records: Sequence[TraceRequest] | None = Non
                  ) -> ReplayResult:
     """Run one replay; ``records`` replaces reading ``cfg.trace.path`` when given."""
     async with make_session(cfg.client) as session:
-        model = cfg.client.model or await discover_model(session)
-        prep = await asyncio.to_thread(prepare, cfg, model, records)
+        model, tokenizer = await resolve_target(session, cfg)
+        prep = await asyncio.to_thread(prepare, cfg, model, tokenizer, records)
         cap = cfg.arrivals.concurrency if cfg.arrivals.mode == "concurrency" \
             else cfg.client.max_concurrency
         runner = Runner(StreamingClient(cfg.client, session), cap, cfg.arrivals.duration_s,

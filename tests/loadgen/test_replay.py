@@ -181,3 +181,16 @@ def test_cli_errors_exit_2(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> 
     bad.write_text('{"prompt": "hi"}\n')
     assert main(["loadgen", "--trace", str(bad), "--target", "http://127.0.0.1:9"]) == 2
     assert "has no timestamps: pass --rate R" in caplog.text
+
+
+async def test_tokenizer_from_the_targets_model_root(upstream: ScriptedUpstream,
+                                                     tmp_path: Path) -> None:
+    trace = _mooncake(tmp_path)
+    base = _cfg(upstream.url, trace, tokenizer=None, lengths=LengthConfig(prompt_scale=0.05),
+                arrivals=ArrivalConfig(mode="trace", time_scale=0.1, max_requests=2))
+    upstream.model_root = str(TINY_TARGET)
+    found = (await replay(base)).summary["prompts"]
+    assert found["exact"] and found["tokenizer"] == str(TINY_TARGET / "tokenizer.json")
+    upstream.model_root = str(tmp_path / "not-here")
+    missing = (await replay(base)).summary["prompts"]
+    assert not missing["exact"] and missing["tokenizer"].startswith("estimate")

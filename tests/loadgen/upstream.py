@@ -49,7 +49,7 @@ class ScriptedUpstream:
         self.received: list[Received] = []
         self.in_flight = 0
         self.max_in_flight = 0
-        self.nodelay: list[bool] = []
+        self.model_root: str | None = None  # reported as the model's "root" when set
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -73,7 +73,10 @@ class ScriptedUpstream:
             await self._runner.cleanup()
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "scripted-model"}]})
+        model: dict[str, Any] = {"id": "scripted-model"}
+        if self.model_root is not None:
+            model["root"] = self.model_root
+        return web.json_response({"object": "list", "data": [model]})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
