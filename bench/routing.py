@@ -2,8 +2,10 @@
 """Routing policies side by side on heterogeneous engine workers and mixed real traffic.
 
 Two built-in engine workers on the bundled tiny model, with different compiled
-configs (below), serve the same replayed workload through one in-process
-polyinfer proxy per policy, one policy after the other:
+configs (below), serve the replayed workload through one in-process polyinfer
+proxy per policy. Each policy has its own pair of workers, and the three
+replays of the same schedule run at the same time (so a shared machine's
+background load hits all three alike), for ``--rounds`` rounds:
 
 - ``round_robin`` and ``least_outstanding`` with each worker's static default
   speculative depth (speculation mode "policy");
@@ -89,14 +91,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_workers(tmp: Path) -> tuple[dict[str, str], list[subprocess.Popen[bytes]]]:
+def start_workers(tmp: Path, tag: str, device: str
+                  ) -> tuple[dict[str, str], list[subprocess.Popen[bytes]]]:
     urls, procs = {}, []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name, cfg in WORKERS.items():
-        path = tmp / f"{name}.yaml"
+    for name, base in WORKERS.items():
+        cfg = base.with_engine(device=device)
+        path = tmp / f"{tag}-{name}.yaml"
         path.write_text(yaml.safe_dump(cfg.to_dict()))
         port = free_port()
-        log = (tmp / f"{name}.log").open("wb")
+        log = (tmp / f"{tag}-{name}.log").open("wb")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "proxy.cli", "--log-level", "WARNING", "engine",
              "--config", str(path), "--port", str(port)], stdout=log, stderr=log, env=env))
@@ -147,7 +151,8 @@ def build_workload(data: Path, num: int, rate: float, seed: int) -> list[TraceRe
 async def run_policy(name: str, spec_mode: str, policy: Any, urls: dict[str, str],
                      records: list[TraceRequest], args: argparse.Namespace) -> dict[str, Any]:
     config = ProxyConfig(
-        workers=tuple(WorkerSpec(n, url=urls[n], config=WORKERS[n]) for n in WORKERS),
+        workers=tuple(WorkerSpec(n, url=urls[n], config=WORKERS[n].with_engine(device=args.device))
+                      for n in WORKERS),
         routing=RoutingConfig(policy=name), speculation=SpeculationConfig(mode=spec_mode),
         traces=ProxyTraceConfig(enabled=False),
         health=HealthConfig(interval_s=1.0, metrics_interval_s=0.25))
@@ -173,6 +178,8 @@ async def run_policy(name: str, spec_mode: str, policy: Any, urls: dict[str, str
         await runner.cleanup()
     summary = result.summary
     summary["policy_stats"] = policy.stats() if hasattr(policy, "stats") else {}
+    summary["requests"] = [[r.ok, r.ttft_s, r.tpot_s, r.completion_tokens, r.worker, r.domain]
+                           for r in result.results]
     return summary
 
 
@@ -193,18 +200,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]
     policies = {name: build_policy(name, seed=args.seed) for name, _ in POLICIES}
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in POLICIES}
     with tempfile.TemporaryDirectory() as tmp:
-        urls, procs = start_workers(Path(tmp))
+        # NOTE: each policy gets its own pair of workers and all three replay the same
+        # schedule at the same time, so the shared box's background load hits them alike.
+        fleets = {name: start_workers(Path(tmp), name, args.device) for name, _ in POLICIES}
         try:
-            await wait_healthy(urls)
+            for urls, _ in fleets.values():
+                await wait_healthy(urls)
             for r in range(args.rounds):
-                # alternate the order (ABC, CBA, ...) so drift in the shared box's load
-                # does not favour whichever policy runs first
-                order = list(POLICIES) if r % 2 == 0 else list(reversed(POLICIES))
-                for name, mode in order:
-                    s = await run_policy(name, mode, policies[name], urls, records, args)
-                    results[name].append(s)
-                    print(f"round {r + 1} " + fmt_row(name, s), flush=True)
+                runs = await asyncio.gather(*(
+                    run_policy(name, mode, policies[name], fleets[name][0], records, args)
+                    for name, mode in POLICIES))
+                for (name, _), summary in zip(POLICIES, runs, strict=True):
+                    results[name].append(summary)
+                    print(f"round {r + 1} " + fmt_row(name, summary), flush=True)
         finally:
+            procs = [p for _, ps in fleets.values() for p in ps]
             for p in procs:
                 p.terminate()
             for p in procs:
@@ -228,7 +238,8 @@ def main() -> None:
     ap.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     ap.add_argument("--slo-tpot", type=float, default=0.15, help="seconds")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rounds", type=int, default=2, help="policy rounds, order alternating")
+    ap.add_argument("--device", default="cpu", help="engine workers' torch device (cpu, cuda)")
+    ap.add_argument("--rounds", type=int, default=2, help="replays per policy")
     ap.add_argument("--json", type=Path, help="write all summaries here")
     args = ap.parse_args()
     print(f"{args.requests} requests at {args.rate} req/s mean (Azure conv arrivals), SLO "
