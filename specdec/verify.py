@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec import triton_accept
 from specdec.base import Proposal
 from specdec.errors import VerifyInputError
 from specdec.sampling import (
@@ -60,6 +61,7 @@ class _Layout:
     starts: torch.Tensor  # [B] int64, flat index of each sequence's first position
     draft_tokens: torch.Tensor  # [T] int64, the draft token scored at each position (0 at bonus)
     is_draft: torch.Tensor  # [T] bool, False at each sequence's bonus position
+    max_k: int  # max(k_i), known on the host
 
 
 def verify(target_logits: torch.Tensor, proposals: Sequence[Proposal],
@@ -73,10 +75,9 @@ def verify(target_logits: torch.Tensor, proposals: Sequence[Proposal],
     p = process_logits(target_logits, flat_params)  # [T, vocab]
     q_draft = _draft_prob_of_token(proposals, layout)  # [T]
     p_draft = p.gather(1, layout.draft_tokens.unsqueeze(1)).squeeze(1)  # [T]
-    u = uniforms([c - 1 for c in counts], sampling).to(p.device)  # [T - B]
-    accepted = torch.zeros_like(layout.is_draft)
-    accepted[layout.is_draft] = u * q_draft[layout.is_draft] < p_draft[layout.is_draft]
-    num_accepted = _leading_true(accepted, layout)  # [B]
+    u = torch.ones_like(p_draft)  # [T]; 1 at bonus rows, which are never tested
+    u[layout.is_draft] = uniforms([c - 1 for c in counts], sampling).to(p.device)
+    num_accepted = _num_accepted(p_draft, q_draft, u, layout)  # [B]
     final_pos = layout.starts + num_accepted  # [B]
     rejected = num_accepted < layout.num_draft  # [B]
     dist = p[final_pos]  # [B, vocab]
@@ -108,7 +109,8 @@ def _layout(logits: torch.Tensor, proposals: Sequence[Proposal],
     starts = torch.cumsum(torch.tensor([0] + counts[:-1], dtype=torch.int64, device=dev), dim=0)
     is_draft = torch.ones(total, dtype=torch.bool, device=dev)
     is_draft[starts + num_draft] = False
-    return _Layout(num_draft, starts, torch.tensor(flat, dtype=torch.int64, device=dev), is_draft)
+    return _Layout(num_draft, starts, torch.tensor(flat, dtype=torch.int64, device=dev), is_draft,
+                   max(counts, default=1) - 1)
 
 
 def _check_proposal(prop: Proposal, vocab: int) -> None:
@@ -123,14 +125,23 @@ def _check_proposal(prop: Proposal, vocab: int) -> None:
 def _verify_greedy(logits: torch.Tensor, proposals: Sequence[Proposal],
                    layout: _Layout) -> list[VerifyResult]:
     argmax = logits.argmax(dim=1)  # [T]
-    accepted = layout.is_draft & (argmax == layout.draft_tokens)
-    num_accepted = _leading_true(accepted, layout)
+    match = (argmax == layout.draft_tokens).float()  # p(x) of a point mass on the argmax
+    num_accepted = _num_accepted(match, torch.ones_like(match), torch.zeros_like(match), layout)
     return _results(proposals, num_accepted, argmax[layout.starts + num_accepted])
+
+
+def _num_accepted(p_draft: torch.Tensor, q_draft: torch.Tensor, u: torch.Tensor,
+                  layout: _Layout) -> torch.Tensor:
+    """[B]: leading draft positions with u * q(x) < p(x); a Triton kernel on CUDA."""
+    if layout.max_k > 0 and triton_accept.available(p_draft):
+        return triton_accept.accept_counts(p_draft, q_draft, u, layout.starts, layout.num_draft,
+                                           layout.max_k)
+    return _leading_true(layout.is_draft & (u * q_draft < p_draft), layout)
 
 
 def _leading_true(accepted: torch.Tensor, layout: _Layout) -> torch.Tensor:
     """Per sequence, how many of its draft positions are accepted before the first rejection."""
-    max_k = int(layout.num_draft.max()) if layout.num_draft.numel() else 0
+    max_k = layout.max_k
     if max_k == 0:
         return torch.zeros_like(layout.num_draft)
     offsets = torch.arange(max_k, device=accepted.device)

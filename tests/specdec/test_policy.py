@@ -7,10 +7,10 @@ import pytest
 from specdec.errors import ProposerConfigError
 from specdec.policy import (
     AcceptanceEstimate,
-    batch_tokens_per_step,
     DepthPolicy,
     PolicyConfig,
     StepTimeModel,
+    batch_tokens_per_step,
     choose_depth,
     expected_tokens_per_step,
     solve_acceptance,

@@ -58,3 +58,27 @@ def test_speculative_sampling_on_cuda_matches_target(params: SamplingParams,
     p = target_probs(params)
     assert chi_square_p_value(first, p[0]) > ALPHA
     assert chi_square_p_value(second, p[1]) > ALPHA
+
+
+@pytest.mark.parametrize("max_k", [1, 3, 6, 16])
+def test_triton_accept_kernel_matches_torch(max_k: int) -> None:
+    from specdec import triton_accept
+    from specdec.verify import _Layout, _leading_true
+
+    if triton_accept.triton is None:
+        pytest.skip("triton is not installed")
+    gen = torch.Generator().manual_seed(max_k)
+    ks = torch.randint(0, max_k + 1, (64,), generator=gen)
+    counts = ks + 1
+    starts = torch.cumsum(counts, 0) - counts
+    total = int(counts.sum())
+    is_draft = torch.ones(total, dtype=torch.bool)
+    is_draft[starts + ks] = False
+    p = torch.rand(total, generator=gen)
+    q = torch.rand(total, generator=gen) * 0.5 + 0.5
+    u = torch.rand(total, generator=gen) * 0.8
+    layout = _Layout(ks, starts, torch.zeros(total, dtype=torch.int64), is_draft, max_k)
+    expected = _leading_true(is_draft & (u * q < p), layout)
+    got = triton_accept.accept_counts(p.cuda(), q.cuda(), u.cuda(), starts.cuda(), ks.cuda(), max_k)
+    assert got.cpu().tolist() == expected.tolist()
+    assert 0 < int(expected.sum()) < int(ks.sum())  # both accepts and rejections happened
