@@ -105,7 +105,8 @@ def vllm_spec(speculative: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
-async def client_loop(url: str, stop: asyncio.Event, results: list[int]) -> None:
+async def client_loop(url: str, stop: asyncio.Event, results: list[tuple[float, int]]) -> None:
+    """Requests back to back; (monotonic end time, HTTP status or -1 for a client error)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         while not stop.is_set():
             try:
@@ -113,9 +114,27 @@ async def client_loop(url: str, stop: asyncio.Event, results: list[int]) -> None
                         "model": MODEL, "prompt": "def add(a, b):\n    return a + b\n\ndef add(",
                         "max_tokens": 16, "temperature": 0}) as r:
                     await r.read()
-                    results.append(r.status)
+                    results.append((time.monotonic(), r.status))
             except (aiohttp.ClientError, TimeoutError):
-                results.append(-1)
+                results.append((time.monotonic(), -1))
+
+
+def failures_by_phase(results: list[tuple[float, int]], t_post: float,
+                      report: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Failed requests (status -> count) in each phase of the replacement."""
+    bounds = [("before", t_post)]
+    t = t_post
+    for phase in ("start_s", "warmup_s", "drain_s", "stop_s"):
+        t += report[phase]
+        bounds.append((phase.removesuffix("_s"), t))
+    out: dict[str, dict[str, int]] = {}
+    for end, status in results:
+        if status == 200:
+            continue
+        phase = next((name for name, until in bounds if end <= until), "after")
+        out.setdefault(phase, {})
+        out[phase][str(status)] = out[phase].get(str(status), 0) + 1
+    return out
 
 
 async def vllm_blue_green(tmp: Path) -> dict[str, Any]:
@@ -128,10 +147,11 @@ async def vllm_blue_green(tmp: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     await server.start()
     cold_s = time.monotonic() - t0
-    stop, results = asyncio.Event(), list[int]()
+    stop, results = asyncio.Event(), list[tuple[float, int]]()
     clients = [asyncio.create_task(client_loop(server.url, stop, results)) for _ in range(2)]
     try:
         await asyncio.sleep(2.0)
+        t_post = time.monotonic()
         body = {"config": vllm_spec({"method": "ngram", "num_speculative_tokens": 4,
                                      "prompt_lookup_max": 4, "prompt_lookup_min": 2})["config"]}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1200)) as s:
@@ -144,8 +164,9 @@ async def vllm_blue_green(tmp: Path) -> dict[str, Any]:
         stop.set()
         await asyncio.gather(*clients)
         await server.stop()
-    return {"cold_start_s": cold_s, "replacement": report,
-            "num_requests": len(results), "num_failed": sum(1 for c in results if c != 200)}
+    return {"cold_start_s": cold_s, "replacement": report, "num_requests": len(results),
+            "num_failed": sum(1 for _, c in results if c != 200),
+            "failed_by_phase": failures_by_phase(results, t_post, report)}
 
 
 async def main() -> None:
@@ -164,7 +185,8 @@ async def main() -> None:
     print(f"vllm    cold start {vllm['cold_start_s']:.1f} s; blue-green total {rep['total_s']:.1f} s"
           f" = start {rep['start_s']:.1f} + warm-up {rep['warmup_s']:.2f} + drain "
           f"{rep['drain_s']:.2f} + stop {rep['stop_s']:.2f}; client requests during it: "
-          f"{vllm['num_requests']}, failed {vllm['num_failed']}")
+          f"{vllm['num_requests']}, failed {vllm['num_failed']} "
+          f"(by phase and status: {json.dumps(vllm['failed_by_phase'])})")
     print(f"ratio   blue-green / hot reload = {rep['total_s'] / engine['reload_median_s']:.0f}x; "
           f"traffic interruption: none for either (the old vLLM serves until the shift)")
 
