@@ -34,7 +34,6 @@ import random
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -199,26 +198,26 @@ async def main_async(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]
     # baselines have nothing to keep.
     policies = {name: build_policy(name, seed=args.seed) for name, _ in POLICIES}
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in POLICIES}
-    with tempfile.TemporaryDirectory() as tmp:
-        # NOTE: each policy gets its own pair of workers and all three replay the same
-        # schedule at the same time, so the shared box's background load hits them alike.
-        fleets = {name: start_workers(Path(tmp), name, args.device) for name, _ in POLICIES}
-        try:
-            for urls, _ in fleets.values():
-                await wait_healthy(urls)
-            for r in range(args.rounds):
-                runs = await asyncio.gather(*(
-                    run_policy(name, mode, policies[name], fleets[name][0], records, args)
-                    for name, mode in POLICIES))
-                for (name, _), summary in zip(POLICIES, runs, strict=True):
-                    results[name].append(summary)
-                    print(f"round {r + 1} " + fmt_row(name, summary), flush=True)
-        finally:
-            procs = [p for _, ps in fleets.values() for p in ps]
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(timeout=30)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    # NOTE: each policy gets its own pair of workers and all three replay the same
+    # schedule at the same time, so the shared box's background load hits them alike.
+    fleets = {name: start_workers(args.log_dir, name, args.device) for name, _ in POLICIES}
+    try:
+        for urls, _ in fleets.values():
+            await wait_healthy(urls)
+        for r in range(args.rounds):
+            runs = await asyncio.gather(*(
+                run_policy(name, mode, policies[name], fleets[name][0], records, args)
+                for name, mode in POLICIES))
+            for (name, _), summary in zip(POLICIES, runs, strict=True):
+                results[name].append(summary)
+                print(f"round {r + 1} " + fmt_row(name, summary), flush=True)
+    finally:
+        procs = [p for _, ps in fleets.values() for p in ps]
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
     return results
 
 
@@ -241,6 +240,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="engine workers' torch device (cpu, cuda)")
     ap.add_argument("--rounds", type=int, default=2, help="replays per policy")
     ap.add_argument("--json", type=Path, help="write all summaries here")
+    ap.add_argument("--log-dir", type=Path, default=ROOT / "bench" / "out" / "routing",
+                    help="worker configs and logs")
     args = ap.parse_args()
     print(f"{args.requests} requests at {args.rate} req/s mean (Azure conv arrivals), SLO "
           f"TTFT<={args.slo_ttft}s TPOT<={args.slo_tpot}s; workers: "
