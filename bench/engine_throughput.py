@@ -119,7 +119,7 @@ def run_vllm(args: argparse.Namespace, prompts: list[str]) -> dict[int, float]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model),
            "--served-model-name", "bench", "--dtype", "float32", "--max-model-len", "2048",
            "--gpu-memory-utilization", "0.3", "--port", str(port),
-           "--max-num-seqs", str(max(args.concurrency)), "--disable-log-requests"]
+           "--max-num-seqs", str(max(args.concurrency))]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc, 600)

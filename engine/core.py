@@ -58,6 +58,9 @@ class StepStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     num_preempted: int = 0
+    num_running: int = 0  # gauges after the step
+    num_waiting: int = 0
+    kv_usage: float = 0.0
 
 
 class EngineCore:
