@@ -146,15 +146,15 @@ class Relay:
             raise Overloaded(f"proxy saturated (event loop {self.loop_lag_s * 1e3:.0f} ms late)",
                              retry_after_s=retry)
 
-    async def measure_loop_lag(self, period_s: float = 0.01) -> None:
+    async def measure_loop_lag(self, period_s: float = 0.05) -> None:
         """Track how late the event loop wakes a sleeper: the proxy's own saturation signal."""
         lag = 0.0
         while True:
             t = time.perf_counter()
             await asyncio.sleep(period_s)
             late = time.perf_counter() - t - period_s
-            # NOTE: smoothed over ~50 ms so a single scheduling hiccup sheds nothing.
-            lag = 0.8 * lag + 0.2 * late
+            # NOTE: smoothed over ~0.1 s so a single scheduling hiccup sheds nothing.
+            lag = 0.5 * lag + 0.5 * late
             self.loop_lag_s = lag
 
     @staticmethod
