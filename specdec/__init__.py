@@ -8,6 +8,8 @@ Modules (one concept each):
 - ``sampling`` the one sampler plain and speculative decoding share (``process_logits``, ``sample``)
 - ``verify``   batched lossless verification, a different k per sequence
 - ``policy``   the depth policy: k per request from learned acceptance, batch size, step time
+- ``schedule`` a batch-size -> k schedule for vLLM workers, fitted with the policy's models
+- ``triton_accept`` the accept scan of verification as a Triton kernel (CUDA)
 - ``errors``   the exceptions, with their tree
 
 The engine's step loop (``engine.core`` / ``engine.runner``) calls

@@ -60,7 +60,7 @@ def expected_accepted(acceptance: float, k: int) -> float:
 @dataclass(frozen=True)
 class PolicyConfig:
     max_depth: int = 6  # never speculate deeper (a worker's own cap also applies)
-    min_gain: float = 1.03  # speculate only if E/t beats depth 0 by this factor
+    min_gain: float = 1.01  # speculate only if E/t beats depth 0 by this factor
     prior_acceptance: float = 0.5  # Beta prior mean for an unseen (worker, domain)
     prior_strength: float = 8.0  # Beta prior weight, in tested draft tokens
     max_evidence: float = 4000.0  # cap on alpha + beta, so estimates track drift
