@@ -22,13 +22,16 @@ from optimizer.errors import OptimizerError
 from optimizer.measure import Tier
 from optimizer.promote import PromotionConfig
 from optimizer.sample import SampleConfig
-from optimizer.service import AGENT_NAMES, OptimizerConfig, OptimizerService
+from optimizer.service import AGENT_NAMES, OptimizerConfig, OptimizerService, join_campaign
 
 logger = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--traces", nargs="+", required=True, help="JSONL trace files (tailed)")
+    p.add_argument("--traces", nargs="+", default=[], help="JSONL trace files (tailed)")
+    p.add_argument("--join", action="store_true",
+                   help="only run extra agents (bayes, evolution) in this process on the "
+                        "board's open campaign, until it is done")
     p.add_argument("--worker", help="live engine worker URL to promote winners to")
     p.add_argument("--worker-backend", default="engine", choices=["engine", "vllm", "external"])
     p.add_argument("--config", help="base compiled config (YAML/JSON); default: built-in")
@@ -81,6 +84,15 @@ def run(args: argparse.Namespace) -> int:
         config = build_config(args)
     except (ConfigError, OptimizerError) as e:
         logger.error("%s", e)
+        return 2
+    if args.join:
+        cid = asyncio.run(join_campaign(config.board_path, config.base, config.knobs,
+                                        seed=args.seed + 100,
+                                        memory_budget_bytes=config.memory_budget_bytes))
+        print(json.dumps({"joined": cid}))
+        return 0 if cid else 1
+    if not config.traces:
+        logger.error("--traces: at least one trace file is needed (or --join)")
         return 2
     service = OptimizerService(config)
     try:

@@ -299,6 +299,7 @@ class OptimizerService:
         best = await campaign.best_fast()
         if best is not None:
             outcome["best_fast"] = {"key": json.loads(best[0]), "value": round(best[1], 2)}
+        await loop.run_in_executor(None, board.note, cid, "service", "campaign_done", outcome)
         self._record_history(campaign, winner, outcome, runners, time.monotonic() - t0)
 
     def _tier_for(self, tier: Tier, profile: TrafficProfile) -> Tier:
@@ -407,3 +408,41 @@ def _profile_summary(p: TrafficProfile | None) -> dict[str, Any] | None:
             "prompt_tokens_mean": round(p.prompt_tokens.mean, 1),
             "output_tokens_mean": round(p.output_tokens.mean, 1),
             "acceptance": {d: round(v, 3) for d, v in p.acceptance_by_domain.items()}}
+
+
+async def join_campaign(board_path: str, base: CompiledConfig, knobs: tuple[Knob, ...] = DEFAULT_KNOBS,
+                        agents: tuple[str, ...] = ("bayes", "evolution"), seed: int = 100,
+                        poll_s: float = 1.0, memory_budget_bytes: int = 1 << 30) -> str | None:
+    """Run extra agents in this process on the board's open campaign until it is done.
+
+    The campaign is the newest one with an ``incumbent`` note and no
+    ``campaign_done`` note; returns its id, or None when there is none.
+    """
+    loop = asyncio.get_running_loop()
+    board = await loop.run_in_executor(None, Board, board_path)
+    cid = await loop.run_in_executor(None, open_campaign, board)
+    if cid is None:
+        return None
+    space = SearchSpace.default(base, memory_budget_bytes, knobs)
+    made: dict[str, Agent] = {"bayes": BayesAgent(space, seed=seed),
+                              "evolution": EvolutionAgent(space, seed=seed + 1)}
+    stop = asyncio.Event()
+    runners = [AgentRunner(made[a], board, space, cid, "fast") for a in agents]
+    tasks = [asyncio.create_task(r.run(stop)) for r in runners]
+    try:
+        while not await loop.run_in_executor(None, board.notes, cid, "campaign_done", 1):
+            await asyncio.sleep(poll_s)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    logger.info("joined campaign %s: posted %s", cid, {r.agent.name: r.num_posted for r in runners})
+    return cid
+
+
+def open_campaign(board: Board) -> str | None:
+    started = board.notes(kind="incumbent", limit=50)
+    done = {n.campaign for n in board.notes(kind="campaign_done", limit=200)}
+    for note in reversed(started):
+        if note.campaign not in done:
+            return note.campaign
+    return None

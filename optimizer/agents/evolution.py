@@ -12,6 +12,7 @@ import random
 
 from engine.config import CompiledConfig
 from optimizer.agents.base import BoardView, Candidate, fresh
+from optimizer.errors import SpaceError
 from optimizer.space import SearchSpace
 
 
@@ -28,9 +29,7 @@ class EvolutionAgent:
     def propose(self, view: BoardView, num: int) -> list[Candidate]:
         parents = [self.space.from_key(k) for k, _ in view.top(self.elite)]
         if not parents:
-            start = (self.space.from_key(view.incumbent_key) if view.incumbent_key
-                     else self.space.canonical(self.space.base))
-            parents = [start]
+            parents = [self._start(view)]
         children: list[CompiledConfig] = []
         for _ in range(30 * num):
             child = self._child(parents)
@@ -40,6 +39,14 @@ class EvolutionAgent:
                 break
         return [Candidate(c, reason="local search around the best")
                 for c in fresh(self.space, view, children)[:num]]
+
+    def _start(self, view: BoardView) -> CompiledConfig:
+        if view.incumbent_key:
+            try:
+                return self.space.from_key(view.incumbent_key)
+            except (SpaceError, ValueError, TypeError):
+                pass  # NOTE: an incumbent from another space (other knobs): start from the base
+        return self.space.canonical(self.space.base)
 
     def _child(self, parents: list[CompiledConfig]) -> CompiledConfig | None:
         if len(parents) >= 2 and self.rng.random() < self.crossover_prob:
