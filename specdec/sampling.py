@@ -117,14 +117,15 @@ def sample_from_probs(probs: torch.Tensor, params: Sequence[SamplingParams]) -> 
     when it has one), so a seeded request's stream advances by one number per
     sampled token whichever path samples it.
     """
-    tokens = probs.argmax(dim=1)  # [N]
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
-        return tokens
-    index = torch.tensor(rows, device=probs.device)
+        return probs.argmax(dim=1)  # [N]
     u = uniforms([1] * len(rows), [params[i] for i in rows]).to(probs.device)
-    picked = _inverse_cdf(probs[index], u)
-    tokens[index] = picked
+    if len(rows) == len(params):
+        return _inverse_cdf(probs, u)
+    tokens = probs.argmax(dim=1)  # [N]
+    index = torch.tensor(rows, device=probs.device)
+    tokens[index] = _inverse_cdf(probs[index], u)
     return tokens
 
 
