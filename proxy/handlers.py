@@ -17,6 +17,9 @@ from proxy.validate import CHAT, COMPLETIONS
 
 logger = logging.getLogger(__name__)
 
+# On responses that were not routed (health, stats, admin...): same headers, no values.
+_NO_ROUTE_HEADERS = {"x-polyinfer-worker": "none", "x-polyinfer-domain": "none",
+                     "x-polyinfer-spec-depth": "none"}
 _HTTP_ERROR_TYPES = {404: "not_found", 405: "invalid_request_error",
                      413: "invalid_request_error"}
 
@@ -45,6 +48,7 @@ async def error_middleware(
         if rec is not None:
             resp.headers.update(proxy_headers(rec))
         elif "x-request-id" not in resp.headers:
+            resp.headers.update(_NO_ROUTE_HEADERS)
             resp.headers["x-request-id"] = request.app[keys.RELAY].new_request_id()
     return resp
 

@@ -46,7 +46,7 @@ from proxy.stats import Stats
 from proxy.traces import TraceWriter
 from proxy.upstream import UpstreamClient, UpstreamResponse
 from proxy.validate import check_body, parse_body, wants_usage
-from router.base import RoutingPolicy
+from router.base import RequestShape, RouteDecision, RoutingPolicy, WorkerView
 from specdec.policy import DepthPolicy
 
 logger = logging.getLogger(__name__)
@@ -220,10 +220,10 @@ class Relay:
             views = self.pool.routable(rec.model, tried)
             if not views:
                 break
-            decision = self.policy.choose(rec.shape, views)
-            worker = self.pool.workers.get(decision.worker) or self.pool.workers[views[0].name]
-            rec.worker, rec.reason, rec.num_attempts = worker.name, decision.reason, \
-                rec.num_attempts + 1
+            decision = self._choose(rec.shape, views)
+            worker = self.pool.workers[decision.worker]
+            rec.worker, rec.reason = worker.name, decision.reason
+            rec.num_attempts += 1
             rec.spec_depth = self._depth(worker, rec, decision.spec_depth)
             try:
                 return await self._attempt(request, rec, worker, body, strip_usage)
@@ -235,6 +235,20 @@ class Relay:
         if not tried:
             raise NoHealthyWorker(f"no healthy worker serves '{rec.model}'", retry_after_s=retry)
         raise UpstreamError(f"{len(tried)} worker(s) failed: {last_error}")
+
+    def _choose(self, shape: RequestShape, views: list[WorkerView]) -> RouteDecision:
+        """The policy's decision, or the first routable worker if the policy misbehaves."""
+        try:
+            decision = self.policy.choose(shape, views)
+        except Exception:
+            logger.exception("routing policy %s failed in choose", self.policy.name)
+            return RouteDecision(worker=views[0].name, reason="policy_error")
+        if not any(v.name == decision.worker for v in views):
+            logger.error("routing policy %s chose %r, not a routable worker", self.policy.name,
+                         decision.worker)
+            return RouteDecision(worker=views[0].name, spec_depth=decision.spec_depth,
+                                 reason="policy_error")
+        return decision
 
     def _depth(self, worker: Worker, rec: RequestRecord, policy_depth: int | None) -> int | None:
         if worker.backend != "engine":

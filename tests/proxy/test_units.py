@@ -221,3 +221,34 @@ def test_example_config_loads() -> None:
     path = resources.files("proxy").joinpath("data/polyinfer.example.yaml")
     config = ProxyConfig.load(str(path))
     assert {w.backend for w in config.workers} == {"engine", "vllm", "external"}
+
+
+def test_a_misbehaving_policy_falls_back_to_a_routable_worker() -> None:
+    from engine.config import CompiledConfig
+    from proxy.config import ProxyConfig
+    from proxy.pool import WorkerPool
+    from proxy.relay import Relay
+    from proxy.shape import HeuristicShapeEstimator
+    from router.base import RouteDecision, WorkerView
+
+    class Broken:
+        name = "broken"
+
+        def __init__(self, answer: str | None) -> None:
+            self.answer = answer
+
+        def choose(self, shape, workers):  # type: ignore[no-untyped-def]
+            if self.answer is None:
+                raise ValueError("boom")
+            return RouteDecision(worker=self.answer, reason="x")
+
+        def observe(self, outcome) -> None:  # type: ignore[no-untyped-def]
+            return None
+
+    config = ProxyConfig()
+    views = [WorkerView(name="a", url="http://a", backend="engine", config=CompiledConfig())]
+    shape = RequestShape(domain="chat", prompt_tokens=1, max_tokens=1, predicted_output_tokens=1)
+    for answer in (None, "ghost"):
+        relay = Relay(config, WorkerPool(config.health, Path(".")), Stats(),
+                      HeuristicShapeEstimator(), Broken(answer))
+        assert relay._choose(shape, views) == RouteDecision(worker="a", reason="policy_error")
