@@ -73,3 +73,18 @@ def test_prefix_hashes_share_leading_blocks_only() -> None:
 def test_config_validation() -> None:
     with pytest.raises(ValueError):
         TokenConfig(exact_max_chars=100, sample_chars=200)
+
+
+def test_chunked_counting_is_exact_on_real_prompts(counter: TokenCounter) -> None:
+    from tokenizers import Tokenizer
+
+    from router.corpus import spec_bench
+
+    tok = Tokenizer.from_file(str(TINY_TARGET / "tokenizer.json"))
+    path = Path(__file__).resolve().parents[3] / "shared/data/prompts/spec_bench_questions.jsonl"
+    texts = [e.text for e in spec_bench(path)][::3]
+    texts += ["a" * 3000, "  spaced   out  words " * 50, "日本語のテキスト " * 80, "x\n y" * 300]
+    for text in texts:
+        piece = text[:1024]
+        assert counter._encoded_len(piece) == len(tok.encode(piece, add_special_tokens=False)), \
+            piece[:80]
