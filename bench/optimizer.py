@@ -181,6 +181,8 @@ async def run_service(args: argparse.Namespace, work: Path, recs_a: list[dict[st
         min_records=len(recs_a) // 2, window_records=len(recs_b), refresh_s=1.0, seed=args.seed)
     service = OptimizerService(cfg)
     task = asyncio.create_task(service.run())
+    stop = asyncio.Event()
+    load = asyncio.create_task(live_load(live_url, stop))
     try:
         write_jsonl(trace, recs_a)
         t_a = time.monotonic()
@@ -191,11 +193,39 @@ async def run_service(args: argparse.Namespace, work: Path, recs_a: list[dict[st
         await _wait_history(service, task, 2, args.campaign_timeout_s)
         shift_s = time.monotonic() - t_shift
     finally:
+        stop.set()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+    ok, failed = await load
     snap = service.snapshot()
     return {"snapshot": snap, "first_campaign_s": first_s, "shift_to_done_s": shift_s,
-            "live_config": service.live_config}
+            "live_config": service.live_config, "live_ok": ok, "live_failed": failed}
+
+
+async def live_load(url: str, stop: asyncio.Event, concurrency: int = 2) -> tuple[int, int]:
+    """Light traffic on the live worker while it is promoted to: (finished, failed) requests.
+
+    It gives the rollback watch live TPOT to judge and shows whether a hot
+    reload drops requests.
+    """
+    counts = [0, 0]
+    prompt = "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n"
+
+    async def one_client(session: aiohttp.ClientSession) -> None:
+        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0.0, "stream": True,
+                "ignore_eos": True}
+        while not stop.is_set():
+            try:
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    await resp.read()
+                    counts[resp.status != 200] += 1
+            except (aiohttp.ClientError, OSError):
+                counts[1] += 1
+            await asyncio.sleep(0.2)
+
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(one_client(session) for _ in range(concurrency)))
+    return counts[0], counts[1]
 
 
 async def _wait_history(service: OptimizerService, task: asyncio.Task[None], n: int,
@@ -287,6 +317,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                                             "experiments_per_hour", "timings", "objective",
                                             "hardware")}
     out["service"]["first_campaign_s"] = svc["first_campaign_s"]
+    out["service"]["live_ok"], out["service"]["live_failed"] = svc["live_ok"], svc["live_failed"]
     out["service"]["shift_to_done_s"] = svc["shift_to_done_s"]
     hist = snap["history"]
     found = {"a": _found(space, hist[0]), "b": _found(space, hist[1])}
@@ -342,6 +373,13 @@ def report(out: dict[str, Any]) -> str:
                      f"pruning {h['pruning']}, agents {h['agents']}")
     lines.append(f"traffic shift -> campaign 2 finished in {svc['shift_to_done_s']:.0f} s "
                  f"(first campaign {svc['first_campaign_s']:.0f} s)")
+    lines.append(f"live worker traffic during the run: {svc['live_ok']} requests ok, "
+                 f"{svc['live_failed']} failed")
+    default = json.dumps(space_key_default(), sort_keys=True)
+    for name, key in (("default", default), *out["found"].items()):
+        if key in grid:
+            lines.append(f"  grid value of {name}: {grid[key]['value']:.1f} "
+                         f"({grid[key]['value'] / grid[best_key]['value']:.3f} of the best)")
     for name, g in out["gain"].items():
         lines.append(f"gain[{name}]: {g['ratio']:.3f}x tok/cpu-s (noise {g['noise']:.3f}, "
                      f"significant {g['significant']}), wall {g['wall_ratio']:.3f}x")
@@ -353,6 +391,12 @@ def report(out: dict[str, Any]) -> str:
     lines.append(f"experiments/hour: {svc['experiments_per_hour']}, seconds/experiment: "
                  f"{svc['seconds_per_experiment']}")
     return "\n".join(lines)
+
+
+def space_key_default() -> dict[str, Any]:
+    e = BASE.engine
+    return {"max_num_batched_tokens": e.max_num_batched_tokens, "max_num_seqs": e.max_num_seqs,
+            "spec_default_depth": 0, "spec_max_depth": 0, "spec_method": "none"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
