@@ -33,13 +33,28 @@ def free_port() -> int:
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of a Linux process from /proc (threads included)."""
+    """CPU seconds a Linux process has run, all its threads, at nanosecond resolution.
+
+    NOTE: utime/stime in /proc/PID/stat tick at 10 ms, which quantises a
+    short replay's tokens-per-CPU-second into steps of several percent; the
+    scheduler's per-thread run time (/proc/PID/task/*/schedstat, ns) does not.
+    Threads that already exited are not counted there: fine for an engine,
+    whose threads live as long as it does (ticks are the fallback).
+    """
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError as e:
         raise EngineUnavailable(f"cannot read CPU time of process {pid} ({e})") from e
     fields = stat[stat.rindex(")") + 2:].split()  # NOTE: the command name may hold spaces
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    run_ns = 0
+    for task in tasks:
+        try:
+            run_ns += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # NOTE: a thread that ended between listing and reading
+    return run_ns / 1e9 if run_ns else ticks_s
 
 
 class EngineProcess:

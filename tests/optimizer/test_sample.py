@@ -48,3 +48,14 @@ def test_reload_seconds_from_the_engine_answer() -> None:
     assert _reported_seconds("not json", 0.9) == 0.9
     assert _reported_seconds('{"status": "ok"}', 0.9) == 0.9
 
+
+
+def test_process_cpu_clock_counts_this_process_work() -> None:
+    import os
+
+    from optimizer.engine_proc import process_cpu_seconds
+
+    t0 = process_cpu_seconds(os.getpid())
+    sum(i * i for i in range(500_000))
+    t1 = process_cpu_seconds(os.getpid())
+    assert t1 > t0
