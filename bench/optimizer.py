@@ -240,6 +240,23 @@ async def _wait_history(service: OptimizerService, task: asyncio.Task[None], n: 
         await asyncio.sleep(0.5)
 
 
+async def _grid_step(args: argparse.Namespace, out: dict[str, Any], grid_engine: EngineProcess,
+                     samples: dict[str, list[Any]], tiers: list[Tier], space: SearchSpace) -> None:
+    out["cold_start_s"].append(await grid_engine.start())
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        engine = EngineClient(grid_engine.url, session)
+        await engine.wait_ready()
+        measurer = Measurer(engine, {**samples, "fast": samples["fast_b"]},
+                            [*tiers, Tier("fast", args.fast_layers, args.fast_requests,
+                                          concurrency=1)],
+                            grid_engine.cpu_seconds, "cpu")
+        t0 = time.perf_counter()
+        out["grid"] = await measure_grid(measurer, space)
+        out["grid_s"] = time.perf_counter() - t0
+        noise = [(await measurer.measure(BASE, "fast")).value for _ in range(3)]
+        out["fast_tier_noise"] = statistics.stdev(noise) / statistics.fmean(noise)
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -271,23 +288,13 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
     # 1. grid on traffic B, fast tier; 5. reload seconds
     grid_engine = EngineProcess(BASE, log_path=work / "grid-engine.log")
-    out["cold_start_s"].append(await grid_engine.start())
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
-        engine = EngineClient(grid_engine.url, session)
-        await engine.wait_ready()
-        measurer = Measurer(engine, {**samples, "fast": samples["fast_b"]},
-                            [*tiers, Tier("fast", args.fast_layers, args.fast_requests,
-                                          concurrency=1)],
-                            grid_engine.cpu_seconds, "cpu")
-        t0 = time.perf_counter()
-        table = await measure_grid(measurer, space)
-        out["grid_s"] = time.perf_counter() - t0
-        out["grid"] = table
-        noise = [(await measurer.measure(BASE, "fast")).value for _ in range(3)]
-        out["fast_tier_noise"] = statistics.stdev(noise) / statistics.fmean(noise)
+    try:
+        await _grid_step(args, out, grid_engine, samples, tiers, space)
+    finally:
         await grid_engine.stop()
     out["cold_start_s"].append(await grid_engine.start())  # a cold restart, for the ratio
     await grid_engine.stop()
+    table = out["grid"]
 
     # 2. tabular search vs the grid
     values = {k: v["value"] for k, v in table.items()}
@@ -300,9 +307,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     for strategy in ("agents", "random"):
         gaps = []
         for seed in range(args.search_seeds):
-            found = tabular_search(space, values, budget, seed,
+            pick = tabular_search(space, values, budget, seed,
                                    lambda c: cost.predict(c, work_b, args.fast_layers), strategy)
-            gaps.append(1 - values[found] / best)
+            gaps.append(1 - values[pick] / best)
         out["search"][strategy] = {"budget": budget, "grid": len(values), "gaps": gaps}
 
     # 3. the service: traffic A, then a shift to B, promoted to a live worker
@@ -328,6 +335,17 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     # 4. gain over the default, paired, slow tier, each on its own traffic
     gain_engine = EngineProcess(BASE, log_path=work / "gain-engine.log")
     out["cold_start_s"].append(await gain_engine.start())
+    try:
+        await _gain_step(args, out, gain_engine, samples, tiers, found)
+    finally:
+        await gain_engine.stop()
+    out["reload_s"] = [v["reload_s"] for v in table.values()]
+    return out
+
+
+async def _gain_step(args: argparse.Namespace, out: dict[str, Any], gain_engine: EngineProcess,
+                     samples: dict[str, list[Any]], tiers: list[Tier],
+                     found: dict[str, CompiledConfig | None]) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         engine = EngineClient(gain_engine.url, session)
         await engine.wait_ready()
@@ -339,9 +357,6 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         if found["a"] is not None and found["b"] is not None:
             out["gain"]["b_vs_a_on_b"] = await paired(measurer, found["a"], found["b"], "slow_b",
                                                       args.pairs)
-        await gain_engine.stop()
-    out["reload_s"] = [v["reload_s"] for v in table.values()]
-    return out
 
 
 def _found(space: SearchSpace, entry: dict[str, Any]) -> CompiledConfig | None:
