@@ -8,14 +8,11 @@ yields exactly ``max_tokens``.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 import pytest_asyncio
 
@@ -31,48 +28,16 @@ from loadgen import (
     replay,
 )
 from tests.loadgen.conftest import REPO, SHARED_DATA
-
-STARTUP_S = 240.0  # generous: the CI box is shared
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.loadgen.servers import free_port, running_server
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine_url() -> AsyncIterator[str]:
-    port = _free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy.cli", "engine", "--model", str(TINY_TARGET),
-        "--port", str(port), cwd=REPO, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        await _wait_ready(url, proc)
+    port = free_port()
+    argv = [sys.executable, "-m", "proxy.cli", "engine", "--model", str(TINY_TARGET),
+            "--port", str(port)]
+    async with running_server(argv, port, REPO) as url:
         yield url
-    finally:
-        proc.terminate()
-        await proc.wait()
-
-
-async def _wait_ready(url: str, proc: asyncio.subprocess.Process) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + STARTUP_S
-    async with aiohttp.ClientSession() as session:
-        while loop.time() < deadline:
-            if proc.returncode is not None:
-                err = await proc.stderr.read() if proc.stderr else b""
-                raise RuntimeError(f"engine exited: {err.decode()[-2000:]}")
-            try:
-                async with session.get(f"{url}/v1/models") as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
-    raise TimeoutError(f"engine at {url} not ready after {STARTUP_S} s")
 
 
 @pytest.mark.timeout(400)

@@ -9,13 +9,10 @@ recorded lengths.
 
 from __future__ import annotations
 
-import asyncio
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 import pytest_asyncio
 
@@ -31,15 +28,8 @@ from loadgen import (
 )
 from loadgen.readers import detect_format, read_trace
 from tests.loadgen.conftest import SHARED_DATA
+from tests.loadgen.servers import free_port, running_server
 from tests.loadgen.upstream import Script, ScriptedUpstream
-
-STARTUP_S = 240.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest_asyncio.fixture
@@ -50,34 +40,14 @@ async def upstream_slow() -> AsyncIterator[ScriptedUpstream]:
     await server.close()
 
 
-async def _wait_ready(url: str, proc: asyncio.subprocess.Process) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + STARTUP_S
-    async with aiohttp.ClientSession() as session:
-        while loop.time() < deadline:
-            if proc.returncode is not None:
-                raise RuntimeError(f"proxy exited with {proc.returncode}")
-            try:
-                async with session.get(f"{url}/v1/models") as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
-    raise TimeoutError(f"proxy at {url} not ready after {STARTUP_S} s")
-
-
 @pytest.mark.timeout(400)
 async def test_through_the_proxy_and_back_from_its_traces(upstream_slow: ScriptedUpstream,
                                                           tmp_path: Path) -> None:
-    port = _free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy.cli", "serve", "--worker", upstream_slow.url,
-        "--port", str(port), cwd=tmp_path,  # the proxy writes traces/ under its cwd
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-    proxy_url = f"http://127.0.0.1:{port}"
-    try:
-        await _wait_ready(proxy_url, proc)
+    port = free_port()
+    argv = [sys.executable, "-m", "proxy.cli", "serve", "--worker", upstream_slow.url,
+            "--port", str(port)]
+    # the proxy writes traces/ under its cwd; leaving the context stops it, which flushes them
+    async with running_server(argv, port, tmp_path) as proxy_url:
         cfg = ReplayConfig(
             trace=TraceConfig(str(SHARED_DATA / "prompts/spec_bench_questions.jsonl")),
             client=ClientConfig(proxy_url),
@@ -85,9 +55,6 @@ async def test_through_the_proxy_and_back_from_its_traces(upstream_slow: Scripte
             lengths=LengthConfig(default_output_tokens=4), output=OutputConfig(quiet=True),
             tokenizer=str(TINY_TARGET))
         first = await replay(cfg)
-    finally:
-        proc.terminate()  # the proxy flushes its trace writer on shutdown
-        await proc.wait()
     assert first.summary["num_ok"] == 6
     assert set(first.summary["by_worker"]) == {"w0"}
     assert all(r.domain in DOMAINS and r.request_id for r in first.results)
