@@ -176,7 +176,7 @@ class LimitsConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: wait this long for in-flight requests
     # Shed (429) while the event loop runs this late: the proxy's own CPU is saturated,
     # and admitting more would only queue them. 0 = off.
-    max_loop_lag_s: float = 0.1
+    max_loop_lag_s: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("max_in_flight", "max_body_bytes", "max_attempts"):
