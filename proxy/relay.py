@@ -103,8 +103,11 @@ class Relay:
         return f"pi-{self._id_prefix}-{next(self._ids)}"
 
     async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        rec = RequestRecord(request_id=request.headers.get("x-request-id") or self.new_request_id(),
-                            ts=time.time(), t0=time.perf_counter(), endpoint=endpoint)
+        rid = request.headers.get("x-request-id")
+        if not rid or len(rid) > 128 or not (rid.isascii() and rid.isprintable()):
+            rid = self.new_request_id()
+        rec = RequestRecord(request_id=rid, ts=time.time(), t0=time.perf_counter(),
+                            endpoint=endpoint)
         request[REC_KEY] = rec
         try:
             self._admit(request)

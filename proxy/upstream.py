@@ -188,6 +188,7 @@ class _HostPool:
         self.connect_timeout_s = connect_timeout_s
         self.idle: list[_Connection] = []  # LIFO: the warmest connection first
         self.host_header = f"{host}:{port}".encode()
+        self.path_prefix = b""  # a worker URL's own path, e.g. http://gw/tenant-a
 
     async def get(self) -> _Connection:
         while self.idle:
@@ -230,6 +231,7 @@ class UpstreamClient:
             use_ssl = u.scheme == "https"
             pool = _HostPool(u.hostname or "127.0.0.1", u.port or (443 if use_ssl else 80),
                              use_ssl, self.connect_timeout_s)
+            pool.path_prefix = u.path.rstrip("/").encode()
             self._pools[base_url] = pool
         return pool
 
@@ -257,7 +259,7 @@ class UpstreamClient:
         assert conn.transport is not None
         conn.transport.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                              b"Content-Length: %d\r\nx-request-id: %s\r\n\r\n%s" % (
-                                 path.encode(), pool.host_header, len(body),
+                                 pool.path_prefix + path.encode(), pool.host_header, len(body),
                                  request_id.encode(), body))
         while not conn.headers_done:
             if conn.error is not None:

@@ -30,6 +30,12 @@ def test_chat_non_stream_sync_client_and_headers(proxy: ProxyThread) -> None:
     assert raw.headers["x-polyinfer-domain"] != "none"
     assert raw.headers["x-request-id"]
     assert "x-polyinfer-spec-depth" in raw.headers
+    with httpx.Client(base_url=proxy.url) as h:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+        assert h.post("/v1/completions", json=body,
+                      headers={"x-request-id": "trace-42"}).headers["x-request-id"] == "trace-42"
+        odd = h.post("/v1/completions", json=body, headers={"x-request-id": "x" * 500})
+        assert odd.headers["x-request-id"].startswith("pi-")
 
 
 def test_completions_stream_relays_chunks_and_strips_usage(proxy: ProxyThread) -> None:

@@ -49,6 +49,7 @@ async def server() -> AsyncIterator[TestServer]:
     app.router.add_post("/chunks", _chunks)
     app.router.add_post("/dies", _dies)
     app.router.add_post("/slow", _slow)
+    app.router.add_post("/prefix/json", _json)
     async with TestServer(app, host="127.0.0.1") as s:
         yield s
 
@@ -153,3 +154,11 @@ async def test_request_on_a_connection_the_worker_just_closed_is_retried() -> No
         client.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_worker_url_path_prefix_is_kept(server: TestServer) -> None:
+    client = UpstreamClient(connect_timeout_s=2, read_timeout_s=2)
+    r = await client.post(base(server) + "/prefix/", "/json", b"7", "id")
+    assert r.status == 200 and await r.read_all() == b'{"echo":7}'
+    r.release()
+    client.close()
