@@ -1,0 +1,104 @@
+"""SimulatedFleet: a time-stepped model of continuous-batching workers, for closed-loop
+policy tests (heterogeneous, loaded fleets cannot run on the 2-core test box).
+
+Each worker runs up to ``max_seqs`` requests; the rest wait FIFO. A step takes
+``base_s + per_seq_s * batch`` seconds; a request needs ``prompt * prefill_s``
+seconds of prefill before its first token, then emits one token per
+``step * factor[domain]`` seconds (``factor`` < 1 models speculation that pays
+off on that domain). Policies see WorkerView snapshots and get RequestOutcomes,
+exactly as in the proxy.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from engine.config import CompiledConfig
+from router.base import RequestOutcome, RequestShape, RoutingPolicy, WorkerView
+
+
+@dataclass
+class SimWorker:
+    name: str
+    config: CompiledConfig
+    base_s: float
+    per_seq_s: float
+    prefill_s: float  # per prompt token
+    factor: dict[str, float] = field(default_factory=dict)
+    running: list[dict] = field(default_factory=list)
+    waiting: list[dict] = field(default_factory=list)
+
+    def view(self) -> WorkerView:
+        return WorkerView(self.name, f"sim://{self.name}", "engine", self.config,
+                          outstanding_requests=len(self.running) + len(self.waiting),
+                          running=len(self.running), waiting=len(self.waiting))
+
+
+def simulate(policy: RoutingPolicy, workers: list[SimWorker], arrivals: list[tuple[float, RequestShape]],
+             slo_ttft_s: float, slo_tpot_s: float, dt: float = 0.005) -> float:
+    """Fraction of requests meeting both SLOs (goodput per offered request)."""
+    pending = sorted(arrivals, key=lambda a: a[0])
+    now, i, num_good, num_done = 0.0, 0, 0, 0
+    while num_done < len(arrivals):
+        while i < len(pending) and pending[i][0] <= now:
+            _route(policy, workers, pending[i][0], pending[i][1])
+            i += 1
+        for w in workers:
+            for req in _advance(w, now, dt):
+                num_done += 1
+                num_good += _report(policy, w, req, slo_ttft_s, slo_tpot_s)
+        now += dt
+    return num_good / len(arrivals)
+
+
+def _route(policy: RoutingPolicy, workers: list[SimWorker], t: float, shape: RequestShape) -> None:
+    decision = policy.choose(shape, [w.view() for w in workers])
+    w = next(w for w in workers if w.name == decision.worker)
+    w.waiting.append({"shape": shape, "arrival": t, "batch": len(w.running), "left_prefill": None,
+                      "tokens": 0.0, "first": None, "depth": decision.spec_depth})
+
+
+def _advance(w: SimWorker, now: float, dt: float) -> list[dict]:
+    while w.waiting and len(w.running) < w.config.engine.max_num_seqs:
+        req = w.waiting.pop(0)
+        req["left_prefill"] = req["shape"].prompt_tokens * w.prefill_s
+        w.running.append(req)
+    step = w.base_s + w.per_seq_s * len(w.running)
+    done = []
+    for req in w.running:
+        if req["left_prefill"] > 0:
+            req["left_prefill"] -= dt
+            continue
+        if req["first"] is None:
+            req["first"] = now
+        req["tokens"] += dt / (step * w.factor.get(req["shape"].domain, 1.0))
+        if req["tokens"] >= req["shape"].predicted_output_tokens:
+            req["end"] = now
+            done.append(req)
+    w.running = [r for r in w.running if r not in done]
+    return done
+
+
+def _report(policy: RoutingPolicy, w: SimWorker, req: dict, slo_ttft_s: float,
+            slo_tpot_s: float) -> bool:
+    shape: RequestShape = req["shape"]
+    n = shape.predicted_output_tokens
+    ttft = req["first"] - req["arrival"]
+    tpot = (req["end"] - req["first"]) / max(n - 1, 1)
+    policy.observe(RequestOutcome(w.name, shape, "ok", completion_tokens=n, ttft_s=ttft,
+                                  tpot_s=tpot, e2e_s=req["end"] - req["arrival"],
+                                  spec_depth=req["depth"], batch_size=req["batch"]))
+    return ttft <= slo_ttft_s and tpot <= slo_tpot_s
+
+
+def poisson_mix(rate: float, num: int, mix: dict[str, float], prompt: int, output: int,
+                seed: int = 0) -> list[tuple[float, RequestShape]]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    domains, weights = zip(*mix.items(), strict=True)
+    for _ in range(num):
+        t += rng.expovariate(rate)
+        domain = rng.choices(domains, weights)[0]
+        out.append((t, RequestShape(domain, prompt, output, output)))
+    return out
