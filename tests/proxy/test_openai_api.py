@@ -188,3 +188,21 @@ def test_tcp_nodelay_on_both_sides(proxy: ProxyThread) -> None:
                     for conn in pool.idle if conn.transport is not None]
         assert client_side and upstream
         assert all(nodelay(t) for t in client_side + upstream)
+
+
+def test_bare_worker_url_discovers_models_and_engine_config(engines, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    from proxy.config import external_worker
+    from tests.proxy.servers import external_config
+    latency = next(e for e in engines if e.spec.name == "latency")
+    config = dataclasses.replace(external_config(engines, tmp_path),
+                                 workers=(external_worker(latency.url + "/", 0),))
+    with ProxyThread(config) as p:
+        worker = p.app[keys.POOL].workers["w0"]
+        assert worker.models == {MODEL}
+        assert worker.backend == "engine" and worker.view.config.engine.spec_method == "ngram"
+        raw = client(p).completions.with_raw_response.create(model=MODEL, prompt=CODE_PROMPT,
+                                                             max_tokens=4)
+        assert raw.headers["x-polyinfer-worker"] == "w0"
+        assert raw.headers["x-polyinfer-spec-depth"] != "default"  # adaptive depth was sent
