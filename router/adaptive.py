@@ -228,8 +228,14 @@ class AdaptivePolicy:
         batch = pending.batch if pending else max(1, outcome.batch_size or 1)
         depth = outcome.spec_depth if outcome.spec_depth is not None else (
             pending.depth if pending else 0)
-        prof.observe(shape.domain, shape.prompt_tokens, queue, batch, depth,
-                     outcome.ttft_s, outcome.tpot_s)
+        ttft_s, tpot_s = outcome.ttft_s, outcome.tpot_s
+        if ttft_s is None and outcome.e2e_s is not None and outcome.completion_tokens > 1:
+            # NOTE: a non-streamed request shows only e2e; attribute the predicted TTFT
+            # to its prefill and learn TPOT from the rest (TTFT itself stays unobserved).
+            pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, depth)
+            decode_s = max(outcome.e2e_s - min(pred.ttft_s, outcome.e2e_s), 0.0)
+            tpot_s = decode_s / (outcome.completion_tokens - 1)
+        prof.observe(shape.domain, shape.prompt_tokens, queue, batch, depth, ttft_s, tpot_s)
         self._observe_depth(outcome, batch, depth)
 
     def _observe_depth(self, outcome: RequestOutcome, batch: int, depth: int) -> None:

@@ -143,3 +143,15 @@ def test_single_candidate_and_bad_outcomes() -> None:
 def test_config_validation() -> None:
     with pytest.raises(ValueError):
         AdaptiveConfig(explore_prob=1.5)
+
+
+def test_non_streamed_outcomes_teach_tpot_from_e2e() -> None:
+    p, ws = AdaptivePolicy(NO_EXPLORE), views()
+    for _ in range(100):
+        s = shape("chat", out=101)
+        p.choose(s, [ws[1]])
+        # e2e 2.05 s for 101 tokens, no TTFT seen: TPOT ~ (2.05 - predicted TTFT) / 100
+        p.observe(RequestOutcome("big", s, "ok", completion_tokens=101, e2e_s=2.05))
+    pred = p.profile(ws[1]).predict("chat", 100, 0, 1, 0)
+    assert pred.tpot_s == pytest.approx(0.02, rel=0.05)
+    assert p.stats()["profiles"]["big"]["num_samples"] == 100
