@@ -132,7 +132,8 @@ class AdaptivePolicy:
 
     def profile(self, view: WorkerView) -> WorkerProfile:
         prof = self._profiles.get(view.name)
-        if prof is None or prof.prior.config is not view.config:
+        if prof is None or (prof.prior.config is not view.config
+                            and prof.prior.config != view.config):
             # NOTE: a new compiled config (optimizer reload) restarts the worker's profile.
             prof = WorkerProfile(LatencyPrior(view.config, self.config.prior),
                                  self.config.forgetting)

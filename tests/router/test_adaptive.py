@@ -155,3 +155,14 @@ def test_non_streamed_outcomes_teach_tpot_from_e2e() -> None:
     pred = p.profile(ws[1]).predict("chat", 100, 0, 1, 0)
     assert pred.tpot_s == pytest.approx(0.02, rel=0.05)
     assert p.stats()["profiles"]["big"]["num_samples"] == 100
+
+
+def test_profile_survives_equal_config_copies_and_resets_on_a_new_config() -> None:
+    import dataclasses
+
+    p, ws = AdaptivePolicy(NO_EXPLORE), views()
+    teach(p, ws, "small", "code", 0.01, n=5)
+    same = WorkerView("small", "http://s", "engine", dataclasses.replace(SMALL))
+    assert p.profile(same).num_samples("code", 100) == 5  # an equal copy: kept
+    retuned = WorkerView("small", "http://s", "engine", SMALL.with_engine(max_num_seqs=8))
+    assert p.profile(retuned).num_samples("code", 100) == 0  # optimizer reload: relearn
