@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine.config import TINY_TARGET
 from router.base import RequestOutcome, RequestShape
@@ -67,3 +69,23 @@ def test_output_length_is_learned_per_domain() -> None:
 def test_config_rejects_unknown_domains() -> None:
     with pytest.raises(ValueError, match="poetry"):
         ShapeConfig(slo_ttft_s={"poetry": 1.0})
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8),
+                                                                       children, max_size=4),
+    max_leaves=12)
+_bodies = st.fixed_dictionaries({}, optional={
+    "messages": st.lists(st.fixed_dictionaries({}, optional={"role": _json, "content": _json}) | _json,
+                         max_size=3) | _json,
+    "prompt": _json, "max_tokens": _json, "stream": _json, "speculative_depth": _json,
+    "slo_ttft_s": _json})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=_bodies, chat=st.booleans())
+def test_any_json_body_gives_a_valid_shape(est: ShapeEstimator, body: dict, chat: bool) -> None:
+    s = est.estimate(body, "/v1/chat/completions" if chat else "/v1/completions")
+    assert s.domain in est.classifier.classes and s.prompt_tokens >= 0
+    assert s.predicted_output_tokens >= 0 and isinstance(s.prefix_hashes, tuple)
