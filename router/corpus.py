@@ -15,7 +15,8 @@ Sources (see ``router/data/SOURCES.md`` for licences and the category map):
 
 The split is by group, never by example: a Spec-Bench question id, a GSM8K row
 or a stdlib module is either wholly in training or wholly held out, and the
-held-out side contains only real source text (no templates).
+held-out side contains no ``router.templates`` examples (stdlib requests on
+both sides share the phrasing templates below).
 """
 
 from __future__ import annotations

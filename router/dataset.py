@@ -3,7 +3,7 @@
 ``build_default(data_dir)`` reads the shared data directory (Spec-Bench,
 GSM8K) plus this interpreter's standard library, splits by group
 (:func:`router.corpus.is_held_out`) and then adds template examples filled
-only from the training side. Held-out = real text only:
+only from the training side. Held out (no router.templates examples):
 
 - Spec-Bench: half of the question ids of every category;
 - GSM8K: 20% of the rows read;
