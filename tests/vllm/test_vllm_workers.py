@@ -92,7 +92,8 @@ def test_routes_by_domain_to_the_speculating_worker(fleet: FleetProxy):
     chat = raw.parse()
     assert raw.headers["x-polyinfer-worker"] == "plain"
     assert raw.headers["x-polyinfer-spec-depth"] == "default"
-    assert chat.model == MODEL and chat.usage.completion_tokens == 8
+    assert chat.model == MODEL and chat.usage is not None
+    assert 0 < chat.usage.completion_tokens <= 8
     assert chat.system_fingerprint and chat.system_fingerprint.startswith("vllm-")
 
 
