@@ -190,7 +190,9 @@ def candidate_spec(live: WorkerSpec, request: ReplaceRequest) -> WorkerSpec:
     config = request.config if request.config is not None else live.config
     name = live.name + CANDIDATE_SUFFIX
     if request.url:
-        return WorkerSpec(name=name, url=request.url.rstrip("/"), config=config)
+        # a worker attached as a bare URL (--worker) keeps discovering its models and config
+        return WorkerSpec(name=name, url=request.url.rstrip("/"), config=config,
+                          discover=live.discover and request.config is None)
     launch = request.launch
     if launch is None:
         if live.launch is None:

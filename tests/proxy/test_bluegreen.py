@@ -114,3 +114,25 @@ def test_bad_replacements_leave_the_worker_serving(bg_proxy: ProxyThread,
         assert workers["latency"]["url"] == latency.url and workers["latency"]["healthy"]
         r = h.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 200
+
+
+def test_candidate_spec_rules():
+    from engine.config import CompiledConfig, ConfigError
+    from proxy.bluegreen import CANDIDATE_SUFFIX, candidate_spec
+    from proxy.config import LaunchSpec, WorkerSpec, external_worker
+
+    launched = WorkerSpec(name="w", launch=LaunchSpec(port=9000, args=("--x",)),
+                          config=CompiledConfig(backend="vllm"))
+    new_config = CompiledConfig(backend="vllm", served_model_name="m")
+    spec = candidate_spec(launched, ReplaceRequest(config=new_config))
+    assert spec.name == "w" + CANDIDATE_SUFFIX and spec.config == new_config
+    assert spec.launch is not None and spec.launch.port == 0 and spec.launch.args == ("--x",)
+    own = candidate_spec(launched, ReplaceRequest(launch=LaunchSpec(port=9001)))
+    assert own.launch == LaunchSpec(port=9001) and own.config == launched.config
+    bare = external_worker("http://10.0.0.1:8000", 0)
+    moved = candidate_spec(bare, ReplaceRequest(url="http://10.0.0.2:8000/"))
+    assert moved.url == "http://10.0.0.2:8000" and moved.discover
+    assert not candidate_spec(bare, ReplaceRequest(url="http://10.0.0.2:8000",
+                                                   config=new_config)).discover
+    with pytest.raises(ConfigError, match="url"):
+        candidate_spec(bare, ReplaceRequest())
