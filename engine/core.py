@@ -200,7 +200,8 @@ class EngineCore:
                         seq.params.max_tokens - seq.num_output_tokens - 1,
                         self.max_model_len - seq.num_tokens)
             if depth > 0:
-                reqs.append(ProposalRequest(seq.seq_id, seq.token_ids, depth))
+                reqs.append(ProposalRequest(seq.seq_id, seq.token_ids, depth,
+                                            seq.params.sampling))
         if not reqs:
             return {}
         return {p.seq_id: p for p in self.proposer.propose(reqs) if p.tokens}

@@ -77,6 +77,20 @@ def test_greedy_speculation_equals_depth_zero(core: EngineCore, prompt_ids: list
         assert spec[f"r{i}"] == alone[i], f"prompt {i} differs with depth {1 + i % 4}"
 
 
+def test_draft_model_speculation_equals_depth_zero(tiny_model_dir: Path,
+                                                   prompt_ids: list[list[int]],
+                                                   alone: list[list[int]]) -> None:
+    from engine.config import TINY_DRAFT
+
+    cfg = CompiledConfig(model=str(tiny_model_dir), engine=EngineConfig(
+        max_num_seqs=32, max_num_batched_tokens=256, kv_cache_tokens=16384,
+        spec_method="draft", draft_model=str(TINY_DRAFT), spec_max_depth=4))
+    draft_core = load_core(cfg)
+    spec = run(draft_core, prompt_ids[:20], [greedy(depth=1 + i % 4) for i in range(20)])
+    for i in range(20):
+        assert spec[f"r{i}"] == alone[i], f"prompt {i} differs with draft depth {1 + i % 4}"
+
+
 def test_speculation_proposes_and_accepts_on_repetitive_text(core: EngineCore) -> None:
     ids = core.tokenizer.encode(chat_text("Repeat: a b c d e f g a b c d e f g a b c d e f g"))
     core.add_request("rep", ids, greedy(depth=4, max_tokens=40))

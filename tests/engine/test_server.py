@@ -191,3 +191,33 @@ async def test_reload_under_load_loses_nothing(engine_server: EngineProcess) -> 
             assert r.status == 200
         async with s.get(engine_server.base_url + "/admin/config") as r:
             assert (await r.json()) == live
+
+
+async def test_reload_refuses_what_this_device_cannot_run(engine_server: EngineProcess) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(engine_server.base_url + "/admin/config") as r:
+            live = await r.json()
+        bad = json.loads(json.dumps(live))
+        bad["engine"]["execution"] = "cuda_graph"
+        async with s.post(engine_server.base_url + "/admin/reload", json=bad) as r:
+            assert r.status == 400 and "CUDA" in (await r.json())["error"]["message"]
+        other = dict(live, model="/nonexistent/model")
+        async with s.post(engine_server.base_url + "/admin/reload", json=other) as r:
+            assert r.status == 400 and "model" in (await r.json())["error"]["message"]
+        async with s.post(engine_server.base_url + "/admin/reload", data=b"nope") as r:
+            assert r.status == 400
+        async with s.get(engine_server.base_url + "/admin/config") as r:
+            assert (await r.json()) == live
+    ok = client(engine_server).completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_cli_rejects_a_bad_config(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("engine:\n  max_num_seqs: -1\n")
+    proc = subprocess.run([sys.executable, "-m", "engine", "--config", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "max_num_seqs" in proc.stderr
