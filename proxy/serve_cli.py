@@ -55,5 +55,9 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as e:
         logger.error("%s", e)
         return 2
-    run(lambda: serve_until_signal(config))
+    try:
+        run(lambda: serve_until_signal(config))
+    except (OSError, RuntimeError) as e:  # port taken, a supervised worker failed to start...
+        logger.error("polyinfer serve failed: %s", e)
+        return 1
     return 0

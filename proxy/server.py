@@ -44,7 +44,12 @@ class ProxyServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.server.host, self.config.server.port,
                            backlog=4096, reuse_address=True)
-        await site.start()
+        try:
+            await site.start()
+        except BaseException:
+            await self._runner.cleanup()  # stop the workers it started, close sessions
+            self._runner = None
+            raise
         server = getattr(site, "_server", None)
         if server is not None and server.sockets:
             self.port = server.sockets[0].getsockname()[1]
