@@ -117,6 +117,9 @@ async def _collect(outputs: AsyncIterator[RequestOutput], parsed: ParsedRequest,
     async for out in outputs:
         parts.append(out.text)
         last = out
+    if last.finish_reason == "abort":  # the engine failed the request (see its log)
+        return _json({"error": {"message": "the engine failed while running this request",
+                                "type": "internal_error", "param": None, "code": None}}, 500)
     use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_draft_tokens,
                 last.num_accepted_tokens)
     return _json(completion_body(rid, model, parsed.chat, "".join(parts), last.finish_reason,

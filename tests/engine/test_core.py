@@ -182,3 +182,13 @@ def test_abort_frees_blocks(core: EngineCore, prompt_ids: list[list[int]]) -> No
     assert core.kv_usage > 0
     core.abort("gone")
     assert core.kv_usage == 0.0 and not core.has_work
+
+
+def test_measure_num_layers_builds_a_truncated_model_that_reload_can_restore(
+        tiny_model_dir: Path) -> None:
+    cfg = CompiledConfig(model=str(tiny_model_dir), engine=EngineConfig(
+        measure_num_layers=2, kv_cache_tokens=1024))
+    core = load_core(cfg)
+    assert core.model.num_layers == 2
+    core.reload(cfg.with_engine(measure_num_layers=None))
+    assert core.model.num_layers == core.spec.num_layers
