@@ -116,6 +116,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_up(proc: subprocess.Popen, url: str, timeout_s: float = 180) -> None:
+    """Wait for ``url``; stop ``proc`` if it never answers (no orphans on a failed start)."""
+    try:
+        wait_http(url, timeout_s)
+    except RuntimeError:
+        proc.terminate()
+        proc.wait(timeout=30)
+        raise
+
+
 def wait_http(url: str, timeout_s: float = 60) -> None:
     import urllib.request
     deadline = time.time() + timeout_s
@@ -181,7 +191,7 @@ traces: {{dir: "{workdir / 'traces'}"}}
                                     "--config", str(cfg)], core),
                             cwd=workdir, stdout=subprocess.DEVNULL,
                             stderr=open(workdir / f"polyinfer-{shape_estimator}.log", "w"))
-    wait_http(f"http://127.0.0.1:{port}/health")
+    wait_up(proc, f"http://127.0.0.1:{port}/health")
     name = "polyinfer" if shape_estimator == "classifier" else f"polyinfer-{shape_estimator[:5]}"
     return Target(name, f"http://127.0.0.1:{port}/v1/chat/completions", proc)
 
@@ -199,7 +209,7 @@ def start_vllm_router(binary: str, upstream: str, workdir: Path, core: int | Non
                                     "--host", "127.0.0.1", "--policy", "round_robin"], core),
                             cwd=workdir, stdout=open(workdir / "vllm-router.log", "w"),
                             stderr=subprocess.STDOUT)
-    wait_http(f"http://127.0.0.1:{port}/health")
+    wait_up(proc, f"http://127.0.0.1:{port}/health")
     return Target("vllm-router", f"http://127.0.0.1:{port}/v1/chat/completions", proc)
 
 
@@ -223,7 +233,7 @@ litellm_settings: {{telemetry: false}}
                                     "--host", "127.0.0.1", "--num_workers", "1"], core),
                             cwd=workdir, env=env, stdout=open(workdir / "litellm.log", "w"),
                             stderr=subprocess.STDOUT)
-    wait_http(f"http://127.0.0.1:{port}/health/liveliness", timeout_s=120)
+    wait_up(proc, f"http://127.0.0.1:{port}/health/liveliness")
     return Target("litellm", f"http://127.0.0.1:{port}/v1/chat/completions", proc,
                   max_rate=200)
 
