@@ -16,6 +16,7 @@ into the query-length axis, so K and V are never repeated.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,8 +60,11 @@ def order_short_first(q_lens: Sequence[int], short_q: int) -> list[int]:
 
 
 def build_metadata(slices: Sequence[SeqSlice], block_size: int, num_q_per_kv: int,
-                   short_q: int) -> AttnMetadata:
-    """Positions, slot mapping and attention groups; ``slices`` must be short-first ordered."""
+                   short_q: int, device: str | torch.device = "cpu") -> AttnMetadata:
+    """Positions, slot mapping and attention groups; ``slices`` must be short-first ordered.
+
+    Built on the CPU (small integer tensors), then moved to ``device`` in one go.
+    """
     q_lens = [s.q_len for s in slices]
     starts = torch.tensor([s.start for s in slices], dtype=torch.long)
     q_lens_t = torch.tensor(q_lens, dtype=torch.long)
@@ -78,7 +82,18 @@ def build_metadata(slices: Sequence[SeqSlice], block_size: int, num_q_per_kv: in
         if hi > lo:
             groups.append(_group(slices, lo, hi, tables, offsets, positions, within,
                                  block_size, num_q_per_kv))
-    return AttnMetadata(positions, slots, tuple(groups))
+    meta = AttnMetadata(positions, slots, tuple(groups))
+    return meta if torch.device(device).type == "cpu" else _to_device(meta, device)
+
+
+def _to_device(meta: AttnMetadata, device: str | torch.device) -> AttnMetadata:
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    groups = tuple(dataclasses.replace(
+        g, pad_idx=None if g.pad_idx is None else move(g.pad_idx),
+        block_tables=move(g.block_tables), mask=move(g.mask)) for g in meta.groups)
+    return AttnMetadata(move(meta.positions), move(meta.slot_mapping), groups)
 
 
 def _group(slices: Sequence[SeqSlice], lo: int, hi: int, tables: torch.Tensor,

@@ -52,10 +52,15 @@ class ModelRunner:
             if it.samples:
                 end = len(ids)
                 rows.extend(range(end - len(it.drafts) - 1, end))
-        meta = build_metadata(slices, self.kv.block_size, self.num_q_per_kv, self.short_q)
-        logit_rows = torch.tensor(rows, dtype=torch.long)
-        logits = self.model.forward(torch.tensor(ids, dtype=torch.long), meta, self.kv,
-                                    logit_rows)
+        device = self.model.device
+        meta = build_metadata(slices, self.kv.block_size, self.num_q_per_kv, self.short_q,
+                              device)
+        logit_rows = torch.tensor(rows, dtype=torch.long).to(device)
+        logits = self.model.forward(torch.tensor(ids, dtype=torch.long).to(device), meta,
+                                    self.kv, logit_rows)
+        # NOTE: sampling and verification build small CPU tensors per request; on an
+        # accelerator the [N, vocab] logits come back once instead.
+        logits = logits.cpu()
         sampled = [it for it in items if it.samples]
         if not sampled:
             return []
