@@ -13,6 +13,7 @@ campaign only reads and writes the board.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import statistics
 import time
@@ -38,6 +39,12 @@ STALE_CLAIM_S = 900.0  # a claim older than this (no result) is taken to be aban
 class SearchConfig:
     fast_budget: int = 24  # fast-tier experiments per campaign
     finalists: int = 2  # screened candidates confirmed in the slow tier
+    # NOTE: the fast tier's truncated model writes different text, so it misjudges
+    # speculation (acceptance depends on the full model's output). With this on,
+    # the best screened config of every speculation method that beat the
+    # incumbent's fast value less this margin also goes to the slow tier, beside
+    # the top `finalists`. None = off.
+    spec_method_margin: float | None = 0.15
     idle_timeout_s: float = 30.0  # screening ends when no proposal arrives for this long
     min_gain: float = 0.02  # a winner must beat the incumbent by this much (and the noise)
     prune: PruneConfig = field(default_factory=PruneConfig)
@@ -185,9 +192,8 @@ class Campaign:
         self.phase = "confirming"
         measured = best_by_key(await self._call(self.board.results, self.id, self.fast))
         inc_key = self.space.key(self.incumbent)
-        inc_fast = measured.get(inc_key, 0.0)
-        finalists = [k for k, v in sorted(measured.items(), key=lambda kv: -kv[1])
-                     if k != inc_key and v > inc_fast][: self.config.finalists]
+        finalists = pick_finalists(measured, inc_key, self.config.finalists,
+                                   self.config.spec_method_margin)
         best: Confirmed | None = None
         for key in finalists:
             pair = await self._confirm_pairs(inc_key, key)
@@ -225,6 +231,25 @@ class Campaign:
                 "pruning": self.pruner.snapshot(),
                 "elapsed_s": round(time.monotonic() - self.started, 1),
                 "recent": list(self.log[-10:])}
+
+
+def pick_finalists(measured: dict[str, float], incumbent_key: str, num: int,
+                   spec_method_margin: float | None) -> list[str]:
+    """Top ``num`` keys that beat the incumbent in the fast tier, then the best key of
+    each other speculation method within ``spec_method_margin`` below the incumbent."""
+    floor = measured.get(incumbent_key, 0.0)
+    ranked = [k for k, _ in sorted(measured.items(), key=lambda kv: -kv[1])
+              if k != incumbent_key]
+    picked = [k for k in ranked if measured[k] > floor][:num]
+    if spec_method_margin is None:
+        return picked
+    methods = {json.loads(k).get("spec_method") for k in picked}
+    for k in ranked:
+        method = json.loads(k).get("spec_method")
+        if method not in methods and measured[k] > floor * (1.0 - spec_method_margin):
+            methods.add(method)
+            picked.append(k)
+    return picked
 
 
 def _merge(runs: list[Measurement]) -> Measurement:

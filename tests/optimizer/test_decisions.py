@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -123,12 +124,12 @@ def test_cost_model_ranks_batching_and_calibrates(
 def test_step_time_fit_on_this_machine(model_dir: Path) -> None:
     space = SearchSpace.default(CompiledConfig(model=str(model_dir)).with_engine(
         kv_cache_tokens=8192, max_model_len=1024), 1 << 30)
-    hw = HardwareConstants.measure(size_mb=16, matmul_n=256, repeats=2)
+    hw = HardwareConstants.measure(size_mb=8, matmul_n=128, repeats=2)
     assert hw.mem_bandwidth_bps > 1e8 and hw.matmul_flops > 1e8
-    steps = StepTimeModel.fit(space.shape, hw, token_counts=(1, 16, 64), repeats=1)
-    assert [n for n, _ in steps.samples] == [1, 16, 64]
+    steps = StepTimeModel.fit(space.shape, hw, token_counts=(1, 16), repeats=1)
+    assert [n for n, _ in steps.samples] == [1, 16]
     assert all(s > 0 and math.isfinite(s) for _, s in steps.samples)
-    assert steps.step_s(64) >= steps.step_s(1)
+    assert steps.step_s(16) >= steps.step_s(1)
 
 
 def test_identical_ratios_still_carry_the_noise_floor() -> None:
@@ -136,3 +137,22 @@ def test_identical_ratios_still_carry_the_noise_floor() -> None:
     g = paired_gain([101.5, 101.5, 101.5], [100.0, 100.0, 100.0], min_gain=0.0)
     assert g.noise == 0.01 and not g.significant
     assert paired_gain([103.0, 103.0, 103.0], [100.0, 100.0, 100.0], min_gain=0.0).significant
+
+
+def test_finalists_include_the_best_of_each_spec_method() -> None:
+    from optimizer.campaign import pick_finalists
+
+    def key(seqs: int, method: str) -> str:
+        return json.dumps({"max_num_seqs": seqs, "spec_method": method}, sort_keys=True)
+
+    measured = {key(32, "none"): 100.0, key(16, "none"): 130.0, key(8, "none"): 125.0,
+                key(4, "none"): 120.0, key(4, "ngram"): 110.0, key(8, "ngram"): 105.0,
+                key(1, "draft"): 90.0}
+    assert pick_finalists(measured, key(32, "none"), 2, None) == [key(16, "none"),
+                                                                  key(8, "none")]
+    # ngram's best joins; draft (90) is within 15% of the incumbent (100) too, but not 5%
+    assert pick_finalists(measured, key(32, "none"), 2, 0.15) == [
+        key(16, "none"), key(8, "none"), key(4, "ngram"), key(1, "draft")]
+    assert pick_finalists(measured, key(32, "none"), 2, 0.05) == [
+        key(16, "none"), key(8, "none"), key(4, "ngram")]
+    assert pick_finalists({key(32, "none"): 1.0}, key(32, "none"), 2, 0.15) == []
