@@ -144,3 +144,25 @@ async def test_service_runs_one_campaign_end_to_end(engines: tuple[str, str],
     assert sum(entry["agents"].values()) >= 3
     assert board.notes(entry["campaign"], kind="incumbent")
     json.dumps(snap)  # /stats must be able to serve it
+
+
+async def test_promotion_updates_the_proxy_pool_view(engines: tuple[str, str],
+                                                     tmp_path: Path) -> None:
+    from optimizer.bridge import PoolConfigSink
+    from proxy.config import HealthConfig, WorkerSpec
+    from proxy.pool import WorkerPool
+
+    _, live = engines
+    pool = WorkerPool(HealthConfig(), tmp_path)
+    try:
+        await pool.add(WorkerSpec(name="w0", url=live, config=BASE))
+        winner = BASE.with_engine(max_num_seqs=4, max_num_batched_tokens=256)
+        async with aiohttp.ClientSession() as s:
+            promoter = Promoter(s, PromotionConfig(watch_s=0.2), sinks=(PoolConfigSink(pool),))
+            outcome = await promoter.promote(live, "engine", winner, BASE, tokens_per_s=1.0)
+            live_cfg = await EngineClient(live, s).config()
+    finally:
+        await pool.close()
+    assert outcome.status == "promoted"  # no live traffic: nothing to roll back on
+    assert pool.workers["w0"].view.config is winner
+    assert live_cfg.engine.max_num_seqs == 4
