@@ -146,6 +146,7 @@ class TraceConfig:
     max_files: int = 50  # oldest files beyond this are deleted
     flush_interval_s: float = 0.5
     batch_size: int = 512  # flush early past this many pending records
+    max_pending: int = 200_000  # records held while the disk stalls; beyond, dropped and counted
     record_prompt_text: bool = False  # NOTE: off by default: prompts may be sensitive
 
     def __post_init__(self) -> None:
@@ -153,6 +154,8 @@ class TraceConfig:
         _check(self.max_files >= 1, "traces.max_files", ">= 1", self.max_files)
         _check(self.flush_interval_s > 0, "traces.flush_interval_s", "> 0", self.flush_interval_s)
         _check(self.batch_size >= 1, "traces.batch_size", ">= 1", self.batch_size)
+        _check(self.max_pending >= self.batch_size, "traces.max_pending",
+               f">= batch_size ({self.batch_size})", self.max_pending)
 
 
 @dataclass(frozen=True)

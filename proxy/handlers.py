@@ -83,6 +83,8 @@ async def stats(request: web.Request) -> web.Response:
     relay = app[keys.RELAY]
     doc = app[keys.STATS].snapshot(app[keys.POOL], relay.policy.name)
     doc["loop_lag_ms"] = relay.loop_lag_s * 1e3
+    doc["traces"] = {"written": app[keys.TRACES].num_written,
+                     "dropped": app[keys.TRACES].num_dropped}
     return _json(doc)
 
 

@@ -80,11 +80,16 @@ class TraceWriter:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.num_written = 0
+        self.num_dropped = 0
         self._io_lock = threading.Lock()  # a cancelled flush's thread may still be writing
 
     def append(self, rec: RequestRecord) -> None:
-        self._pending.append(rec)
-        if len(self._pending) >= self.config.batch_size:
+        pending = self._pending
+        if len(pending) >= self.config.max_pending:
+            self.num_dropped += 1  # the disk is not keeping up; memory stays bounded
+            return
+        pending.append(rec)
+        if len(pending) >= self.config.batch_size:
             self._wake.set()
 
     def start(self) -> None:

@@ -252,3 +252,18 @@ def test_a_misbehaving_policy_falls_back_to_a_routable_worker() -> None:
         relay = Relay(config, WorkerPool(config.health, Path(".")), Stats(),
                       HeuristicShapeEstimator(), Broken(answer))
         assert relay._choose(shape, views) == RouteDecision(worker="a", reason="policy_error")
+
+
+async def test_trace_writer_flushes_on_close_and_bounds_pending(tmp_path: Path) -> None:
+    from proxy.config import TraceConfig
+    from proxy.traces import TraceWriter
+
+    writer = TraceWriter(TraceConfig(batch_size=2, max_pending=3, flush_interval_s=60), tmp_path)
+    for i in range(5):
+        writer.append(RequestRecord(request_id=f"r{i}", ts=0, t0=0, endpoint="completions"))
+    assert writer.num_dropped == 2
+    writer.start()
+    await writer.close()
+    lines = b"".join(f.read_bytes() for f in tmp_path.glob("traces-*.jsonl")).splitlines()
+    assert [orjson.loads(line)["request_id"] for line in lines] == ["r0", "r1", "r2"]
+    assert writer.num_written == 3
