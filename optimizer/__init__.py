@@ -11,7 +11,8 @@
     campaign.py     one traffic profile's search: screen, then confirm finalists in pairs
     verify.py       greedy-output identity, KV-cache contamination, gain beyond noise
     promote.py      hot reload (engine) or blue-green (vLLM) to the live worker, rollback watch
-    service.py      OptimizerService: run() / snapshot() / observe(); join_campaign()
+    service.py      OptimizerService: run() / snapshot() / observe()
+    join.py         more agents from another process, through the board file
     bridge.py       adapters for a running proxy (pool config sink, blue-green)
     cli.py          `polyinfer optimize`
 """

@@ -19,10 +19,11 @@ import sys
 from engine.config import TINY_TARGET, CompiledConfig, ConfigError
 from optimizer.campaign import SearchConfig
 from optimizer.errors import OptimizerError
+from optimizer.join import join_campaign
 from optimizer.measure import Tier
 from optimizer.promote import PromotionConfig
 from optimizer.sample import SampleConfig
-from optimizer.service import AGENT_NAMES, OptimizerConfig, OptimizerService, join_campaign
+from optimizer.service import AGENT_NAMES, OptimizerConfig, OptimizerService
 
 logger = logging.getLogger(__name__)
 

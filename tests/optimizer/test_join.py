@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from optimizer.board import Board
-from optimizer.service import open_campaign
+from optimizer.join import open_campaign
 
 pytestmark = pytest.mark.timeout(180)
 
