@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -169,6 +168,3 @@ class Scheduler:
         if seq.block_table:
             self.allocator.free(seq.block_table)
             seq.block_table = []
-
-    def waiting_ids(self) -> Iterable[int]:
-        return (s.seq_id for s in self.waiting)
