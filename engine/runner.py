@@ -39,7 +39,8 @@ class ModelRunner:
 
     def execute(self, scheduled: Sequence[ScheduledSeq]) -> list[StepResult]:
         """Run one forward over ``scheduled``; results for the sequences that sampled."""
-        order = order_short_first([s.q_len for s in scheduled], self.short_q)
+        order = order_short_first([s.q_len for s in scheduled], self.short_q,
+                                  [s.seq.num_computed + s.q_len for s in scheduled])
         items = [scheduled[i] for i in order]
         ids: list[int] = []
         slices: list[SeqSlice] = []

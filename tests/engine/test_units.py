@@ -164,3 +164,16 @@ def test_parse_caps_speculative_depth_and_defaults(tokenizer: TextTokenizer) -> 
     assert chat.params.sampling.greedy and chat.params.stop == ("x",)
     assert parser(tokenizer).parse({"prompt": "hi", "speculative_depth": 4},
                                    False).params.spec_depth == 0
+
+
+def test_decode_group_splits_only_when_padding_dominates() -> None:
+    from engine.attention import SeqSlice, _split_by_context, build_metadata
+
+    short = [SeqSlice(1, 15, [i]) for i in range(7)]
+    mixed = [*short, SeqSlice(1, 159, list(range(10, 20)))]
+    assert _split_by_context(mixed, 0, 8, 16) == [(0, 7), (7, 8)]
+    assert _split_by_context([*short, SeqSlice(1, 15, [9])], 0, 8, 16) == [(0, 8)]
+    assert _split_by_context(mixed[1:], 0, 7, 16) == [(0, 7)]  # too few to pay for a split
+    meta = build_metadata(mixed, 16, 2, 5)
+    assert [g.rows for g in meta.groups] == [(0, 7), (7, 8)]
+    assert [g.block_tables.shape[1] for g in meta.groups] == [1, 10]
