@@ -327,10 +327,13 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     out["service"]["live_ok"], out["service"]["live_failed"] = svc["live_ok"], svc["live_failed"]
     out["service"]["shift_to_done_s"] = svc["shift_to_done_s"]
     hist = snap["history"]
-    found = {"a": _found(space, hist[0]), "b": _found(space, hist[1])}
+    # what is live after each campaign (a campaign that promotes nothing keeps the last)
+    live_a = _deployed(space, hist[0], None)
+    found = {"a": live_a, "b": _deployed(space, hist[1], live_a)}
     out["found"] = {k: (space.key(v) if v else None) for k, v in found.items()}
-    out["live_gap_b"] = (1 - values[space.key(found["b"])] / best
-                         if found["b"] and space.key(found["b"]) in values else None)
+    searched_b = (hist[1].get("best_fast") or {}).get("key")
+    key_b = json.dumps(searched_b, sort_keys=True) if searched_b else None
+    out["live_gap_b"] = 1 - values[key_b] / best if key_b in values else None
 
     # 4. gain over the default, paired, slow tier, each on its own traffic
     gain_engine = EngineProcess(BASE, log_path=work / "gain-engine.log")
@@ -354,15 +357,17 @@ async def _gain_step(args: argparse.Namespace, out: dict[str, Any], gain_engine:
         for name, tier in (("a", "slow_a"), ("b", "slow_b")):
             if found[name] is not None:
                 out["gain"][name] = await paired(measurer, BASE, found[name], tier, args.pairs)
-        if found["a"] is not None and found["b"] is not None:
+        if found["a"] is not None and found["b"] is not None and found["a"] != found["b"]:
             out["gain"]["b_vs_a_on_b"] = await paired(measurer, found["a"], found["b"], "slow_b",
                                                       args.pairs)
 
 
-def _found(space: SearchSpace, entry: dict[str, Any]) -> CompiledConfig | None:
-    """The campaign's confirmed winner, else its best screened config (None: the incumbent)."""
-    key = entry.get("key") or (entry.get("best_fast") or {}).get("key")
-    return space.from_key(json.dumps(key, sort_keys=True)) if key else None
+def _deployed(space: SearchSpace, entry: dict[str, Any],
+              previous: CompiledConfig | None) -> CompiledConfig | None:
+    """The config live after a campaign: its winner if promoted, else the previous one."""
+    if entry.get("status") == "promoted" and entry.get("key"):
+        return space.from_key(json.dumps(entry["key"], sort_keys=True))
+    return previous
 
 
 def report(out: dict[str, Any]) -> str:
@@ -380,7 +385,8 @@ def report(out: dict[str, Any]) -> str:
                      f"{statistics.median(gaps):.1%}, max {max(gaps):.1%}, within 5% in "
                      f"{within}/{len(gaps)} seeds")
     if out.get("live_gap_b") is not None:
-        lines.append(f"live campaign on B: found config's grid gap {out['live_gap_b']:.1%}")
+        lines.append(f"live campaign on B: its best screened config's grid gap "
+                     f"{out['live_gap_b']:.1%}")
     svc = out["service"]
     for i, h in enumerate(svc["history"]):
         lines.append(f"campaign {i + 1}: {h.get('status')} gain {h.get('gain')} noise "
