@@ -3,7 +3,8 @@
 Lifetimes are ``cleanup_ctx`` generators, started in order and stopped in
 reverse: the trace writer (last to stop, so it flushes every record), the
 upstream client, then the worker pool (supervised workers started and
-waited for; probe and scrape loops).
+waited for; probe and scrape loops), the loop-lag probe and, with
+``optimize.enabled``, the background optimizer (first to stop).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from proxy import admin, handlers, keys
 from proxy.bluegreen import BlueGreen
 from proxy.config import ProxyConfig
 from proxy.metrics import make_registry
+from proxy.optimize import optimizer_ctx
 from proxy.pool import WorkerPool
 from proxy.relay import Relay
 from proxy.routing import build_policy
@@ -53,10 +55,11 @@ def create_app(config: ProxyConfig, *, estimator: ShapeEstimator | None = None,
     app[keys.REGISTRY] = make_registry(stats, pool, lambda: relay.policy.name)
     app[keys.DASHBOARD] = resources.files("proxy").joinpath("static/dashboard.html").read_bytes()
     app[keys.BLUEGREEN] = BlueGreen(pool, config.limits.drain_timeout_s)
+    app[keys.OPTIMIZER] = []
     acceptance = ScrapedAcceptance(stats, relay.depth_policy)  # vLLM: scraped spec counters
     pool.on_scrape.append(acceptance.on_scrape)
     relay.on_finish.append(acceptance.on_finish)
-    app.cleanup_ctx.extend([_traces_ctx, _client_ctx, _pool_ctx, _lag_ctx])
+    app.cleanup_ctx.extend([_traces_ctx, _client_ctx, _pool_ctx, _lag_ctx, optimizer_ctx])
     handlers.add_routes(app)
     admin.add_routes(app)
     return app

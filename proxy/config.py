@@ -210,6 +210,21 @@ class HealthConfig:
 
 
 @dataclass(frozen=True)
+class OptimizeConfig:
+    """The background optimizer (``polyinfer serve --optimize``) for one engine worker."""
+
+    enabled: bool = False
+    worker: str = ""  # worker name; "" = the first engine worker
+    board_path: str = "optimizer-board.sqlite"  # relative paths live under run_dir
+    agents: tuple[str, ...] = ("costmodel", "bayes", "evolution")
+    min_records: int = 20  # finished requests before the first campaign
+
+    def __post_init__(self) -> None:
+        _check(self.min_records >= 1, "optimize.min_records", ">= 1", self.min_records)
+        _check(bool(self.agents), "optimize.agents", "at least one agent", self.agents)
+
+
+@dataclass(frozen=True)
 class ProxyConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     workers: tuple[WorkerSpec, ...] = ()
@@ -219,6 +234,7 @@ class ProxyConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    optimize: OptimizeConfig = field(default_factory=OptimizeConfig)
     run_dir: str = ".polyinfer"  # supervised workers' logs and config files
 
     def __post_init__(self) -> None:

@@ -85,6 +85,8 @@ async def stats(request: web.Request) -> web.Response:
     doc["loop_lag_ms"] = relay.loop_lag_s * 1e3
     doc["traces"] = {"written": app[keys.TRACES].num_written,
                      "dropped": app[keys.TRACES].num_dropped}
+    for service in app[keys.OPTIMIZER]:
+        doc["optimizer"] = service.snapshot()
     return _json(doc)
 
 

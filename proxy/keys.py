@@ -20,3 +20,5 @@ TRACES = web.AppKey("traces", TraceWriter)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 DASHBOARD = web.AppKey("dashboard", bytes)
 BLUEGREEN = web.AppKey("bluegreen", BlueGreen)
+# The background optimizer service, when `optimize.enabled` (0 or 1 item).
+OPTIMIZER = web.AppKey("optimizer", list)

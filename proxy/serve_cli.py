@@ -3,6 +3,7 @@
     polyinfer serve                                  # embedded default: 2 engine workers
     polyinfer serve --config polyinfer.yaml
     polyinfer serve --worker http://127.0.0.1:9001 --worker http://127.0.0.1:9002
+    polyinfer serve --optimize                       # + the background optimizer
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8000)")
     p.add_argument("--policy", help="routing policy (overrides routing.policy)")
+    p.add_argument("--optimize", action="store_true",
+                   help="run the background optimizer on an engine worker (see optimize.*)")
+    p.add_argument("--optimize-worker", metavar="NAME",
+                   help="the worker to optimize (default: the first engine worker)")
     p.set_defaults(func=main)
 
 
@@ -44,6 +49,9 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
     if args.policy:
         config = dataclasses.replace(
             config, routing=dataclasses.replace(config.routing, policy=args.policy))
+    if args.optimize or args.optimize_worker:
+        config = dataclasses.replace(config, optimize=dataclasses.replace(
+            config.optimize, enabled=True, worker=args.optimize_worker or config.optimize.worker))
     if not config.workers:
         raise ConfigError("workers: expected at least one worker (config or --worker URL)")
     return config
