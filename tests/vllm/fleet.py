@@ -45,14 +45,21 @@ def first_schedule() -> SpeculativeSchedule:
                         config=ScheduleConfig(max_num_seqs=MAX_NUM_SEQS, max_depth=4))
 
 
-def vllm_worker(name: str, domains: list[str], speculative_config: str = "") -> dict[str, Any]:
+def vllm_launch(core: int) -> dict[str, Any]:
+    return {"env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
+                    "OMP_WAIT_POLICY": "PASSIVE"},
+            "startup_timeout_s": STARTUP_TIMEOUT_S, "restart_backoff_s": 0.5, "max_backoff_s": 5.0}
+
+
+def vllm_worker(name: str, domains: list[str], speculative_config: str = "",
+                core: int = 0) -> dict[str, Any]:
     return {
         "name": name,
-        # NOTE: vllm-cpu's default thread binding (VLLM_CPU_OMP_THREADS_BIND=auto) stays:
-        # "nobind" made generation many times slower on this shared 2-core box, and one
-        # core per worker was no faster
-        "launch": {"env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "startup_timeout_s": STARTUP_TIMEOUT_S,
-                   "restart_backoff_s": 0.5, "max_backoff_s": 5.0},
+        # NOTE: vllm-cpu's "auto" binding pins every server's OpenMP threads to core 0:
+        # with three servers (two workers and a blue-green candidate) on one core a
+        # start-up stalled for over 10 minutes. One core per server keeps them apart; the
+        # blue-green test starts its candidate on the core of the idle worker.
+        "launch": vllm_launch(core),
         "config": vllm_config(domains, speculative_config),
     }
 
@@ -71,7 +78,8 @@ def fleet_config(tmp: Path) -> ProxyConfig:
     spec = first_schedule().speculative_config_json(NGRAM_BASE)
     return ProxyConfig.from_dict({
         "server": {"host": "127.0.0.1", "port": 0},
-        "workers": [vllm_worker("plain", CHAT_DOMAINS), vllm_worker("ngram", CODE_DOMAINS, spec)],
+        "workers": [vllm_worker("plain", CHAT_DOMAINS, core=0),
+                    vllm_worker("ngram", CODE_DOMAINS, spec, core=1)],
         "routing": {"policy": "declared_fit", "shape_estimator": "heuristic"},
         "auth": {"admin_key": ADMIN_KEY},
         "traces": {"dir": str(tmp / "traces"), "flush_interval_s": 0.1},

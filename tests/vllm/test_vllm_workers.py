@@ -43,6 +43,7 @@ from tests.vllm.fleet import (
     fleet_config,
     one_request,
     vllm_config,
+    vllm_launch,
     wait_until,
 )
 
@@ -189,6 +190,10 @@ def test_killed_worker_under_traffic_no_client_left_hanging(fleet: FleetProxy):
 
 def test_blue_green_replacement_under_traffic_loses_nothing(fleet: FleetProxy):
     """Refit the n-gram schedule from this run's traces and measured acceptance; swap it in."""
+    # NOTE: let the killed worker's restart finish first: two vLLM start-ups at once on a
+    # 2-core machine can take many minutes each, which is a property of the box, not of
+    # the replacement under test.
+    wait_until(lambda: fleet.workers()["plain"]["healthy"], 900, "plain to come back", 1.0)
     tmp: Path = fleet.tmp  # type: ignore[attr-defined]
     old = fleet.workers()["ngram"]
     stats = fleet.stats()
@@ -200,7 +205,9 @@ def test_blue_green_replacement_under_traffic_loses_nothing(fleet: FleetProxy):
                             config=ScheduleConfig(max_num_seqs=MAX_NUM_SEQS, max_depth=3))
     spec = schedule.speculative_config_json(NGRAM_BASE) or \
         json.dumps({**NGRAM_BASE, "num_speculative_tokens": 1})
-    body = {"config": vllm_config(CODE_DOMAINS, spec)}
+    # the candidate starts on core 0 (the chat worker's, idle here): the live n-gram
+    # worker keeps core 1 busy with the traffic below
+    body = {"config": vllm_config(CODE_DOMAINS, spec), "launch": vllm_launch(0)}
     result: dict[str, Any] = {}
 
     def replace() -> None:
@@ -218,6 +225,7 @@ def test_blue_green_replacement_under_traffic_loses_nothing(fleet: FleetProxy):
         t.join(900)
         num_at_swap = len(traffic.outcomes)
         traffic.wait_for(num_at_swap + 6, 120)
+    assert "status" in result, "the replacement did not answer within 900 s"
     assert result["status"] == 200, result
     report = result["body"]
     print(f"\nblue-green replacement: {json.dumps(report)}")
