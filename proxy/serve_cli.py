@@ -49,9 +49,10 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
     if args.policy:
         config = dataclasses.replace(
             config, routing=dataclasses.replace(config.routing, policy=args.policy))
-    if args.optimize or args.optimize_worker:
+    optimize_worker = getattr(args, "optimize_worker", None)
+    if getattr(args, "optimize", False) or optimize_worker:
         config = dataclasses.replace(config, optimize=dataclasses.replace(
-            config.optimize, enabled=True, worker=args.optimize_worker or config.optimize.worker))
+            config.optimize, enabled=True, worker=optimize_worker or config.optimize.worker))
     if not config.workers:
         raise ConfigError("workers: expected at least one worker (config or --worker URL)")
     return config
