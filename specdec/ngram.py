@@ -8,6 +8,14 @@ followed it. Example with ``min_n=1, max_n=3, k=2``::
     tokens = [1, 2, 3, 4, 1, 2, 3]   # suffix [1, 2, 3] occurred at 0..2
     propose -> [4, 1]                # the two tokens that followed it
 
+When the earlier occurrence ends close to the end of the context (a loop, a
+repeated line), fewer than ``k`` tokens follow it; the proposal then continues
+the repetition with its period (``periodic=True``), so a loop still yields a
+full-depth proposal::
+
+    tokens = [5, 6, 7, 5, 6]         # [5, 6] occurred at 0..1, period 3
+    propose k=5 -> [7, 5, 6, 7, 5]   # (periodic=False: [7, 5, 6])
+
 The search is vectorised with numpy over a window of the most recent
 ``window`` tokens: one comparison per n-gram offset (``max_n`` of them), a
 running AND gives the match length ending at every position, and the answer is
@@ -34,6 +42,8 @@ class NgramConfig:
     min_n: int = 1  # shortest suffix n-gram to match
     max_n: int = 4  # longest suffix n-gram to match
     window: int = 4096  # search only the last `window` tokens (bounds the cost per step)
+    # Continue a match that runs into the end of the context with its period (a loop).
+    periodic: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
@@ -44,14 +54,19 @@ class NgramConfig:
                 f"ngram: window must exceed max_n ({self.max_n}), got {self.window}")
 
 
-def find_ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+def find_ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int,
+                        periodic: bool = False) -> np.ndarray:
     """The up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix.
 
     ``tokens`` is a 1-D integer array (the search window). Returns an empty array
-    when no suffix of length ``min_n`` or more occurs earlier.
+    when no suffix of length ``min_n`` or more occurs earlier. With ``periodic``,
+    a continuation shorter than ``k`` (it reaches the end of ``tokens``) repeats
+    cyclically up to ``k`` tokens.
 
     >>> find_ngram_proposal(np.array([1, 2, 3, 4, 1, 2, 3]), 1, 3, 2).tolist()
     [4, 1]
+    >>> find_ngram_proposal(np.array([5, 6, 7, 5, 6]), 1, 3, 5, periodic=True).tolist()
+    [7, 5, 6, 7, 5]
     """
     length = int(tokens.shape[0])
     if k <= 0 or length <= min_n:
@@ -72,7 +87,12 @@ def find_ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> n
     if best < min_n:
         return tokens[:0]
     j = int(ends - 1 - np.argmax(match_len[::-1] == best))  # latest end with the longest match
-    return tokens[j + 1 : j + 1 + k]
+    follow = tokens[j + 1 : j + 1 + k]
+    if periodic and follow.shape[0] < k:
+        # NOTE: the occurrence ends P = length - 1 - j tokens before the suffix does, so the
+        # context already repeats with period P; predict that the repetition goes on.
+        follow = np.resize(follow, k)  # cyclic repeat of tokens[j + 1 :]
+    return follow
 
 
 class _TokenBuffer:
@@ -117,7 +137,8 @@ class NgramProposer:
         if buffer is None:
             buffer = self._buffers[request.seq_id] = _TokenBuffer()
         tokens = buffer.sync(request.token_ids)[-self.config.window :]
-        found = find_ngram_proposal(tokens, self.config.min_n, self.config.max_n, request.depth)
+        c = self.config
+        found = find_ngram_proposal(tokens, c.min_n, c.max_n, request.depth, c.periodic)
         return Proposal(request.seq_id, found.tolist())
 
     def commit(self, seq_id: int, num_accepted: int) -> None:

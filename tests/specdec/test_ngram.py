@@ -12,8 +12,9 @@ from specdec.errors import ProposerConfigError
 from specdec.ngram import NgramConfig, NgramProposer, find_ngram_proposal
 
 
-def _find(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    return find_ngram_proposal(np.array(tokens, dtype=np.int64), min_n, max_n, k).tolist()
+def _find(tokens: list[int], min_n: int, max_n: int, k: int, periodic: bool = False) -> list[int]:
+    return find_ngram_proposal(np.array(tokens, dtype=np.int64), min_n, max_n, k,
+                               periodic).tolist()
 
 
 @pytest.mark.parametrize(
@@ -44,7 +45,25 @@ def test_find_ngram_expected(tokens: list[int], min_n: int, max_n: int, k: int,
     assert _find(tokens, min_n, max_n, k) == expected
 
 
-def _reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+@pytest.mark.parametrize(
+    ("tokens", "k", "expected"),
+    [
+        ([5, 6, 7, 5, 6], 5, [7, 5, 6, 7, 5]),  # period 3: the loop goes on
+        ([7, 7], 3, [7, 7, 7]),  # a run of one token
+        ([4, 4, 4, 4], 3, [4, 4, 4]),
+        ([1, 2, 3, 4, 1, 2, 3], 2, [4, 1]),  # enough tokens follow: unchanged
+        ([1, 2, 3, 4, 1, 2, 3], 6, [4, 1, 2, 3, 4, 1]),
+        ([1, 2, 3, 4, 5], 4, []),  # no match: still nothing
+    ],
+)
+def test_find_ngram_periodic(tokens: list[int], k: int, expected: list[int]) -> None:
+    assert _find(tokens, 1, 3, k, periodic=True) == expected
+    # without periodic, the same match is cut at the end of the context
+    assert _find(tokens, 1, 3, k) == expected[: len(_reference(tokens, 1, 3, k))]
+
+
+def _reference(tokens: list[int], min_n: int, max_n: int, k: int,
+               periodic: bool = False) -> list[int]:
     """Plain-Python spec: longest n from max_n down, latest earlier start."""
     if k <= 0:
         return []
@@ -53,7 +72,10 @@ def _reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
         suffix = tokens[length - n :]
         for start in range(length - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                follow = tokens[start + n :]
+                if not periodic:
+                    return follow[:k]
+                return [follow[i % len(follow)] for i in range(k)]
     return []
 
 
@@ -62,11 +84,14 @@ def _reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     tokens=st.lists(st.integers(0, 3), max_size=40),
     min_n=st.integers(1, 3),
     extra=st.integers(0, 3),
-    k=st.integers(0, 5),
+    k=st.integers(0, 9),
+    periodic=st.booleans(),
 )
-def test_find_ngram_matches_reference(tokens: list[int], min_n: int, extra: int, k: int) -> None:
+def test_find_ngram_matches_reference(tokens: list[int], min_n: int, extra: int, k: int,
+                                      periodic: bool) -> None:
     max_n = min_n + extra
-    assert _find(tokens, min_n, max_n, k) == _reference(tokens, min_n, max_n, k)
+    assert (_find(tokens, min_n, max_n, k, periodic)
+            == _reference(tokens, min_n, max_n, k, periodic))
 
 
 def test_proposer_incremental_equals_fresh() -> None:
@@ -77,7 +102,7 @@ def test_proposer_incremental_equals_fresh() -> None:
         tokens.append(int(rng.integers(0, 5)))
         got = kept.propose([ProposalRequest(7, tokens, 4)])[0]
         fresh = NgramProposer(NgramConfig(min_n=1, max_n=3)).propose([ProposalRequest(7, tokens, 4)])
-        assert got.tokens == fresh[0].tokens == _reference(tokens, 1, 3, 4), step
+        assert got.tokens == fresh[0].tokens == _reference(tokens, 1, 3, 4, periodic=True), step
         assert got.seq_id == 7 and got.probs is None
 
 
@@ -85,12 +110,13 @@ def test_proposer_batch_depths_and_release() -> None:
     proposer = NgramProposer(NgramConfig(min_n=1, max_n=2))
     out = proposer.propose([
         ProposalRequest(1, [1, 2, 3, 4, 1, 2], 3),
-        ProposalRequest(2, [9, 8, 9], 1),
+        ProposalRequest(2, [9, 8, 9], 3),
         ProposalRequest(3, [1, 2, 3], 2),
         ProposalRequest(4, [1, 2, 1, 2], 0),
     ])
     assert [p.seq_id for p in out] == [1, 2, 3, 4]
-    assert [p.tokens for p in out] == [[3, 4, 1], [8], [], []]
+    # seq 2: only [8, 9] follows the earlier 9; periodic continuation adds the 8
+    assert [p.tokens for p in out] == [[3, 4, 1], [8, 9, 8], [], []]
     proposer.commit(1, 2)
     assert proposer.num_tracked == 3  # depth 0 keeps no state
     for seq_id in (1, 2, 3, 4):
