@@ -12,7 +12,14 @@ CPU seconds per request (from /proc/<pid>/stat, user + system).
 
     python bench/proxy_overhead.py                       # rates 50 200 500 1000
     python bench/proxy_overhead.py --rates 200 500 1000 2000 --duration 10
-    python bench/proxy_overhead.py --loadgen URL RATE SECONDS   # (internal) one load run
+    python bench/proxy_overhead.py --prompts unique              # every prompt different
+    python bench/proxy_overhead.py --loadgen URL RATE SECONDS PROMPTS   # (internal) one load run
+
+Prompts (--prompts): ``fixed`` sends one short prompt every time (what the
+earlier runs measured; the proxy's shape cache then always hits), ``real``
+cycles through the 480 Spec-Bench prompts in ../shared/data (repeats after
+480 requests), ``unique`` makes every request's prompt different (a Spec-Bench
+prompt plus the request number: the shape cache never hits).
 
 The proxy is pinned to one core (taskset) when there are at least two, and
 the upstream + load generator share the others.
@@ -40,6 +47,23 @@ NUM_WARMUP = 50  # requests sent before the timed schedule (connections opened, 
 PY = sys.executable
 BODY = {"model": "fake-fast", "stream": True, "max_tokens": 16,
         "messages": [{"role": "user", "content": "Say hello in sixteen short words, please."}]}
+SPEC_BENCH = REPO.parent / "shared" / "data" / "prompts" / "spec_bench_questions.jsonl"
+PROMPT_MODES = ("fixed", "real", "unique")
+
+
+def payloads(mode: str, n: int) -> list[bytes]:
+    """``n`` request bodies (serialised before the timed schedule starts)."""
+    if mode == "fixed":
+        return [json.dumps(BODY).encode()] * n
+    if not SPEC_BENCH.is_file():
+        raise SystemExit(f"--prompts {mode} needs {SPEC_BENCH}")
+    with open(SPEC_BENCH) as f:
+        texts = [json.loads(line)["turns"][0] for line in f if line.strip()]
+    out = []
+    for i in range(n):
+        text = texts[i % len(texts)] + (f"\n(request {i})" if mode == "unique" else "")
+        out.append(json.dumps({**BODY, "messages": [{"role": "user", "content": text}]}).encode())
+    return out
 
 
 # -- load generator (runs in its own process) ------------------------------------------------
@@ -60,17 +84,17 @@ async def _one(session, url: str, payload: bytes, out: list) -> None:  # type: i
     out.append((ttft, time.perf_counter() - t0, status))
 
 
-async def _load(url: str, rate: float, seconds: float) -> dict:
+async def _load(url: str, rate: float, seconds: float, prompts: str) -> dict:
     import aiohttp
     n = int(rate * seconds)
     out: list = []
     lags = []
-    payload = json.dumps(BODY).encode()
+    bodies = payloads(prompts, n + NUM_WARMUP)
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=conn,
                                      timeout=aiohttp.ClientTimeout(total=30)) as s:
         # warm-up: open connections, JIT-less but caches warm
-        await asyncio.gather(*(_one(s, url, payload, []) for _ in range(NUM_WARMUP)))
+        await asyncio.gather(*(_one(s, url, bodies[n + i], []) for i in range(NUM_WARMUP)))
         tasks = []
         start = time.perf_counter()
         for i in range(n):
@@ -79,7 +103,7 @@ async def _load(url: str, rate: float, seconds: float) -> dict:
             if delay > 0:
                 await asyncio.sleep(delay)
             lags.append(time.perf_counter() - due)
-            tasks.append(asyncio.create_task(_one(s, url, payload, out)))
+            tasks.append(asyncio.create_task(_one(s, url, bodies[i], out)))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
     ok = [(t, e) for t, e, st in out if st == 200 and t is not None]
@@ -98,14 +122,14 @@ async def _load(url: str, rate: float, seconds: float) -> dict:
             "send_lag_p99_ms": float(np.percentile(np.array(lags) * 1e3, 99))}
 
 
-def loadgen_main(url: str, rate: float, seconds: float) -> None:
+def loadgen_main(url: str, rate: float, seconds: float, prompts: str) -> None:
     loop: asyncio.AbstractEventLoop
     try:
         import uvloop
         loop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
-    print(json.dumps(loop.run_until_complete(_load(url, rate, seconds))))
+    print(json.dumps(loop.run_until_complete(_load(url, rate, seconds, prompts))))
 
 
 # -- orchestration ---------------------------------------------------------------------------
@@ -238,15 +262,17 @@ litellm_settings: {{telemetry: false}}
                   max_rate=200)
 
 
-def run_load(url: str, rate: float, seconds: float, core: int | None) -> dict:
-    out = subprocess.run(pinned([PY, __file__, "--loadgen", url, str(rate), str(seconds)], core),
+def run_load(url: str, rate: float, seconds: float, prompts: str, core: int | None) -> dict:
+    out = subprocess.run(pinned([PY, __file__, "--loadgen", url, str(rate), str(seconds),
+                                 prompts], core),
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure(target: Target, rate: float, seconds: float, core: int | None) -> dict:
+def measure(target: Target, rate: float, seconds: float, prompts: str,
+            core: int | None) -> dict:
     before = cpu_seconds(target.proc.pid) if target.proc else 0.0
-    res = run_load(target.url, rate, seconds, core)
+    res = run_load(target.url, rate, seconds, prompts, core)
     if target.proc:
         res["cpu_ms_per_req"] = (cpu_seconds(target.proc.pid) - before) * 1e3 / res["num_total"]
     return res
@@ -317,12 +343,12 @@ def orchestrate(args: argparse.Namespace) -> None:
             for t in targets:
                 if rate > t.max_rate:
                     continue
-                r = measure(t, rate, args.duration, other_core)
+                r = measure(t, rate, args.duration, args.prompts, other_core)
                 direct = r if t.name == "direct" else direct
                 assert direct is not None
                 rows.append((t.name, rate, r, direct))
         print(f"# FakeFastUpstream, {args.chunks} chunks/stream, {args.duration:.0f} s per "
-              f"point; proxy pinned to core {proxy_core}; times in ms")
+              f"point, prompts {args.prompts}; proxy pinned to core {proxy_core}; times in ms")
         print_table(rows)
         for t in targets[1:]:
             print(f"# {t.name}: highest sustained rate tested = {sustained(rows, t.name)} req/s")
@@ -338,8 +364,8 @@ def orchestrate(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--loadgen":
-        loadgen_main(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]))
+    if len(sys.argv) == 6 and sys.argv[1] == "--loadgen":
+        loadgen_main(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), sys.argv[5])
         return
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -348,6 +374,9 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=16)
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     p.add_argument("--skip-litellm", action="store_true")
+    p.add_argument("--prompts", choices=PROMPT_MODES, default="fixed",
+                   help="fixed: one short prompt; real: Spec-Bench prompts cycled; unique: "
+                        "every prompt different (no shape-cache hits)")
     p.add_argument("--shape-estimators", nargs="+", default=["classifier", "heuristic"],
                    choices=["classifier", "heuristic"],
                    help="polyinfer variants: router classifier (default config) and/or the "

@@ -9,6 +9,7 @@ then clean the app up (pool stopped, session closed, traces flushed).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -79,6 +80,11 @@ async def serve_until_signal(config: ProxyConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
+    # NOTE: everything built at start-up (config, tokenizer, classifier, imported modules:
+    # ~1e5 objects) lives as long as the process; freezing it keeps the collector from
+    # re-scanning it in every full collection (multi-ms pauses in the p99 of a busy loop).
+    gc.collect()
+    gc.freeze()
     try:
         await stop.wait()
         logger.info("signal received: draining %d in-flight requests",

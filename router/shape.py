@@ -8,6 +8,13 @@ token counter encodes at most ``TokenConfig.exact_max_chars`` characters
 (bench/classify.py measures p50/p99). It never raises on a malformed body;
 the proxy validates bodies itself.
 
+Identical prompts (a benchmark's fixed prompt, a retried request, a popular
+template) are common, so the text-dependent part of the estimate (domain,
+token count, prefix hashes) is memoised in a bounded LRU keyed by the exact
+texts (``ShapeConfig.cache_entries``; prompts longer than
+``cache_max_chars`` are not cached, which bounds its memory). A hit returns
+exactly what a miss would compute.
+
 It also learns the output length per domain: the proxy passes each finished
 request to ``observe`` (the same :class:`RequestOutcome` it gives the policy).
 
@@ -21,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,8 +57,12 @@ class ShapeConfig:
     slo_ttft_s: dict[str, float] = field(default_factory=dict)  # per-domain defaults, seconds
     slo_tpot_s: dict[str, float] = field(default_factory=dict)
     default_domain: str = "chat"  # for empty / unreadable prompts
+    cache_entries: int = 4096  # memoised text shapes (0 = no cache)
+    cache_max_chars: int = 8192  # prompts longer than this (rendered + classified) bypass it
 
     def __post_init__(self) -> None:
+        if self.cache_entries < 0 or self.cache_max_chars < 0:
+            raise ValueError("cache_entries and cache_max_chars must be >= 0")
         for name in ("output_prior_tokens", "slo_ttft_s", "slo_tpot_s"):
             unknown = set(getattr(self, name)) - set(DOMAINS)
             if unknown:
@@ -97,6 +109,9 @@ class ShapeEstimator:
         self.output = OutputLengthPredictor(self.config.output_prior_tokens,
                                             self.config.output_ewma_alpha,
                                             self.config.max_predicted_output_tokens)
+        # NOTE: per instance (no module-level cache); functools' C LRU costs ~0.1 us a hit.
+        self._cached_text_shape = functools.lru_cache(maxsize=self.config.cache_entries)(
+            self._text_shape)
 
     @classmethod
     def load(cls, tokenizer_dir: str | Path | None = None, classifier_path: str | Path | None = None,
@@ -108,14 +123,18 @@ class ShapeEstimator:
 
     def estimate(self, body: Mapping[str, Any], endpoint: str) -> RequestShape:
         rendered, classify_text = _prompt_texts(body, endpoint)
-        domain = self._classify(classify_text)
-        num_tokens = _token_ids_len(body) if rendered is None else self.counter.count(rendered).num_tokens
+        if rendered is None:  # token ids: nothing to tokenize or hash
+            domain, num_tokens, hashes = self._classify(classify_text), _token_ids_len(body), ()
+        elif len(rendered) + len(classify_text) <= self.config.cache_max_chars:
+            domain, num_tokens, hashes = self._cached_text_shape(rendered, classify_text)
+        else:
+            domain, num_tokens, hashes = self._text_shape(rendered, classify_text)
         max_tokens = _int_or_none(body.get("max_completion_tokens", body.get("max_tokens")))
         predicted = max_tokens if max_tokens is not None else self.output.predict(domain)
         return RequestShape(
             domain=domain, prompt_tokens=num_tokens, max_tokens=max_tokens,
             predicted_output_tokens=predicted, stream=body.get("stream") is True,
-            prefix_hashes=self.counter.prefix_hashes(rendered) if rendered else (),
+            prefix_hashes=hashes,
             speculative_depth=_int_or_none(body.get("speculative_depth")),
             slo_ttft_s=_float_or_none(body.get("slo_ttft_s")) or self.config.slo_ttft_s.get(domain),
             slo_tpot_s=_float_or_none(body.get("slo_tpot_s")) or self.config.slo_tpot_s.get(domain),
@@ -126,9 +145,16 @@ class ShapeEstimator:
             self.output.observe(outcome.shape.domain, outcome.completion_tokens)
 
     def stats(self) -> dict[str, Any]:
+        info = self._cached_text_shape.cache_info()
         return {"tokenizer": self.counter.has_tokenizer,
                 "classifier": self.classifier.meta.get("version", "unknown"),
-                "output_tokens": self.output.snapshot()}
+                "output_tokens": self.output.snapshot(),
+                "cache": {"hits": info.hits, "misses": info.misses, "entries": info.currsize}}
+
+    def _text_shape(self, rendered: str, classify_text: str) -> tuple[str, int, tuple[int, ...]]:
+        """(domain, prompt tokens, prefix hashes): everything that depends on the texts."""
+        return (self._classify(classify_text), self.counter.count(rendered).num_tokens,
+                self.counter.prefix_hashes(rendered) if rendered else ())
 
     def _classify(self, text: str) -> str:
         if not text.strip():

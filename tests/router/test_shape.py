@@ -89,3 +89,34 @@ def test_any_json_body_gives_a_valid_shape(est: ShapeEstimator, body: dict, chat
     s = est.estimate(body, "/v1/chat/completions" if chat else "/v1/completions")
     assert s.domain in est.classifier.classes and s.prompt_tokens >= 0
     assert s.predicted_output_tokens >= 0 and isinstance(s.prefix_hashes, tuple)
+
+
+def test_cache_hits_return_what_a_miss_computes() -> None:
+    cached = ShapeEstimator.load(TINY_TARGET)
+    uncached = ShapeEstimator.load(TINY_TARGET, config=ShapeConfig(cache_entries=0))
+    bodies = [{"messages": [{"role": "system", "content": "You are terse."},
+                            {"role": "user", "content": f"Translate to French: item {i}"}]}
+              for i in range(3)] + [{"prompt": "Summarize: " + "word " * 600}]
+    for _ in range(2):  # second round: every text is cached
+        for body in bodies:
+            endpoint = "/v1/chat/completions" if "messages" in body else "completions"
+            assert cached.estimate(body, endpoint) == uncached.estimate(body, endpoint)
+    assert cached.stats()["cache"] == {"hits": 4, "misses": 4, "entries": 4}
+    assert uncached.stats()["cache"]["entries"] == 0
+
+
+def test_cache_is_bounded_and_skips_long_prompts() -> None:
+    est = ShapeEstimator.load(TINY_TARGET, config=ShapeConfig(cache_entries=2,
+                                                              cache_max_chars=200))
+    for i in range(5):
+        est.estimate({"prompt": f"Solve {i} + {i}."}, "completions")
+    long_body = {"prompt": "Explain this passage. " * 20}  # 440 chars, over the limit
+    first = est.estimate(long_body, "completions")
+    assert est.estimate(long_body, "completions") == first
+    info = est.stats()["cache"]
+    assert info["entries"] == 2 and info["hits"] == 0 and info["misses"] == 5
+
+
+def test_cache_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="cache_entries"):
+        ShapeConfig(cache_entries=-1)
