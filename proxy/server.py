@@ -24,6 +24,8 @@ from proxy.config import ProxyConfig
 
 logger = logging.getLogger(__name__)
 
+GC_YOUNG_THRESHOLD = 20_000  # allocations between young-generation collections (default 700)
+
 
 class ProxyServer:
     def __init__(self, config: ProxyConfig, app: web.Application | None = None) -> None:
@@ -85,6 +87,12 @@ async def serve_until_signal(config: ProxyConfig) -> None:
     # re-scanning it in every full collection (multi-ms pauses in the p99 of a busy loop).
     gc.collect()
     gc.freeze()
+    # NOTE: a request allocates a few hundred container objects, nearly all freed by
+    # reference counting when it ends; at the default threshold (700) the young
+    # generation was collected every ~2 requests and the collector took ~7% of the
+    # proxy's CPU (py-spy). A larger young generation mostly holds garbage already freed,
+    # so each collection costs about the same and runs ~30x less often.
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
     try:
         await stop.wait()
         logger.info("signal received: draining %d in-flight requests",
