@@ -12,6 +12,10 @@ so that padding every query in a group to the longest one never pads 31
 decode rows up to a 512-token prefill chunk. Within a group, grouped-query
 attention folds the ``G = num_heads / num_kv_heads`` query heads of one KV head
 into the query-length axis, so K and V are never repeated.
+
+NOTE: on the CPU in float32, when :mod:`engine.cpu_attention` built, the short
+group is one unpadded group attended by that fused kernel straight from the
+paged cache (no gather copy, no mask); prefill chunks keep the SDPA path.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine.cpu_attention import CpuPagedAttention
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,10 @@ class AttnGroup:
     num_seqs: int  # B
     max_q: int
     block_tables: torch.Tensor  # [B, num_blocks] long
-    mask: torch.Tensor  # [B, 1, G * max_q, num_blocks * block_size] bool, True = attend
+    # [B, 1, G * max_q, num_blocks * block_size] bool, True = attend; None: kernel group
+    mask: torch.Tensor | None
+    starts: torch.Tensor | None = None  # [B] long, cached tokens per sequence (kernel group)
+    q_lens: torch.Tensor | None = None  # [B] long, query rows per sequence (kernel group)
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class AttnMetadata:
     positions: torch.Tensor  # [T] long
     slot_mapping: torch.Tensor  # [T] long, flat KV slot of each new token
     groups: tuple[AttnGroup, ...]
+    kernel: CpuPagedAttention | None = None  # attends the groups whose mask is None
 
 
 def order_short_first(q_lens: Sequence[int], short_q: int,
@@ -69,10 +79,12 @@ def order_short_first(q_lens: Sequence[int], short_q: int,
 
 
 def build_metadata(slices: Sequence[SeqSlice], block_size: int, num_q_per_kv: int,
-                   short_q: int, device: str | torch.device = "cpu") -> AttnMetadata:
+                   short_q: int, device: str | torch.device = "cpu",
+                   kernel: CpuPagedAttention | None = None) -> AttnMetadata:
     """Positions, slot mapping and attention groups; ``slices`` must be short-first ordered.
 
     Built on the CPU (small integer tensors), then moved to ``device`` in one go.
+    With ``kernel`` (CPU only) the short queries form one group that it attends.
     """
     q_lens = [s.q_len for s in slices]
     starts = torch.tensor([s.start for s in slices], dtype=torch.long)
@@ -86,13 +98,28 @@ def build_metadata(slices: Sequence[SeqSlice], block_size: int, num_q_per_kv: in
     positions = starts[seq_of_token] + within
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     split = sum(1 for n in q_lens if n <= short_q)
+    if torch.device(device).type != "cpu":
+        kernel = None
     groups = []
-    for lo, hi in (*_split_by_context(slices, 0, split, block_size), (split, len(slices))):
+    if kernel is not None and split:
+        groups.append(_kernel_group(slices, split, tables, starts, q_lens_t, block_size))
+    short = [] if kernel is not None else _split_by_context(slices, 0, split, block_size)
+    for lo, hi in (*short, (split, len(slices))):
         if hi > lo:
             groups.append(_group(slices, lo, hi, tables, offsets, positions, within,
                                  block_size, num_q_per_kv))
-    meta = AttnMetadata(positions, slots, tuple(groups))
+    meta = AttnMetadata(positions, slots, tuple(groups), kernel)
     return meta if torch.device(device).type == "cpu" else _to_device(meta, device)
+
+
+def _kernel_group(slices: Sequence[SeqSlice], hi: int, tables: torch.Tensor,
+                  starts: torch.Tensor, q_lens: torch.Tensor, block_size: int) -> AttnGroup:
+    """Sequences ``[0, hi)`` unpadded: the kernel walks each one's own context."""
+    num_blocks = max(-(-(s.start + s.q_len) // block_size) for s in slices[:hi])
+    return AttnGroup(rows=(0, int(q_lens[:hi].sum())), pad_idx=None, num_seqs=hi,
+                     max_q=int(q_lens[:hi].max()),
+                     block_tables=tables[:hi, :num_blocks].contiguous(), mask=None,
+                     starts=starts[:hi].contiguous(), q_lens=q_lens[:hi].contiguous())
 
 
 def _to_device(meta: AttnMetadata, device: str | torch.device) -> AttnMetadata:
@@ -101,7 +128,8 @@ def _to_device(meta: AttnMetadata, device: str | torch.device) -> AttnMetadata:
 
     groups = tuple(dataclasses.replace(
         g, pad_idx=None if g.pad_idx is None else move(g.pad_idx),
-        block_tables=move(g.block_tables), mask=move(g.mask)) for g in meta.groups)
+        block_tables=move(g.block_tables), mask=None if g.mask is None else move(g.mask))
+        for g in meta.groups)
     return AttnMetadata(move(meta.positions), move(meta.slot_mapping), groups)
 
 
@@ -158,8 +186,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttnMetadata, scale: float, naive: bool = False) -> torch.Tensor:
     """q: [T, H, D]; caches: [Hkv, num_blocks, block_size, D]. Returns [T, H * D]."""
     outs = [_attend_group(q[g.rows[0]:g.rows[1]], k_cache, v_cache, g, scale, naive)
+            if g.mask is not None else _attend_kernel(q[g.rows[0]:g.rows[1]], k_cache, v_cache,
+                                                      g, scale, meta.kernel)
             for g in meta.groups]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _attend_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttnGroup,
+                   scale: float, kernel: CpuPagedAttention | None) -> torch.Tensor:
+    assert kernel is not None and g.starts is not None and g.q_lens is not None
+    return kernel.attend(q, k_cache, v_cache, g.block_tables, g.starts, g.q_lens, scale)
 
 
 def _naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -175,6 +211,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_kv = k_cache.shape[0]
     qpg = num_heads // num_kv
     b, mq = g.num_seqs, g.max_q
+    assert g.mask is not None
     if g.pad_idx is not None:
         q = q.new_zeros(b * mq, num_heads, head_dim).index_copy_(0, g.pad_idx, q)
     # (B, mq, Hkv, G, D) -> (B, Hkv, G * mq, D): fold query heads sharing a KV head.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import SeqSlice, build_metadata, order_short_first
+from engine.cpu_attention import cpu_attention_for
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
 from engine.scheduler import ScheduledSeq
@@ -36,6 +37,9 @@ class ModelRunner:
         self.kv = kv
         self.short_q = short_q  # queries up to this length attend in the decode group
         self.num_q_per_kv = model.spec.num_heads // model.spec.num_kv_heads
+        self.cpu_attention = None
+        if not model.naive_attention:  # naive is the reference path: keep it pure torch
+            self.cpu_attention = cpu_attention_for(model.device, model.dtype, kv.block_size)
 
     def execute(self, scheduled: Sequence[ScheduledSeq]) -> list[StepResult]:
         """Run one forward over ``scheduled``; results for the sequences that sampled."""
@@ -55,7 +59,7 @@ class ModelRunner:
                 rows.extend(range(end - len(it.drafts) - 1, end))
         device = self.model.device
         meta = build_metadata(slices, self.kv.block_size, self.num_q_per_kv, self.short_q,
-                              device)
+                              device, self.cpu_attention)
         logit_rows = torch.tensor(rows, dtype=torch.long).to(device)
         logits = self.model.forward(torch.tensor(ids, dtype=torch.long).to(device), meta,
                                     self.kv, logit_rows)

@@ -9,6 +9,7 @@ import torch
 
 from engine.attention import SeqSlice, build_metadata, order_short_first
 from engine.checkpoint import load_weights, read_spec
+from engine.cpu_attention import CpuPagedAttention, load_cpu_attention
 from engine.kv_cache import blocks_needed
 from engine.model import LlamaModel
 from tests.engine.conftest import save_random_checkpoint
@@ -30,7 +31,8 @@ def load(model_dir: Path, num_layers: int | None = None) -> LlamaModel:
     return LlamaModel(spec, load_weights(model_dir, num_layers or spec.num_layers))
 
 
-def run_chunks(model: LlamaModel, seqs: list[list[int]], chunk: int) -> list[torch.Tensor]:
+def run_chunks(model: LlamaModel, seqs: list[list[int]], chunk: int,
+               kernel: CpuPagedAttention | None = None) -> list[torch.Tensor]:
     """Feed every sequence in chunks of ``chunk`` tokens, all sequences in each step."""
     kv = model.new_kv_cache(256, BLOCK)
     tables, next_block = [], 0
@@ -47,7 +49,8 @@ def run_chunks(model: LlamaModel, seqs: list[list[int]], chunk: int) -> list[tor
         slices = [SeqSlice(min(chunk, len(seqs[i]) - done[i]), done[i], tables[i]) for i in order]
         ids = torch.tensor([t for i, sl in zip(order, slices, strict=False)
                             for t in seqs[i][sl.start:sl.start + sl.q_len]])
-        meta = build_metadata(slices, BLOCK, model.spec.num_heads // model.spec.num_kv_heads, 5)
+        meta = build_metadata(slices, BLOCK, model.spec.num_heads // model.spec.num_kv_heads, 5,
+                              kernel=kernel)
         out = model.forward(ids, meta, kv)
         row = 0
         for i, sl in zip(order, slices, strict=False):
@@ -100,6 +103,21 @@ def test_naive_attention_matches_sdpa(tiny_model_dir: Path) -> None:
     naive = run_chunks(LlamaModel(spec, weights, attention="naive"), seqs, chunk=4)
     for a, b in zip(sdpa, naive, strict=True):
         assert (a - b).abs().max().item() < 1e-4
+
+
+def test_cpu_kernel_decode_matches_transformers(tiny_model_dir: Path) -> None:
+    """Chunks of 1 and 3 tokens go through the fused CPU kernel; logits stay within 1e-4."""
+    kernel = load_cpu_attention()
+    if kernel is None:
+        pytest.fail("the CPU attention kernel did not build here (see the logged reason)")
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 8192, (n,), generator=gen).tolist() for n in (40, 19, 33)]
+    model = load(tiny_model_dir)
+    expected = [hf_logits(tiny_model_dir, ids) for ids in seqs]
+    for chunk in (1, 3):
+        got = run_chunks(model, seqs, chunk=chunk, kernel=kernel)
+        for want, logits in zip(expected, got, strict=True):
+            assert (logits - want).abs().max().item() < 1e-4
 
 
 def test_cuda_only_options_are_refused_on_cpu(tiny_model_dir: Path) -> None:

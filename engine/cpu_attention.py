@@ -1,0 +1,235 @@
+"""A fused paged-attention kernel for CPU decode and verification steps (C, built at start-up).
+
+The torch path in :mod:`engine.attention` copies every sequence's K/V blocks
+into a padded tensor (``index_select``) before SDPA reads them again; at 32
+decoding sequences that copy was about a third of the engine's CPU. This
+kernel reads each K/V block once, straight from the paged cache through the
+block table, with an online softmax (flash-decoding style), for every query
+head of one KV head at a time. It serves short queries (decode, k + 1
+verification rows) in float32 on the CPU; prefill chunks keep SDPA, whose
+GEMMs are faster for long queries.
+
+NOTE: plain C through ``ctypes`` rather than a torch C++ extension: gcc builds
+it in well under a second (a ``load_inline`` extension compiles torch headers
+for ~a minute on a small box), and ``ctypes`` releases the GIL during the
+call, so the event loop runs while a step attends. The library is built once
+per source/compiler/CPU into a cache directory; if there is no compiler or the
+build fails, :func:`load_cpu_attention` logs why and returns None and the
+engine keeps the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "POLYINFER_CPU_ATTENTION"  # "0" keeps the torch path
+CACHE_ENV = "POLYINFER_KERNEL_CACHE"  # where built libraries live
+# NOTE: no -ffast-math: linking a shared library with it sets flush-to-zero for the whole
+# process (crtfastmath.o). These flags only let gcc vectorize the float reductions.
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+          "-fno-signed-zeros", "-freciprocal-math", "-shared", "-fPIC", "-std=gnu99")
+BUILD_TIMEOUT_S = 60.0
+MAX_BLOCK = 256  # tokens per KV block the kernel accepts (its score buffer)
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MAX_BLOCK 256
+
+/* One KV head of one sequence: rows r = j * G + g (query j, head g of the group). */
+static void attend_head(const float *q, int64_t q_row_stride, const float *k_cache,
+                        const float *v_cache, const int64_t *table, int64_t start, int64_t q_len,
+                        int64_t hk, int64_t G, int64_t D, int64_t num_blocks, int64_t bs,
+                        float scale, float *out, int64_t out_row_stride, float *acc,
+                        float *m, float *l) {
+    float sc[MAX_BLOCK];
+    int64_t rows = q_len * G, ctx = start + q_len;
+    for (int64_t r = 0; r < rows; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.0f;
+    }
+    for (int64_t b = 0; b * bs < ctx; b++) {
+        const float *kb = k_cache + (hk * num_blocks + table[b]) * bs * D;
+        const float *vb = v_cache + (hk * num_blocks + table[b]) * bs * D;
+        for (int64_t j = 0; j < q_len; j++) {
+            int64_t n = start + j + 1 - b * bs;  /* causal: keys 0 .. start + j */
+            if (n <= 0) continue;
+            if (n > bs) n = bs;
+            for (int64_t g = 0; g < G; g++) {
+                int64_t r = j * G + g;
+                const float *qr = q + j * q_row_stride + (hk * G + g) * D;
+                float bmax = -INFINITY;
+                for (int64_t i = 0; i < n; i++) {
+                    const float *kr = kb + i * D;
+                    float s = 0.0f;
+                    for (int64_t d = 0; d < D; d++) s += qr[d] * kr[d];
+                    s *= scale;
+                    sc[i] = s;
+                    bmax = s > bmax ? s : bmax;
+                }
+                float mnew = m[r] > bmax ? m[r] : bmax;
+                float alpha = expf(m[r] - mnew);
+                float sum = 0.0f;
+                for (int64_t i = 0; i < n; i++) {
+                    sc[i] = expf(sc[i] - mnew);
+                    sum += sc[i];
+                }
+                l[r] = l[r] * alpha + sum;
+                m[r] = mnew;
+                float *a = acc + r * D;
+                for (int64_t d = 0; d < D; d++) a[d] *= alpha;
+                for (int64_t i = 0; i < n; i++) {
+                    const float *vr = vb + i * D;
+                    float p = sc[i];
+                    for (int64_t d = 0; d < D; d++) a[d] += p * vr[d];
+                }
+            }
+        }
+    }
+    for (int64_t j = 0; j < q_len; j++)
+        for (int64_t g = 0; g < G; g++) {
+            int64_t r = j * G + g;
+            float inv = 1.0f / l[r];
+            float *o = out + j * out_row_stride + (hk * G + g) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = acc[r * D + d] * inv;
+        }
+}
+
+/* q rows [T, H, D] with row stride q_row_stride; caches [Hkv, num_blocks, bs, D];
+   tables [S, table_stride]; out [T, H * D] contiguous. Returns 0, -1 if a size is out of
+   range, -2 if out of memory (then out is untouched). */
+int paged_attention_f32(const float *q, int64_t q_row_stride, const float *k_cache,
+                        const float *v_cache, const int64_t *tables, int64_t table_stride,
+                        const int64_t *starts, const int64_t *q_lens, int64_t num_seqs,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t num_blocks,
+                        int64_t bs, float scale, float *out) {
+    int64_t G = num_heads / num_kv_heads;
+    if (bs > MAX_BLOCK || G * num_kv_heads != num_heads) return -1;
+    int64_t max_rows = 1;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        if (q_lens[s] < 1) return -1;
+        if (q_lens[s] * G > max_rows) max_rows = q_lens[s] * G;
+    }
+    float *work = malloc(sizeof(float) * max_rows * (D + 2));
+    if (work == NULL) return -2;
+    int64_t row = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        for (int64_t hk = 0; hk < num_kv_heads; hk++)
+            attend_head(q + row * q_row_stride, q_row_stride, k_cache, v_cache,
+                        tables + s * table_stride, starts[s], q_lens[s], hk, G, D, num_blocks,
+                        bs, scale, out + row * num_heads * D, num_heads * D, work,
+                        work + max_rows * D, work + max_rows * (D + 1));
+        row += q_lens[s];
+    }
+    free(work);
+    return 0;
+}
+"""
+
+
+class CpuPagedAttention:
+    """The loaded kernel: ``attend(q, k_cache, v_cache, ...)`` for float32 CPU tensors."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.paged_attention_f32
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                       ctypes.c_float, ptr]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_tables: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """q ``[T, H, D]`` (rows of the sequences in order); caches ``[Hkv, NB, BS, D]``;
+        block_tables ``[S, nb]``, starts / q_lens ``[S]`` int64. Returns ``[T, H * D]``."""
+        rows, num_heads, head_dim = q.shape
+        num_kv, num_blocks, block_size, _ = k_cache.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.dtype == torch.float32
+        out = torch.empty(rows, num_heads * head_dim, dtype=torch.float32)
+        rc = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                      block_tables.data_ptr(), block_tables.stride(0), starts.data_ptr(),
+                      q_lens.data_ptr(), starts.numel(), num_heads, num_kv, head_dim,
+                      num_blocks, block_size, scale, out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"paged attention kernel refused shapes q={tuple(q.shape)} "
+                             f"cache={tuple(k_cache.shape)}")
+        return out
+
+
+def cpu_attention_for(device: str | torch.device, dtype: torch.dtype,
+                      block_size: int) -> CpuPagedAttention | None:
+    """The kernel where it applies (float32 on the CPU) and builds; None otherwise."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32 or block_size > MAX_BLOCK:
+        return None
+    return load_cpu_attention()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get(CACHE_ENV) or os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(base).expanduser() / "polyinfer" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src = Path(tmp) / "paged_attention.c"
+        src.write_text(SOURCE)
+        lib = Path(tmp) / out.name
+        subprocess.run([compiler, *CFLAGS, str(src), "-o", str(lib), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        os.replace(lib, out)  # atomic: concurrent builders never load a partial file
+
+
+def load_cpu_attention() -> CpuPagedAttention | None:
+    """Build (once per source, compiler and CPU) and load the kernel; None, logged, if not.
+
+    A built library is reused from the cache directory, so later calls cost a
+    ``dlopen`` of an already-loaded file.
+    """
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        logger.info("CPU paged-attention kernel disabled by %s=0", DISABLE_ENV)
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: CPU decode attention uses the torch path")
+        return None
+    key = hashlib.sha256("\0".join([SOURCE, compiler, *CFLAGS, platform.machine(),
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"paged_attention_{key}.so"
+    try:
+        if not path.exists():
+            _build(compiler, path)
+        return CpuPagedAttention(ctypes.CDLL(str(path)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        logger.warning("CPU paged-attention kernel unavailable (%s): decode attention uses the "
+                       "torch path", str(detail).strip()[:500])
+        return None
