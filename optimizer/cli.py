@@ -49,7 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fast-requests", type=int, default=12)
     p.add_argument("--slow-requests", type=int, default=24)
     p.add_argument("--slow-repeats", type=int, default=3)
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="replay concurrency cap (the traffic's own concurrency when lower)")
+    p.add_argument("--objective", default="auto", choices=["auto", "request", "cpu", "wall"],
+                   help="auto: per-request tok/s at low load, throughput (cpu/wall) when busy")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--max-output-tokens", type=int, default=48)
     p.add_argument("--memory-gb", type=float, default=1.0, help="memory budget for the KV cache")
@@ -77,7 +80,7 @@ def build_config(args: argparse.Namespace) -> OptimizerConfig:
         search=SearchConfig(fast_budget=args.budget, finalists=args.finalists),
         promotion=PromotionConfig(watch_s=args.watch_s),
         memory_budget_bytes=int(args.memory_gb * (1 << 30)), min_records=args.min_records,
-        once=args.once, seed=args.seed)
+        objective=getattr(args, "objective", "auto"), once=args.once, seed=args.seed)
 
 
 def run(args: argparse.Namespace) -> int:

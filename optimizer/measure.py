@@ -1,10 +1,21 @@
 """Measurement on a persistent engine: hot-reload a candidate, replay the sample, score it.
 
 The engine is started once (model loaded once); every candidate is swapped
-in with ``POST /admin/reload`` and scored by a closed-loop replay of the
-sample through loadgen's runner (all requests due at t=0, ``concurrency`` in
-flight), greedy, streaming. The objective is output tokens per second of
-wall time; requests that fail count zero tokens and are reported.
+in with ``POST /admin/reload`` and scored by a replay of the sample through
+loadgen's runner, greedy, streaming: closed loop (all requests due at t=0,
+``concurrency`` in flight) or, with ``Tier.open_loop``, open loop at the
+sample's own arrival offsets (the traffic's pattern; ``concurrency`` is then
+only a cap). Requests that fail count zero tokens and are reported.
+
+Objectives (higher is better), see :class:`Measurer`:
+  - ``wall``: output tokens per wall second of the replay (throughput);
+  - ``cpu``: output tokens per engine CPU second (throughput, robust to
+    other tenants on a shared box);
+  - ``request``: mean over requests of each request's output tokens per
+    second, from send to last byte (queueing included): the decode speed a
+    client sees at the replayed load. At low load this is what a config
+    changes (speculation trades CPU for latency), while throughput is capped
+    by the offered load.
 
 Two tiers: the fast tier reloads with ``engine.measure_num_layers`` set (the
 first N layers only: wrong outputs, step times that track the full model)
@@ -44,6 +55,7 @@ class Tier:
     repeats: int = 1  # replays per experiment (noise estimate when > 1)
     concurrency: int = 8  # closed-loop requests in flight
     warmup_requests: int = 2  # sent after a reload, not measured
+    open_loop: bool = False  # True: send at the sample's arrival offsets (concurrency = a cap)
 
     def __post_init__(self) -> None:
         if self.num_layers is not None and self.num_layers < 1:
@@ -65,6 +77,8 @@ class ReplayStats:
     ttft_p50_s: float | None
     tpot_p50_s: float | None
     errors: tuple[str, ...] = ()  # the first few error messages
+    request_tokens_per_s: float = 0.0  # mean of per-request output tokens / (queue + e2e)
+    in_flight: float = 0.0  # mean requests in flight (summed latency / wall, Little's law)
 
 
 @dataclass(frozen=True)
@@ -141,22 +155,25 @@ class EngineClient:
                 raise MeasurementError(f"completion failed (HTTP {resp.status}): {text[:300]}")
         return str(orjson.loads(text)["choices"][0]["text"])
 
-    async def replay(self, requests: Sequence[ReplayRequest], concurrency: int) -> ReplayStats:
+    async def replay(self, requests: Sequence[ReplayRequest], concurrency: int,
+                     open_loop: bool = False) -> ReplayStats:
         client_cfg = ClientConfig(target=self.base_url, endpoint="completions", model=self.model,
                                   stream=True, max_concurrency=concurrency)
-        prepared = [self._prepared(i, r) for i, r in enumerate(requests)]
+        t0 = requests[0].offset_s if requests and open_loop else 0.0
+        prepared = [self._prepared(i, r, r.offset_s - t0 if open_loop else 0.0)
+                    for i, r in enumerate(requests)]
         runner = Runner(StreamingClient(client_cfg, self.session), max_concurrency=concurrency,
                         quiet=True)
         run = await runner.run(prepared)
         return _stats(run.results, run.duration_s)
 
-    def _prepared(self, index: int, r: ReplayRequest) -> PreparedRequest:
+    def _prepared(self, index: int, r: ReplayRequest, arrival_s: float) -> PreparedRequest:
         body = {"model": self.model, "prompt": r.prompt, "max_tokens": r.max_tokens,
                 "temperature": 0.0, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}
-        # NOTE: closed loop: everything is due at t=0 and the runner's semaphore
-        # keeps `concurrency` in flight, so the engine is never idle for lack of work.
-        return PreparedRequest(index=index, line=index + 1, arrival_s=0.0,
+        # NOTE: closed loop (arrival_s 0): everything is due at t=0 and the runner's
+        # semaphore keeps `concurrency` in flight, so the engine is never idle for lack of work.
+        return PreparedRequest(index=index, line=index + 1, arrival_s=arrival_s,
                                path=self._url("/v1/completions"), body=orjson.dumps(body),
                                prompt_tokens=r.prompt_tokens, max_tokens=r.max_tokens,
                                domain=r.domain)
@@ -180,12 +197,18 @@ def _stats(results: Sequence[Any], wall_s: float) -> ReplayStats:
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
     errors = tuple(str(r.error) for r in results if not r.ok)[:3]
+    # NOTE: a failed request is a request served at 0 tokens/s, not one left out.
+    per_request = [(r.completion_tokens or 0) / (r.queue_s + r.e2e_s)
+                   if r.ok and r.e2e_s else 0.0 for r in results]
+    latency = sum(r.queue_s + (r.e2e_s or 0.0) for r in results)
     return ReplayStats(tokens / wall_s if wall_s > 0 else 0.0, tokens, wall_s,
                        len(results) - len(ok), statistics.median(ttft) if ttft else None,
-                       statistics.median(tpot) if tpot else None, errors)
+                       statistics.median(tpot) if tpot else None, errors,
+                       statistics.fmean(per_request) if per_request else 0.0,
+                       latency / wall_s if wall_s > 0 else 0.0)
 
 
-OBJECTIVES = ("wall", "cpu")
+OBJECTIVES = ("wall", "cpu", "request")
 
 
 class Measurer:
@@ -196,7 +219,11 @@ class Measurer:
     second of the engine process: NOTE: on a box shared with other tenants,
     wall time swings with their load while the engine's own CPU time barely
     does, so it ranks configs far more repeatably; it needs the engine's PID
-    (a measurement engine this process started).
+    (a measurement engine this process started). Both are throughput
+    objectives: right when the traffic keeps the engine busy. ``"request"``
+    scores the mean per-request output tokens/s at the replayed load: right
+    when the traffic leaves the engine mostly idle (low concurrency), where
+    throughput only echoes the offered load.
     """
 
     def __init__(self, engine: EngineClient, samples: dict[str, list[ReplayRequest]],
@@ -232,14 +259,15 @@ class Measurer:
             runs, cpu = [], []
             for _ in range(repeats or tier.repeats):
                 cpu0 = self.cpu_seconds() if self.cpu_seconds else 0.0
-                runs.append(await self.engine.replay(sample, tier.concurrency))
+                runs.append(await self.engine.replay(sample, tier.concurrency, tier.open_loop))
                 cpu.append(self.cpu_seconds() - cpu0 if self.cpu_seconds else 0.0)
             seconds = time.perf_counter() - t0
         self.num_experiments[tier_name] += 1
         self.seconds[tier_name] += seconds
         wall = tuple(r.tokens_per_s for r in runs)
         per_cpu = tuple(r.num_tokens / c if c > 0 else 0.0 for r, c in zip(runs, cpu, strict=True))
-        values = per_cpu if self.objective == "cpu" else wall
+        per_request = tuple(r.request_tokens_per_s for r in runs)
+        values = {"cpu": per_cpu, "wall": wall, "request": per_request}[self.objective]
         errors = sum(r.num_errors for r in runs)
         if errors:
             logger.warning("%s tier: %d failed requests (%s)", tier_name, errors,
@@ -248,6 +276,8 @@ class Measurer:
                            {"ttft_p50_s": runs[-1].ttft_p50_s, "tpot_p50_s": runs[-1].tpot_p50_s,
                             "num_tokens": runs[-1].num_tokens, "wall_s": runs[-1].wall_s,
                             "wall_tokens_per_s": statistics.fmean(wall),
+                            "request_tokens_per_s": statistics.fmean(per_request),
+                            "in_flight": statistics.fmean(r.in_flight for r in runs),
                             "cpu_tokens_per_s": statistics.fmean(per_cpu) if self.cpu_seconds
                             else None})
 

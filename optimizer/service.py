@@ -86,9 +86,14 @@ class OptimizerConfig:
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     memory_budget_bytes: int = 1 << 30  # for the KV cache
     knobs: tuple[Knob, ...] = DEFAULT_KNOBS  # the search space's dimensions
-    # "auto": tokens per engine CPU second when this service started the
-    # measurement engine (robust on a shared box), else tokens per wall second.
+    # "auto": at low load (the traffic's mean concurrency below
+    # `latency_bound_concurrency`) the mean per-request output tokens/s at the
+    # replayed concurrency ("request": what a client sees; throughput only echoes
+    # the offered load there); at higher load a throughput objective: tokens
+    # per engine CPU second when this service started the measurement engine
+    # (robust on a shared box), else tokens per wall second.
     objective: str = "auto"
+    latency_bound_concurrency: float = 2.0
     # Replay concurrency follows the traffic (Little's law on the traces) up to
     # each tier's concurrency; False = always the tier's concurrency.
     concurrency_from_traffic: bool = True
@@ -107,8 +112,12 @@ class OptimizerConfig:
             raise OptimizerError("agents: 'llm' needs llm_url (an OpenAI-compatible endpoint)")
         if self.worker_backend not in ("engine", "vllm", "external"):
             raise OptimizerError(f"worker_backend: unexpected {self.worker_backend!r}")
-        if self.objective not in ("auto", "wall", "cpu"):
-            raise OptimizerError(f"objective: expected auto, wall or cpu, got {self.objective!r}")
+        if self.objective not in ("auto", "wall", "cpu", "request"):
+            raise OptimizerError(f"objective: expected auto, wall, cpu or request, got "
+                                 f"{self.objective!r}")
+        if self.latency_bound_concurrency < 0:
+            raise OptimizerError(f"latency_bound_concurrency: expected >= 0, got "
+                                 f"{self.latency_bound_concurrency}")
         if self.min_records < 1 or self.window_records < self.min_records:
             raise OptimizerError("min_records >= 1 and window_records >= min_records")
 
@@ -274,7 +283,7 @@ class OptimizerService:
         samples, prompts = await loop.run_in_executor(None, self._samples, synth)
         fast, slow = (self._tier_for(t, profile) for t in (self.config.fast, self.config.slow))
         measurer = self.measurer = Measurer(engine, samples, (fast, slow), self._cpu_clock,
-                                            self._objective())
+                                            self._objective(profile))
         work = Workload(fast.concurrency, profile, self.config.sample.max_prompt_tokens,
                         self.config.sample.max_output_tokens)
         incumbent = self.live_config or self.config.base
@@ -308,8 +317,10 @@ class OptimizerService:
         wanted = max(1, min(tier.concurrency, round(profile.mean_concurrency)))
         return dataclasses.replace(tier, concurrency=wanted)
 
-    def _objective(self) -> str:
+    def _objective(self, profile: TrafficProfile) -> str:
         if self.config.objective == "auto":
+            if 0 < profile.mean_concurrency < self.config.latency_bound_concurrency:
+                return "request"
             return "cpu" if self._cpu_clock is not None else "wall"
         if self.config.objective == "cpu" and self._cpu_clock is None:
             raise OptimizerError("objective 'cpu' needs a measurement engine started by the "
@@ -388,6 +399,8 @@ class OptimizerService:
                         outcome: dict[str, Any], runners: list[AgentRunner],
                         seconds: float) -> None:
         entry = {"campaign": campaign.id, "seconds": round(seconds, 1), **outcome,
+                 "objective": campaign.measurer.objective,
+                 "concurrency": campaign.measurer.tiers[campaign.fast].concurrency,
                  "fast_experiments": campaign.num_fast, "pruning": campaign.pruner.snapshot(),
                  "agents": {r.agent.name: r.num_posted for r in runners}}
         logger.info("campaign finished: %s", entry)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -97,6 +98,12 @@ class Knob:
             raise SpaceError(f"knob {self.name!r} has no values")
 
 
+def thread_counts(num_cpus: int | None = None) -> tuple[int, ...]:
+    """0 (the engine's auto choice) then powers of two up to the machine's cores."""
+    cpus = max(1, num_cpus or os.cpu_count() or 1)
+    return (0, *(1 << i for i in range(cpus.bit_length()) if 1 << i <= cpus))
+
+
 DEFAULT_KNOBS: tuple[Knob, ...] = (
     Knob("max_num_seqs", (1, 2, 4, 8, 16, 32)),
     Knob("max_num_batched_tokens", (64, 128, 256, 512, 1024, 2048)),
@@ -105,6 +112,9 @@ DEFAULT_KNOBS: tuple[Knob, ...] = (
     Knob("spec_max_depth", (0, 1, 2, 3, 4, 6, 8)),
     Knob("spec_default_depth", (0, 1, 2, 3, 4, 6, 8)),
     Knob("ngram_max", (2, 3, 4, 5)),
+    # NOTE: at low load one request's step is too small to keep many threads
+    # busy, at high load batches are; which wins depends on the machine.
+    Knob("num_threads", thread_counts()),
 )
 # NOTE: `execution` and `attention` are left out: the CPU engine runs one path
 # whatever they say, so searching them would only spend measurements on noise.

@@ -64,6 +64,27 @@ async def test_measurer_fast_tier_loads_few_layers(engines: tuple[str, str]) -> 
     assert set(m.experiments_per_hour()) == {"fast", "slow"}
 
 
+async def test_open_loop_replay_keeps_the_arrival_pattern(engines: tuple[str, str]) -> None:
+    url, _ = engines
+    # two requests at once, then one 1.5 s later: an open-loop replay must wait for it
+    records = [TraceRecord(t, "code", 40, completion_tokens=6) for t in (10.0, 10.0, 11.5)]
+    reqs = build_replay(records, synth(), SAMPLE)
+    async with aiohttp.ClientSession() as s:
+        engine = EngineClient(url, s)
+        await engine.wait_ready()
+        m = Measurer(engine, {"open": reqs, "closed": reqs},
+                     [Tier("open", None, 3, concurrency=4, open_loop=True, warmup_requests=0),
+                      Tier("closed", None, 3, concurrency=4, warmup_requests=0)],
+                     objective="request")
+        opened = await m.measure(BASE, "open")
+        closed = await m.measure(BASE, "closed")
+    assert opened.num_errors == 0 and closed.num_errors == 0
+    assert opened.details["wall_s"] >= 1.5 > 0 < closed.details["wall_s"]
+    assert opened.value == opened.details["request_tokens_per_s"] > 0
+    # idle between arrivals: fewer requests in flight on average than with all due at once
+    assert opened.details["in_flight"] < closed.details["in_flight"]
+
+
 async def test_verification_passes_equivalent_and_catches_different_outputs(
         engines: tuple[str, str]) -> None:
     url, _ = engines
@@ -135,6 +156,8 @@ async def test_service_runs_one_campaign_end_to_end(engines: tuple[str, str],
     assert snap["experiments"]["fast"] >= 4 and snap["hardware"]["matmul_gflops"] > 0
     (entry,) = snap["history"]
     assert entry["fast_experiments"] == 4
+    # 1 request/s x 0.5 s recorded e2e: half a request in flight -> per-request tokens/s
+    assert entry["objective"] == "request" and entry["concurrency"] == 1
     assert entry["status"] in ("no_candidate", "within_noise", "verification_failed",
                                "promoted", "rolled_back", "not_worth_switching")
     board = Board(cfg.board_path)
