@@ -98,6 +98,9 @@ class EngineConfig:
                self.execution)
         _check(self.attention in ATTENTIONS, "engine.attention", f"one of {ATTENTIONS}",
                self.attention)
+        _check(self.execution != "cuda_graph" or self.device.startswith("cuda"),
+               "engine.execution", f"'eager' or 'compiled' on engine.device {self.device!r} "
+               "('cuda_graph' needs a CUDA device)", self.execution)
         _check(self.max_num_batched_tokens >= self.max_num_seqs, "engine.max_num_batched_tokens",
                f">= max_num_seqs ({self.max_num_seqs})", self.max_num_batched_tokens)
         _check(self.kv_cache_tokens >= self.block_size, "engine.kv_cache_tokens",

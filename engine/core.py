@@ -19,6 +19,7 @@ import torch
 
 from engine.checkpoint import ModelSpec, load_weights
 from engine.config import CompiledConfig, EngineConfig
+from engine.cuda_graph import CudaGraphDecoder
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthError, ReloadError
 from engine.kv_cache import BlockAllocator
@@ -88,7 +89,12 @@ class EngineCore:
         kv = self.model.new_kv_cache(cfg.num_kv_blocks, cfg.block_size)
         self.allocator = BlockAllocator(cfg.num_kv_blocks)
         self.scheduler = Scheduler(cfg, self.allocator)
-        self.runner = ModelRunner(self.model, kv, short_q=max(cfg.spec_max_depth + 1, 8))
+        graphs = None
+        if cfg.execution == "cuda_graph":
+            graphs = CudaGraphDecoder(self.model, kv, cfg.max_num_seqs,
+                                      self.max_model_len + cfg.spec_max_depth + 1)
+        self.runner = ModelRunner(self.model, kv, short_q=max(cfg.spec_max_depth + 1, 8),
+                                  graphs=graphs)
         self.proposer: Proposer | None = build_proposer(cfg, self.spec, self.weights)
         self._threads_for = None
         logger.info("engine built: dtype=%s kv=%d blocks x %d (%.1f MiB) max_num_seqs=%d "

@@ -21,6 +21,7 @@ from engine.attention import AttnMetadata, paged_attention
 from engine.checkpoint import ModelSpec
 from engine.errors import CheckpointError, UnsupportedConfigError
 from engine.kv_cache import KVCache
+from engine.triton_attention import DecodeMetadata, decode_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,8 +100,10 @@ class LlamaModel:
             if not str(device).startswith("cuda"):
                 raise UnsupportedConfigError(f"execution={execution!r} attention={attention!r} "
                                              f"needs a CUDA device; this engine runs on {device!r}")
-            raise UnsupportedConfigError("cuda_graph execution and triton attention are not "
-                                  "implemented in this engine yet")
+        if attention == "triton":
+            raise UnsupportedConfigError("attention='triton' is not implemented for every step "
+                                         "shape; execution='cuda_graph' uses it for decode")
+        self.execution = execution
         self.spec = spec
         self.naive_attention = attention == "naive"
         self._mlp = _mlp_block
@@ -125,7 +128,7 @@ class LlamaModel:
                        self.spec.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, kv: KVCache,
+    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata | DecodeMetadata, kv: KVCache,
                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids ``[T]`` -> float32 logits ``[N, vocab]`` for rows ``logit_rows`` (all if None)."""
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
@@ -142,7 +145,8 @@ class LlamaModel:
         return F.linear(h, self.lm_head).float()
 
     def _attention(self, x: torch.Tensor, layer: LayerWeights, i: int, cos: torch.Tensor,
-                   sin: torch.Tensor, meta: AttnMetadata, kv: KVCache) -> torch.Tensor:
+                   sin: torch.Tensor, meta: AttnMetadata | DecodeMetadata,
+                   kv: KVCache) -> torch.Tensor:
         spec = self.spec
         nq, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(-1, nq + 2 * nkv, d)
@@ -151,6 +155,9 @@ class LlamaModel:
         rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
         qk = qk * cos + rotated * sin
         kv.write(i, meta.slot_mapping, qk[:, nq:], qkv[:, nq + nkv:])
-        out = paged_attention(qk[:, :nq], kv.k[i], kv.v[i], meta, self.scale,
-                              self.naive_attention)
+        if isinstance(meta, DecodeMetadata):  # a captured decode step (engine.cuda_graph)
+            out = decode_attention(qk[:, :nq], kv.k[i], kv.v[i], meta, self.scale)
+        else:
+            out = paged_attention(qk[:, :nq], kv.k[i], kv.v[i], meta, self.scale,
+                                  self.naive_attention)
         return F.linear(out, layer.o)

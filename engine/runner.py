@@ -16,6 +16,8 @@ import torch
 
 from engine.attention import SeqSlice, build_metadata, order_short_first
 from engine.cpu_attention import cpu_attention_for
+from engine.cuda_graph import CudaGraphDecoder, DecodeRow
+from engine.gpu_sampling import sample_on_device
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
 from engine.scheduler import ScheduledSeq
@@ -32,7 +34,8 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCache, short_q: int) -> None:
+    def __init__(self, model: LlamaModel, kv: KVCache, short_q: int,
+                 graphs: CudaGraphDecoder | None = None) -> None:
         self.model = model
         self.kv = kv
         self.short_q = short_q  # queries up to this length attend in the decode group
@@ -40,9 +43,12 @@ class ModelRunner:
         self.cpu_attention = None
         if not model.naive_attention:  # naive is the reference path: keep it pure torch
             self.cpu_attention = cpu_attention_for(model.device, model.dtype, kv.block_size)
+        self.graphs = graphs  # captured decode steps (execution: cuda_graph)
 
     def execute(self, scheduled: Sequence[ScheduledSeq]) -> list[StepResult]:
         """Run one forward over ``scheduled``; results for the sequences that sampled."""
+        if self.graphs is not None and self._graph_can_run(scheduled):
+            return self._execute_graph(scheduled)
         order = order_short_first([s.q_len for s in scheduled], self.short_q,
                                   [s.seq.num_computed + s.q_len for s in scheduled])
         items = [scheduled[i] for i in order]
@@ -79,3 +85,22 @@ class ModelRunner:
         proposals = [Proposal(it.seq.seq_id, it.drafts, it.draft_probs) for it in sampled]
         results = verify(logits, proposals, params)
         return [StepResult(it, r.tokens, r.num_accepted) for it, r in zip(sampled, results, strict=False)]
+
+    def _graph_can_run(self, scheduled: Sequence[ScheduledSeq]) -> bool:
+        assert self.graphs is not None
+        return (self.graphs.can_run(len(scheduled))
+                and all(it.q_len == 1 and not it.drafts for it in scheduled))
+
+    def _execute_graph(self, scheduled: Sequence[ScheduledSeq]) -> list[StepResult]:
+        """One token per sequence through a captured graph; sampled where the logits are."""
+        assert self.graphs is not None
+        rows = [DecodeRow(it.seq.token_ids[it.seq.num_computed], it.seq.num_computed,
+                          it.seq.block_table) for it in scheduled]
+        logits = self.graphs.run(rows)  # [n, vocab] on the device
+        picked = [i for i, it in enumerate(scheduled) if it.samples]
+        if not picked:
+            return []
+        if len(picked) < len(scheduled):
+            logits = logits[torch.tensor(picked, device=logits.device)]
+        tokens = sample_on_device(logits, [scheduled[i].seq.params.sampling for i in picked])
+        return [StepResult(scheduled[i], [t], 0) for i, t in zip(picked, tokens, strict=True)]

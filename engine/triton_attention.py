@@ -1,0 +1,76 @@
+"""Graph-safe paged decode attention: one query token per sequence, a Triton kernel.
+
+The eager path (:mod:`engine.attention`) builds its padding and masks on the
+host for every step, which a captured CUDA graph cannot do. This kernel reads
+everything that changes between steps from device tensors of fixed shape —
+block tables ``[B, max_blocks]`` and context lengths ``[B]`` — and loops over
+each sequence's context on the device, so one captured launch serves any
+context length up to ``max_blocks * block_size``.
+
+One program handles one (sequence, KV head) pair: the ``G = num_heads /
+num_kv_heads`` query heads that share the KV head are one ``[G, D]`` tile
+(padded to 16 rows for ``tl.dot``), and the context is read in tiles of
+``TILE`` tokens with an online softmax, so K and V are read exactly once.
+
+    meta = DecodeMetadata(positions, slot_mapping, block_tables, context_lens)
+    out = decode_attention(q, k_cache, v_cache, meta, scale)  # q [B, H, D] -> [B, H * D]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+TILE = 64  # context tokens per inner-loop iteration
+MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
+
+
+@dataclass(frozen=True)
+class DecodeMetadata:
+    """Step inputs of a decode-only batch, all on the device and of fixed shape.
+
+    Plays the role of :class:`engine.attention.AttnMetadata` for the model's
+    forward (``positions`` and ``slot_mapping`` are read the same way).
+    """
+
+    positions: torch.Tensor  # [B] long, position of each sequence's new token
+    slot_mapping: torch.Tensor  # [B] long, flat KV slot the new token is written to
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (row stride may exceed max_blocks)
+    context_lens: torch.Tensor  # [B] int32, tokens attended (new one included), >= 1
+
+
+def is_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def check_head_dim(head_dim: int) -> str | None:
+    """Why this kernel cannot serve ``head_dim``, or None if it can."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two >= 16"
+    return None
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: DecodeMetadata, scale: float) -> torch.Tensor:
+    """q ``[B, H, D]``; caches ``[Hkv, num_blocks, block_size, D]``. Returns ``[B, H * D]``.
+
+    Launches one kernel and never reads a device value on the host, so it can be
+    captured in a CUDA graph.
+    """
+    from engine.triton_decode_kernel import decode_kernel  # Triton only when decoding on GPU
+
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv, _, block_size, _ = k_cache.shape
+    assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    group = num_heads // num_kv
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    tables, lens = meta.block_tables, meta.context_lens
+    decode_kernel[(num_seqs, num_kv)](
+        q, k_cache, v_cache, out, tables, lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), tables.stride(0), lens.stride(0), scale,
+        BLOCK_SIZE=block_size, G=group, G_PAD=max(MIN_DOT_ROWS, 1 << (group - 1).bit_length()),
+        D=head_dim, TILE_T=TILE, IEEE=q.dtype == torch.float32)
+    return out.view(num_seqs, num_heads * head_dim)
