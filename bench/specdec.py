@@ -14,11 +14,15 @@ has learned, and it learns online from every response of the run (fixed-k
 runs included: it sees all traffic, as the proxy does).
 
 Modes run in ABBA order (forward, then reversed) and the rounds are summed, so
-slow drift of a shared machine hits every mode alike.
+slow drift of a shared machine hits every mode alike. At concurrency 1 the
+modes are interleaved per prompt instead (every prompt runs in every mode back
+to back, in a rotating order), which also gives the per-domain table: speed-up
+over depth 0 per domain, the repetitive domains marked (rule: REPETITIVE_DOMAINS).
 
     python bench/specdec.py                     # full run (a few minutes on 2 cores)
     python bench/specdec.py --quick             # smaller, for a smoke test
     python bench/specdec.py --micro             # proposer / policy / verify micro-costs only
+    python bench/specdec.py --step-costs        # forward ms per verify width k + 1 (no engine)
 """
 
 from __future__ import annotations
@@ -54,8 +58,15 @@ CATEGORY_DOMAIN = {
     "extraction": "extraction", "writing": "chat", "roleplay": "chat", "reasoning": "chat",
     "stem": "chat", "humanities": "chat",
 }
-FIXED_DEPTHS = (0, 1, 2, 4, 6)
+FIXED_DEPTHS = (0, 1, 2, 4, 6, 8)
 ADAPTIVE = "adaptive"
+# NOTE: "repetitive" is fixed before measuring, by a rule, not picked from this run's
+# results: the top half of the domains by n-gram acceptance measured in session 1
+# (bench/RESULTS.md: translation 0.69, qa 0.60, chat 0.50, extraction 0.49; then code 0.40,
+# math 0.29, summarization 0.19, rag 0.17). Extraction is also repetitive by task (its
+# answer copies spans of the prompt); rag and code would be too for a large model, but the
+# tiny pair's outputs do not quote their context (low measured acceptance).
+REPETITIVE_DOMAINS = ("translation", "qa", "chat", "extraction")
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,8 @@ class RunStats:
 class Outcome:
     prompt_key: str  # the prompt text (kept in memory only, never printed)
     domain: str
+    mode: int | str  # the fixed depth, or ADAPTIVE
+    concurrency: int
     depth: int
     batch: int
     text: str
@@ -159,7 +172,7 @@ async def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:
 
 
 async def send(session: aiohttp.ClientSession, url: str, prompt: Prompt, depth: int,
-               max_tokens: int, batch: int) -> Outcome:
+               max_tokens: int, batch: int, mode: int | str, concurrency: int) -> Outcome:
     body = {"model": "tiny-target", "messages": [{"role": "user", "content": prompt.text}],
             "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, "speculative_depth": depth}
@@ -181,7 +194,7 @@ async def send(session: aiohttp.ClientSession, url: str, prompt: Prompt, depth: 
                 usage = chunk["usage"]
     spec = usage.get("spec_decode") or {}
     assert isinstance(spec, dict)
-    return Outcome(prompt.text, prompt.domain, depth, batch, "".join(parts),
+    return Outcome(prompt.text, prompt.domain, mode, concurrency, depth, batch, "".join(parts),
                    int(usage.get("completion_tokens", 0)),  # type: ignore[call-overload]
                    int(spec.get("num_draft_tokens", 0)), int(spec.get("num_accepted_tokens", 0)),
                    ttft, time.perf_counter() - t0)
@@ -223,7 +236,7 @@ class Bench:
                     depth = self._depth(mode, prompt.domain)
                     try:
                         o = await send(session, self.url, prompt, depth, self.max_tokens,
-                                       self.in_flight)
+                                       self.in_flight, mode, concurrency)
                     finally:
                         self.in_flight -= 1
                     self._learn(o)
@@ -239,33 +252,53 @@ class Bench:
         return stats
 
 
+    async def run_interleaved(self, prompts: list[Prompt], modes: list[int | str], rnd: int,
+                              totals: dict[int | str, RunStats]) -> None:
+        """Concurrency 1: each prompt in every mode back to back, in a rotating order."""
+        for i, prompt in enumerate(prompts):
+            shift = (i + rnd) % len(modes)
+            order = modes[shift:] + modes[:shift]
+            for mode in order if rnd % 2 == 0 else reversed(order):
+                _add(totals[mode], await self.run([prompt], mode, 1))
+
+
 # -- the benchmark --------------------------------------------------------------------------
 
 
 def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -> None:
     from specdec.policy import DepthPolicy, PolicyConfig
 
-    policy = DepthPolicy(PolicyConfig(max_depth=max(FIXED_DEPTHS)))
-    modes: list[int | str] = [*FIXED_DEPTHS, ADAPTIVE]
-    with engine_process(method, max(FIXED_DEPTHS), max(args.concurrency), args.device) as url:
-        bench = Bench(url, method, policy, args.max_tokens, max(FIXED_DEPTHS))
+    depths = sorted({0, *args.depths})
+    policy = DepthPolicy(PolicyConfig(max_depth=max(depths)))
+    modes: list[int | str] = [*depths, ADAPTIVE]
+    with engine_process(method, max(depths), max(args.concurrency), args.device) as url:
+        bench = Bench(url, method, policy, args.max_tokens, max(depths))
         asyncio.run(bench.run(prompts[:2], 0, 2))  # warm-up
         for conc in args.concurrency:
             n = max(args.min_requests, args.requests_per_slot * conc)
+            if conc == 1:
+                n = max(n, len(prompts))  # every prompt: the per-domain table below needs them
             batch = [prompts[i % len(prompts)] for i in range(n)]
             totals = {m: RunStats() for m in modes}
             for rnd in range(args.rounds):
+                if conc == 1:
+                    asyncio.run(bench.run_interleaved(batch, modes, rnd, totals))
+                    continue
                 for mode in modes if rnd % 2 == 0 else list(reversed(modes)):
-                    s = asyncio.run(bench.run(batch, mode, conc))
-                    t = totals[mode]
-                    t.tokens += s.tokens
-                    t.seconds += s.seconds
-                    t.num_draft += s.num_draft
-                    t.num_accepted += s.num_accepted
-                    t.depths += s.depths
+                    _add(totals[mode], asyncio.run(bench.run(batch, mode, conc)))
             print_concurrency(method, conc, n, totals)
+        if 1 in args.concurrency:
+            print_domains(method, [o for o in bench.outcomes if o.concurrency == 1], modes)
         print_acceptance(method, bench, policy)
         print_mismatches(method, bench)
+
+
+def _add(total: RunStats, s: RunStats) -> None:
+    total.tokens += s.tokens
+    total.seconds += s.seconds
+    total.num_draft += s.num_draft
+    total.num_accepted += s.num_accepted
+    total.depths += s.depths
 
 
 def print_concurrency(method: str, conc: int, n: int, totals: dict[int | str, RunStats]) -> None:
@@ -287,6 +320,35 @@ def print_concurrency(method: str, conc: int, n: int, totals: dict[int | str, Ru
     print(f"  best fixed k = {best_k}; adaptive / best fixed = "
           f"{totals[ADAPTIVE].tokens_per_s / best:.3f}; adaptive / k=0 = "
           f"{totals[ADAPTIVE].tokens_per_s / base:.3f}")
+
+
+def print_domains(method: str, outcomes: list[Outcome], modes: list[int | str]) -> None:
+    """Per-domain tokens/s at concurrency 1 (each request alone: tokens / its own e2e time)."""
+    tokens: dict[tuple[str, int | str], int] = defaultdict(int)
+    seconds: dict[tuple[str, int | str], float] = defaultdict(float)
+    for o in outcomes:
+        tokens[(o.domain, o.mode)] += o.tokens
+        seconds[(o.domain, o.mode)] += o.e2e_s
+    domains = sorted({o.domain for o in outcomes})
+    groups = {"repetitive": list(REPETITIVE_DOMAINS), "all": domains}
+    print(f"\n[{method}] concurrency 1 per domain: speed-up over k=0 (tokens / e2e seconds); "
+          f"* = repetitive (fixed rule, see REPETITIVE_DOMAINS)")
+    labels = [f"k={m}" if m != ADAPTIVE else "adapt" for m in modes if m != 0]
+    print(f"  {'domain':>14} {'k=0 tok/s':>9} " + " ".join(f"{lb:>6}" for lb in labels)
+          + f" {'best k':>6} {'ad/best':>7}")
+    for name, members in [*((d, [d]) for d in domains), *groups.items()]:
+        def rate(mode: int | str, members: list[str] = members) -> float:
+            t = sum(seconds[(d, mode)] for d in members)
+            return sum(tokens[(d, mode)] for d in members) / t if t else 0.0
+        base = rate(0)
+        if not base:
+            continue
+        fixed = {m: rate(m) for m in modes if m not in (0, ADAPTIVE)}
+        best_k = max(fixed, key=lambda m: fixed[m])
+        mark = "*" if name in REPETITIVE_DOMAINS else " "
+        cells = " ".join(f"{rate(m) / base:6.2f}" for m in modes if m != 0)
+        print(f"  {name + mark:>14} {base:9.1f} {cells} {best_k:>6} "
+              f"{rate(ADAPTIVE) / fixed[best_k]:7.3f}")
 
 
 def print_acceptance(method: str, bench: Bench, policy: object) -> None:
@@ -328,6 +390,55 @@ def _per_call_us(fn: object, number: int) -> float:
     for _ in range(number):
         fn()
     return (time.perf_counter() - t0) / number * 1e6
+
+
+def _forward_ms(model_dir: Path, batch: int, context: int, q_lens: list[int],
+                repeats: int) -> dict[int, float]:
+    """Median ms of one forward of ``batch`` sequences with ``q`` new tokens each (one thread)."""
+    import torch
+
+    from engine.attention import SeqSlice, build_metadata
+    from engine.checkpoint import load_weights, read_spec
+    from engine.model import LlamaModel
+
+    spec = read_spec(model_dir)
+    model = LlamaModel(spec, load_weights(model_dir, spec.num_layers), "float32", "cpu",
+                       max_positions=context + 64)
+    block = 16
+    per_seq = (context + max(q_lens)) // block + 1
+    kv = model.new_kv_cache(per_seq * batch, block)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    out: dict[int, list[float]] = {q: [] for q in q_lens}
+    metas = {q: build_metadata([SeqSlice(q, context, t) for t in tables], block,
+                               spec.num_heads // spec.num_kv_heads, max(q_lens))
+             for q in q_lens}
+    for rep in range(repeats + 2):  # interleaved, so drift hits every q alike
+        for q in q_lens:
+            ids = torch.randint(0, spec.vocab_size, (q * batch,))
+            t0 = time.perf_counter()
+            model.forward(ids, metas[q], kv, torch.arange(q * batch))
+            if rep >= 2:
+                out[q].append((time.perf_counter() - t0) * 1e3)
+    return {q: sorted(v)[len(v) // 2] for q, v in out.items()}
+
+
+def run_step_costs(repeats: int = 30) -> None:
+    """Target forward time for k+1 query tokens per sequence vs 1, and the draft's step."""
+    import torch
+
+    torch.set_num_threads(1)  # as the engine on this box (cpu_count // 2)
+    depths = [0, 1, 2, 4, 6, 8]
+    print("step costs: median forward ms, 300-token context, one thread "
+          "(ratio = t(k+1 tokens) / t(1 token))")
+    for batch in (1, 4, 16):
+        target = _forward_ms(REPO / "models" / "tiny-target", batch, 300,
+                             [k + 1 for k in depths], repeats)
+        draft = _forward_ms(REPO / "models" / "tiny-draft", batch, 300, [1], repeats)[1]
+        cells = " ".join(f"k={k}:{target[k + 1]:.1f}ms({target[k + 1] / target[1]:.2f})"
+                         for k in depths)
+        print(f"  batch {batch:>2} target {cells}")
+        print(f"  batch {batch:>2} draft 1 token {draft:.2f} ms = {draft / target[1]:.2f} of a "
+              f"target decode step; k draft steps cost k x that")
 
 
 def run_micro() -> None:
@@ -375,6 +486,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", default=["ngram", "draft"])
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
+    parser.add_argument("--depths", nargs="+", type=int, default=list(FIXED_DEPTHS),
+                        help="fixed depths to compare (0 is always included)")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--requests-per-slot", type=int, default=2)
     parser.add_argument("--min-requests", type=int, default=6)
@@ -385,9 +498,14 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="engine device (cpu, cuda)")
     parser.add_argument("--quick", action="store_true", help="one round, fewer requests")
     parser.add_argument("--micro", action="store_true", help="micro-costs only, no engine")
+    parser.add_argument("--step-costs", action="store_true",
+                        help="target forward time per verify width k+1, and the draft's step")
     args = parser.parse_args()
     if args.micro:
         run_micro()
+        return 0
+    if args.step_costs:
+        run_step_costs()
         return 0
     if args.quick:
         args.rounds, args.min_requests, args.requests_per_slot = 1, 4, 1

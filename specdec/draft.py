@@ -18,6 +18,14 @@ position). ``propose`` also re-checks the cached ids against the engine's
 history, so a skipped commit (the scheduler dropped a proposal) can never make
 the draft attend to stale tokens.
 
+A sequence stops drafting at the first token the draft itself is unsure of
+(its probability under the draft's distribution below ``min_confidence``);
+that token is dropped. NOTE: on a CPU each draft round costs about a tenth of a
+target step and each verified position more, while a low-probability draft
+token is rarely accepted; the target's bonus token fills that position anyway.
+Dropping a suffix of a proposal never changes what is emitted (verification
+accepts a prefix), so this stays lossless.
+
 Drafts are greedy (argmax, ``probs=None``: a point mass) unless the request
 carries non-greedy ``sampling``: then each draft token is drawn from the draft's
 distribution processed exactly as the target's (temperature, top-k, top-p), and
@@ -61,6 +69,8 @@ class DraftConfig:
     block_size: int = 16
     max_model_len: int = 2048  # longest history + depth the draft will see
     short_q: int = 8  # query length up to which sequences attend in the decode group
+    # Stop a sequence's drafting at a token whose draft probability is below this (0 = never).
+    min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -69,6 +79,9 @@ class DraftConfig:
             if getattr(self, name) <= 0:
                 raise ProposerConfigError(
                     f"draft.{name}: expected a positive integer, got {getattr(self, name)!r}")
+        if not 0.0 <= self.min_confidence < 1.0:
+            raise ProposerConfigError(
+                f"draft.min_confidence: expected a value in [0, 1), got {self.min_confidence!r}")
         if self.kv_cache_tokens < self.block_size:
             raise ProposerConfigError(
                 f"draft.kv_cache_tokens: expected >= block_size ({self.block_size}), "
@@ -150,13 +163,16 @@ class DraftProposer:
         while rnd.seq_ids:
             logits = self._forward(rnd)  # [len(rnd.seq_ids), vocab]
             tokens, q = _pick(logits, [sampling.get(s) for s in rnd.seq_ids])
+            sure = self._confident(logits, q, tokens, [s in sampling for s in rnd.seq_ids])
             step += 1
             for i, seq_id in enumerate(rnd.seq_ids):
+                if not sure[i]:
+                    continue
                 drafts[seq_id].append(tokens[i])
                 rows[seq_id].append(logits[i])
                 if seq_id in sampling:
                     probs[seq_id].append(q[i])
-            more = [i for i, s in enumerate(rnd.seq_ids) if depth[s] > step]
+            more = [i for i, s in enumerate(rnd.seq_ids) if depth[s] > step and sure[i]]
             rnd = _Round([rnd.seq_ids[i] for i in more], [[tokens[i]] for i in more],
                          [rnd.starts[i] + len(rnd.feeds[i]) for i in more])
         vocab = self.model.spec.vocab_size
@@ -183,6 +199,17 @@ class DraftProposer:
         return len(self._seqs)
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _confident(self, logits: torch.Tensor, q: torch.Tensor, tokens: list[int],
+                   sampled: list[bool]) -> list[bool]:
+        """Per row: is the drafted token's draft probability at least ``min_confidence``?"""
+        if self.config.min_confidence <= 0.0:
+            return [True] * len(tokens)
+        index = torch.tensor(tokens, dtype=torch.long).unsqueeze(1)  # [rows, 1]
+        p_greedy = torch.softmax(logits, dim=-1).gather(1, index).squeeze(1)  # [rows]
+        p_sampled = q.gather(1, index).squeeze(1) if any(sampled) else p_greedy
+        return [float(p_sampled[i] if s else p_greedy[i]) >= self.config.min_confidence
+                for i, s in enumerate(sampled)]
 
     def _prepare(self, request: ProposalRequest) -> bool:
         """Sync the draft cache with the history and reserve blocks; False = do not propose."""

@@ -133,3 +133,34 @@ def test_sampled_drafts_return_their_distribution(proposer_model: DraftProposer)
     target = torch.cat([logits[0], torch.zeros(1, 8192)])
     result = verify(target, [sampled], [SamplingParams(0.8, top_p=0.9)])[0]
     assert result.num_accepted == 4 and result.tokens[:4] == sampled.tokens
+
+
+def test_min_confidence_cuts_proposals_at_the_first_unsure_token(
+        proposer_model: DraftProposer) -> None:
+    """Kept drafts are a prefix of the uncut ones; the cut falls at the first token whose
+    draft probability is below the threshold, and the cache stays consistent afterwards."""
+    import dataclasses
+
+    threshold = 0.3
+    cut = DraftProposer(proposer_model.model, dataclasses.replace(CONFIG,
+                                                                  min_confidence=threshold))
+    histories = _prompts(11, 6)
+    num_cut = 0
+    for step in range(4):
+        reqs = [ProposalRequest(i, list(h), 6) for i, h in enumerate(histories)]
+        full, full_logits = _fresh(proposer_model).propose_with_logits(reqs)
+        props = cut.propose(reqs)
+        for p, f, lg in zip(props, full, full_logits, strict=True):
+            n = len(p.tokens)
+            assert p.tokens == f.tokens[:n], step
+            conf = torch.softmax(lg, dim=-1).gather(1, torch.tensor(f.tokens).unsqueeze(1))
+            assert all(float(c) >= threshold for c in conf[:n])
+            if n < len(f.tokens):
+                num_cut += 1
+                assert float(conf[n]) < threshold
+        for i, p in enumerate(props):
+            histories[i].extend(p.tokens + [7 + step])  # all accepted, then a bonus token
+            cut.commit(i, len(p.tokens))
+    assert num_cut > 0  # the threshold did cut some proposals on these prompts
+    with pytest.raises(ProposerConfigError, match="min_confidence"):
+        DraftConfig(model_dir="x", min_confidence=1.0)
