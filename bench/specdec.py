@@ -266,10 +266,11 @@ class Bench:
 
 
 def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -> None:
-    from specdec.policy import DepthPolicy, PolicyConfig
+    from specdec.policy import NGRAM_DOMAIN_PRIORS, DepthPolicy, PolicyConfig
 
     depths = sorted({0, *args.depths})
-    policy = DepthPolicy(PolicyConfig(max_depth=max(depths)))
+    priors = NGRAM_DOMAIN_PRIORS if method == "ngram" else ()
+    policy = DepthPolicy(PolicyConfig(max_depth=max(depths), domain_priors=priors))
     modes: list[int | str] = [*depths, ADAPTIVE]
     with engine_process(method, max(depths), max(args.concurrency), args.device) as url:
         bench = Bench(url, method, policy, args.max_tokens, max(depths))

@@ -62,6 +62,8 @@ class PolicyConfig:
     max_depth: int = 6  # never speculate deeper (a worker's own cap also applies)
     min_gain: float = 1.01  # speculate only if E/t beats depth 0 by this factor
     prior_acceptance: float = 0.5  # Beta prior mean for an unseen (worker, domain)
+    # Per-domain prior means that replace prior_acceptance, e.g. NGRAM_DOMAIN_PRIORS.
+    domain_priors: tuple[tuple[str, float], ...] = ()
     prior_strength: float = 8.0  # Beta prior weight, in tested draft tokens
     max_evidence: float = 4000.0  # cap on alpha + beta, so estimates track drift
     # Weight, in decode steps, of the geometric E(a, k) against steps measured at k.
@@ -81,6 +83,8 @@ class PolicyConfig:
             (self.min_gain >= 1.0, "min_gain", ">= 1"),
             (0.0 < self.prior_acceptance < 1.0, "prior_acceptance", "in (0, 1)"),
             (self.prior_strength > 0, "prior_strength", "> 0"),
+            (all(0.0 < a < 1.0 for _, a in self.domain_priors), "domain_priors",
+             "(domain, mean) pairs with means in (0, 1)"),
             (self.max_evidence > self.prior_strength, "max_evidence", "> prior_strength"),
             (self.prior_steps_per_depth > 0, "prior_steps_per_depth", "> 0"),
             (0.0 < self.mix_decay <= 1.0, "mix_decay", "in (0, 1]"),
@@ -94,6 +98,13 @@ class PolicyConfig:
             if not ok:
                 raise ProposerConfigError(
                     f"policy.{name}: expected {expected}, got {getattr(self, name)!r}")
+
+
+# Per-token n-gram acceptance per domain, measured on the bundled pair in session 1
+# (bench/RESULTS.md); a starting point for a worker the policy has not seen yet.
+NGRAM_DOMAIN_PRIORS: tuple[tuple[str, float], ...] = (
+    ("translation", 0.69), ("qa", 0.60), ("chat", 0.50), ("extraction", 0.49),
+    ("code", 0.40), ("math", 0.29), ("summarization", 0.19), ("rag", 0.17))
 
 
 def choose_depth(acceptance: float, batch: int, step_time: StepTimeModel, max_depth: int,
@@ -306,8 +317,8 @@ class DepthPolicy:
         est = self._acceptance.get((worker, domain))
         if est is None:
             c = self.config
-            est = AcceptanceEstimate(c.prior_acceptance * c.prior_strength,
-                                     (1.0 - c.prior_acceptance) * c.prior_strength)
+            prior = dict(c.domain_priors).get(domain, c.prior_acceptance)
+            est = AcceptanceEstimate(prior * c.prior_strength, (1.0 - prior) * c.prior_strength)
             self._acceptance[(worker, domain)] = est
         return est
 

@@ -161,7 +161,7 @@ def test_observe_request_feeds_both_models() -> None:
 @pytest.mark.parametrize("kwargs", [
     {"max_depth": 17}, {"min_gain": 0.9}, {"prior_acceptance": 1.0}, {"prior_strength": 0.0},
     {"max_evidence": 1.0}, {"step_prior_s": (0.0, 0.0, 0.0, 0.0)}, {"mix_decay": 0.0},
-    {"prior_steps_per_depth": 0.0},
+    {"prior_steps_per_depth": 0.0}, {"domain_priors": (("code", 1.0),)},
     {"step_prior_s": (0.01, -1.0, 0.0, 0.0)}, {"step_prior_weight": 0.0}, {"step_decay": 0.0},
 ])
 def test_config_rejects_bad_values(kwargs: dict[str, object]) -> None:
@@ -217,3 +217,14 @@ def test_under_load_a_request_follows_the_workers_depth() -> None:
         off.observe_acceptance("w", "chat", 40, 0, depth=4)
         off.decide("w", "code", batch=16)
     assert off.decide("w", "chat", batch=16) == 0
+
+
+def test_domain_priors_replace_the_global_prior_for_unseen_domains() -> None:
+    from specdec.policy import NGRAM_DOMAIN_PRIORS
+
+    policy = DepthPolicy(PolicyConfig(domain_priors=NGRAM_DOMAIN_PRIORS, prior_strength=8.0))
+    assert policy.acceptance("w", "translation").mean == pytest.approx(0.69)
+    assert policy.acceptance("w", "rag").alpha == pytest.approx(0.17 * 8.0)
+    assert policy.acceptance("w", "unknown-domain").mean == pytest.approx(0.5)
+    # with the default step-time prior, a = .69 speculates deeper than a = .17, before any data
+    assert policy.decide("w", "translation", 1, 6) > policy.decide("w", "rag", 1, 6)
