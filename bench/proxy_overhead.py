@@ -18,8 +18,10 @@ CPU seconds per request (from /proc/<pid>/stat, user + system).
 Prompts (--prompts): ``fixed`` sends one short prompt every time (what the
 earlier runs measured; the proxy's shape cache then always hits), ``real``
 cycles through the 480 Spec-Bench prompts in ../shared/data (repeats after
-480 requests), ``unique`` makes every request's prompt different (a Spec-Bench
-prompt plus the request number: the shape cache never hits).
+480 requests), ``shared`` appends the request number to a Spec-Bench prompt
+(every prompt differs; its head repeats, as a system prompt or template
+would), ``unique`` puts the request number first (nothing repeats: every
+shape cache misses).
 
 The proxy is pinned to one core (taskset) when there are at least two, and
 the upstream + load generator share the others.
@@ -48,7 +50,7 @@ PY = sys.executable
 BODY = {"model": "fake-fast", "stream": True, "max_tokens": 16,
         "messages": [{"role": "user", "content": "Say hello in sixteen short words, please."}]}
 SPEC_BENCH = REPO.parent / "shared" / "data" / "prompts" / "spec_bench_questions.jsonl"
-PROMPT_MODES = ("fixed", "real", "unique")
+PROMPT_MODES = ("fixed", "real", "shared", "unique")
 
 
 def payloads(mode: str, n: int) -> list[bytes]:
@@ -61,7 +63,11 @@ def payloads(mode: str, n: int) -> list[bytes]:
         texts = [json.loads(line)["turns"][0] for line in f if line.strip()]
     out = []
     for i in range(n):
-        text = texts[i % len(texts)] + (f"\n(request {i})" if mode == "unique" else "")
+        text = texts[i % len(texts)]
+        if mode == "shared":
+            text = f"{text}\n(request {i})"
+        elif mode == "unique":
+            text = f"(request {i}) {text}"
         out.append(json.dumps({**BODY, "messages": [{"role": "user", "content": text}]}).encode())
     return out
 
@@ -375,8 +381,8 @@ def main() -> None:
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     p.add_argument("--skip-litellm", action="store_true")
     p.add_argument("--prompts", choices=PROMPT_MODES, default="fixed",
-                   help="fixed: one short prompt; real: Spec-Bench prompts cycled; unique: "
-                        "every prompt different (no shape-cache hits)")
+                   help="fixed: one short prompt; real: Spec-Bench prompts cycled; shared: "
+                        "each different, heads repeat; unique: nothing repeats")
     p.add_argument("--shape-estimators", nargs="+", default=["classifier", "heuristic"],
                    choices=["classifier", "heuristic"],
                    help="polyinfer variants: router classifier (default config) and/or the "

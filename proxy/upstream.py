@@ -42,6 +42,9 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.reused = False
+        self._timer: asyncio.TimerHandle | None = None  # the read-timeout watchdog, if armed
+        self._timeout_s = 0.0
+        self._last_progress = 0.0  # loop time of the last data or of the current wait's start
         self._reset()
 
     def _reset(self) -> None:
@@ -68,6 +71,8 @@ class _Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
+        if self.waiter is not None:
+            self._last_progress = self.waiter.get_loop().time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
@@ -76,6 +81,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._disarm()
         if not self.complete:
             self._fail(UpstreamConnectionError(
                 f"worker closed the connection{f': {exc}' if exc else ''}"))
@@ -117,18 +123,40 @@ class _Connection(asyncio.Protocol):
             w.set_result(None)
 
     async def wait(self, timeout_s: float) -> None:
+        """Until the next response event; TimeoutError after ``timeout_s`` without data."""
         loop = asyncio.get_running_loop()
         self.waiter = loop.create_future()
-        timer = loop.call_later(timeout_s, self._fail, TimeoutError(
-            f"no data from the worker for {timeout_s:.0f} s"))
+        self._timeout_s = timeout_s
+        self._last_progress = loop.time()
+        # NOTE: one long-lived watchdog per connection instead of a timer per wait
+        # (two per request): it re-arms itself only when it fires, about once per
+        # read timeout, and checks the time of the last progress.
+        if self._timer is None:
+            self._timer = loop.call_at(self._last_progress + timeout_s, self._watchdog)
         try:
             await self.waiter
         finally:
-            timer.cancel()
             self.waiter = None
+
+    def _watchdog(self) -> None:
+        self._timer = None
+        if self.waiter is None or self.waiter.done():
+            return  # idle (or about to resume): the next wait arms it again
+        deadline = self._last_progress + self._timeout_s
+        loop = asyncio.get_running_loop()
+        if loop.time() >= deadline:
+            self._fail(TimeoutError(f"no data from the worker for {self._timeout_s:g} s"))
+        else:
+            self._timer = loop.call_at(deadline, self._watchdog)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def close(self) -> None:
         self.closed = True
+        self._disarm()
         if self.transport is not None:
             self.transport.close()
 

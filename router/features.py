@@ -12,7 +12,9 @@ prompt has ~1,500 of them. Instead character 4-grams are hashed as a
 polynomial over code points, vectorised in numpy; word hashes come from a
 bounded per-instance cache (crc32 of the word, computed once per distinct
 word); bigrams combine two word hashes arithmetically. All hashes go through
-one 64-bit mixer with a per-kind salt and are masked to ``n_bits``.
+one 64-bit mixer with a per-kind salt and are masked to ``n_bits``. The
+hashes of a window (head or tail) are memoised, so a shared system prompt or
+template is hashed once.
 
 Example::
 
@@ -23,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import re
 import zlib
 from dataclasses import asdict, dataclass
@@ -39,6 +42,7 @@ _WORD, _HEAD, _TAIL, _BIGRAM, _CHAR, _SHAPE = (
 _P = _U64(0x100000001B3)  # FNV prime: polynomial base for character n-grams
 _M1, _M2 = _U64(0xFF51AFD7ED558CCD), _U64(0xC4CEB9FE1A85EC53)
 _WORD_CACHE_SIZE = 200_000
+_WINDOW_CACHE_SIZE = 4096  # memoised window hashes (<= head_chars characters each)
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,10 @@ class Featurizer:
         self.config = config
         self._mask = _U64((1 << config.n_bits) - 1)
         self._word_cache: dict[str, int] = {}
+        # NOTE: windows repeat across requests (a system prompt or template at the head,
+        # a fixed instruction at the tail): their hashes are memoised, per instance.
+        self._window_hashes = functools.lru_cache(maxsize=_WINDOW_CACHE_SIZE)(
+            self._compute_window_hashes)
 
     @property
     def num_features(self) -> int:
@@ -97,20 +105,25 @@ class Featurizer:
 
     def hashes(self, text: str) -> np.ndarray:
         """All feature hashes of ``text`` (uint64, with repeats), before masking."""
-        keys: list[np.ndarray] = [self._shape(text)]
-        salts: list[np.uint64] = [_SHAPE]
+        parts = [_mix(self._shape(text), _SHAPE)]
         for i, part in enumerate(self.windows(text)):
-            words = np.array(self._word_hashes(_WORD_RE.findall(part)), np.uint64)
-            keys += [words, words]
-            salts += [_WORD, _HEAD if i == 0 else _TAIL]
-            if self.config.word_bigrams and len(words) > 1:
-                keys.append(words[:-1] * _P + words[1:])
-                salts.append(_BIGRAM)
-            keys.append(self._char_keys(part[: self.config.char_window]))
-            salts.append(_CHAR)
+            parts.append(self._window_hashes(part, i == 0))
+        return np.concatenate(parts)
+
+    def _compute_window_hashes(self, part: str, is_head: bool) -> np.ndarray:
+        words = np.array(self._word_hashes(_WORD_RE.findall(part)), np.uint64)
+        keys = [words, words]
+        salts = [_WORD, _HEAD if is_head else _TAIL]
+        if self.config.word_bigrams and len(words) > 1:
+            keys.append(words[:-1] * _P + words[1:])
+            salts.append(_BIGRAM)
+        keys.append(self._char_keys(part[: self.config.char_window]))
+        salts.append(_CHAR)
         # NOTE: one vectorised mix over every key, each with its kind's salt.
         salt = np.repeat(np.array(salts, np.uint64), [len(k) for k in keys])
-        return _mix(np.concatenate(keys), salt)
+        hashed = _mix(np.concatenate(keys), salt)
+        hashed.flags.writeable = False  # shared by every text with this window
+        return hashed
 
     def transform(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """Feature ids (int64, sorted unique) and values (float32, unit l2 norm)."""

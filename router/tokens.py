@@ -10,6 +10,12 @@ Chat messages are rendered as ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n`
 + the generation prompt), which is exactly the bundled models' template and a
 close approximation of other templates' overhead.
 
+Token counts of the encoded pieces (word-aligned chunks of ~256 characters,
+cut at positions that depend only on the text before them) are memoised in a
+bounded LRU: prompts that share a prefix (a system prompt, a few-shot
+template, the earlier turns of a conversation) encode only what is new. The
+count is the same either way.
+
 Prefix hashes: blake2b over fixed blocks of ``block_chars`` bytes of the
 UTF-8 rendered prompt (about 512 tokens of English), chained so a block hash
 identifies the whole prefix up to it, for at most ``max_hash_blocks`` blocks.
@@ -18,6 +24,7 @@ Equal prefixes give equal hashes in every process.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Mapping, Sequence
@@ -52,8 +59,11 @@ class TokenConfig:
     chars_per_token: float = 4.0  # used without a tokenizer
     block_chars: int = 2048  # prefix-hash block in UTF-8 bytes, ~512 tokens of English
     max_hash_blocks: int = 32  # hash at most this many leading blocks (~16k tokens)
+    chunk_cache_entries: int = 8192  # memoised chunk counts (0 = none); ~256 chars each
 
     def __post_init__(self) -> None:
+        if self.chunk_cache_entries < 0:
+            raise ValueError("chunk_cache_entries must be >= 0")
         if not 0 < self.sample_chars <= self.exact_max_chars:
             raise ValueError("expected 0 < sample_chars <= exact_max_chars")
         if self.chars_per_token <= 0 or self.block_chars <= 0 or self.max_hash_blocks < 0:
@@ -72,6 +82,9 @@ class TokenCounter:
     def __init__(self, config: TokenConfig, tokenizer: Any | None = None) -> None:
         self.config = config
         self._tok = tokenizer  # tokenizers.Tokenizer or None
+        # NOTE: per instance, not module-level; functools' C LRU costs ~0.1 us a hit.
+        self._chunk_len = functools.lru_cache(maxsize=config.chunk_cache_entries)(
+            self._encode_len)
 
     @classmethod
     def load(cls, tokenizer_dir: str | Path | None, config: TokenConfig | None = None
@@ -111,15 +124,22 @@ class TokenCounter:
         (ByteLevel) pre-tokenizer splits anyway, so BPE sees the same words and the
         count is the same (tests/router/test_tokens.py checks it on real prompts).
         """
-        assert self._tok is not None
         total, start = 0, 0
         while start < len(text):
             # no boundary nearby (one huge "word"): encode the rest whole; the caller
             # bounds len(text) by exact_max_chars
             end = _chunk_end(text, start + CHUNK_CHARS) or len(text)
-            total += len(self._tok.encode(text[start:end], add_special_tokens=False))
+            total += self._chunk_len(text[start:end])
             start = end
         return total
+
+    def _encode_len(self, chunk: str) -> int:
+        assert self._tok is not None
+        return len(self._tok.encode(chunk, add_special_tokens=False))
+
+    def cache_info(self) -> dict[str, int]:
+        info = self._chunk_len.cache_info()
+        return {"hits": info.hits, "misses": info.misses, "entries": info.currsize}
 
     def prefix_hashes(self, text: str) -> tuple[int, ...]:
         c = self.config

@@ -162,3 +162,37 @@ async def test_worker_url_path_prefix_is_kept(server: TestServer) -> None:
     assert r.status == 200 and await r.read_all() == b'{"echo":7}'
     r.release()
     client.close()
+
+
+async def test_read_timeout_counts_from_the_last_data() -> None:
+    """The watchdog fails a wait only after read_timeout_s without data, however long the
+    response takes as a whole; an idle pooled connection is never failed by it."""
+
+    async def drip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (await reader.readline()).strip():
+            pass
+        await reader.readexactly(2)  # the body: {}
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        for _ in range(6):  # 6 x 0.1 s of data: longer than the 0.3 s timeout in total
+            await asyncio.sleep(0.1)
+            writer.write(b"5\r\nhello\r\n")
+            await writer.drain()
+        await asyncio.sleep(1.0)  # then silence: the timeout fires
+        writer.close()
+
+    server = await asyncio.start_server(drip, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = UpstreamClient(connect_timeout_s=2, read_timeout_s=0.3)
+    try:
+        resp = await client.post(f"http://127.0.0.1:{port}", "/v1/x", b"{}", "r1")
+        received = b""
+        with pytest.raises(TimeoutError):
+            while chunk := await resp.read_chunk():
+                received += chunk
+        assert received == b"hello" * 6
+        resp.release()
+    finally:
+        client.close()
+        server.close()
+        await server.wait_closed()

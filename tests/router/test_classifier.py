@@ -86,3 +86,17 @@ def test_shipped_artefact_loads_and_classifies_obvious_prompts() -> None:
     }
     for text, domain in cases.items():
         assert clf.predict(text) == domain, text[:60]
+
+
+def test_memoised_windows_give_the_same_features() -> None:
+    system = "You are a support agent for ACME. Be polite, cite the manual. " * 20  # > head
+    texts = [system + f"Customer {i}: my order {i * 7} never arrived, what now?" for i in range(4)]
+    warm = Featurizer(FeatureConfig())
+    for _ in range(2):
+        for text in texts:
+            idx, val = warm.transform(text)
+            ref_idx, ref_val = Featurizer(FeatureConfig()).transform(text)  # empty caches
+            assert np.array_equal(idx, ref_idx) and np.array_equal(val, ref_val)
+    info = warm._window_hashes.cache_info()
+    assert info.misses == 1 + len(texts)  # one shared head window, one tail per text
+    assert info.hits == 2 * len(texts) * 2 - info.misses

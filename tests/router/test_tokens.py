@@ -88,3 +88,20 @@ def test_chunked_counting_is_exact_on_real_prompts(counter: TokenCounter) -> Non
         piece = text[:1024]
         assert counter._encoded_len(piece) == len(tok.encode(piece, add_special_tokens=False)), \
             piece[:80]
+
+
+def test_shared_prefix_reuses_cached_chunk_counts() -> None:
+    from tokenizers import Tokenizer
+
+    counter = TokenCounter.load(TINY_TARGET)
+    tok = Tokenizer.from_file(str(TINY_TARGET / "tokenizer.json"))
+    system = "You are a careful assistant. Answer briefly and cite the passage you used. " * 8
+    first, second = system + "What is the capital of France?", system + "Who wrote Hamlet?"
+    for text in (first, second):
+        assert counter.count(text).num_tokens == len(tok.encode(text, add_special_tokens=False))
+    info = counter.cache_info()
+    assert info["hits"] >= 2  # the system prompt's chunks, encoded once
+    assert info["misses"] == info["entries"] and info["entries"] < 2 * info["hits"] + 4
+    uncached = TokenCounter(TokenConfig(chunk_cache_entries=0), tok)
+    assert uncached.count(second) == counter.count(second)
+    assert uncached.cache_info()["entries"] == 0
