@@ -20,6 +20,12 @@ Prints goodput at the stated SLO, TTFT/TPOT percentiles, where requests went,
 and the ratios.
 
     nice -n 10 /work/venv/bin/python bench/routing.py [--requests 30] [--rate 0.6] [--rounds 2]
+    python bench/routing.py --rates 4 8 16 --duration 40   # a load sweep, ratios per rate
+
+With ``--rates`` the same fleets (and the same learning adaptive policy) are
+replayed at each rate in turn, lowest first, with ``rate x duration`` requests
+per replay, and the ratios are printed per rate: goodput at a fixed SLO only
+separates policies once some worker is loaded, so a sweep shows where.
 """
 
 from __future__ import annotations
@@ -95,7 +101,9 @@ def start_workers(tmp: Path, tag: str, device: str
     urls, procs = {}, []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name, base in WORKERS.items():
-        cfg = base.with_engine(device=device)
+        # NOTE: one intra-op thread per worker: six workers share the machine, and the
+        # engine's automatic count (half the cores each) oversubscribes it many times over.
+        cfg = base.with_engine(device=device, num_threads=1)
         path = tmp / f"{tag}-{name}.yaml"
         path.write_text(yaml.safe_dump(cfg.to_dict()))
         port = free_port()
@@ -150,7 +158,8 @@ def build_workload(data: Path, num: int, rate: float, seed: int) -> list[TraceRe
 async def run_policy(name: str, spec_mode: str, policy: Any, urls: dict[str, str],
                      records: list[TraceRequest], args: argparse.Namespace) -> dict[str, Any]:
     config = ProxyConfig(
-        workers=tuple(WorkerSpec(n, url=urls[n], config=WORKERS[n].with_engine(device=args.device))
+        workers=tuple(WorkerSpec(n, url=urls[n],
+                                 config=WORKERS[n].with_engine(device=args.device, num_threads=1))
                       for n in WORKERS),
         routing=RoutingConfig(policy=name), speculation=SpeculationConfig(mode=spec_mode),
         traces=ProxyTraceConfig(enabled=False),
@@ -191,13 +200,12 @@ def fmt_row(name: str, s: dict[str, Any]) -> str:
             f"TPOT p50 {p['p50'] or 0:6.4f} p99 {p['p99'] or 0:6.4f}  [{workers}]")
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    records = build_workload(args.data, args.requests, args.rate, args.seed)
+async def main_async(args: argparse.Namespace) -> dict[float, dict[str, list[dict[str, Any]]]]:
     # NOTE: one policy object per name for the whole run: the adaptive policy keeps
     # what it learned from round to round, as a long-running proxy would; the
     # baselines have nothing to keep.
     policies = {name: build_policy(name, seed=args.seed) for name, _ in POLICIES}
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in POLICIES}
+    results: dict[float, dict[str, list[dict[str, Any]]]] = {}
     args.log_dir.mkdir(parents=True, exist_ok=True)
     # NOTE: each policy gets its own pair of workers and all three replay the same
     # schedule at the same time, so the shared box's background load hits them alike.
@@ -205,13 +213,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]
     try:
         for urls, _ in fleets.values():
             await wait_healthy(urls)
-        for r in range(args.rounds):
-            runs = await asyncio.gather(*(
-                run_policy(name, mode, policies[name], fleets[name][0], records, args)
-                for name, mode in POLICIES))
-            for (name, _), summary in zip(POLICIES, runs, strict=True):
-                results[name].append(summary)
-                print(f"round {r + 1} " + fmt_row(name, summary), flush=True)
+        for rate in args.rates:
+            num = int(rate * args.duration) if args.duration else args.requests
+            records = build_workload(args.data, num, rate, args.seed)
+            results[rate] = {name: [] for name, _ in POLICIES}
+            for r in range(args.rounds):
+                runs = await asyncio.gather(*(
+                    run_policy(name, mode, policies[name], fleets[name][0], records, args)
+                    for name, mode in POLICIES))
+                for (name, _), summary in zip(POLICIES, runs, strict=True):
+                    results[rate][name].append(summary)
+                    print(f"rate {rate:g} round {r + 1} " + fmt_row(name, summary), flush=True)
     finally:
         procs = [p for _, ps in fleets.values() for p in ps]
         for p in procs:
@@ -232,6 +244,9 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     ap.add_argument("--requests", type=int, default=30, help="per policy per round")
     ap.add_argument("--rate", type=float, default=0.6, help="mean arrival rate, req/s")
+    ap.add_argument("--rates", type=float, nargs="+", help="a sweep of mean rates (overrides --rate)")
+    ap.add_argument("--duration", type=float, default=0.0,
+                    help="seconds of trace per replay (requests = rate x duration; 0: --requests)")
     ap.add_argument("--output-scale", type=float, default=0.25)
     ap.add_argument("--max-output", type=int, default=96)
     ap.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
@@ -243,23 +258,29 @@ def main() -> None:
     ap.add_argument("--log-dir", type=Path, default=ROOT / "bench" / "out" / "routing",
                     help="worker configs and logs")
     args = ap.parse_args()
-    print(f"{args.requests} requests at {args.rate} req/s mean (Azure conv arrivals), SLO "
+    args.rates = sorted(args.rates or [args.rate])
+    if any(r <= 0 for r in args.rates) or args.duration < 0 or args.requests <= 0:
+        ap.error("rates and --requests must be positive, --duration >= 0")
+    print(f"{args.requests if not args.duration else 'rate x ' + str(args.duration) + ' s of'} "
+          f"requests at {args.rates} req/s mean (Azure conv arrivals), SLO "
           f"TTFT<={args.slo_ttft}s TPOT<={args.slo_tpot}s; workers: "
           + "; ".join(f"{n}: {c.engine.max_num_seqs} seqs, {c.engine.max_num_batched_tokens}-token "
                       f"prefill, spec={c.engine.spec_method}" for n, c in WORKERS.items()),
           flush=True)
     results = asyncio.run(main_async(args))
-    good = {n: pooled_goodput(runs) for n, runs in results.items()}
-    print("pooled goodput (req/s meeting the SLO): "
-          + ", ".join(f"{n} {g:.3f}" for n, g in good.items()))
-    for other in ("round_robin", "least_outstanding"):
-        ratio = good["adaptive"] / good[other] if good[other] else float("inf")
-        print(f"goodput ratio adaptive / {other}: {ratio:.2f}x")
-    stats = results["adaptive"][-1]["policy_stats"]
+    print("rate     | goodput (req/s meeting the SLO) RR / LO / adaptive | adaptive/RR | adaptive/LO")
+    for rate, by_policy in results.items():
+        good = {n: pooled_goodput(runs) for n, runs in by_policy.items()}
+        ratios = [good["adaptive"] / good[o] if good[o] else float("inf")
+                  for o in ("round_robin", "least_outstanding")]
+        print(f"{rate:8g} | {good['round_robin']:.3f} / {good['least_outstanding']:.3f} / "
+              f"{good['adaptive']:.3f} | {ratios[0]:.2f}x | {ratios[1]:.2f}x")
+    stats = results[args.rates[-1]]["adaptive"][-1]["policy_stats"]
     print("adaptive decisions (all rounds):",
           json.dumps({k: stats.get(k) for k in ("reasons", "decisions", "depths")}))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1, default=str))
+        args.json.write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1,
+                                        default=str))
 
 
 if __name__ == "__main__":
