@@ -49,9 +49,28 @@ SOURCE = r"""
 #include <stdlib.h>
 
 #define MAX_BLOCK 256
+#define INLINE static inline __attribute__((always_inline))
 
-/* One KV head of one sequence: rows r = j * G + g (query j, head g of the group). */
-static void attend_head(const float *q, int64_t q_row_stride, const float *k_cache,
+/* exp(x) for x <= 0 (scores minus their running max), branch-free so that gcc vectorizes
+   a block's worth: 2^n * p(r), r = x - n ln2, |r| <= ln2 / 2; ~2 ulp, underflows to 0. */
+INLINE float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = __builtin_roundf(x * 1.44269504089f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 };
+    return p * scale.f;
+}
+
+/* One KV head of one sequence: rows r = j * G + g (query j, head g of the group).
+   Inlined with D = 64 as a constant so that an accumulator row lives in registers. */
+INLINE void attend_head(const float *q, int64_t q_row_stride, const float *k_cache,
                         const float *v_cache, const int64_t *table, int64_t start, int64_t q_len,
                         int64_t hk, int64_t G, int64_t D, int64_t num_blocks, int64_t bs,
                         float scale, float *out, int64_t out_row_stride, float *acc,
@@ -83,10 +102,10 @@ static void attend_head(const float *q, int64_t q_row_stride, const float *k_cac
                     bmax = s > bmax ? s : bmax;
                 }
                 float mnew = m[r] > bmax ? m[r] : bmax;
-                float alpha = expf(m[r] - mnew);
+                float alpha = exp_nonpos(m[r] - mnew);  /* m = -inf: clamped, ~1e-38 x 0 */
                 float sum = 0.0f;
                 for (int64_t i = 0; i < n; i++) {
-                    sc[i] = expf(sc[i] - mnew);
+                    sc[i] = exp_nonpos(sc[i] - mnew);
                     sum += sc[i];
                 }
                 l[r] = l[r] * alpha + sum;
@@ -110,6 +129,24 @@ static void attend_head(const float *q, int64_t q_row_stride, const float *k_cac
         }
 }
 
+static void attend_head_d64(const float *q, int64_t q_row_stride, const float *k_cache,
+                            const float *v_cache, const int64_t *table, int64_t start,
+                            int64_t q_len, int64_t hk, int64_t G, int64_t num_blocks, int64_t bs,
+                            float scale, float *out, int64_t out_row_stride, float *acc,
+                            float *m, float *l) {
+    attend_head(q, q_row_stride, k_cache, v_cache, table, start, q_len, hk, G, 64, num_blocks,
+                bs, scale, out, out_row_stride, acc, m, l);
+}
+
+static void attend_head_any(const float *q, int64_t q_row_stride, const float *k_cache,
+                            const float *v_cache, const int64_t *table, int64_t start,
+                            int64_t q_len, int64_t hk, int64_t G, int64_t D, int64_t num_blocks,
+                            int64_t bs, float scale, float *out, int64_t out_row_stride,
+                            float *acc, float *m, float *l) {
+    attend_head(q, q_row_stride, k_cache, v_cache, table, start, q_len, hk, G, D, num_blocks,
+                bs, scale, out, out_row_stride, acc, m, l);
+}
+
 /* q rows [T, H, D] with row stride q_row_stride; caches [Hkv, num_blocks, bs, D];
    tables [S, table_stride]; out [T, H * D] contiguous. Returns 0, -1 if a size is out of
    range, -2 if out of memory (then out is untouched). */
@@ -127,13 +164,21 @@ int paged_attention_f32(const float *q, int64_t q_row_stride, const float *k_cac
     }
     float *work = malloc(sizeof(float) * max_rows * (D + 2));
     if (work == NULL) return -2;
+    float *m = work + max_rows * D, *l = m + max_rows;
     int64_t row = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
-        for (int64_t hk = 0; hk < num_kv_heads; hk++)
-            attend_head(q + row * q_row_stride, q_row_stride, k_cache, v_cache,
-                        tables + s * table_stride, starts[s], q_lens[s], hk, G, D, num_blocks,
-                        bs, scale, out + row * num_heads * D, num_heads * D, work,
-                        work + max_rows * D, work + max_rows * (D + 1));
+        for (int64_t hk = 0; hk < num_kv_heads; hk++) {
+            const float *qs = q + row * q_row_stride;
+            float *os = out + row * num_heads * D;
+            if (D == 64)
+                attend_head_d64(qs, q_row_stride, k_cache, v_cache, tables + s * table_stride,
+                                starts[s], q_lens[s], hk, G, num_blocks, bs, scale, os,
+                                num_heads * D, work, m, l);
+            else
+                attend_head_any(qs, q_row_stride, k_cache, v_cache, tables + s * table_stride,
+                                starts[s], q_lens[s], hk, G, D, num_blocks, bs, scale, os,
+                                num_heads * D, work, m, l);
+        }
         row += q_lens[s];
     }
     free(work);
