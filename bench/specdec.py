@@ -368,7 +368,7 @@ def print_acceptance(method: str, bench: Bench, policy: object) -> None:
             print(f"  {domain:>13} {accepted / drafted:6.2f}  ({accepted}/{drafted})  a={a:.2f}")
     coef = policy.step_time(method).coef
     print(f"  step-time model t = {coef[0] * 1e3:.2f} + {coef[1] * 1e3:.3f}*b + "
-          f"{coef[2] * 1e3:.3f}*b*k + {coef[3] * 1e3:.3f}*k  ms")
+          f"{coef[2] * 1e3:.3f}*b*k + {coef[3] * 1e3:.3f}*k + {coef[4] * 1e3:.3f}*[k>0]  ms")
 
 
 def print_mismatches(method: str, bench: Bench) -> None:
@@ -442,6 +442,51 @@ def run_step_costs(repeats: int = 30) -> None:
               f"target decode step; k draft steps cost k x that")
 
 
+def run_draft_confidence(prompts: list[Prompt], thresholds: list[float], depth: int,
+                         max_tokens: int) -> None:
+    """In-process engine core, concurrency 1: the draft proposer at several ``min_confidence``
+    cuts against depth 0, interleaved per prompt (one core, weights and draft shared)."""
+    import dataclasses
+
+    from engine.config import TINY_DRAFT, TINY_TARGET, CompiledConfig, EngineConfig
+    from engine.loader import load_core
+    from engine.sequence import GenerationParams
+    from specdec.draft import DraftProposer
+    from specdec.sampling import SamplingParams
+
+    cfg = EngineConfig(spec_method="draft", draft_model=str(TINY_DRAFT), spec_max_depth=depth,
+                       kv_cache_tokens=16384)
+    core = load_core(CompiledConfig(model=str(TINY_TARGET), engine=cfg))
+    base = core.proposer
+    assert isinstance(base, DraftProposer)
+    variants = {t: DraftProposer(base.model, dataclasses.replace(base.config, min_confidence=t))
+                for t in thresholds}
+    modes: list[float | None] = [None, *thresholds]  # None = depth 0
+    totals = {m: [0, 0.0, 0, 0] for m in modes}  # tokens, seconds, drafted, accepted
+    for i, prompt in enumerate(prompts):
+        ids = core.tokenizer.encode(core.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt.text}], True))
+        for mode in modes[i % len(modes):] + modes[: i % len(modes)]:
+            core.proposer = variants[mode] if mode is not None else base
+            core.add_request(f"r{i}-{mode}", ids, GenerationParams(
+                max_tokens=max_tokens, sampling=SamplingParams(0.0), ignore_eos=True,
+                spec_depth=depth if mode is not None else 0))
+            t0 = time.perf_counter()
+            while core.has_work:
+                outputs, stats = core.step()
+                totals[mode][0] += stats.num_generated
+                totals[mode][2] += stats.num_draft_tokens
+                totals[mode][3] += stats.num_accepted_tokens
+            totals[mode][1] += time.perf_counter() - t0
+    print(f"draft min_confidence at depth {depth}, concurrency 1, {len(prompts)} prompts, "
+          f"in-process core (tok/s; ratio vs depth 0; accepted/drafted; drafted per token)")
+    rate0 = totals[None][0] / totals[None][1]
+    for mode, (tokens, seconds, drafted, accepted) in totals.items():
+        label = "depth 0" if mode is None else f"cut {mode:.2f}"
+        print(f"  {label:>9} {tokens / seconds:7.1f} {tokens / seconds / rate0:6.2f} "
+              f"{accepted / drafted if drafted else 0.0:6.2f} {drafted / tokens:6.2f}")
+
+
 def run_micro() -> None:
     """Costs of the pieces that run on every step or request (no engine)."""
     import torch
@@ -499,6 +544,8 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="engine device (cpu, cuda)")
     parser.add_argument("--quick", action="store_true", help="one round, fewer requests")
     parser.add_argument("--micro", action="store_true", help="micro-costs only, no engine")
+    parser.add_argument("--draft-confidence", nargs="+", type=float, default=None,
+                        help="compare draft min_confidence cuts in-process (c=1), e.g. 0 0.3 0.5")
     parser.add_argument("--step-costs", action="store_true",
                         help="target forward time per verify width k+1, and the draft's step")
     args = parser.parse_args()
@@ -511,6 +558,9 @@ def main() -> int:
     if args.quick:
         args.rounds, args.min_requests, args.requests_per_slot = 1, 4, 1
     prompts = load_prompts(args.prompts, args.per_domain, args.seed)
+    if args.draft_confidence is not None:
+        run_draft_confidence(prompts, args.draft_confidence, max(args.depths), args.max_tokens)
+        return 0
     print(f"bench/specdec.py  {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  prompts={len(prompts)} "
           f"max_tokens={args.max_tokens} rounds={args.rounds} concurrency={args.concurrency} "
           f"device={args.device} cpus={os.cpu_count()}")

@@ -16,9 +16,12 @@ no k beats plain decoding by ``min_gain`` (high load, low acceptance)::
 
 - acceptance per (worker, domain): a Beta posterior updated from the reported
   ``(num_draft_tokens, num_accepted_tokens)`` counts (see :meth:`AcceptanceEstimate.observe`);
-- a step-time model per worker, ``t = w . [1, batch, batch*k, k]`` seconds, fitted
-  online by least squares on measured ``(batch, k, step seconds)`` samples,
-  anchored by a prior expressed as pseudo-samples.
+- a step-time model per worker, ``t = w . [1, batch, batch*k, k, k > 0]`` seconds,
+  fitted online by least squares on measured ``(batch, k, step seconds)`` samples,
+  anchored by a prior expressed as pseudo-samples. The last feature is the fixed
+  cost of a verifying step: on the CPU a 2-token step costs ~1.35x a 1-token one
+  while each further token adds only a few percent (``bench/specdec.py
+  --step-costs``), a step a line in k cannot fit.
 
 All methods are synchronous and cheap (a decision is a loop over k <= 16).
 """
@@ -36,14 +39,19 @@ from specdec.errors import ProposerConfigError
 
 logger = logging.getLogger(__name__)
 
-NUM_FEATURES = 4
+NUM_FEATURES = 5
 # Pseudo-samples of the prior step-time model sit on this grid.
 _PRIOR_BATCHES = (1, 4, 16, 64)
 _PRIOR_DEPTHS = (0, 1, 2, 4, 8)
 
 
-def _features(batch: float, k: float) -> tuple[float, float, float, float]:
-    return (1.0, batch, batch * k, k)
+def _features(batch: float, k: float) -> tuple[float, float, float, float, float]:
+    return (1.0, batch, batch * k, k, 1.0 if k > 0 else 0.0)
+
+
+def _full_coefficients(coefficients: Sequence[float]) -> tuple[float, ...]:
+    """4 coefficients (no fixed speculation cost) or all 5."""
+    return (*coefficients, 0.0) if len(coefficients) == NUM_FEATURES - 1 else tuple(coefficients)
 
 
 def expected_tokens_per_step(acceptance: float, k: int) -> float:
@@ -72,8 +80,9 @@ class PolicyConfig:
     # the mix forgets old requests by this factor per decision.
     share_depth_under_load: bool = True
     mix_decay: float = 0.98
-    # Prior step time in seconds, coefficients of [1, batch, batch*k, k].
-    step_prior_s: tuple[float, float, float, float] = (0.010, 0.0005, 0.0003, 0.0005)
+    # Prior step time in seconds, coefficients of [1, batch, batch*k, k] and optionally
+    # [k > 0] (the fixed cost of verifying; 0 when left out).
+    step_prior_s: tuple[float, ...] = (0.010, 0.0005, 0.0003, 0.0005)
     step_prior_weight: float = 4.0  # prior weight, in measured samples
     step_decay: float = 0.99  # weight kept by older samples at each new one
 
@@ -88,9 +97,9 @@ class PolicyConfig:
             (self.max_evidence > self.prior_strength, "max_evidence", "> prior_strength"),
             (self.prior_steps_per_depth > 0, "prior_steps_per_depth", "> 0"),
             (0.0 < self.mix_decay <= 1.0, "mix_decay", "in (0, 1]"),
-            (len(self.step_prior_s) == NUM_FEATURES and self.step_prior_s[0] > 0
-             and all(c >= 0 for c in self.step_prior_s), "step_prior_s",
-             "4 coefficients >= 0 with a positive intercept"),
+            (len(self.step_prior_s) in (NUM_FEATURES - 1, NUM_FEATURES)
+             and self.step_prior_s[0] > 0 and all(c >= 0 for c in self.step_prior_s),
+             "step_prior_s", "4 or 5 coefficients >= 0 with a positive intercept"),
             (self.step_prior_weight > 0, "step_prior_weight", "> 0"),
             (0.0 < self.step_decay <= 1.0, "step_decay", "in (0, 1]"),
         ]
@@ -248,15 +257,15 @@ class AcceptanceEstimate:
 
 @dataclass
 class StepTimeModel:
-    """t(batch, k) = w . [1, batch, batch*k, k] seconds, least squares over decayed samples.
+    """t(batch, k) = w . [1, batch, batch*k, k, k > 0] seconds, least squares over decayed samples.
 
     NOTE: samples are weighted by 1 / t^2, i.e. the fit minimises relative error,
     so a 10 ms batch-1 step counts as much as a 200 ms batch-64 one (the policy
     compares ratios of step times at one batch size).
     """
 
-    prior_xtx: np.ndarray  # [4, 4] prior pseudo-samples' X^T X (not decayed)
-    prior_xty: np.ndarray  # [4]
+    prior_xtx: np.ndarray  # [5, 5] prior pseudo-samples' X^T X (not decayed)
+    prior_xty: np.ndarray  # [5]
     decay: float = 1.0
     xtx: np.ndarray = field(default_factory=lambda: np.zeros((NUM_FEATURES, NUM_FEATURES)))
     xty: np.ndarray = field(default_factory=lambda: np.zeros(NUM_FEATURES))
@@ -270,8 +279,8 @@ class StepTimeModel:
     def from_prior(cls, coefficients: tuple[float, ...], weight: float,
                    decay: float = 1.0) -> StepTimeModel:
         grid = [_features(b, k) for b in _PRIOR_BATCHES for k in _PRIOR_DEPTHS]
-        x = np.array(grid)  # [G, 4]
-        y = x @ np.array(coefficients)  # [G]
+        x = np.array(grid)  # [G, 5]
+        y = x @ np.array(_full_coefficients(coefficients))  # [G]
         w = weight / len(grid) / y**2  # [G] relative-error weights
         return cls((x * w[:, None]).T @ x, (x * w[:, None]).T @ y, decay)
 
@@ -300,8 +309,8 @@ class StepTimeModel:
         self._w = tuple(float(c) for c in coef)
 
     def predict(self, batch: float, k: float) -> float:
-        w0, wb, wbk, wk = self._w
-        return max(w0 + wb * batch + wbk * batch * k + wk * k, 1e-6)
+        w0, wb, wbk, wk, w_spec = self._w
+        return max(w0 + wb * batch + wbk * batch * k + wk * k + (w_spec if k > 0 else 0.0), 1e-6)
 
 
 class DepthPolicy:

@@ -119,12 +119,27 @@ def test_step_model_learns_from_samples() -> None:
                 model.observe(batch, k, true[0] + true[1] * batch + true[2] * batch * k
                               + true[3] * k)
     assert model.num_samples == 240
-    assert model.coef.tolist() == pytest.approx(list(true), rel=0.02, abs=2e-5)
+    assert model.coef.tolist() == pytest.approx([*true, 0.0], rel=0.02, abs=2e-5)
     # ignores garbage samples
     model.observe(4, 2, float("nan"))
     model.observe(0, 2, 0.1)
     model.observe(4, 2, -1.0)
     assert model.num_samples == 240
+
+
+def test_step_model_learns_the_fixed_cost_of_verifying() -> None:
+    """A jump from k = 0 to k = 1, then a small slope: the k > 0 feature takes the jump."""
+    model = StepTimeModel.from_prior((0.01, 0.0005, 0.0003, 0.0005), weight=0.01, decay=1.0)
+    for _ in range(10):
+        for batch in (1, 4):
+            for k in (0, 1, 2, 4, 8):
+                model.observe(batch, k, 0.010 + 0.001 * batch + 0.0002 * k
+                              + (0.004 if k else 0.0))
+    assert model.coef[4] == pytest.approx(0.004, rel=0.02)
+    assert model.predict(1, 0) == pytest.approx(0.011, rel=0.01)
+    assert model.predict(1, 6) == pytest.approx(0.0162, rel=0.01)
+    # with the jump paid, going deeper is cheap: a = .6 picks a deep k at batch 1
+    assert choose_depth(0.6, 1, model, 8) >= 6
 
 
 def test_policy_learns_per_worker_and_domain() -> None:

@@ -5,7 +5,12 @@ with requests at random depths (the traffic the proxy sees while exploring);
 the policy learns only from what a client observes (usage counts and decode
 time). Then its choice at each (domain, batch) must reach within 3% of the
 best fixed depth's goodput, the issue's target, with the noise a real
-measurement has.
+measurement has (mean over three simulated histories: a near-tie between two
+depths can go either way on one noisy history).
+
+Two workers: step time linear in k ("flat"), and one with a fixed cost for any
+verifying step ("verify_jump"), which is what the engine measures on the CPU
+(``bench/specdec.py --step-costs``: a 2-token step ~1.35x a 1-token one).
 
 NOTE: ``share_depth_under_load`` is off here: this simulated step costs
 t(batch, k) for each request's own k, with no padding to the deepest query,
@@ -20,21 +25,25 @@ import pytest
 
 from specdec.policy import DepthPolicy, PolicyConfig, expected_tokens_per_step
 
-TRUE_STEP = (0.012, 0.0015, 0.0004, 0.0012)  # seconds: [1, batch, batch*k, k]
+# seconds: [1, batch, batch*k, k, k > 0]
+WORLDS = {"flat": (0.012, 0.0015, 0.0004, 0.0012, 0.0),
+          "verify_jump": (0.014, 0.0004, 0.0003, 0.0006, 0.005)}
 ACCEPTANCE = {"code": 0.85, "chat": 0.55, "rag": 0.2}
 MAX_DEPTH = 6
+SEEDS = (0, 1, 2)
 
 
-def _step_s(batch: int, k: int) -> float:
-    w0, wb, wbk, wk = TRUE_STEP
-    return w0 + wb * batch + wbk * batch * k + wk * k
+def _step_s(batch: int, k: int, world: str = "flat") -> float:
+    w0, wb, wbk, wk, w_spec = WORLDS[world]
+    return w0 + wb * batch + wbk * batch * k + wk * k + (w_spec if k > 0 else 0.0)
 
 
-def _goodput(domain: str, batch: int, k: int) -> float:
-    return expected_tokens_per_step(ACCEPTANCE[domain], k) / _step_s(batch, k)
+def _goodput(domain: str, batch: int, k: int, world: str = "flat") -> float:
+    return expected_tokens_per_step(ACCEPTANCE[domain], k) / _step_s(batch, k, world)
 
 
-def _simulate(policy: DepthPolicy, rng: random.Random, num_requests: int) -> None:
+def _simulate(policy: DepthPolicy, rng: random.Random, num_requests: int,
+              world: str = "flat") -> None:
     for _ in range(num_requests):
         domain = rng.choice(sorted(ACCEPTANCE))
         batch = rng.choice([1, 2, 4, 8, 16, 32])
@@ -49,19 +58,30 @@ def _simulate(policy: DepthPolicy, rng: random.Random, num_requests: int) -> Non
             drafted += k
             accepted += run
             tokens += run + 1
-        decode_s = steps * _step_s(batch, k) * rng.uniform(0.9, 1.1)  # measurement noise
+        decode_s = steps * _step_s(batch, k, world) * rng.uniform(0.9, 1.1)  # measurement noise
         policy.observe_request("w", domain, batch, k, drafted, accepted, tokens, decode_s)
+
+
+@pytest.fixture(scope="module", params=sorted(WORLDS))
+def learned(request: pytest.FixtureRequest) -> tuple[str, list[DepthPolicy]]:
+    world = request.param
+    policies = []
+    for seed in SEEDS:
+        policy = DepthPolicy(PolicyConfig(max_depth=MAX_DEPTH, share_depth_under_load=False))
+        _simulate(policy, random.Random(seed), 600, world)
+        policies.append(policy)
+    return world, policies
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16, 32])
 @pytest.mark.parametrize("domain", sorted(ACCEPTANCE))
-def test_learned_choice_is_within_3_percent_of_the_best_depth(domain: str, batch: int) -> None:
-    policy = DepthPolicy(PolicyConfig(max_depth=MAX_DEPTH, share_depth_under_load=False))
-    _simulate(policy, random.Random(0), 600)
-    best = max(_goodput(domain, batch, k) for k in range(MAX_DEPTH + 1))
-    chosen = policy.decide("w", domain, batch)
-    assert _goodput(domain, batch, chosen) >= 0.97 * best, (chosen, [
-        round(_goodput(domain, batch, k), 1) for k in range(MAX_DEPTH + 1)])
+def test_learned_choice_is_within_3_percent_of_the_best_depth(
+        learned: tuple[str, list[DepthPolicy]], domain: str, batch: int) -> None:
+    world, policies = learned
+    best = max(_goodput(domain, batch, k, world) for k in range(MAX_DEPTH + 1))
+    chosen = [p.decide("w", domain, batch) for p in policies]
+    ratios = [_goodput(domain, batch, k, world) / best for k in chosen]
+    assert sum(ratios) / len(ratios) >= 0.97, (chosen, ratios)
 
 
 def test_the_prior_alone_is_not_enough() -> None:
