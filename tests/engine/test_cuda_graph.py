@@ -209,9 +209,11 @@ def prompts(tiny_model_dir: Path) -> list[list[int]]:
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_cuda_graph_equals_eager_on_gpu(tiny_model_dir: Path, prompts: list[list[int]],
-                                               dtype: str) -> None:
+def test_greedy_cuda_graph_equals_eager_on_gpu(tiny_model_dir: Path,
+                                               prompts: list[list[int]]) -> None:
+    """Token for token in float32 (in bfloat16 the two attention kernels round differently
+    and a near-tie can flip: see the logits test below)."""
+    dtype = "float32"
     lengths = [40, 7, 33, 16, 25, 12, 40, 3, 30, 21, 9, 40]  # batch sizes 1..8 all occur
     cases = [([prompts[0]], [greedy(48)]), ([prompts[1], prompts[2], prompts[3]],
                                             [greedy(n) for n in (30, 12, 45)]),
@@ -224,6 +226,36 @@ def test_greedy_cuda_graph_equals_eager_on_gpu(tiny_model_dir: Path, prompts: li
         assert generate(graph, batch, params) == want
         assert [len(t) for t in want] == [p.max_tokens for p in params]
 
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("dtype", "tol"), [("float32", 2e-3), ("bfloat16", 0.5)])
+def test_graph_decode_logits_match_eager_forward_on_gpu(tiny_model_dir: Path,
+                                                       prompts: list[list[int]], dtype: str,
+                                                       tol: float) -> None:
+    """One decode step of 3 prefilled sequences (bucket 4, one padding row): graph == eager."""
+    from engine.attention import SeqSlice, build_metadata
+
+    core = gpu_core(tiny_model_dir, "cuda_graph", dtype)
+    for i in range(3):
+        core.add_request(f"r{i}", prompts[i], greedy(8))
+    while any(s.is_prefilling for s in core.scheduler.running) or core.scheduler.waiting:
+        core.step()  # prefill (the step that finishes a prompt also samples its first token)
+    seqs = list(core.scheduler.running)
+    assert len(seqs) == 3
+    graphs, kv = core.runner.graphs, core.runner.kv
+    assert graphs is not None
+    rows = [DecodeRow(s.token_ids[s.num_computed], s.num_computed, s.block_table) for s in seqs]
+    got = graphs.run(rows).clone()  # [3, vocab]
+    meta = build_metadata([SeqSlice(1, s.num_computed, s.block_table) for s in seqs],
+                          kv.block_size, core.runner.num_q_per_kv, 8, "cuda")
+    ids = torch.tensor([r.token for r in rows], device="cuda")
+    want = core.model.forward(ids, meta, kv)  # rewrites the same K/V slots with the same values
+    scale = want.abs().max().item()
+    assert got.shape == want.shape and scale > 1.0
+    assert (got - want).abs().max().item() < tol  # logits span ~[-scale, scale]
 
 
 @pytest.mark.gpu
