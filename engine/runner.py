@@ -9,6 +9,7 @@ accepts a prefix of each proposal (k_i = 0 rows behave like plain sampling).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from engine.cpu_attention import cpu_attention_for
 from engine.cuda_graph import CudaGraphDecoder, DecodeRow
 from engine.gpu_sampling import sample_on_device
 from engine.kv_cache import KVCache
+from engine.lanes import Lanes, split_lanes
 from engine.model import LlamaModel
 from engine.scheduler import ScheduledSeq
 from specdec.base import Proposal
@@ -44,14 +46,39 @@ class ModelRunner:
         if not model.naive_attention:  # naive is the reference path: keep it pure torch
             self.cpu_attention = cpu_attention_for(model.device, model.dtype, kv.block_size)
         self.graphs = graphs  # captured decode steps (execution: cuda_graph)
+        self.lanes = Lanes(1, 1)  # one forward per step until set_lanes
 
     def execute(self, scheduled: Sequence[ScheduledSeq]) -> list[StepResult]:
         """Run one forward over ``scheduled``; results for the sequences that sampled."""
         if self.graphs is not None and self._graph_can_run(scheduled):
             return self._execute_graph(scheduled)
-        order = order_short_first([s.q_len for s in scheduled], self.short_q,
-                                  [s.seq.num_computed + s.q_len for s in scheduled])
-        items = [scheduled[i] for i in order]
+        parts = self._lane_parts(scheduled)
+        outs = self.lanes.run([functools.partial(self._forward, part) for part in parts])
+        # NOTE: sampling and verification build small CPU tensors per request; on an
+        # accelerator the [N, vocab] logits come back once instead.
+        logits = outs[0].cpu() if len(outs) == 1 else torch.cat([o.cpu() for o in outs])
+        sampled = [it for part in parts for it in part if it.samples]
+        if not sampled:
+            return []
+        return self._sample(sampled, logits)
+
+    def set_lanes(self, num_lanes: int, threads_per_lane: int) -> None:
+        """Run big CPU steps as ``num_lanes`` forwards in parallel (engine.lanes)."""
+        self.lanes.close()
+        self.lanes = Lanes(num_lanes, threads_per_lane)
+
+    def _lane_parts(self, scheduled: Sequence[ScheduledSeq]) -> list[list[ScheduledSeq]]:
+        """The step's sequences per lane, each lane ordered short-first for attention."""
+        contexts = [s.seq.num_computed + s.q_len for s in scheduled]
+        parts = []
+        for lane in split_lanes([s.q_len for s in scheduled], contexts, self.lanes.num_lanes):
+            order = order_short_first([scheduled[i].q_len for i in lane], self.short_q,
+                                      [contexts[i] for i in lane])
+            parts.append([scheduled[lane[i]] for i in order])
+        return parts
+
+    def _forward(self, items: list[ScheduledSeq]) -> torch.Tensor:
+        """Logits ``[N, vocab]`` (on the model's device) for the sampling rows of ``items``."""
         ids: list[int] = []
         slices: list[SeqSlice] = []
         rows: list[int] = []
@@ -67,15 +94,8 @@ class ModelRunner:
         meta = build_metadata(slices, self.kv.block_size, self.num_q_per_kv, self.short_q,
                               device, self.cpu_attention)
         logit_rows = torch.tensor(rows, dtype=torch.long).to(device)
-        logits = self.model.forward(torch.tensor(ids, dtype=torch.long).to(device), meta,
-                                    self.kv, logit_rows)
-        # NOTE: sampling and verification build small CPU tensors per request; on an
-        # accelerator the [N, vocab] logits come back once instead.
-        logits = logits.cpu()
-        sampled = [it for it in items if it.samples]
-        if not sampled:
-            return []
-        return self._sample(sampled, logits)
+        return self.model.forward(torch.tensor(ids, dtype=torch.long).to(device), meta,
+                                  self.kv, logit_rows)
 
     def _sample(self, sampled: list[ScheduledSeq], logits: torch.Tensor) -> list[StepResult]:
         params = [it.seq.params.sampling for it in sampled]
