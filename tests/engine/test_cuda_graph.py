@@ -21,6 +21,7 @@ from engine.cuda_graph import (
     COL_CONTEXT,
     COL_SLOT,
     COL_TABLE,
+    CudaGraphDecoder,
     DecodeRow,
     decode_buckets,
     fill_inputs,
@@ -63,6 +64,16 @@ def test_cuda_graph_execution_is_refused_on_a_cpu_device() -> None:
     with pytest.raises(ConfigError, match="engine.execution"):
         CompiledConfig.from_dict({"engine": {"execution": "cuda_graph", "device": "cpu"}})
     assert EngineConfig(execution="cuda_graph", device="cuda:0").execution == "cuda_graph"
+
+
+def test_graph_decoder_refuses_a_cpu_model(tiny_model_dir: Path) -> None:
+    from engine.checkpoint import load_weights, read_spec
+    from engine.errors import UnsupportedConfigError
+    from engine.model import LlamaModel
+
+    model = LlamaModel(read_spec(tiny_model_dir), load_weights(tiny_model_dir, 1))
+    with pytest.raises(UnsupportedConfigError, match="CUDA"):
+        CudaGraphDecoder(model, model.new_kv_cache(8, 16), max_batch=4, max_positions=128)
 
 
 def test_head_dims_the_kernel_serves() -> None:
