@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -79,6 +80,7 @@ class Prompt:
 class RunStats:
     tokens: int = 0
     seconds: float = 0.0
+    cpu_s: float = 0.0  # engine process CPU time (user + system) over the run
     num_draft: int = 0
     num_accepted: int = 0
     depths: list[int] = field(default_factory=list)
@@ -86,6 +88,10 @@ class RunStats:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        return self.tokens / self.cpu_s if self.cpu_s else 0.0
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,7 @@ class Outcome:
     num_accepted: int
     ttft_s: float
     e2e_s: float
+    cpu_s: float = 0.0  # engine CPU seconds spent on this request (concurrency 1 only)
 
 
 def load_prompts(path: Path, per_domain: int, seed: int) -> list[Prompt]:
@@ -127,9 +134,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
 def engine_process(method: str, max_depth: int, max_num_seqs: int,
-                   device: str = "cpu") -> Iterator[str]:
+                   device: str = "cpu") -> Iterator[tuple[str, int]]:
     engine: dict[str, object] = {"max_num_seqs": max_num_seqs, "kv_cache_tokens": 32768,
                                  "spec_method": method, "spec_max_depth": max_depth,
                                  "device": device}
@@ -147,7 +160,7 @@ def engine_process(method: str, max_depth: int, max_num_seqs: int,
     try:
         url = f"http://127.0.0.1:{port}"
         asyncio.run(_wait_healthy(url, proc))
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -201,12 +214,13 @@ async def send(session: aiohttp.ClientSession, url: str, prompt: Prompt, depth: 
 
 
 class Bench:
-    def __init__(self, url: str, worker: str, policy: object, max_tokens: int,
+    def __init__(self, url: str, pid: int, worker: str, policy: object, max_tokens: int,
                  max_depth: int) -> None:
         from specdec.policy import DepthPolicy
 
         assert isinstance(policy, DepthPolicy)
         self.url = url
+        self.pid = pid  # the engine's, for its CPU time
         self.worker = worker
         self.policy = policy
         self.max_tokens = max_tokens
@@ -234,11 +248,14 @@ class Bench:
                     prompt = queue.pop()
                     self.in_flight += 1
                     depth = self._depth(mode, prompt.domain)
+                    cpu0 = process_cpu_s(self.pid)
                     try:
                         o = await send(session, self.url, prompt, depth, self.max_tokens,
                                        self.in_flight, mode, concurrency)
                     finally:
                         self.in_flight -= 1
+                    if concurrency == 1:
+                        o = dataclasses.replace(o, cpu_s=process_cpu_s(self.pid) - cpu0)
                     self._learn(o)
                     self.outcomes.append(o)
                     stats.tokens += o.tokens
@@ -246,9 +263,10 @@ class Bench:
                     stats.num_accepted += o.num_accepted
                     stats.depths.append(depth)
 
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), process_cpu_s(self.pid)
             await asyncio.gather(*(worker() for _ in range(concurrency)))
             stats.seconds = time.perf_counter() - t0
+            stats.cpu_s = process_cpu_s(self.pid) - cpu0
         return stats
 
 
@@ -272,8 +290,8 @@ def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -
     priors = NGRAM_DOMAIN_PRIORS if method == "ngram" else ()
     policy = DepthPolicy(PolicyConfig(max_depth=max(depths), domain_priors=priors))
     modes: list[int | str] = [*depths, ADAPTIVE]
-    with engine_process(method, max(depths), max(args.concurrency), args.device) as url:
-        bench = Bench(url, method, policy, args.max_tokens, max(depths))
+    with engine_process(method, max(depths), max(args.concurrency), args.device) as (url, pid):
+        bench = Bench(url, pid, method, policy, args.max_tokens, max(depths))
         asyncio.run(bench.run(prompts[:2], 0, 2))  # warm-up
         for conc in args.concurrency:
             n = max(args.min_requests, args.requests_per_slot * conc)
@@ -297,18 +315,32 @@ def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -
 def _add(total: RunStats, s: RunStats) -> None:
     total.tokens += s.tokens
     total.seconds += s.seconds
+    total.cpu_s += s.cpu_s
     total.num_draft += s.num_draft
     total.num_accepted += s.num_accepted
     total.depths += s.depths
 
 
 def print_concurrency(method: str, conc: int, n: int, totals: dict[int | str, RunStats]) -> None:
-    base = totals[0].tokens_per_s
+    """Tokens per wall second and per engine CPU second (robust to other load on the box)."""
+    print(f"\n[{method}] concurrency {conc}: {n} requests x rounds per mode "
+          f"(wall: tokens/s; cpu: tokens per engine CPU second)")
+    print(f"  {'mode':>9} {'tok/s':>8} {'vs k=0':>7} {'vs best k':>9} {'tok/cpu-s':>9} "
+          f"{'vs k=0':>7} {'vs best k':>9} {'accept':>7}  depths")
     fixed = {m: t for m, t in totals.items() if m != ADAPTIVE and m != 0}
-    best_k = max(fixed, key=lambda m: fixed[m].tokens_per_s)
-    best = fixed[best_k].tokens_per_s
-    print(f"\n[{method}] concurrency {conc}: {n} requests x rounds per mode")
-    print(f"  {'mode':>9} {'tok/s':>8} {'vs k=0':>7} {'vs best k':>9} {'accept':>7}  depths")
+    summary = []
+    cells: dict[int | str, str] = {m: "" for m in totals}
+    for basis in ("tokens_per_s", "tokens_per_cpu_s"):
+        def rate(t: RunStats, basis: str = basis) -> float:
+            return float(getattr(t, basis))
+        base = rate(totals[0]) or 1.0
+        best_k = max(fixed, key=lambda m: rate(fixed[m]))
+        best = rate(fixed[best_k]) or 1.0
+        for mode, t in totals.items():
+            cells[mode] += f" {rate(t):9.1f} {rate(t) / base:7.2f} {rate(t) / best:9.2f}"
+        summary.append(f"{basis.replace('tokens_per_', 'per ')}: best fixed k = {best_k}, "
+                       f"adaptive / best fixed = {rate(totals[ADAPTIVE]) / best:.3f}, "
+                       f"adaptive / k=0 = {rate(totals[ADAPTIVE]) / base:.3f}")
     for mode, t in totals.items():
         acc = t.num_accepted / t.num_draft if t.num_draft else 0.0
         hist: dict[int, int] = defaultdict(int)
@@ -316,23 +348,27 @@ def print_concurrency(method: str, conc: int, n: int, totals: dict[int | str, Ru
             hist[d] += 1
         depths = " ".join(f"{d}:{c}" for d, c in sorted(hist.items()))
         label = f"k={mode}" if mode != ADAPTIVE else ADAPTIVE
-        print(f"  {label:>9} {t.tokens_per_s:8.1f} {t.tokens_per_s / base:7.2f} "
-              f"{t.tokens_per_s / best:9.2f} {acc:7.2f}  {depths}")
-    print(f"  best fixed k = {best_k}; adaptive / best fixed = "
-          f"{totals[ADAPTIVE].tokens_per_s / best:.3f}; adaptive / k=0 = "
-          f"{totals[ADAPTIVE].tokens_per_s / base:.3f}")
+        print(f"  {label:>9}{cells[mode]} {acc:7.2f}  {depths}")
+    for line in summary:
+        print(f"  {line}")
 
 
 def print_domains(method: str, outcomes: list[Outcome], modes: list[int | str]) -> None:
-    """Per-domain tokens/s at concurrency 1 (each request alone: tokens / its own e2e time)."""
+    """Per-domain tokens per wall second and per engine CPU second at concurrency 1."""
+    for basis in ("e2e_s", "cpu_s"):
+        _print_domain_table(method, outcomes, modes, basis)
+
+
+def _print_domain_table(method: str, outcomes: list[Outcome], modes: list[int | str],
+                        basis: str) -> None:
     tokens: dict[tuple[str, int | str], int] = defaultdict(int)
     seconds: dict[tuple[str, int | str], float] = defaultdict(float)
     for o in outcomes:
         tokens[(o.domain, o.mode)] += o.tokens
-        seconds[(o.domain, o.mode)] += o.e2e_s
+        seconds[(o.domain, o.mode)] += float(getattr(o, basis))
     domains = sorted({o.domain for o in outcomes})
     groups = {"repetitive": list(REPETITIVE_DOMAINS), "all": domains}
-    print(f"\n[{method}] concurrency 1 per domain: speed-up over k=0 (tokens / e2e seconds); "
+    print(f"\n[{method}] concurrency 1 per domain: speed-up over k=0 (tokens / {basis}); "
           f"* = repetitive (fixed rule, see REPETITIVE_DOMAINS)")
     labels = [f"k={m}" if m != ADAPTIVE else "adapt" for m in modes if m != 0]
     print(f"  {'domain':>14} {'k=0 tok/s':>9} " + " ".join(f"{lb:>6}" for lb in labels)
