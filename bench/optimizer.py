@@ -10,6 +10,13 @@ scaled to a mean rate this CPU box can serve:
   B "code, quiet": the code-completion trace, domain code, 0.5 req/s x 2 s
                    recorded e2e (~1 in flight).
 
+The traces carry lengths only; each record gets real prompt text as if the
+proxy recorded prompts: Spec-Bench questions of its domain (coding for code;
+../shared/data/prompts), joined to the record's prompt length (capped).
+``--prompts ''`` replays synthetic prompts instead (standard-library source,
+which the tiny model does not continue by copying: speculation then gains
+nothing, whatever the config).
+
 What "tokens/s on the replayed traffic" means here: traffic is served at its
 own load, not blasted. For B (quiet) throughput is capped by the offered load,
 so the objective is the mean per-request output tokens/s ("request", send to
@@ -87,6 +94,12 @@ from optimizer.verify import VerifyConfig, paired_gain  # noqa: E402
 logger = logging.getLogger("bench.optimizer")
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+PROMPTS = DATA.parent / "prompts" / "spec_bench_questions.jsonl"
+# Spec-Bench categories whose prompts stand in for each domain's recorded prompt text
+CATEGORIES = {"code": ("coding",), "math": ("math_reasoning", "math"), "qa": ("qa",),
+              "chat": ("writing", "roleplay", "humanities", "stem", "reasoning"),
+              "summarization": ("summarization",), "translation": ("translation",),
+              "rag": ("rag",), "extraction": ("extraction",)}
 CONV_DOMAINS = ("chat", "qa", "summarization", "translation")
 SMALL_KNOBS = (
     Knob("max_num_seqs", (8, 32)),
@@ -127,6 +140,32 @@ def azure_records(path: Path, n: int, seed: int, domains: tuple[str, ...], rate_
                     "completion_tokens": int(row["GeneratedTokens"]), "status": "ok",
                     "e2e_s": e2e_s, "stream": True})
     return out
+
+
+def attach_prompts(records: list[dict[str, Any]], path: Path, synth: PromptSynthesizer,
+                   max_tokens: int, seed: int) -> None:
+    """Give each record real prompt text, as a proxy with prompt recording on would store.
+
+    The text is distinct Spec-Bench prompts of the record's domain, joined until the
+    record's prompt length (capped at ``max_tokens``) and cut there. NOTE: the
+    Azure traces carry lengths only, and the synthetic fallback (standard-library
+    source) is text the tiny model never continues by copying, so it hides what
+    n-gram speculation does on real prompts.
+    """
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_cat: dict[str, list[str]] = {}
+    for row in rows:
+        by_cat.setdefault(row["category"], []).append(row["turns"][0])
+    rng = random.Random(seed)
+    for rec in records:
+        pool = [t for c in CATEGORIES[rec["domain"]] for t in by_cat.get(c, [])]
+        want = max(8, min(rec["prompt_tokens"], max_tokens))
+        parts: list[str] = []
+        for text in rng.sample(pool, len(pool)):
+            parts.append(text)
+            if synth.count_tokens("\n\n".join(parts)) >= want:
+                break
+        rec["prompt"] = synth.truncate("\n\n".join(parts), want)
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]], mode: str = "w") -> None:
@@ -333,10 +372,13 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                            rate_rps=4.0, e2e_s=2.5, t0=1.7e9)
     recs_b = azure_records(DATA / "azure_llm_2023_code.csv", args.records, args.seed + 1,
                            ("code",), rate_rps=0.5, e2e_s=2.0, t0=1.7e9 + 3600)
+    synth = PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=args.seed)
+    if args.prompts:
+        for i, recs in enumerate((recs_a, recs_b)):
+            attach_prompts(recs, Path(args.prompts), synth, args.max_prompt_tokens, args.seed + i)
     write_jsonl(work / "a.jsonl", recs_a)
     write_jsonl(work / "b.jsonl", recs_b)
     prof_b = build_profile(read_trace_files([work / "b.jsonl"]).records)
-    synth = PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=args.seed)
     sample_cfg = SampleConfig(args.max_prompt_tokens, args.max_output_tokens)
 
     def replay(path: Path, n: int, seed: int) -> list[Any]:
@@ -530,6 +572,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--watch-s", type=float, default=3.0)
     p.add_argument("--campaign-timeout-s", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", default=str(PROMPTS),
+                   help="Spec-Bench questions used as the traces' recorded prompt text; '' = "
+                        "synthetic prompts (optimizer.sample)")
     p.add_argument("--out", default="", help="write the raw results as JSON here")
     args = p.parse_args(argv)
     if args.quick:

@@ -12,7 +12,8 @@ Objectives (higher is better), see :class:`Measurer`:
   - ``cpu``: output tokens per engine CPU second (throughput, robust to
     other tenants on a shared box);
   - ``request``: mean over requests of each request's output tokens per
-    second, from send to last byte (queueing included): the decode speed a
+    second, from arrival to last byte (open loop: queueing included; closed
+    loop: from send, the slot wait being the replay's own): the decode speed a
     client sees at the replayed load. At low load this is what a config
     changes (speculation trades CPU for latency), while throughput is capped
     by the offered load.
@@ -77,7 +78,10 @@ class ReplayStats:
     ttft_p50_s: float | None
     tpot_p50_s: float | None
     errors: tuple[str, ...] = ()  # the first few error messages
-    request_tokens_per_s: float = 0.0  # mean of per-request output tokens / (queue + e2e)
+    # mean of per-request output tokens / seconds from arrival to last byte (open loop: a
+    # wait for a concurrency slot counts; closed loop: that wait is the replay's, not the
+    # traffic's, so only send -> last byte counts)
+    request_tokens_per_s: float = 0.0
     in_flight: float = 0.0  # mean requests in flight (summed latency / wall, Little's law)
 
 
@@ -165,7 +169,7 @@ class EngineClient:
         runner = Runner(StreamingClient(client_cfg, self.session), max_concurrency=concurrency,
                         quiet=True)
         run = await runner.run(prepared)
-        return _stats(run.results, run.duration_s)
+        return _stats(run.results, run.duration_s, open_loop)
 
     def _prepared(self, index: int, r: ReplayRequest, arrival_s: float) -> PreparedRequest:
         body = {"model": self.model, "prompt": r.prompt, "max_tokens": r.max_tokens,
@@ -191,16 +195,17 @@ def _reported_seconds(text: str, wall_s: float) -> float:
     return wall_s
 
 
-def _stats(results: Sequence[Any], wall_s: float) -> ReplayStats:
+def _stats(results: Sequence[Any], wall_s: float, open_loop: bool = False) -> ReplayStats:
     ok = [r for r in results if r.ok]
     tokens = sum(r.completion_tokens or 0 for r in ok)
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
     errors = tuple(str(r.error) for r in results if not r.ok)[:3]
     # NOTE: a failed request is a request served at 0 tokens/s, not one left out.
-    per_request = [(r.completion_tokens or 0) / (r.queue_s + r.e2e_s)
-                   if r.ok and r.e2e_s else 0.0 for r in results]
-    latency = sum(r.queue_s + (r.e2e_s or 0.0) for r in results)
+    queued = [r.queue_s if open_loop else 0.0 for r in results]
+    per_request = [(r.completion_tokens or 0) / (q + r.e2e_s) if r.ok and r.e2e_s else 0.0
+                   for r, q in zip(results, queued, strict=True)]
+    latency = sum(q + (r.e2e_s or 0.0) for r, q in zip(results, queued, strict=True))
     return ReplayStats(tokens / wall_s if wall_s > 0 else 0.0, tokens, wall_s,
                        len(results) - len(ok), statistics.median(ttft) if ttft else None,
                        statistics.median(tpot) if tpot else None, errors,

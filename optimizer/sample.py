@@ -71,9 +71,12 @@ class PromptSynthesizer:
         return len(self._tok.encode(text, add_special_tokens=False).ids)
 
     def make(self, domain: str, num_tokens: int) -> str:
-        text = self._raw_text(domain, num_tokens)
-        ids = self._tok.encode(text, add_special_tokens=False).ids[:num_tokens]
-        return str(self._tok.decode(ids))
+        return self.truncate(self._raw_text(domain, num_tokens), num_tokens)
+
+    def truncate(self, text: str, num_tokens: int) -> str:
+        """``text`` cut to at most ``num_tokens`` tokens (unchanged when shorter)."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return text if len(ids) <= num_tokens else str(self._tok.decode(ids[:num_tokens]))
 
     def _raw_text(self, domain: str, num_tokens: int) -> str:
         # NOTE: ~4 characters per token, doubled for slack; cut by tokens afterwards.
@@ -122,7 +125,9 @@ def build_replay(records: Sequence[TraceRecord], synth: PromptSynthesizer,
     out = []
     for r in ordered:
         num_prompt = max(1, min(r.prompt_tokens, config.max_prompt_tokens))
-        prompt = r.prompt if r.prompt is not None else synth.make(r.domain, num_prompt)
+        # NOTE: a recorded prompt is replayed as recorded, cut to the cap like a synthetic one
+        prompt = (synth.truncate(r.prompt, config.max_prompt_tokens) if r.prompt is not None
+                  else synth.make(r.domain, num_prompt))
         max_tokens = max(config.min_output_tokens, min(r.output_tokens, config.max_output_tokens))
         out.append(ReplayRequest(r.domain, prompt, synth.count_tokens(prompt), max_tokens,
                                  (r.ts - t0) / config.time_scale))

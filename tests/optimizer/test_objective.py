@@ -25,13 +25,18 @@ def result(index: int, ok: bool, tokens: int, e2e_s: float, queue_s: float = 0.0
 
 
 def test_per_request_rate_counts_queueing_and_failures() -> None:
-    stats = _stats([result(0, True, 10, 0.5, queue_s=0.5), result(1, True, 20, 1.0),
-                    result(2, False, 0, 0.2)], wall_s=2.0)
+    results = [result(0, True, 10, 0.5, queue_s=0.5), result(1, True, 20, 1.0),
+               result(2, False, 0, 0.2)]
+    stats = _stats(results, wall_s=2.0, open_loop=True)
     # 10 tokens over 1 s (half of it queued), 20 over 1 s, a failure at 0 tokens/s
     assert stats.request_tokens_per_s == pytest.approx((10.0 + 20.0 + 0.0) / 3)
     assert stats.tokens_per_s == pytest.approx(30 / 2.0)
     assert stats.in_flight == pytest.approx((1.0 + 1.0 + 0.2) / 2.0)
     assert stats.num_errors == 1
+    # closed loop: the slot wait is the replay's own queue, not the traffic's
+    closed = _stats(results, wall_s=2.0)
+    assert closed.request_tokens_per_s == pytest.approx((20.0 + 20.0 + 0.0) / 3)
+    assert closed.in_flight == pytest.approx((0.5 + 1.0 + 0.2) / 2.0)
 
 
 async def test_request_objective_is_known_and_tier_flag_is_kept() -> None:

@@ -29,6 +29,14 @@ def test_replay_caps_lengths_and_keeps_arrival_offsets(synth: PromptSynthesizer)
     assert "def " in reqs[0].prompt or "class " in reqs[0].prompt or "import" in reqs[0].prompt
 
 
+def test_recorded_prompts_are_cut_to_the_cap(synth: PromptSynthesizer) -> None:
+    long_text = "The quick brown fox jumps over the lazy dog. " * 40
+    records = [TraceRecord(1.0, "chat", 400, completion_tokens=8, prompt=long_text)]
+    (req,) = build_replay(records, synth, SampleConfig(max_prompt_tokens=32))
+    assert 28 <= req.prompt_tokens <= 32 and long_text.startswith(req.prompt.strip()[:40])
+    assert synth.truncate("short", 32) == "short"
+
+
 def test_same_seed_same_prompts() -> None:
     a = PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=3)
     b = PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=3)
