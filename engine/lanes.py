@@ -21,7 +21,7 @@ import torch
 
 T = TypeVar("T")
 
-MIN_LANE_TOKENS = 4  # a step with fewer query tokens per lane runs in one lane
+MIN_LANE_TOKENS = 16  # a step with fewer query tokens per lane runs in one lane
 CONTEXT_COST = 1 / 500  # attention cost of one context token, in query-token units
 
 

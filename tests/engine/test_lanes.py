@@ -16,7 +16,7 @@ from tests.engine.test_core import greedy, run
 
 def test_split_balances_tokens_and_keeps_order() -> None:
     # one 200-token prefill chunk against eight decodes: the chunk gets a lane of its own
-    lanes = split_lanes([1, 1, 1, 1, 200, 1, 1, 1, 1], [300] * 9, 2)
+    lanes = split_lanes([16, 16, 16, 16, 200, 16, 16, 16, 16], [300] * 9, 2)
     assert sorted(i for lane in lanes for i in lane) == list(range(9))
     assert [4] in lanes
     assert all(lane == sorted(lane) for lane in lanes)
@@ -24,14 +24,14 @@ def test_split_balances_tokens_and_keeps_order() -> None:
 
 def test_split_weighs_context_for_decodes() -> None:
     # equal query lengths: the two long contexts go to different lanes
-    lanes = split_lanes([1, 1, 1, 1, 1, 1, 1, 1], [2000, 2000, 10, 10, 10, 10, 10, 10], 2)
+    lanes = split_lanes([4] * 8, [9000, 9000, 10, 10, 10, 10, 10, 10], 2)
     assert {0, 1} not in [set(lane) & {0, 1} for lane in lanes]
     assert sorted(len(lane) for lane in lanes) == [4, 4]
 
 
 def test_small_steps_stay_in_one_lane() -> None:
     assert split_lanes([1], [10], 2) == [[0]]
-    assert split_lanes([1, 1, 1], [10, 10, 10], 2) == [[0, 1, 2]]  # under MIN_LANE_TOKENS each
+    assert split_lanes([1] * 31, [10] * 31, 2) == [list(range(31))]  # < MIN_LANE_TOKENS each
     assert split_lanes([5, 5], [10, 10], 1) == [[0, 1]]
 
 
@@ -55,13 +55,17 @@ def test_two_lanes_give_the_same_greedy_tokens_as_one(tiny_model_dir: Path) -> N
     """Mixed prefill chunks, decodes and speculative verification, split over two lanes."""
     def core_with(num_threads: int):  # type: ignore[no-untyped-def]
         return load_core(CompiledConfig(model=str(tiny_model_dir), engine=EngineConfig(
-            max_num_seqs=8, max_num_batched_tokens=96, kv_cache_tokens=8192,
+            max_num_seqs=40, max_num_batched_tokens=256, kv_cache_tokens=16384,
             spec_method="ngram", spec_max_depth=3, num_threads=num_threads)))
 
     one, two = core_with(1), core_with(2)
-    prompts = [one.tokenizer.encode(chat_text(p)) for p in mixed_prompts(8)]
-    params = [greedy(depth=i % 4, max_tokens=12) for i in range(8)]
+    prompts = [one.tokenizer.encode(chat_text(p)) for p in mixed_prompts(36)]
+    params = [greedy(depth=i % 4, max_tokens=10) for i in range(36)]
     want = run(one, prompts, params)
+    split = two.runner._lane_parts
+    num_parts: list[int] = []
+    two.runner._lane_parts = lambda s: num_parts.append(len(split(s))) or split(s)  # type: ignore
     got = run(two, prompts, params)
     assert two.runner.lanes.num_lanes == 2 and one.runner.lanes.num_lanes == 1
+    assert 2 in num_parts and 1 in num_parts  # big steps split, the small tail did not
     assert got == want
