@@ -436,6 +436,7 @@ def _forward_ms(model_dir: Path, batch: int, context: int, q_lens: list[int],
 
     from engine.attention import SeqSlice, build_metadata
     from engine.checkpoint import load_weights, read_spec
+    from engine.cpu_attention import cpu_attention_for
     from engine.model import LlamaModel
 
     spec = read_spec(model_dir)
@@ -446,8 +447,9 @@ def _forward_ms(model_dir: Path, batch: int, context: int, q_lens: list[int],
     kv = model.new_kv_cache(per_seq * batch, block)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     out: dict[int, list[float]] = {q: [] for q in q_lens}
+    kernel = cpu_attention_for("cpu", model.dtype, block)  # as the engine's runner
     metas = {q: build_metadata([SeqSlice(q, context, t) for t in tables], block,
-                               spec.num_heads // spec.num_kv_heads, max(q_lens))
+                               spec.num_heads // spec.num_kv_heads, max(q_lens), "cpu", kernel)
              for q in q_lens}
     for rep in range(repeats + 2):  # interleaved, so drift hits every q alike
         for q in q_lens:

@@ -70,6 +70,8 @@ class EngineConfig:
     ngram_min: int = 1  # shortest n-gram the prompt-lookup proposer matches
     ngram_max: int = 4  # longest n-gram the prompt-lookup proposer matches
     draft_model: str = ""  # path of the draft checkpoint when spec_method == "draft"
+    # the draft stops proposing at a token it gives less than this probability (0 = never)
+    draft_min_confidence: float = 0.2
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     execution: Literal["eager", "compiled", "cuda_graph"] = "eager"
     attention: Literal["sdpa", "naive", "triton"] = "sdpa"
@@ -107,6 +109,8 @@ class EngineConfig:
                f">= block_size ({self.block_size})", self.kv_cache_tokens)
         _check(self.spec_method != "draft" or bool(self.draft_model), "engine.draft_model",
                "a path when spec_method is 'draft'", self.draft_model)
+        _check(0.0 <= self.draft_min_confidence < 1.0, "engine.draft_min_confidence",
+               "a value in [0, 1)", self.draft_min_confidence)
         _check(self.num_threads >= 0, "engine.num_threads", "0 (auto) or a positive integer",
                self.num_threads)
         _check(self.measure_num_layers is None or self.measure_num_layers > 0,

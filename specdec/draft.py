@@ -45,6 +45,7 @@ import torch
 
 from engine.attention import SeqSlice, build_metadata, order_short_first
 from engine.checkpoint import load_weights, read_spec
+from engine.cpu_attention import cpu_attention_for
 from engine.kv_cache import BlockAllocator, blocks_needed
 from engine.model import LlamaModel
 from specdec.base import Proposal, ProposalRequest
@@ -125,6 +126,9 @@ class DraftProposer:
         self.allocator = BlockAllocator(num_blocks)
         self._seqs: dict[int, _DraftSeq] = {}
         self._num_q_per_kv = model.spec.num_heads // model.spec.num_kv_heads
+        # NOTE: the engine's fused CPU paged-attention kernel (float32 on the CPU; None
+        # elsewhere or if it cannot be built): every draft round is a short-query step.
+        self._kernel = cpu_attention_for(model.device, model.dtype, config.block_size)
 
     @classmethod
     def load(cls, config: DraftConfig, target_vocab: int | None = None) -> DraftProposer:
@@ -245,7 +249,7 @@ class DraftProposer:
             rows.append(len(ids) - 1)
             state.ids.extend(feed)
         meta = build_metadata(slices, self.config.block_size, self._num_q_per_kv,
-                              self.config.short_q)
+                              self.config.short_q, self.model.device, self._kernel)
         logits = self.model.forward(torch.tensor(ids, dtype=torch.long), meta, self.kv,
                                     torch.tensor(rows, dtype=torch.long))  # rows in `order`
         inverse = torch.empty(len(order), dtype=torch.long)
@@ -291,5 +295,6 @@ def build_draft_proposer(cfg: EngineConfig) -> DraftProposer:
         block_size=cfg.block_size,
         max_model_len=cfg.max_model_len + cfg.spec_max_depth + 1,
         short_q=max(cfg.spec_max_depth + 1, 8),
+        min_confidence=cfg.draft_min_confidence,
     )
     return DraftProposer.load(config)

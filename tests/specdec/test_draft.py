@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -99,10 +100,14 @@ def test_full_cache_and_too_long_histories_propose_nothing(proposer_model: Draft
 
 def test_build_from_engine_config() -> None:
     cfg = EngineConfig(spec_method="draft", draft_model="models/tiny-draft", spec_max_depth=4,
-                       kv_cache_tokens=2048)
+                       kv_cache_tokens=2048, draft_min_confidence=0.0)
     proposer = build_draft_proposer(cfg)
     assert proposer.config.max_model_len == cfg.max_model_len + 5
+    assert proposer.config.min_confidence == 0.0
     assert len(proposer.propose([ProposalRequest(0, [5, 6, 7], 2)])[0].tokens) == 2
+    cut = build_draft_proposer(dataclasses.replace(cfg, draft_min_confidence=0.35))
+    assert cut.config.min_confidence == 0.35
+    assert EngineConfig().draft_min_confidence == 0.2  # on by default (bench/RESULTS.md)
 
 
 def test_config_and_vocab_checks() -> None:
@@ -139,8 +144,6 @@ def test_min_confidence_cuts_proposals_at_the_first_unsure_token(
         proposer_model: DraftProposer) -> None:
     """Kept drafts are a prefix of the uncut ones; the cut falls at the first token whose
     draft probability is below the threshold, and the cache stays consistent afterwards."""
-    import dataclasses
-
     threshold = 0.3
     cut = DraftProposer(proposer_model.model, dataclasses.replace(CONFIG,
                                                                   min_confidence=threshold))
