@@ -75,8 +75,11 @@ def default_estimator(config: ProxyConfig) -> ShapeEstimator:
     tokenizer_dir = next((w.config.model for w in config.workers
                           if (Path(w.config.model) / "tokenizer.json").is_file()), None)
     try:
+        from router.shape import ShapeConfig
         from router.shape import ShapeEstimator as ClassifierShapeEstimator
-        return ClassifierShapeEstimator.load(tokenizer_dir)
+        slo = ShapeConfig(slo_ttft_s=config.routing.slo_by_domain("slo_ttft_s"),
+                          slo_tpot_s=config.routing.slo_by_domain("slo_tpot_s"))
+        return ClassifierShapeEstimator.load(tokenizer_dir, config=slo)
     except Exception as e:  # a broken artefact must not stop the proxy from serving
         logger.warning("router shape estimator unavailable (%s); using the heuristic one", e)
         return HeuristicShapeEstimator()

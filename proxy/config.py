@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine.config import (
+    DOMAINS,
     CompiledConfig,
     ConfigError,
     DeclaredFit,
@@ -109,12 +110,31 @@ class RoutingConfig:
     # classifier: router.shape.ShapeEstimator (tokenizer + domain classifier, exact
     # token counts); heuristic: proxy.shape (length / keywords, ~10x cheaper).
     shape_estimator: Literal["classifier", "heuristic"] = "classifier"
+    # The service-level objective the adaptive policy routes for, per domain ("*": every
+    # domain without its own entry), seconds; a request's own slo_ttft_s / slo_tpot_s
+    # body fields win. Only the classifier shape estimator carries it into decisions.
+    slo_ttft_s: dict[str, float] = field(default_factory=dict)
+    slo_tpot_s: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check(is_policy_name(self.policy), "routing.policy",
                f"one of {sorted(POLICIES)} or 'module:Class'", self.policy)
         _check(self.shape_estimator in ("classifier", "heuristic"), "routing.shape_estimator",
                "one of ['classifier', 'heuristic']", self.shape_estimator)
+        for name in ("slo_ttft_s", "slo_tpot_s"):
+            for domain, seconds in getattr(self, name).items():
+                _check(domain == "*" or domain in DOMAINS, f"routing.{name}.{domain}",
+                       f"'*' or one of {list(DOMAINS)}", domain)
+                _check(isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+                       and 0 < seconds < float("inf"), f"routing.{name}.{domain}",
+                       "a positive number of seconds", seconds)
+
+    def slo_by_domain(self, name: str) -> dict[str, float]:
+        """``slo_ttft_s`` or ``slo_tpot_s`` with ``*`` spread over the domains it covers."""
+        table: dict[str, float] = getattr(self, name)
+        default = table.get("*")
+        return {d: float(table.get(d, default)) for d in DOMAINS
+                if table.get(d, default) is not None}
 
 
 @dataclass(frozen=True)

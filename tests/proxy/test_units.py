@@ -67,6 +67,10 @@ auth: {api_keys: [k1], admin_key: adm}
     ({"speculation": {"mode": "sometimes"}}, "speculation.mode"),
     ({"traces": {"max_files": 0}}, "traces.max_files"),
     ({"server": {"port": 70000}}, "server.port"),
+    ({"routing": {"slo_ttft_s": {"poetry": 1.0}}}, "routing.slo_ttft_s.poetry"),
+    ({"routing": {"slo_tpot_s": {"*": -0.1}}}, r"routing.slo_tpot_s.\*"),
+    ({"routing": {"slo_tpot_s": {"code": "fast"}}}, "routing.slo_tpot_s.code"),
+    ({"routing": {"slo_ttft_s": [1.0]}}, "routing.slo_ttft_s"),
 ])
 def test_config_errors_name_the_key(data: dict, key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -221,6 +225,24 @@ def test_example_config_loads() -> None:
     path = resources.files("proxy").joinpath("data/polyinfer.example.yaml")
     config = ProxyConfig.load(str(path))
     assert {w.backend for w in config.workers} == {"engine", "vllm", "external"}
+    ttft = config.routing.slo_by_domain("slo_ttft_s")
+    assert ttft["code"] == 1.0 and ttft["math"] == 2.0 and len(ttft) == 8
+
+
+def test_routing_slo_reaches_the_router_shape() -> None:
+    """A configured per-domain SLO lands in every RequestShape; a request's own value wins."""
+    from engine.config import TINY_TARGET
+    from proxy.app import default_estimator
+    config = ProxyConfig.from_dict({
+        "workers": [{"name": "w", "url": "http://127.0.0.1:1", "config": {"model": str(TINY_TARGET)}}],
+        "routing": {"slo_ttft_s": {"*": 2.0, "code": 0.5}, "slo_tpot_s": {"code": 0.05}}})
+    estimator = default_estimator(config)
+    code = {"messages": [{"role": "user", "content": "def f(x):\n    return x\nFix this function."}]}
+    shape = estimator.estimate(code, "/v1/chat/completions")
+    assert shape.domain == "code" and (shape.slo_ttft_s, shape.slo_tpot_s) == (0.5, 0.05)
+    shape = estimator.estimate({**code, "slo_ttft_s": 0.2}, "/v1/chat/completions")
+    assert shape.slo_ttft_s == 0.2
+    assert ProxyConfig.from_dict({}).routing.slo_by_domain("slo_ttft_s") == {}
 
 
 def test_a_misbehaving_policy_falls_back_to_a_routable_worker() -> None:
