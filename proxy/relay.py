@@ -390,7 +390,7 @@ class Relay:
             cut = max(buf.rfind(b"\n\n") + 2, buf.rfind(b"\r\n\r\n") + 4)
             if cut > 3:
                 out, tail = (buf, b"") if cut == len(buf) else (buf[:cut], buf[cut:])
-                if b'"usage":{' in out or b'"usage": {' in out:
+                if _USAGE_MARKERS[0] in out or _USAGE_MARKERS[1] in out:
                     out = _scan_usage_events(out, rec, strip_usage)
                 if rec.ttft_s is None and out:
                     rec.ttft_s = time.perf_counter() - rec.t0
@@ -412,6 +412,7 @@ class Relay:
 
 
 _DONE_EVENTS = (b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n")
+_USAGE_MARKERS = (b'"usage":{', b'"usage": {')
 
 
 async def _write_client(resp: web.StreamResponse, data: bytes, eof: bool = False) -> None:
@@ -450,18 +451,33 @@ def _take_usage(usage: Any, rec: RequestRecord) -> None:
 
 
 def _scan_usage_events(out: bytes, rec: RequestRecord, strip: bool) -> bytes:
-    """Read usage from the events in ``out``; drop the usage-only event when ``strip``."""
+    """Read usage from the events in ``out``; drop the usage-only event when ``strip``.
+
+    NOTE: only the events that carry a usage object are located and parsed (OpenAI-style
+    streams put ``"usage": null`` in every chunk; splitting and re-joining every event of
+    every read cost more than the rest of the pump).
+    """
     sep = b"\r\n\r\n" if b"\r\n\r\n" in out else b"\n\n"
-    kept = []
-    for event in out.split(sep):
-        if b'"usage"' in event:
-            obj = _event_json(event)
-            if obj is not None:
-                _take_usage(obj.get("usage"), rec)
-                if strip and obj.get("choices") == []:
-                    continue
-        kept.append(event)
-    return sep.join(kept)
+    pos = _find_usage(out, 0)
+    while pos != -1:
+        begin = out.rfind(sep, 0, pos)
+        begin = 0 if begin == -1 else begin + len(sep)
+        end = out.find(sep, pos)
+        end = len(out) if end == -1 else end + len(sep)
+        obj = _event_json(out[begin:end])
+        if obj is not None:
+            _take_usage(obj.get("usage"), rec)
+            if strip and obj.get("choices") == []:
+                out = out[:begin] + out[end:]
+                end = begin
+        pos = _find_usage(out, end)
+    return out
+
+
+def _find_usage(out: bytes, start: int) -> int:
+    """Position of the first usage object at or after ``start``; -1 when none."""
+    a, b = out.find(_USAGE_MARKERS[0], start), out.find(_USAGE_MARKERS[1], start)
+    return a if b == -1 or (a != -1 and a < b) else b
 
 
 def _event_json(event: bytes) -> dict[str, Any] | None:

@@ -143,6 +143,24 @@ def test_usage_event_is_read_and_stripped_only_when_asked() -> None:
     assert _scan_usage_events(usage, rec2, strip=True) == b""
 
 
+def test_usage_scan_with_null_usage_in_every_chunk_and_crlf() -> None:
+    # OpenAI-style: "usage": null in every chunk, the usage-only chunk last; CRLF framing.
+    chunks = [b"data: " + orjson.dumps({"choices": [{"delta": {"content": c}}], "usage": None})
+              + b"\r\n\r\n" for c in "abc"]
+    usage = (b'data: {"choices": [], "usage": {"completion_tokens": 3}}\r\n\r\n')
+    done = b"data: [DONE]\r\n\r\n"
+    rec = RequestRecord(request_id="r", ts=0, t0=0, endpoint="chat/completions")
+    out = _scan_usage_events(b"".join(chunks) + usage + done, rec, strip=True)
+    assert out == b"".join(chunks) + done and rec.completion_tokens == 3
+    # a chunk that has content and usage is kept; a malformed usage event is kept untouched
+    both = _event({"choices": [{"delta": {"content": "z"}}], "usage": {"completion_tokens": 5}})
+    broken = b'data: {"usage":{ not json\n\n'
+    rec2 = RequestRecord(request_id="r", ts=0, t0=0, endpoint="chat/completions")
+    assert _scan_usage_events(broken + both + usage.replace(b"\r\n", b"\n"), rec2,
+                              strip=True) == broken + both
+    assert rec2.completion_tokens == 3  # the last usage read wins
+
+
 def test_heuristic_shape() -> None:
     est = HeuristicShapeEstimator()
     s = est.estimate({"messages": [{"role": "user", "content": "def f(x):\n  return x"}],
