@@ -9,6 +9,12 @@ intra-op thread: torch and the C attention kernel release the GIL in their
 kernels, so two lanes use two cores, and a descheduled lane only delays its
 own half. Lanes never share a KV slot (each sequence owns its blocks), so
 their cache writes never race.
+
+NOTE: lanes still hand the GIL back and forth on every op, and on a box whose
+other cores are busy the second lane has no core to run on: a shared 2-core
+box under load measured 2 lanes 30-40% slower than 1. So :class:`LaneChooser`
+decides online, by measured wall time per token of the big steps, whether they
+run in one lane or in all of them, and keeps re-trying the other choice.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ T = TypeVar("T")
 
 MIN_LANE_TOKENS = 16  # a step with fewer query tokens per lane runs in one lane
 CONTEXT_COST = 1 / 500  # attention cost of one context token, in query-token units
+EXPLORE_EVERY = 10  # every n-th big step runs with the choice that is not the best now
+EWMA_WEIGHT = 0.2  # weight of the newest step in a choice's mean seconds per token
 
 
 def split_lanes(q_lens: Sequence[int], contexts: Sequence[int], num_lanes: int) -> list[list[int]]:
@@ -43,6 +51,37 @@ def split_lanes(q_lens: Sequence[int], contexts: Sequence[int], num_lanes: int) 
         lanes[lane].append(i)
         load[lane] += cost[i]
     return [sorted(lane) for lane in lanes]
+
+
+class LaneChooser:
+    """Picks 1 or ``max_lanes`` lanes per step from the measured seconds per token of each."""
+
+    def __init__(self, max_lanes: int) -> None:
+        self.max_lanes = max_lanes
+        self.seconds_per_token: dict[int, float | None] = {1: None, max_lanes: None}
+        self._num_big = 0
+
+    def lanes_for(self, num_tokens: int) -> int:
+        """Lanes for a step of ``num_tokens`` query tokens (1 below the splitting size)."""
+        if self.max_lanes == 1 or num_tokens < 2 * MIN_LANE_TOKENS:
+            return 1
+        self._num_big += 1
+        untried = [n for n, s in self.seconds_per_token.items() if s is None]
+        if untried:
+            return untried[0]
+        best = min(self.seconds_per_token, key=lambda n: self.seconds_per_token[n] or 0.0)
+        if self._num_big % EXPLORE_EVERY == 0:
+            return self.max_lanes if best == 1 else 1
+        return best
+
+    def record(self, num_lanes: int, num_tokens: int, seconds: float) -> None:
+        """A big step's forward took ``seconds`` (wall) with ``num_lanes`` lanes."""
+        if num_lanes not in self.seconds_per_token or num_tokens < 2 * MIN_LANE_TOKENS:
+            return
+        now = seconds / num_tokens
+        old = self.seconds_per_token[num_lanes]
+        self.seconds_per_token[num_lanes] = now if old is None else (
+            (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * now)
 
 
 class Lanes:

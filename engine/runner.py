@@ -10,6 +10,7 @@ accepts a prefix of each proposal (k_i = 0 rows behave like plain sampling).
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from engine.cpu_attention import cpu_attention_for
 from engine.cuda_graph import CudaGraphDecoder, DecodeRow
 from engine.gpu_sampling import sample_on_device
 from engine.kv_cache import KVCache
-from engine.lanes import Lanes, split_lanes
+from engine.lanes import LaneChooser, Lanes, split_lanes
 from engine.model import LlamaModel
 from engine.scheduler import ScheduledSeq
 from specdec.base import Proposal
@@ -47,13 +48,17 @@ class ModelRunner:
             self.cpu_attention = cpu_attention_for(model.device, model.dtype, kv.block_size)
         self.graphs = graphs  # captured decode steps (execution: cuda_graph)
         self.lanes = Lanes(1, 1)  # one forward per step until set_lanes
+        self.chooser = LaneChooser(1)
 
     def execute(self, scheduled: Sequence[ScheduledSeq]) -> list[StepResult]:
         """Run one forward over ``scheduled``; results for the sequences that sampled."""
         if self.graphs is not None and self._graph_can_run(scheduled):
             return self._execute_graph(scheduled)
-        parts = self._lane_parts(scheduled)
+        num_tokens = sum(s.q_len for s in scheduled)
+        parts = self._lane_parts(scheduled, self.chooser.lanes_for(num_tokens))
+        t0 = time.perf_counter()
         outs = self.lanes.run([functools.partial(self._forward, part) for part in parts])
+        self.chooser.record(len(parts), num_tokens, time.perf_counter() - t0)
         # NOTE: sampling and verification build small CPU tensors per request; on an
         # accelerator the [N, vocab] logits come back once instead.
         logits = outs[0].cpu() if len(outs) == 1 else torch.cat([o.cpu() for o in outs])
@@ -66,12 +71,14 @@ class ModelRunner:
         """Run big CPU steps as ``num_lanes`` forwards in parallel (engine.lanes)."""
         self.lanes.close()
         self.lanes = Lanes(num_lanes, threads_per_lane)
+        self.chooser = LaneChooser(num_lanes)
 
-    def _lane_parts(self, scheduled: Sequence[ScheduledSeq]) -> list[list[ScheduledSeq]]:
+    def _lane_parts(self, scheduled: Sequence[ScheduledSeq],
+                    num_lanes: int) -> list[list[ScheduledSeq]]:
         """The step's sequences per lane, each lane ordered short-first for attention."""
         contexts = [s.seq.num_computed + s.q_len for s in scheduled]
         parts = []
-        for lane in split_lanes([s.q_len for s in scheduled], contexts, self.lanes.num_lanes):
+        for lane in split_lanes([s.q_len for s in scheduled], contexts, num_lanes):
             order = order_short_first([scheduled[i].q_len for i in lane], self.short_q,
                                       [contexts[i] for i in lane])
             parts.append([scheduled[lane[i]] for i in order])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import CompiledConfig, EngineConfig
-from engine.lanes import Lanes, split_lanes
+from engine.lanes import EXPLORE_EVERY, LaneChooser, Lanes, split_lanes
 from engine.loader import load_core
 from tests.engine.prompts import chat_text, mixed_prompts
 from tests.engine.test_core import greedy, run
@@ -33,6 +33,25 @@ def test_small_steps_stay_in_one_lane() -> None:
     assert split_lanes([1], [10], 2) == [[0]]
     assert split_lanes([1] * 31, [10] * 31, 2) == [list(range(31))]  # < MIN_LANE_TOKENS each
     assert split_lanes([5, 5], [10, 10], 1) == [[0, 1]]
+
+
+def test_chooser_keeps_the_faster_choice_and_retries_the_other() -> None:
+    chooser = LaneChooser(2)
+    assert chooser.lanes_for(8) == 1  # small steps never split
+    assert chooser.lanes_for(64) == 1  # each choice is measured once first
+    chooser.record(1, 64, 0.064)  # 1 ms per token in one lane
+    assert chooser.lanes_for(64) == 2
+    chooser.record(2, 64, 0.032)  # 0.5 ms per token in two
+    picks = [chooser.lanes_for(64) for _ in range(2 * EXPLORE_EVERY)]
+    assert picks.count(2) == 2 * EXPLORE_EVERY - 2 and picks.count(1) == 2
+    for _ in range(20):  # the box got busy: two lanes now take 2 ms per token
+        chooser.record(2, 64, 0.128)
+    assert chooser.lanes_for(64) == 1 or chooser.lanes_for(64) == 1
+
+
+def test_one_lane_chooser_never_splits() -> None:
+    chooser = LaneChooser(1)
+    assert all(chooser.lanes_for(n) == 1 for n in (1, 64, 4096))
 
 
 def test_lanes_run_on_two_threads_in_order_and_raise() -> None:
@@ -64,7 +83,8 @@ def test_two_lanes_give_the_same_greedy_tokens_as_one(tiny_model_dir: Path) -> N
     want = run(one, prompts, params)
     split = two.runner._lane_parts
     num_parts: list[int] = []
-    two.runner._lane_parts = lambda s: num_parts.append(len(split(s))) or split(s)  # type: ignore
+    two.runner._lane_parts = (  # type: ignore[method-assign]
+        lambda s, n: num_parts.append(len(split(s, n))) or split(s, n))
     got = run(two, prompts, params)
     assert two.runner.lanes.num_lanes == 2 and one.runner.lanes.num_lanes == 1
     assert 2 in num_parts and 1 in num_parts  # big steps split, the small tail did not
