@@ -63,12 +63,11 @@ from loadgen.config import (
 )
 from loadgen.replay import replay
 from loadgen.request import TraceRequest
-from proxy.app import create_app
+from proxy.app import create_app, default_estimator
 from proxy.config import HealthConfig, ProxyConfig, RoutingConfig, SpeculationConfig, WorkerSpec
 from proxy.config import TraceConfig as ProxyTraceConfig
 from proxy.routing import build_policy
 from router.corpus import SPEC_BENCH_MAP
-from router.shape import ShapeEstimator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,11 +160,14 @@ async def run_policy(name: str, spec_mode: str, policy: Any, urls: dict[str, str
         workers=tuple(WorkerSpec(n, url=urls[n],
                                  config=WORKERS[n].with_engine(device=args.device, num_threads=1))
                       for n in WORKERS),
-        routing=RoutingConfig(policy=name), speculation=SpeculationConfig(mode=spec_mode),
+        # NOTE: every proxy is told the SLO the run is judged by, as an operator would
+        # configure it; only the adaptive policy uses it.
+        routing=RoutingConfig(policy=name, slo_ttft_s={"*": args.slo_ttft},
+                              slo_tpot_s={"*": args.slo_tpot}),
+        speculation=SpeculationConfig(mode=spec_mode),
         traces=ProxyTraceConfig(enabled=False),
         health=HealthConfig(interval_s=1.0, metrics_interval_s=0.25))
-    estimator = ShapeEstimator.load(TINY_TARGET)
-    app = create_app(config, estimator=estimator, policy=policy)
+    app = create_app(config, estimator=default_estimator(config), policy=policy)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     port = free_port()
