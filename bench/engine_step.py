@@ -1,0 +1,101 @@
+"""One engine decode step, torch attention path vs the fused CPU kernel, side by side.
+
+Builds the bundled tiny-target model, fills a paged KV cache with scattered
+blocks, and times (CPU time of this process, best of ``--repeats``) one decode
+step at each batch size with ``--context`` cached tokens per sequence, and the
+attention alone over all layers:
+
+    python bench/engine_step.py --batch 8 32 --context 300
+
+Prints milliseconds per step and the ratio torch path / kernel (higher = the
+kernel is faster). One intra-op thread, as the engine's lanes use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.attention import SeqSlice, build_metadata, paged_attention  # noqa: E402
+from engine.checkpoint import load_weights, read_spec  # noqa: E402
+from engine.config import TINY_TARGET  # noqa: E402
+from engine.cpu_attention import CpuPagedAttention, load_cpu_attention  # noqa: E402
+from engine.kv_cache import KVCache  # noqa: E402
+from engine.model import LlamaModel  # noqa: E402
+
+BLOCK = 16
+
+
+def best_cpu_ms(fn: Callable[[], object], iters: int, repeats: int) -> float:
+    for _ in range(2):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.process_time()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.process_time() - t0) / iters)
+    return best * 1e3
+
+
+def step_fn(model: LlamaModel, kv: KVCache, slices: list[SeqSlice], ids: torch.Tensor,
+            q: torch.Tensor, kernel: CpuPagedAttention | None) -> Callable[[], object]:
+    """One whole decode step: metadata, then the forward over every layer."""
+    group = model.spec.num_heads // model.spec.num_kv_heads
+    return lambda: model.forward(ids, build_metadata(slices, BLOCK, group, 8, kernel=kernel), kv)
+
+
+def attention_fn(model: LlamaModel, kv: KVCache, slices: list[SeqSlice], ids: torch.Tensor,
+                 q: torch.Tensor, kernel: CpuPagedAttention | None) -> Callable[[], object]:
+    """Paged attention alone, once per layer, over fixed metadata."""
+    group = model.spec.num_heads // model.spec.num_kv_heads
+    meta = build_metadata(slices, BLOCK, group, 8, kernel=kernel)
+    return lambda: [paged_attention(q, kv.k[i], kv.v[i], meta, model.scale)
+                    for i in range(model.num_layers)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--context", type=int, default=300)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    kernel = load_cpu_attention()
+    if kernel is None:
+        raise SystemExit("the CPU attention kernel did not build (see the log)")
+    spec = read_spec(TINY_TARGET)
+    model = LlamaModel(spec, load_weights(TINY_TARGET, spec.num_layers))
+    per_seq = -(-(args.context + 1) // BLOCK)
+    kv = model.new_kv_cache(max(args.batch) * per_seq + 1, BLOCK)
+    gen = torch.Generator().manual_seed(0)
+    kv.k.normal_(generator=gen)
+    kv.v.normal_(generator=gen)
+    perm = torch.randperm(kv.num_blocks, generator=gen).tolist()
+    print("| batch | step torch ms | step kernel ms | ratio | attention torch ms "
+          "| attention kernel ms | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for b in args.batch:
+        slices = [SeqSlice(1, args.context, perm[i * per_seq:(i + 1) * per_seq])
+                  for i in range(b)]
+        ids = torch.randint(0, spec.vocab_size, (b,), generator=gen)
+        q = torch.randn(b, spec.num_heads, spec.head_dim, generator=gen)
+
+        row = []
+        for make in (step_fn, attention_fn):
+            slow = best_cpu_ms(make(model, kv, slices, ids, q, None), args.iters, args.repeats)
+            fast = best_cpu_ms(make(model, kv, slices, ids, q, kernel), args.iters, args.repeats)
+            row += [f"{slow:.2f}", f"{fast:.2f}", f"{slow / fast:.2f}x"]
+        print(f"| {b} | " + " | ".join(row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
