@@ -76,8 +76,9 @@ class EngineConfig:
     execution: Literal["eager", "compiled", "cuda_graph"] = "eager"
     attention: Literal["sdpa", "naive", "triton"] = "sdpa"
     device: str = "cpu"
-    # torch intra-op threads for the step loop; 0 = auto (half the CPU cores, at least 1,
-    # leaving the rest to the event loop: at tiny sizes per-op overhead, not FLOPs, decides)
+    # CPU threads for the step loop; 0 = auto. On the CPU, 2+ threads run big steps as two
+    # lanes of num_threads // 2 intra-op threads each when measured faster (engine.lanes),
+    # auto = every core the process may use; on an accelerator auto = half the cores.
     num_threads: int = 0
     # NOTE: measurement only. Loading only the first N layers makes a fast,
     # wrong model whose step times track the full one; never serve it.
