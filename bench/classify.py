@@ -7,6 +7,12 @@ the call itself). The proxy makes this call inline on its event loop, so the
 wall time is how long it holds the loop; the last row shows that the text caps
 keep 1 MB prompts as cheap as short ones.
 
+The estimator memoises (whole texts, token counts per chunk, feature hashes per
+window), so the cold rows make every call's text new: "(call k) " is put in
+front of each prompt, which shifts every chunk and window. The cached rows
+show what a repeated body costs, and one whose head repeats (the same prompt
+with a new last line, as with a shared system prompt or template).
+
     nice -n 10 /work/venv/bin/python bench/classify.py [--data ../shared/data] [--repeat 3]
 """
 
@@ -55,6 +61,13 @@ def measure(name: str, fn: Callable[[dict], object], bodies: list[dict], repeat:
           f"max {mx * 1e6:8.1f} us | cpu p50 {c50 * 1e6:6.1f} p99 {c99 * 1e6:6.1f} us")
 
 
+def variant(body: dict, k: int, where: str) -> dict:
+    """``body`` with its text made new: "(call k) " in front, or a new last line."""
+    text = body["messages"][0]["content"]
+    text = f"(call {k}) {text}" if where == "front" else f"{text}\n(call {k})"
+    return {**body, "messages": [{"role": "user", "content": text}]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", type=Path, default=Path("../shared/data"))
@@ -70,11 +83,19 @@ def main() -> None:
     lens = [len(p) for p in prompts]
     print(f"{len(prompts)} prompts, chars p50 {statistics.median(lens):.0f} max {max(lens)}; "
           f"repeat {args.repeat}")
-    measure("classify (domain)", lambda b: clf.predict(b["messages"][0]["content"]), bodies,
-            args.repeat)
-    measure("count tokens (rendered)", lambda b: counter.count(render_chat(b["messages"])),
-            bodies, args.repeat)
-    measure("estimate() full shape", lambda b: est.estimate(b, "/v1/chat/completions"), bodies,
+    cold = [variant(b, k, "front") for k in range(args.repeat) for b in bodies]
+    shared = [variant(b, k, "end") for k in range(args.repeat) for b in bodies]
+    measure("classify (domain), cold", lambda b: clf.predict(b["messages"][0]["content"]),
+            cold, 1)
+    cold = [variant(b, args.repeat + k, "front") for k in range(args.repeat) for b in bodies]
+    measure("count tokens, cold", lambda b: counter.count(render_chat(b["messages"])), cold, 1)
+    cold = [variant(b, 2 * args.repeat + k, "front") for k in range(args.repeat) for b in bodies]
+    measure("estimate(), cold", lambda b: est.estimate(b, "/v1/chat/completions"), cold, 1)
+    for b in bodies:  # seen once before: the rows below are repeats
+        est.estimate(b, "/v1/chat/completions")
+    measure("estimate(), head repeats", lambda b: est.estimate(b, "/v1/chat/completions"),
+            shared, 1)
+    measure("estimate(), same body", lambda b: est.estimate(b, "/v1/chat/completions"), bodies,
             args.repeat)
     # NOTE: the call runs inline on the event loop, so its wall time is how long it holds
     # the loop; the text caps make that independent of prompt size, shown here on 1 MB.

@@ -123,6 +123,7 @@ class ShapeEstimator:
 
     def estimate(self, body: Mapping[str, Any], endpoint: str) -> RequestShape:
         rendered, classify_text = _prompt_texts(body, endpoint)
+        hashes: tuple[int, ...]
         if rendered is None:  # token ids: nothing to tokenize or hash
             domain, num_tokens, hashes = self._classify(classify_text), _token_ids_len(body), ()
         elif len(rendered) + len(classify_text) <= self.config.cache_max_chars:
