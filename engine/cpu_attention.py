@@ -227,9 +227,12 @@ def cpu_attention_for(device: str | torch.device, dtype: torch.dtype,
     return load_cpu_attention()
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """The user's cache folder, then a per-user temporary one if that is not writable."""
     base = os.environ.get(CACHE_ENV) or os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(base).expanduser() / "polyinfer" / "kernels"
+    user = os.getuid() if hasattr(os, "getuid") else 0
+    return [Path(base).expanduser() / "polyinfer" / "kernels",
+            Path(tempfile.gettempdir()) / f"polyinfer-kernels-{user}"]
 
 
 def _cpu_flags() -> str:
@@ -268,13 +271,19 @@ def load_cpu_attention() -> CpuPagedAttention | None:
         return None
     key = hashlib.sha256("\0".join([SOURCE, compiler, *CFLAGS, platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"paged_attention_{key}.so"
-    try:
-        if not path.exists():
-            _build(compiler, path)
-        return CpuPagedAttention(ctypes.CDLL(str(path)))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        logger.warning("CPU paged-attention kernel unavailable (%s): decode attention uses the "
-                       "torch path", str(detail).strip()[:500])
-        return None
+    error: Exception | None = None
+    for folder in _cache_dirs():
+        path = folder / f"paged_attention_{key}.so"
+        try:
+            if not path.exists():
+                _build(compiler, path)
+            return CpuPagedAttention(ctypes.CDLL(str(path)))
+        except subprocess.CalledProcessError as e:  # the compiler refused: no folder helps
+            error = e
+            break
+        except (OSError, subprocess.SubprocessError) as e:  # e.g. a read-only cache folder
+            error = e
+    detail = getattr(error, "stderr", "") or error
+    logger.warning("CPU paged-attention kernel unavailable (%s): decode attention uses the "
+                   "torch path", str(detail).strip()[:500])
+    return None

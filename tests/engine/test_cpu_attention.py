@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,15 @@ def test_builds_from_source_into_an_empty_cache(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("POLYINFER_KERNEL_CACHE", str(tmp_path))
     assert load_cpu_attention() is not None
     assert len(list(tmp_path.rglob("*.so"))) == 1
+
+
+def test_unwritable_cache_folder_falls_back_to_a_temporary_one(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("POLYINFER_KERNEL_CACHE", str(blocker))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    assert load_cpu_attention() is not None
+    assert list((tmp_path / "tmp").rglob("*.so"))
