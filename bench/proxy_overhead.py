@@ -13,6 +13,7 @@ CPU seconds per request (from /proc/<pid>/stat, user + system).
     python bench/proxy_overhead.py                       # rates 50 200 500 1000
     python bench/proxy_overhead.py --rates 200 500 1000 2000 --duration 10
     python bench/proxy_overhead.py --prompts unique              # every prompt different
+    python bench/proxy_overhead.py --baseline-src /tmp/base     # + polyinfer from another tree
     python bench/proxy_overhead.py --loadgen URL RATE SECONDS PROMPTS   # (internal) one load run
 
 Prompts (--prompts): ``fixed`` sends one short prompt every time (what the
@@ -207,9 +208,11 @@ class Target:
 
 
 def start_polyinfer(upstream: str, workdir: Path, core: int | None,
-                    shape_estimator: str) -> Target:
+                    shape_estimator: str, source: Path | None = None) -> Target:
+    """``source``: run the proxy from another source tree (e.g. an earlier commit)."""
     port = free_port()
-    cfg = workdir / f"polyinfer-{shape_estimator}.yaml"
+    tag = shape_estimator + ("-base" if source else "")
+    cfg = workdir / f"polyinfer-{tag}.yaml"
     cfg.write_text(f"""
 server: {{host: 127.0.0.1, port: {port}}}
 workers:
@@ -217,13 +220,15 @@ workers:
 routing: {{policy: round_robin, shape_estimator: {shape_estimator}}}
 traces: {{dir: "{workdir / 'traces'}"}}
 """)
+    env = {**os.environ, "PYTHONPATH": str(source)} if source else None
     proc = subprocess.Popen(pinned([PY, "-m", "proxy.cli", "--log-level", "WARNING", "serve",
                                     "--config", str(cfg)], core),
-                            cwd=workdir, stdout=subprocess.DEVNULL,
-                            stderr=open(workdir / f"polyinfer-{shape_estimator}.log", "w"))
+                            cwd=workdir, env=env, stdout=subprocess.DEVNULL,
+                            stderr=open(workdir / f"polyinfer-{tag}.log", "w"))
     wait_up(proc, f"http://127.0.0.1:{port}/health")
     name = "polyinfer" if shape_estimator == "classifier" else f"polyinfer-{shape_estimator[:5]}"
-    return Target(name, f"http://127.0.0.1:{port}/v1/chat/completions", proc)
+    return Target(name + ("-base" if source else ""),
+                  f"http://127.0.0.1:{port}/v1/chat/completions", proc)
 
 
 def find_vllm_router() -> str | None:
@@ -327,6 +332,9 @@ def orchestrate(args: argparse.Namespace) -> None:
         targets.append(Target("direct", f"{up_url}/v1/chat/completions", None))
         for estimator in args.shape_estimators:
             targets.append(start_polyinfer(up_url, workdir, proxy_core, estimator))
+        if args.baseline_src:
+            targets.append(start_polyinfer(up_url, workdir, proxy_core, "classifier",
+                                           args.baseline_src.resolve()))
         binary = find_vllm_router()
         if binary:
             try:
@@ -380,6 +388,9 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=16)
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     p.add_argument("--skip-litellm", action="store_true")
+    p.add_argument("--baseline-src", type=Path, default=None,
+                   help="also run polyinfer (classifier) from this source tree, e.g. "
+                        "`git archive <commit> | tar -x -C DIR` (target polyinfer-base)")
     p.add_argument("--prompts", choices=PROMPT_MODES, default="fixed",
                    help="fixed: one short prompt; real: Spec-Bench prompts cycled; shared: "
                         "each different, heads repeat; unique: nothing repeats")
