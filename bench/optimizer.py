@@ -9,6 +9,8 @@ scaled to a mean rate this CPU box can serve:
                    domains, 4 req/s x 2.5 s recorded e2e (~10 in flight);
   B "code, quiet": the code-completion trace, domain code, 0.5 req/s x 2 s
                    recorded e2e (~1 in flight).
+  (``--quiet conv`` swaps the traces: A is code at the busy load, B is
+  conversation at the quiet load.)
 
 The traces carry lengths only; each record gets real prompt text as if the
 proxy recorded prompts: Spec-Bench questions of its domain (coding for code;
@@ -101,6 +103,7 @@ CATEGORIES = {"code": ("coding",), "math": ("math_reasoning", "math"), "qa": ("q
               "summarization": ("summarization",), "translation": ("translation",),
               "rag": ("rag",), "extraction": ("extraction",)}
 CONV_DOMAINS = ("chat", "qa", "summarization", "translation")
+TRACES = (("azure_llm_2023_code.csv", ("code",)), ("azure_llm_2023_conv.csv", CONV_DOMAINS))
 SMALL_KNOBS = (
     Knob("max_num_seqs", (8, 32)),
     Knob("max_num_batched_tokens", (128, 1024)),
@@ -368,10 +371,11 @@ async def _grid_step(args: argparse.Namespace, out: dict[str, Any], grid_engine:
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-optimizer-"))
-    recs_a = azure_records(DATA / "azure_llm_2023_conv.csv", args.records, args.seed, CONV_DOMAINS,
+    busy, quiet = TRACES[args.quiet == "code"], TRACES[args.quiet == "conv"]
+    recs_a = azure_records(DATA / busy[0], args.records, args.seed, busy[1],
                            rate_rps=4.0, e2e_s=2.5, t0=1.7e9)
-    recs_b = azure_records(DATA / "azure_llm_2023_code.csv", args.records, args.seed + 1,
-                           ("code",), rate_rps=0.5, e2e_s=2.0, t0=1.7e9 + 3600)
+    recs_b = azure_records(DATA / quiet[0], args.records, args.seed + 1,
+                           quiet[1], rate_rps=0.5, e2e_s=2.0, t0=1.7e9 + 3600)
     synth = PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=args.seed)
     if args.prompts:
         for i, recs in enumerate((recs_a, recs_b)):
@@ -399,7 +403,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                   warmup_requests=1)]
     space = SearchSpace.default(BASE, 1 << 30, SMALL_KNOBS)
     out: dict[str, Any] = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                           "args": vars(args), "cold_start_s": [], "reload_s": []}
+                           "args": vars(args), "cold_start_s": [], "reload_s": [],
+                           "traffic": {"a": f"{busy[0]} busy", "b": f"{quiet[0]} quiet"}}
 
     # 1. grid on traffic B, fast tier; 5. reload seconds
     grid_engine = EngineProcess(BASE, log_path=work / "grid-engine.log")
@@ -496,6 +501,7 @@ def report(out: dict[str, Any]) -> str:
     grid = out["grid"]
     best_key = max(grid, key=lambda k: grid[k]["value"])
     anchors = out["grid_anchors"]
+    lines.append(f"traffic A: {out['traffic']['a']}; traffic B: {out['traffic']['b']}")
     lines.append(f"grid: {len(grid)} configs on traffic B (objective: mean per-request output "
                  f"tok/s, closed loop at B's concurrency 1, full model), {out['grid_s']:.0f} s; "
                  f"default re-measured {len(anchors)} times: "
@@ -572,6 +578,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--watch-s", type=float, default=3.0)
     p.add_argument("--campaign-timeout-s", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", choices=["code", "conv"], default="code",
+                   help="which trace is the quiet traffic B (the other is the busy A)")
     p.add_argument("--prompts", default=str(PROMPTS),
                    help="Spec-Bench questions used as the traces' recorded prompt text; '' = "
                         "synthetic prompts (optimizer.sample)")

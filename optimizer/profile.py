@@ -266,12 +266,16 @@ def profile_distance(a: TrafficProfile, b: TrafficProfile) -> float:
     """How different two traffic profiles are, 0 = same; ~0.3 or more is a real shift.
 
     Total-variation distance of the domain mixes plus the relative changes of
-    mean prompt and output length (each capped at 1).
+    mean prompt and output length and, when both are known, of the mean
+    concurrency (each capped at 1): the same requests at another load want
+    other knobs (and another objective, see OptimizerConfig.objective).
     """
     domains = set(a.domain_mix) | set(b.domain_mix)
     tv = 0.5 * sum(abs(a.domain_mix.get(d, 0.0) - b.domain_mix.get(d, 0.0)) for d in domains)
+    load = (_rel(a.mean_concurrency, b.mean_concurrency)
+            if a.mean_concurrency > 0 and b.mean_concurrency > 0 else 0.0)
     return tv + _rel(a.prompt_tokens.mean, b.prompt_tokens.mean) + _rel(
-        a.output_tokens.mean, b.output_tokens.mean)
+        a.output_tokens.mean, b.output_tokens.mean) + load
 
 
 def _rel(x: float, y: float) -> float:

@@ -9,6 +9,7 @@ from optimizer.errors import TraceError
 from optimizer.profile import (
     TraceRecord,
     TraceTail,
+    TrafficProfile,
     build_profile,
     profile_distance,
     read_trace_files,
@@ -92,6 +93,15 @@ def test_profile_distance_sees_a_shift() -> None:
     b = build_profile([TraceRecord(float(i), "chat", 60, completion_tokens=40) for i in range(20)])
     assert profile_distance(a, a) == 0.0
     assert profile_distance(a, b) > 1.0
+
+
+def test_profile_distance_sees_a_load_shift() -> None:
+    def at(rate: float) -> TrafficProfile:
+        return build_profile([TraceRecord(i / rate, "chat", 300, completion_tokens=100, e2e_s=2.0)
+                              for i in range(40)])
+    busy, quiet = at(5.0), at(0.5)  # ~10 vs ~1 request in flight, same requests
+    assert profile_distance(busy, quiet) > 0.8
+    assert profile_distance(busy, at(5.5)) < 0.3
 
 
 def test_tail_reads_only_appended_complete_lines(tmp_path: Path) -> None:
