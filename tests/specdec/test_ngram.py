@@ -12,9 +12,10 @@ from specdec.errors import ProposerConfigError
 from specdec.ngram import NgramConfig, NgramProposer, find_ngram_proposal
 
 
-def _find(tokens: list[int], min_n: int, max_n: int, k: int, periodic: bool = False) -> list[int]:
+def _find(tokens: list[int], min_n: int, max_n: int, k: int, periodic: bool = False,
+          weak: int | None = None) -> list[int]:
     return find_ngram_proposal(np.array(tokens, dtype=np.int64), min_n, max_n, k,
-                               periodic).tolist()
+                               periodic, weak).tolist()
 
 
 @pytest.mark.parametrize(
@@ -63,7 +64,7 @@ def test_find_ngram_periodic(tokens: list[int], k: int, expected: list[int]) -> 
 
 
 def _reference(tokens: list[int], min_n: int, max_n: int, k: int,
-               periodic: bool = False) -> list[int]:
+               periodic: bool = False, weak: int | None = None) -> list[int]:
     """Plain-Python spec: longest n from max_n down, latest earlier start."""
     if k <= 0:
         return []
@@ -72,6 +73,8 @@ def _reference(tokens: list[int], min_n: int, max_n: int, k: int,
         suffix = tokens[length - n :]
         for start in range(length - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
+                if weak is not None and n < max_n:
+                    k = min(k, weak)
                 follow = tokens[start + n :]
                 if not periodic:
                     return follow[:k]
@@ -86,12 +89,28 @@ def _reference(tokens: list[int], min_n: int, max_n: int, k: int,
     extra=st.integers(0, 3),
     k=st.integers(0, 9),
     periodic=st.booleans(),
+    weak=st.one_of(st.none(), st.integers(1, 4)),
 )
 def test_find_ngram_matches_reference(tokens: list[int], min_n: int, extra: int, k: int,
-                                      periodic: bool) -> None:
+                                      periodic: bool, weak: int | None) -> None:
     max_n = min_n + extra
-    assert (_find(tokens, min_n, max_n, k, periodic)
-            == _reference(tokens, min_n, max_n, k, periodic))
+    assert (_find(tokens, min_n, max_n, k, periodic, weak)
+            == _reference(tokens, min_n, max_n, k, periodic, weak))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "weak", "expected"),
+    [
+        ([1, 2, 3, 4, 5, 1], 8, 2, [2, 3]),  # a 1-token match (max_n 3): capped at 2
+        ([1, 2, 3, 4, 5, 1], 8, None, [2, 3, 4, 5, 1]),  # no cap
+        # a full 3-token match [9, 1, 2] proposes the whole depth
+        ([9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2], 6, 2, [3, 4, 5, 6, 7, 8]),
+        ([1, 2, 3, 4, 5, 1], 1, 2, [2]),  # the cap never raises k
+    ],
+)
+def test_weak_matches_propose_less(tokens: list[int], k: int, weak: int | None,
+                                   expected: list[int]) -> None:
+    assert _find(tokens, 1, 3, k, weak=weak) == expected
 
 
 def test_proposer_incremental_equals_fresh() -> None:
@@ -102,7 +121,7 @@ def test_proposer_incremental_equals_fresh() -> None:
         tokens.append(int(rng.integers(0, 5)))
         got = kept.propose([ProposalRequest(7, tokens, 4)])[0]
         fresh = NgramProposer(NgramConfig(min_n=1, max_n=3)).propose([ProposalRequest(7, tokens, 4)])
-        assert got.tokens == fresh[0].tokens == _reference(tokens, 1, 3, 4, periodic=True), step
+        assert got.tokens == fresh[0].tokens == _reference(tokens, 1, 3, 4, True, 4), step
         assert got.seq_id == 7 and got.probs is None
 
 
@@ -146,7 +165,8 @@ def test_long_context_buffer_grows() -> None:
     assert proposer.propose([ProposalRequest(1, tokens, 3)])[0].tokens == [12, 13, 14]
 
 
-@pytest.mark.parametrize("kwargs", [{"min_n": 0}, {"min_n": 3, "max_n": 2}, {"window": 4}])
+@pytest.mark.parametrize("kwargs", [{"min_n": 0}, {"min_n": 3, "max_n": 2}, {"window": 4},
+                                    {"weak_match_depth": 0}])
 def test_config_rejects_bad_values(kwargs: dict[str, int]) -> None:
     with pytest.raises(ProposerConfigError):
         NgramConfig(**kwargs)
