@@ -42,7 +42,7 @@ _WORD, _HEAD, _TAIL, _BIGRAM, _CHAR, _SHAPE = (
 _P = _U64(0x100000001B3)  # FNV prime: polynomial base for character n-grams
 _M1, _M2 = _U64(0xFF51AFD7ED558CCD), _U64(0xC4CEB9FE1A85EC53)
 _WORD_CACHE_SIZE = 200_000
-_WINDOW_CACHE_SIZE = 4096  # memoised window hashes (<= head_chars characters each)
+_WINDOW_CACHE_SIZE = 1024  # memoised windows: <= ~8 kB each (text + hashes), ~8 MB in all
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,9 @@ class ShapeConfig:
     slo_tpot_s: dict[str, float] = field(default_factory=dict)
     default_domain: str = "chat"  # for empty / unreadable prompts
     cache_entries: int = 4096  # memoised text shapes (0 = no cache)
-    cache_max_chars: int = 8192  # prompts longer than this (rendered + classified) bypass it
+    # NOTE: keys are the texts themselves, so memory is bounded by entries x this:
+    # at most ~16 MB of keys.
+    cache_max_chars: int = 4096  # prompts longer than this (rendered + classified) bypass it
 
     def __post_init__(self) -> None:
         if self.cache_entries < 0 or self.cache_max_chars < 0:

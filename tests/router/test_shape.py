@@ -96,12 +96,16 @@ def test_cache_hits_return_what_a_miss_computes() -> None:
     uncached = ShapeEstimator.load(TINY_TARGET, config=ShapeConfig(cache_entries=0))
     bodies = [{"messages": [{"role": "system", "content": "You are terse."},
                             {"role": "user", "content": f"Translate to French: item {i}"}]}
-              for i in range(3)] + [{"prompt": "Summarize: " + "word " * 600}]
+              for i in range(3)]
+    # a long assistant turn: rendered (not classified), over one 2,048-byte hash block
+    bodies.append({"messages": [{"role": "user", "content": "Summarize our chat."},
+                                {"role": "assistant", "content": "word " * 420}]})
     for _ in range(2):  # second round: every text is cached
         for body in bodies:
-            endpoint = "/v1/chat/completions" if "messages" in body else "completions"
-            assert cached.estimate(body, endpoint) == uncached.estimate(body, endpoint)
-    assert cached.stats()["cache"] == {"hits": 4, "misses": 4, "entries": 4}
+            assert cached.estimate(body, "/v1/chat/completions") == uncached.estimate(
+                body, "/v1/chat/completions")
+    assert len(cached.estimate(bodies[-1], "/v1/chat/completions").prefix_hashes) == 1
+    assert cached.stats()["cache"] == {"hits": 5, "misses": 4, "entries": 4}
     assert uncached.stats()["cache"]["entries"] == 0
 
 
