@@ -300,11 +300,24 @@ class StepTimeModel:
         self._solve()
 
     def _solve(self) -> None:
+        """Least squares with every coefficient >= 0 (a small active-set loop).
+
+        NOTE: each coefficient is a cost (per step, per sequence, per token); noisy
+        per-request averages from a shared machine can fit a negative one, which
+        would make deeper k look cheaper than shallower k and the argmax meaningless.
+        A feature whose coefficient comes out negative is dropped and the rest refit.
+        """
         a = self.prior_xtx + self.xtx
-        coef = np.linalg.solve(a, self.prior_xty + self.xty)
-        # NOTE: a negative intercept or slope would let t go to zero or below and
-        # make the argmax meaningless; clip to a small positive intercept instead.
-        coef[0] = max(coef[0], 1e-6)
+        b = self.prior_xty + self.xty
+        coef = np.zeros(NUM_FEATURES)
+        active = list(range(NUM_FEATURES))
+        while active:
+            sub = np.linalg.solve(a[np.ix_(active, active)], b[active])
+            if sub.min() >= 0.0:
+                coef[active] = sub
+                break
+            active.pop(int(np.argmin(sub)))
+        coef[0] = max(coef[0], 1e-6)  # t must stay positive
         self.coef = coef
         self._w = tuple(float(c) for c in coef)
 

@@ -142,6 +142,18 @@ def test_step_model_learns_the_fixed_cost_of_verifying() -> None:
     assert choose_depth(0.6, 1, model, 8) >= 6
 
 
+def test_step_model_never_fits_a_negative_cost() -> None:
+    """Noisy samples where deeper steps happened to run faster: the fit must not
+    turn that into a negative per-token cost (it would favour ever deeper k)."""
+    model = StepTimeModel.from_prior((0.01, 0.0005, 0.0003, 0.0005), weight=0.01, decay=1.0)
+    for _ in range(10):
+        for k in (0, 2, 4, 8):
+            model.observe(1, k, 0.020 - 0.001 * k)
+    assert model.coef.min() >= 0.0
+    assert [model.predict(1, k) for k in (2, 4, 8)] == sorted(
+        model.predict(1, k) for k in (2, 4, 8))
+
+
 def test_policy_learns_per_worker_and_domain() -> None:
     policy = DepthPolicy(PolicyConfig(step_prior_s=(0.010, 0.001, 0.0005, 0.0),
                                       step_prior_weight=1e9))
