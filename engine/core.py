@@ -125,6 +125,7 @@ class EngineCore:
                 self.proposer.release(seq.seq_id)
         old = self.config
         self.config = config
+        self.runner.lanes.close()  # the rebuilt runner gets its own lanes on the next step
         try:
             self._build(config.engine)
         except Exception:
