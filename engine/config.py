@@ -76,9 +76,9 @@ class EngineConfig:
     execution: Literal["eager", "compiled", "cuda_graph"] = "eager"
     attention: Literal["sdpa", "naive", "triton"] = "sdpa"
     device: str = "cpu"
-    # CPU threads for the step loop; 0 = auto. On the CPU, 2+ threads run big steps as two
-    # lanes of num_threads // 2 intra-op threads each when measured faster (engine.lanes),
-    # auto = every core the process may use; on an accelerator auto = half the cores.
+    # CPU threads for the step loop; 0 = auto = half the cores, at least 1. On the CPU, 2+
+    # threads run big decode steps as two lanes of num_threads // 2 intra-op threads each
+    # when that measures faster than one lane (engine.lanes).
     num_threads: int = 0
     # NOTE: measurement only. Loading only the first N layers makes a fast,
     # wrong model whose step times track the full one; never serve it.

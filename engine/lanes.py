@@ -13,8 +13,9 @@ their cache writes never race.
 NOTE: lanes still hand the GIL back and forth on every op, and on a box whose
 other cores are busy the second lane has no core to run on: a shared 2-core
 box under load measured 2 lanes 30-40% slower than 1. So :class:`LaneChooser`
-decides online, by measured wall time per token of the big steps, whether they
-run in one lane or in all of them, and keeps re-trying the other choice.
+decides online, by measured wall time per token of big decode steps (the runner
+records only those, so prefill-heavy steps never skew the comparison), whether
+big steps run in one lane or in all of them, and keeps re-trying the other.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ class ModelRunner:
         parts = self._lane_parts(scheduled, self.chooser.lanes_for(num_tokens))
         t0 = time.perf_counter()
         outs = self.lanes.run([functools.partial(self._forward, part) for part in parts])
-        self.chooser.record(len(parts), num_tokens, time.perf_counter() - t0)
+        if all(s.q_len <= self.short_q for s in scheduled):  # like for like: decode steps
+            self.chooser.record(len(parts), num_tokens, time.perf_counter() - t0)
         # NOTE: sampling and verification build small CPU tensors per request; on an
         # accelerator the [N, vocab] logits come back once instead.
         logits = outs[0].cpu() if len(outs) == 1 else torch.cat([o.cpu() for o in outs])

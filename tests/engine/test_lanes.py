@@ -74,12 +74,12 @@ def test_two_lanes_give_the_same_greedy_tokens_as_one(tiny_model_dir: Path) -> N
     """Mixed prefill chunks, decodes and speculative verification, split over two lanes."""
     def core_with(num_threads: int):  # type: ignore[no-untyped-def]
         return load_core(CompiledConfig(model=str(tiny_model_dir), engine=EngineConfig(
-            max_num_seqs=40, max_num_batched_tokens=256, kv_cache_tokens=16384,
+            max_num_seqs=40, max_num_batched_tokens=2048, kv_cache_tokens=16384,
             spec_method="ngram", spec_max_depth=3, num_threads=num_threads)))
 
     one, two = core_with(1), core_with(2)
     prompts = [one.tokenizer.encode(chat_text(p)) for p in mixed_prompts(36)]
-    params = [greedy(depth=i % 4, max_tokens=10) for i in range(36)]
+    params = [greedy(depth=i % 4, max_tokens=16) for i in range(36)]
     want = run(one, prompts, params)
     split = two.runner._lane_parts
     num_parts: list[int] = []
