@@ -23,6 +23,15 @@ over depth 0 per domain, the repetitive domains marked (rule: REPETITIVE_DOMAINS
     python bench/specdec.py --quick             # smaller, for a smoke test
     python bench/specdec.py --micro             # proposer / policy / verify micro-costs only
     python bench/specdec.py --step-costs        # forward ms per verify width k + 1 (no engine)
+    python bench/specdec.py --draft-confidence 0 0.2 0.4   # draft cut A/B, in-process, c=1
+
+Session-2 runs (bench/RESULTS.md), each under 10 minutes on the 2-core box:
+
+    python bench/specdec.py --methods ngram --concurrency 1 --max-tokens 128 \
+        --depths 4 8 16 --rounds 2 --per-domain 3
+    python bench/specdec.py --methods ngram --concurrency 4 16 --rounds 2
+    python bench/specdec.py --methods draft --concurrency 1 4 16 --depths 1 2 4 --rounds 2 \
+        --per-domain 2
 """
 
 from __future__ import annotations
