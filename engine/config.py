@@ -80,6 +80,10 @@ class EngineConfig:
     # threads run big decode steps as two lanes of num_threads // 2 intra-op threads each
     # when that measures faster than one lane (engine.lanes).
     num_threads: int = 0
+    # 0 = the step loop runs on a thread of the HTTP process; N >= 1 = N engine-core
+    # processes (engine.dp), each with its own weights, KV cache (kv_cache_tokens each) and
+    # step loop, one intra-op thread each when num_threads is 0. Not hot-reloadable.
+    data_parallel_size: int = 0
     # NOTE: measurement only. Loading only the first N layers makes a fast,
     # wrong model whose step times track the full one; never serve it.
     measure_num_layers: int | None = None
@@ -114,6 +118,11 @@ class EngineConfig:
                "a value in [0, 1)", self.draft_min_confidence)
         _check(self.num_threads >= 0, "engine.num_threads", "0 (auto) or a positive integer",
                self.num_threads)
+        _check(0 <= self.data_parallel_size <= 64, "engine.data_parallel_size",
+               "0 (in-process) or 1..64 engine-core processes", self.data_parallel_size)
+        _check(self.data_parallel_size == 0 or self.execution != "cuda_graph",
+               "engine.data_parallel_size", "0 with execution 'cuda_graph'",
+               self.data_parallel_size)
         _check(self.measure_num_layers is None or self.measure_num_layers > 0,
                "engine.measure_num_layers", "a positive integer or null", self.measure_num_layers)
 

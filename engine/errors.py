@@ -9,7 +9,9 @@
     │   ├── InvalidRequestError      400: not JSON, missing or mistyped field, value out of range
     │   ├── UnsupportedOptionError   400: a valid OpenAI option this engine does not implement
     │   ├── ContextLengthError       400: prompt (+ max_tokens) longer than max_model_len
-    │   └── ModelNotFoundError       404: the request names a model this engine does not serve
+    │   ├── ModelNotFoundError       404: the request names a model this engine does not serve
+    │   └── EngineUnavailableError   503: no engine-core process left, or the one running the
+    │                                request died (engine.dp)
     ├── UnsupportedConfigError       a compiled config value this engine/device cannot run
     │                                (e.g. cuda_graph on a CPU); 400 when it comes by reload
     └── ReloadError                  400: a compiled config cannot be applied to this engine
@@ -75,6 +77,16 @@ class ModelNotFoundError(RequestError):
     def __init__(self, model: str, served: str) -> None:
         super().__init__(f"The model `{model}` does not exist; this engine serves `{served}`.",
                          "model", "model_not_found")
+
+
+class EngineUnavailableError(RequestError):
+    """The engine-core process for this request is gone (data-parallel mode)."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, None, "engine_unavailable")
 
 
 class UnsupportedConfigError(EngineError):

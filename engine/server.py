@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,8 +24,15 @@ from aiohttp import web
 
 from engine.async_engine import AsyncEngine
 from engine.config import CompiledConfig, ConfigError
-from engine.core import EngineCore, RequestOutput
-from engine.errors import EngineError, InvalidRequestError, ReloadError, RequestError
+from engine.core import RequestOutput
+from engine.dp import DataParallelEngine
+from engine.errors import (
+    EngineError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    ReloadError,
+    RequestError,
+)
 from engine.loader import load_core
 from engine.metrics import CONTENT_TYPE, EngineMetrics
 from engine.protocol import (
@@ -44,7 +52,7 @@ INLINE_TOKENIZE_BYTES = 16384  # larger bodies are parsed (and tokenized) off th
 class EngineState:
     """The live engine and the parser matching its current config (replaced on reload)."""
 
-    engine: AsyncEngine
+    engine: AsyncEngine | DataParallelEngine
     parser: RequestParser
     metrics: EngineMetrics
 
@@ -81,8 +89,8 @@ async def _parse(state: EngineState, request: web.Request, chat: bool) -> Parsed
     return state.parser.parse(body, chat)
 
 
-def _parser(core: EngineCore, config: CompiledConfig) -> RequestParser:
-    return RequestParser(config, core.tokenizer, core.max_model_len)
+def _parser(engine: AsyncEngine | DataParallelEngine, config: CompiledConfig) -> RequestParser:
+    return RequestParser(config, engine.tokenizer, engine.max_model_len)
 
 
 # -- generation ---------------------------------------------------------------------------
@@ -102,6 +110,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         parsed = await _parse(state, request, chat)
     except RequestError as e:
         return _error(e)
+    if not _has_cores(state):
+        return _error(EngineUnavailableError("no engine core process is running"))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     outputs = state.engine.generate(rid, parsed.prompt_ids, parsed.params)
     model = state.parser.config.model_name
@@ -114,9 +124,12 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
 async def _collect(outputs: AsyncIterator[RequestOutput], parsed: ParsedRequest, rid: str,
                    model: str) -> web.Response:
     parts: list[str] = []
-    async for out in outputs:
-        parts.append(out.text)
-        last = out
+    try:
+        async for out in outputs:
+            parts.append(out.text)
+            last = out
+    except RequestError as e:  # e.g. the engine-core process died (engine.dp)
+        return _error(e)
     if last.finish_reason == "abort":  # the engine failed the request (see its log)
         return _json({"error": {"message": "the engine failed while running this request",
                                 "type": "internal_error", "param": None, "code": None}}, 500)
@@ -148,6 +161,9 @@ async def _stream(request: web.Request, outputs: AsyncIterator[RequestOutput],
                 await _send(resp, chunk_body(rid, model, chat, created, out.text))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
+    except RequestError as e:  # after the headers: the error goes out as the last event
+        await _send(resp, e.to_body())
+        await resp.write_eof()
     except ConnectionError:  # the client went away: aclosing() aborts the request
         logger.debug("client disconnected from %s", rid)
     return resp
@@ -167,7 +183,13 @@ async def handle_models(request: web.Request) -> web.Response:
     return _json({"object": "list", "data": [card]})
 
 
+def _has_cores(state: EngineState) -> bool:
+    return not isinstance(state.engine, DataParallelEngine) or bool(state.engine.pids)
+
+
 async def handle_health(request: web.Request) -> web.Response:
+    if not _has_cores(request.app[STATE]):
+        return web.Response(text="no engine core process is running", status=503)
     return web.Response(text="")
 
 
@@ -192,19 +214,25 @@ async def handle_reload(request: web.Request) -> web.Response:
         return _error(e)
     except (ConfigError, EngineError) as e:
         return _error(InvalidRequestError(str(e), code="invalid_config"))
-    state.parser = _parser(state.engine.core, config)
+    state.parser = _parser(state.engine, config)
     logger.info("reloaded config in %.3f s", seconds)
-    return _json({"status": "ok", "reload_s": seconds, "config": config.to_dict()})
+    body = {"status": "ok", "reload_s": seconds, "config": config.to_dict()}
+    if isinstance(state.engine, DataParallelEngine):
+        body["reload_s_per_core"] = state.engine.last_reload_s
+    return _json(body)
 
 
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     loop = asyncio.get_running_loop()
-    core = await loop.run_in_executor(None, load_core, config)
     metrics = EngineMetrics(config.model_name)
-    engine = AsyncEngine(core, metrics)
-    app[STATE] = EngineState(engine, _parser(core, config), metrics)
-    engine.start()
+    engine: AsyncEngine | DataParallelEngine
+    if config.engine.data_parallel_size >= 1:
+        engine = await loop.run_in_executor(None, DataParallelEngine, config, metrics)
+    else:
+        engine = AsyncEngine(await loop.run_in_executor(None, load_core, config), metrics)
+    await engine.start()
+    app[STATE] = EngineState(engine, _parser(engine, config), metrics)
     yield
     await engine.stop()
 
@@ -224,13 +252,17 @@ def create_app(config: CompiledConfig) -> web.Application:
 
 
 async def serve(config: CompiledConfig, host: str, port: int) -> None:
-    """Run until cancelled; handlers are cancelled when their client disconnects."""
+    """Run until cancelled or SIGTERM; handlers are cancelled when their client disconnects."""
     runner = web.AppRunner(create_app(config), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     logger.info("engine serving %s on http://%s:%d", config.model_name, host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not main thread
+        loop.add_signal_handler(signal.SIGTERM, stop.set)  # SIGTERM: stop the engine cleanly
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
     finally:
         await runner.cleanup()
