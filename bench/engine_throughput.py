@@ -223,7 +223,10 @@ def main() -> None:
 
 def print_table(results: dict[str, dict[int, float]], levels: list[int]) -> None:
     """Tokens/s per system, then every engine variant over every other system."""
-    names = list(results)
+    engines = sorted((n for n in results if n.startswith("engine")),
+                     key=lambda n: int(n.removeprefix("engine-dp") or 0)
+                     if n != "engine" else -1)
+    names = engines + [n for n in results if not n.startswith("engine")]
     pairs = [(e, n) for e in names if e.startswith("engine") for n in names
              if n != e and not (n.startswith("engine") and names.index(n) > names.index(e))]
     print("\n| concurrency | " + " | ".join(f"{n} tok/s" for n in names)

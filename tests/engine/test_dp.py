@@ -274,3 +274,13 @@ def test_shutdown_leaves_no_core_processes(tiny_model_dir: Path, tmp_path: Path,
         wait_until(lambda: all(pid_gone(p) for p in pids))
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("bad", [{"data_parallel_size": -1}, {"data_parallel_size": 65},
+                                 {"data_parallel_size": 2, "execution": "cuda_graph",
+                                  "device": "cuda"}])
+def test_bad_data_parallel_size_is_refused(bad: dict) -> None:
+    from engine.config import CompiledConfig, ConfigError
+
+    with pytest.raises(ConfigError, match="data_parallel_size"):
+        CompiledConfig.from_dict({"backend": "engine", "engine": bad})
