@@ -184,7 +184,7 @@ def encode_docs(tok_path: Path, docs: list[dict]) -> dict[str, list[list[int]]]:
     eot = tok.token_to_id("<|endoftext|>")
     by_domain: dict[str, list[list[int]]] = {}
     encodings = tok.encode_batch([d["text"] for d in docs])
-    for d, enc in zip(docs, encodings):
+    for d, enc in zip(docs, encodings, strict=True):
         by_domain.setdefault(d["domain"], []).append(enc.ids + [eot])
     return by_domain
 
