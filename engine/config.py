@@ -130,6 +130,11 @@ class EngineConfig:
     def num_kv_blocks(self) -> int:
         return self.kv_cache_tokens // self.block_size
 
+    @property
+    def usable_model_len(self) -> int:
+        """Tokens one sequence can hold: ``max_model_len``, capped by the whole KV cache."""
+        return min(self.max_model_len, self.num_kv_blocks * self.block_size)
+
 
 @dataclass(frozen=True)
 class VllmConfig:

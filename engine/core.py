@@ -82,7 +82,7 @@ class EngineCore:
     # -- construction / reload --------------------------------------------------------------
 
     def _build(self, cfg: EngineConfig) -> None:
-        self.max_model_len = min(cfg.max_model_len, cfg.num_kv_blocks * cfg.block_size)
+        self.max_model_len = cfg.usable_model_len
         self.model = LlamaModel(self.spec, self._layer_weights(cfg), cfg.dtype, cfg.device,
                                 max_positions=self.max_model_len + cfg.spec_max_depth + 1,
                                 execution=cfg.execution, attention=cfg.attention)

@@ -65,11 +65,6 @@ def _wait_ready(core: _Core) -> int:
     return int(msg[1])
 
 
-def _max_model_len(config: CompiledConfig) -> int:
-    cfg = config.engine  # the same cap as EngineCore._build
-    return min(cfg.max_model_len, cfg.num_kv_blocks * cfg.block_size)
-
-
 class DataParallelEngine:
     """The AsyncEngine contract over ``config.engine.data_parallel_size`` core processes."""
 
@@ -180,7 +175,7 @@ class DataParallelEngine:
 
     @property
     def max_model_len(self) -> int:
-        return _max_model_len(self._config)
+        return self._config.engine.usable_model_len
 
     @property
     def pids(self) -> list[int]:
