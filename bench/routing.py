@@ -37,7 +37,6 @@ import datetime
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -67,6 +66,7 @@ from proxy.app import create_app, default_estimator
 from proxy.config import HealthConfig, ProxyConfig, RoutingConfig, SpeculationConfig, WorkerSpec
 from proxy.config import TraceConfig as ProxyTraceConfig
 from proxy.routing import build_policy
+from proxy.supervisor import free_port
 from router.corpus import SPEC_BENCH_MAP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,12 +87,6 @@ WORKERS: dict[str, CompiledConfig] = {
         fit=DeclaredFit(domains=("chat", "math", "summarization", "rag", "translation"))),
 }
 POLICIES = (("round_robin", "policy"), ("least_outstanding", "policy"), ("adaptive", "adaptive"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_workers(tmp: Path, tag: str, device: str

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.config import TINY_TARGET
+from proxy.supervisor import free_port
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -46,14 +47,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if (TINY_TARGET / "model.safetensors").exists():
         return TINY_TARGET
     return save_random_checkpoint(tmp_path_factory.mktemp("tiny-target"))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class EngineProcess:

@@ -27,8 +27,9 @@ from loadgen import (
     replay,
 )
 from loadgen.readers import detect_format, read_trace
+from proxy.supervisor import free_port
 from tests.loadgen.conftest import SHARED_DATA
-from tests.loadgen.servers import free_port, running_server
+from tests.loadgen.servers import running_server
 from tests.loadgen.upstream import Script, ScriptedUpstream
 
 

@@ -28,8 +28,9 @@ from loadgen import (
     TraceConfig,
     replay,
 )
+from proxy.supervisor import free_port
 from tests.loadgen.conftest import REPO, SHARED_DATA
-from tests.loadgen.servers import free_port, running_server
+from tests.loadgen.servers import running_server
 
 pytestmark = [
     pytest.mark.vllm,

@@ -4,7 +4,6 @@ ShapeEstimator and AdaptivePolicy -> two real engine workers with different conf
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 
 import openai
@@ -22,6 +21,7 @@ from proxy.config import (
     TraceConfig,
     WorkerSpec,
 )
+from proxy.supervisor import free_port
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.shape import ShapeEstimator
 
@@ -37,12 +37,6 @@ PROMPTS = {
     "math": "Anna has 12 apples, eats 3 and buys twice as many as she has left. "
             "How many apples does she have now?",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def start(app: web.Application) -> tuple[web.AppRunner, str]:
