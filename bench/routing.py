@@ -1,31 +1,39 @@
 # ruff: noqa: E402
 """Routing policies side by side on heterogeneous engine workers and mixed real traffic.
 
-Two built-in engine workers on the bundled tiny model, with different compiled
-configs (below), serve the replayed workload through one in-process polyinfer
-proxy per policy. Each policy has its own pair of workers, and the three
-replays of the same schedule run at the same time (so a shared machine's
-background load hits all three alike), for ``--rounds`` rounds:
+Fleet (one per policy, identical): two built-in engine workers on the bundled
+tiny model whose compiled configs differ in what a CPU rewards:
 
-- ``round_robin`` and ``least_outstanding`` with each worker's static default
-  speculative depth (speculation mode "policy");
-- ``adaptive`` routing with adaptive depth (router.adaptive.AdaptivePolicy,
-  which asks specdec's DepthPolicy for k).
+- ``interactive``: 4 sequences, 64-token prefill chunks (a long prompt never
+  stalls the decodes for long), n-gram speculation (max depth 8, default 4),
+  one thread; declared for the short-prompt domains;
+- ``bulk``: 32 sequences, 2,048-token prefill chunks (a whole long prompt in one
+  step), no speculation, ``--bulk-threads`` threads; declared for the
+  long-prompt domains (summarization, rag).
 
 Workload: real prompts (Spec-Bench questions, all 13 categories, and GSM8K
 problems) as chat requests, with arrival times and output lengths taken from
-the Azure LLM 2023 conversation trace (time-scaled to ``--rate``; outputs
-scaled by ``--output-scale`` and clipped), replayed with loadgen's Python API.
-Prints goodput at the stated SLO, TTFT/TPOT percentiles, where requests went,
-and the ratios.
+the Azure LLM 2023 conversation trace (time-scaled to the rate; outputs scaled
+by ``--output-scale`` and clipped), replayed with loadgen's Python API.
 
-    nice -n 10 /work/venv/bin/python bench/routing.py [--requests 30] [--rate 0.6] [--rounds 2]
-    python bench/routing.py --rates 4 8 16 --duration 40   # a load sweep, ratios per rate
+SLOs, per domain, stated before any measured replay: the interactive domains
+(chat, code, math, qa, translation, extraction) get a tight TTFT and TPOT, the
+bulk domains (summarization, rag) a loose one. Unless given in seconds, each is
+a stated multiple (``--slo-scale``) of the best unloaded latency measured by a
+probe at the start of the run (sequential requests, no other load): the usual
+"SLO scale x unloaded latency" method, so the same command means the same
+tightness on a faster or slower machine. Every proxy is configured with these
+SLOs (routing.slo_ttft_s / slo_tpot_s); only the adaptive policy uses them.
+Every policy is scored against the same SLOs, by the trace's own domain label.
 
-With ``--rates`` the same fleets (and the same learning adaptive policy) are
-replayed at each rate in turn, lowest first, with ``rate x duration`` requests
-per replay, and the ratios are printed per rate: goodput at a fixed SLO only
-separates policies once some worker is loaded, so a sweep shows where.
+Order of a run: start three fleets -> probe -> one unscored warm-up replay per
+policy (same schedule, all at once) so the adaptive policy's profiles are
+learned -> for each rate, ``--rounds`` measured rounds, each a fresh schedule
+(own seed) replayed by all three policies at the same time. Printed: goodput
+per round, its ratio to each baseline per round (median, min-max), TTFT/TPOT
+percentiles, SLO attainment per (worker, domain class) and where requests went.
+
+    python bench/routing.py --rates 3 6 --duration 30 --rounds 3 --warmup 60
 """
 
 from __future__ import annotations
@@ -37,11 +45,13 @@ import datetime
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 # NOTE: bench/specdec.py would shadow the specdec package when this file runs as a script.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -60,8 +70,9 @@ from loadgen.config import (
     SloConfig,
     TraceConfig,
 )
+from loadgen.metrics import meets_slo
 from loadgen.replay import replay
-from loadgen.request import TraceRequest
+from loadgen.request import RequestResult, TraceRequest
 from proxy.app import create_app, default_estimator
 from proxy.config import HealthConfig, ProxyConfig, RoutingConfig, SpeculationConfig, WorkerSpec
 from proxy.config import TraceConfig as ProxyTraceConfig
@@ -70,37 +81,67 @@ from proxy.supervisor import free_port
 from router.corpus import SPEC_BENCH_MAP
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# NOTE: two deliberately different compiled configs. "spec-small": n-gram
-# speculation, 4 sequences, 256-token prefill chunks (tuned for short,
-# copy-heavy requests); "batch-big": no speculation, 32 sequences, 2048-token
-# prefill chunks (tuned for throughput and long prompts).
-WORKERS: dict[str, CompiledConfig] = {
-    "spec-small": CompiledConfig(
-        model=str(TINY_TARGET),
-        engine=EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, spec_method="ngram",
-                            spec_max_depth=4, spec_default_depth=2, max_model_len=2048),
-        fit=DeclaredFit(domains=("code", "extraction", "qa"))),
-    "batch-big": CompiledConfig(
-        model=str(TINY_TARGET),
-        engine=EngineConfig(max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=2048),
-        fit=DeclaredFit(domains=("chat", "math", "summarization", "rag", "translation"))),
-}
-POLICIES = (("round_robin", "policy"), ("least_outstanding", "policy"), ("adaptive", "adaptive"))
+BULK_DOMAINS = ("summarization", "rag")
+INTERACTIVE_DOMAINS = ("chat", "code", "math", "qa", "translation", "extraction")
+POLICIES: dict[str, Literal["policy", "adaptive"]] = {"round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive"}
+MAX_MODEL_LEN = 2048
 
 
-def start_workers(tmp: Path, tag: str, device: str
+def fleet_configs(bulk_cores: int, device: str) -> dict[str, CompiledConfig]:
+    """The compiled configs (see the module docstring); the probe measures their fit."""
+    model = str(TINY_TARGET)
+    interactive = CompiledConfig(model=model, engine=EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=128, spec_method="ngram", spec_max_depth=8,
+        spec_default_depth=2, max_model_len=MAX_MODEL_LEN, num_threads=1, device=device),
+        fit=DeclaredFit(domains=INTERACTIVE_DOMAINS, prompt_tokens=(0, 600)))
+    # NOTE: engine-core processes, one thread each: a long prompt's prefill is one
+    # sequence, which lanes cannot split, so more cores for prefill means more cores.
+    bulk = CompiledConfig(model=model, engine=EngineConfig(
+        max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN,
+        data_parallel_size=bulk_cores, device=device), fit=DeclaredFit(domains=BULK_DOMAINS))
+    return {"interactive-1": interactive, "interactive-2": interactive, "bulk": bulk}
+
+
+def domain_class(domain: str | None) -> str:
+    return "bulk" if domain in BULK_DOMAINS else "interactive"
+
+
+@dataclass(frozen=True)
+class Slos:
+    """Per domain class (interactive / bulk): TTFT and TPOT limits, seconds."""
+
+    ttft_s: dict[str, float]
+    tpot_s: dict[str, float]
+
+    def for_domain(self, domain: str | None) -> SloConfig:
+        c = domain_class(domain)
+        return SloConfig(ttft_s=self.ttft_s[c], tpot_s=self.tpot_s[c])
+
+    def routing(self, policy: str) -> RoutingConfig:
+        """Per-domain SLO tables for the proxy: '*' = interactive, bulk domains listed."""
+        def table(limits: dict[str, float]) -> dict[str, float]:
+            return {"*": limits["interactive"], **{d: limits["bulk"] for d in BULK_DOMAINS}}
+        return RoutingConfig(policy=policy, slo_ttft_s=table(self.ttft_s),
+                             slo_tpot_s=table(self.tpot_s))
+
+    def describe(self) -> str:
+        return "; ".join(f"{c}: TTFT <= {self.ttft_s[c]:.3f} s, TPOT <= {self.tpot_s[c] * 1e3:.1f} ms"
+                         for c in ("interactive", "bulk"))
+
+
+# --- fleets ------------------------------------------------------------------------------------
+
+def start_workers(configs: dict[str, CompiledConfig], log_dir: Path, tag: str
                   ) -> tuple[dict[str, str], list[subprocess.Popen[bytes]]]:
     urls, procs = {}, []
+    # NOTE: OMP_NUM_THREADS=1 keeps torch's import-time pools small; the engine then sets
+    # each worker's own num_threads (three fleets share the machine: no oversubscription).
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name, base in WORKERS.items():
-        # NOTE: one intra-op thread per worker: six workers share the machine, and the
-        # engine's automatic count (half the cores each) oversubscribes it many times over.
-        cfg = base.with_engine(device=device, num_threads=1)
-        path = tmp / f"{tag}-{name}.yaml"
+    for name, cfg in configs.items():
+        path = log_dir / f"{tag}-{name}.yaml"
         path.write_text(yaml.safe_dump(cfg.to_dict()))
         port = free_port()
-        log = (tmp / f"{tag}-{name}.log").open("wb")
+        log = (log_dir / f"{tag}-{name}.log").open("wb")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "proxy.cli", "--log-level", "WARNING", "engine",
              "--config", str(path), "--port", str(port)], stdout=log, stderr=log, env=env))
@@ -124,41 +165,100 @@ async def wait_healthy(urls: dict[str, str], timeout_s: float = 180.0) -> None:
                 await asyncio.sleep(0.5)
 
 
-def build_workload(data: Path, num: int, rate: float, seed: int) -> list[TraceRequest]:
-    """Real prompts x Azure conversation arrivals and output lengths."""
-    rng = random.Random(seed)
+# --- workload ----------------------------------------------------------------------------------
+
+def load_prompts(data: Path) -> list[tuple[str, str]]:
     prompts = []
     for line in (data / "prompts/spec_bench_questions.jsonl").read_text().splitlines():
         row = json.loads(line)
         prompts.append((row["turns"][0], SPEC_BENCH_MAP[row["category"]]))
     with (data / "prompts/gsm8k_train.jsonl").open() as f:
         prompts += [(json.loads(next(f))["question"], "math") for _ in range(80)]
+    return prompts
+
+
+def build_workload(data: Path, num: int, rate: float, seed: int) -> list[TraceRequest]:
+    """Real prompts (shuffled by ``seed``) x a window of Azure conversation arrivals and
+    output lengths (the window's start also picked by ``seed``)."""
+    rng = random.Random(seed)
+    prompts = load_prompts(data)
     rng.shuffle(prompts)
     with (data / "traces/azure_llm_2023_conv.csv").open() as f:
-        rows = list(csv.DictReader(f))[:num]
+        rows = list(csv.DictReader(f))
+    start = rng.randrange(max(len(rows) - num, 1))
+    rows = rows[start:start + num]
     ts = [datetime.datetime.fromisoformat(r["TIMESTAMP"][:26]).timestamp() for r in rows]
     span = (ts[-1] - ts[0]) or 1.0
-    scale = (num / rate) / span  # trace gaps stretched/shrunk to the target mean rate
-    out = []
-    for i, row in enumerate(rows):
-        text, domain = prompts[i % len(prompts)]
-        out.append(TraceRequest(line=i + 1, timestamp_s=(ts[i] - ts[0]) * scale,
-                                messages=({"role": "user", "content": text},),
-                                output_tokens=int(row["GeneratedTokens"]), domain=domain))
+    scale = (len(rows) / rate) / span  # trace gaps stretched/shrunk to the target mean rate
+    return [TraceRequest(line=i + 1, timestamp_s=(ts[i] - ts[0]) * scale,
+                         messages=({"role": "user", "content": prompts[i % len(prompts)][0]},),
+                         output_tokens=int(row["GeneratedTokens"]),
+                         domain=prompts[i % len(prompts)][1])
+            for i, row in enumerate(rows)]
+
+
+# --- probe: unloaded latency per (worker, domain class) ----------------------------------------
+
+async def probe_one(s: aiohttp.ClientSession, url: str, text: str, max_tokens: int
+                    ) -> tuple[float, float]:
+    """(TTFT, TPOT) of one streamed request, seconds, at the worker's default depth."""
+    body = {"model": TINY_TARGET.name, "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    t0 = time.perf_counter()
+    first, last, num = 0.0, 0.0, 0
+    async with s.post(f"{url}/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            if choices[0].get("delta", {}).get("content"):
+                last = time.perf_counter()
+                first = first or last
+                num += 1
+    return first - t0, (last - first) / max(num - 1, 1)
+
+
+async def probe(urls: dict[str, str], data: Path, num: int, max_tokens: int
+                ) -> dict[str, dict[str, tuple[float, float]]]:
+    """Median unloaded (TTFT, TPOT) per worker and domain class, one request at a time."""
+    prompts = load_prompts(data)
+    picks = {c: [t for t, d in prompts if domain_class(d) == c][:num]
+             for c in ("interactive", "bulk")}
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    async with aiohttp.ClientSession() as s:
+        for name, url in urls.items():
+            await probe_one(s, url, "warm up", 8)
+            out[name] = {}
+            for c, texts in picks.items():
+                res = [await probe_one(s, url, t, max_tokens) for t in texts]
+                out[name][c] = (statistics.median(r[0] for r in res),
+                                statistics.median(r[1] for r in res))
     return out
 
 
-async def run_policy(name: str, spec_mode: str, policy: Any, urls: dict[str, str],
-                     records: list[TraceRequest], args: argparse.Namespace) -> dict[str, Any]:
+def slos_from(args: argparse.Namespace, ref: dict[str, dict[str, tuple[float, float]]]) -> Slos:
+    """Given seconds win; else scale x the best worker's unloaded latency for the class."""
+    ttft, tpot = {}, {}
+    for c, (s_ttft, s_tpot) in (("interactive", args.slo_scale[:2]), ("bulk", args.slo_scale[2:])):
+        best_ttft = min(r[c][0] for r in ref.values())
+        best_tpot = min(r[c][1] for r in ref.values())
+        given = args.slo_seconds
+        ttft[c] = given[0 if c == "interactive" else 2] if given else s_ttft * best_ttft
+        tpot[c] = given[1 if c == "interactive" else 3] if given else s_tpot * best_tpot
+    return Slos(ttft, tpot)
+
+
+# --- one replay --------------------------------------------------------------------------------
+
+async def run_policy(name: str, spec_mode: Literal["policy", "adaptive"], policy: Any,
+                     urls: dict[str, str], configs: dict[str, CompiledConfig], records: list[TraceRequest],
+                     slos: Slos, args: argparse.Namespace) -> dict[str, Any]:
     config = ProxyConfig(
-        workers=tuple(WorkerSpec(n, url=urls[n],
-                                 config=WORKERS[n].with_engine(device=args.device, num_threads=1))
-                      for n in WORKERS),
-        # NOTE: every proxy is told the SLO the run is judged by, as an operator would
-        # configure it; only the adaptive policy uses it.
-        routing=RoutingConfig(policy=name, slo_ttft_s={"*": args.slo_ttft},
-                              slo_tpot_s={"*": args.slo_tpot}),
-        speculation=SpeculationConfig(mode=spec_mode),
+        workers=tuple(WorkerSpec(n, url=urls[n], config=configs[n]) for n in configs),
+        # NOTE: every proxy is told the SLOs the run is judged by, as an operator would
+        # configure them; only the adaptive policy uses them.
+        routing=slos.routing(name), speculation=SpeculationConfig(mode=spec_mode),
         traces=ProxyTraceConfig(enabled=False),
         health=HealthConfig(interval_s=1.0, metrics_interval_s=0.25))
     app = create_app(config, estimator=default_estimator(config), policy=policy)
@@ -170,113 +270,189 @@ async def run_policy(name: str, spec_mode: str, policy: Any, urls: dict[str, str
         await asyncio.sleep(1.5)  # first health probe + metrics scrape
         cfg = ReplayConfig(
             trace=TraceConfig(path="<records>"),
-            client=ClientConfig(target=f"http://127.0.0.1:{port}", model=WORKERS["batch-big"].model_name,
+            client=ClientConfig(target=f"http://127.0.0.1:{port}", model=TINY_TARGET.name,
                                 stream=True, ignore_eos=True, timeout_s=300.0),
             arrivals=ArrivalConfig(mode="trace", seed=args.seed),
             lengths=LengthConfig(output_scale=args.output_scale, max_output_tokens=args.max_output,
-                                 min_output_tokens=8, max_model_len=2048),
-            slo=SloConfig(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot),
+                                 min_output_tokens=8, max_model_len=MAX_MODEL_LEN),
+            slo=SloConfig(ttft_s=None, tpot_s=None),  # scored per domain below
             output=OutputConfig(quiet=True, label=name), tokenizer=str(TINY_TARGET))
         result = await replay(cfg, records)
     finally:
         await runner.cleanup()
-    summary = result.summary
-    summary["policy_stats"] = policy.stats() if hasattr(policy, "stats") else {}
-    summary["requests"] = [[r.ok, r.ttft_s, r.tpot_s, r.completion_tokens, r.worker, r.domain]
-                           for r in result.results]
-    return summary
+    return score(name, result.results, records, slos)
 
 
-def fmt_row(name: str, s: dict[str, Any]) -> str:
-    t, p = s["ttft_s"], s["tpot_s"]
-    workers = ", ".join(f"{w}:{v['num_requests']}" for w, v in s["by_worker"].items())
-    return (f"{name:<18} goodput {s['goodput']:5.2f} req/s  ({s['num_good']:>3}/{s['num_requests']}"
-            f" ok={s['num_ok']})  out {s['output_throughput']:6.1f} tok/s  "
-            f"TTFT p50 {t['p50'] or 0:6.3f} p99 {t['p99'] or 0:6.3f}  "
-            f"TPOT p50 {p['p50'] or 0:6.4f} p99 {p['p99'] or 0:6.4f}  [{workers}]")
+def score(name: str, results: list[RequestResult], records: list[TraceRequest], slos: Slos
+          ) -> dict[str, Any]:
+    """Goodput over the schedule's span, by the trace's domain label, plus per-request rows."""
+    span_s = max((r.timestamp_s or 0.0) for r in records) or 1.0
+    by_line = {r.line: r.domain for r in records}
+    rows: list[dict[str, Any]] = []
+    for r in results:
+        domain = by_line.get(r.line)
+        rows.append({"ok": r.ok, "good": meets_slo(r, slos.for_domain(domain)),
+                     "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "tokens": r.completion_tokens,
+                     "worker": r.worker, "domain": domain, "routed_domain": r.domain,
+                     "error": r.error})
+    num_good = sum(1 for row in rows if row["good"])
+    return {"policy": name, "num_requests": len(rows), "num_ok": sum(1 for r in results if r.ok),
+            "num_good": num_good, "span_s": span_s, "goodput": num_good / span_s,
+            "requests": rows}
 
 
-async def main_async(args: argparse.Namespace) -> dict[float, dict[str, list[dict[str, Any]]]]:
-    # NOTE: one policy object per name for the whole run: the adaptive policy keeps
-    # what it learned from round to round, as a long-running proxy would; the
-    # baselines have nothing to keep.
-    policies = {name: build_policy(name, seed=args.seed) for name, _ in POLICIES}
-    results: dict[float, dict[str, list[dict[str, Any]]]] = {}
+# --- reports -----------------------------------------------------------------------------------
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(int(q * len(values)), len(values) - 1)]
+
+
+def fmt_row(s: dict[str, Any]) -> str:
+    ok = [r for r in s["requests"] if r["ok"]]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    tpot = [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
+    return (f"{s['policy']:<18} goodput {s['goodput']:5.2f} req/s ({s['num_good']:>3}/"
+            f"{s['num_requests']} ok={s['num_ok']})  TTFT p50 {pct(ttft, .5):6.3f} p99 "
+            f"{pct(ttft, .99):6.3f}  TPOT p50 {pct(tpot, .5) * 1e3:6.1f} ms p99 "
+            f"{pct(tpot, .99) * 1e3:6.1f} ms  [{placement(s)}]")
+
+
+def placement(s: dict[str, Any]) -> str:
+    """Where requests went: worker -> interactive-class / bulk-class counts (good in brackets)."""
+    cells: dict[tuple[str, str], list[int]] = {}
+    for r in s["requests"]:
+        key = (r["worker"] or "none", domain_class(r["domain"]))
+        cell = cells.setdefault(key, [0, 0])
+        cell[0] += 1
+        cell[1] += r["good"]
+    return ", ".join(f"{w}/{c[:4]} {n}({g})" for (w, c), (n, g) in sorted(cells.items()))
+
+
+def ratio_line(rate: float, rounds: dict[str, list[dict[str, Any]]]) -> str:
+    good = {n: [r["goodput"] for r in runs] for n, runs in rounds.items()}
+    parts = [f"{rate:6g} | " + " / ".join(f"{n} {statistics.median(g):.3f}"
+                                           for n, g in good.items())]
+    for base in ("round_robin", "least_outstanding"):
+        if base not in good or "adaptive" not in good:
+            continue
+        ratios = [a / b if b else float("inf") for a, b in zip(good["adaptive"], good[base],
+                                                               strict=True)]
+        parts.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+    return " | ".join(parts)
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+async def replay_all(policies: dict[str, Any], fleets: dict[str, dict[str, str]],  # name -> urls
+                     configs: dict[str, CompiledConfig], records: list[TraceRequest], slos: Slos,
+                     args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    # NOTE: all three replay the same schedule at the same time on their own fleets, so
+    # the machine's background load hits them alike.
+    runs = await asyncio.gather(*(
+        run_policy(name, POLICIES[name], policies[name], fleets[name], configs, records, slos,
+                   args) for name in args.policies))
+    return dict(zip(args.policies, runs, strict=True))
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    # NOTE: one policy object per name for the whole run: the adaptive policy keeps what
+    # it learned (warm-up included), as a long-running proxy would.
+    policies = {name: build_policy(name, seed=args.seed) for name in args.policies}
+    configs = fleet_configs(args.bulk_cores, args.device)
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    # NOTE: each policy gets its own pair of workers and all three replay the same
-    # schedule at the same time, so the shared box's background load hits them alike.
-    fleets = {name: start_workers(args.log_dir, name, args.device) for name, _ in POLICIES}
+    fleets = {name: start_workers(configs, args.log_dir, name) for name in args.policies}
+    out: dict[str, Any] = {"rates": {}}
     try:
-        for urls, _ in fleets.values():
-            await wait_healthy(urls)
+        for fleet_urls, _ in fleets.values():
+            await wait_healthy(fleet_urls)
+        urls = {n: f[0] for n, f in fleets.items()}
+        ref = await probe(urls[args.policies[0]], args.data, args.probe_requests, args.max_output)
+        slos = slos_from(args, ref)
+        out["probe"], out["slos"] = ref, {"ttft_s": slos.ttft_s, "tpot_s": slos.tpot_s}
+        for w, by in ref.items():
+            print(f"probe {w:<12} " + "  ".join(f"{c}: TTFT {v[0]:.3f} s TPOT {v[1] * 1e3:.1f} ms"
+                                                 for c, v in by.items()), flush=True)
+        print(f"SLOs (fixed from here on): {slos.describe()}", flush=True)
+        if args.warmup > 0:
+            rate = args.warmup_rate or args.rates[0]
+            records = build_workload(args.data, int(rate * args.warmup), rate, args.seed + 1000)
+            warm = await replay_all(policies, urls, configs, records, slos, args)
+            out["warmup"] = warm
+            for s in warm.values():
+                print(f"warm-up {rate:g} " + fmt_row(s), flush=True)
         for rate in args.rates:
-            num = int(rate * args.duration) if args.duration else args.requests
-            records = build_workload(args.data, num, rate, args.seed)
-            results[rate] = {name: [] for name, _ in POLICIES}
+            rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in args.policies}
             for r in range(args.rounds):
-                runs = await asyncio.gather(*(
-                    run_policy(name, mode, policies[name], fleets[name][0], records, args)
-                    for name, mode in POLICIES))
-                for (name, _), summary in zip(POLICIES, runs, strict=True):
-                    results[rate][name].append(summary)
-                    print(f"rate {rate:g} round {r + 1} " + fmt_row(name, summary), flush=True)
+                records = build_workload(args.data, int(rate * args.duration), rate,
+                                         args.seed + r)
+                for name, s in (await replay_all(policies, urls, configs, records, slos,
+                                                 args)).items():
+                    rounds[name].append(s)
+                    print(f"rate {rate:g} round {r + 1} " + fmt_row(s), flush=True)
+            out["rates"][str(rate)] = rounds
+            print("ratio so far: " + ratio_line(rate, rounds), flush=True)
     finally:
         procs = [p for _, ps in fleets.values() for p in ps]
         for p in procs:
             p.terminate()
         for p in procs:
             p.wait(timeout=30)
-    return results
-
-
-def pooled_goodput(runs: list[dict[str, Any]]) -> float:
-    """Requests meeting the SLO per second, pooled over rounds."""
-    return sum(r["num_good"] for r in runs) / max(sum(r["duration_s"] for r in runs), 1e-9)
+    adaptive: Any = policies.get("adaptive")
+    out["adaptive_stats"] = adaptive.stats() if adaptive is not None else {}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
-    ap.add_argument("--requests", type=int, default=30, help="per policy per round")
-    ap.add_argument("--rate", type=float, default=0.6, help="mean arrival rate, req/s")
-    ap.add_argument("--rates", type=float, nargs="+", help="a sweep of mean rates (overrides --rate)")
-    ap.add_argument("--duration", type=float, default=0.0,
-                    help="seconds of trace per replay (requests = rate x duration; 0: --requests)")
+    ap.add_argument("--rates", type=float, nargs="+", default=[2.0], help="mean req/s")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds of trace per round")
+    ap.add_argument("--rounds", type=int, default=2, help="measured rounds per rate")
+    ap.add_argument("--warmup", type=float, default=30.0,
+                    help="seconds of unscored warm-up trace before the first rate (0: none)")
+    ap.add_argument("--warmup-rate", type=float, default=0.0, help="req/s (0: the first rate)")
     ap.add_argument("--output-scale", type=float, default=0.25)
     ap.add_argument("--max-output", type=int, default=96)
-    ap.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
-    ap.add_argument("--slo-tpot", type=float, default=0.15, help="seconds")
+    ap.add_argument("--slo-scale", type=float, nargs=4, default=[8.0, 2.0, 4.0, 4.0],
+                    metavar=("I_TTFT", "I_TPOT", "B_TTFT", "B_TPOT"),
+                    help="SLO = scale x best unloaded latency, interactive then bulk class")
+    ap.add_argument("--slo-seconds", type=float, nargs=4,
+                    metavar=("I_TTFT", "I_TPOT", "B_TTFT", "B_TPOT"),
+                    help="fixed SLOs in seconds instead of --slo-scale")
+    ap.add_argument("--probe-requests", type=int, default=5, help="per worker and class")
+    ap.add_argument("--bulk-cores", type=int, default=2,
+                    help="engine-core processes (one thread each) of the bulk worker")
+    ap.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES),
+                    help="a subset for debugging (the ratios need all three)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="engine workers' torch device (cpu, cuda)")
-    ap.add_argument("--rounds", type=int, default=2, help="replays per policy")
-    ap.add_argument("--json", type=Path, help="write all summaries here")
+    ap.add_argument("--json", type=Path, help="write the probe, SLOs and all rounds here")
     ap.add_argument("--log-dir", type=Path, default=ROOT / "bench" / "out" / "routing",
                     help="worker configs and logs")
     args = ap.parse_args()
-    args.rates = sorted(args.rates or [args.rate])
-    if any(r <= 0 for r in args.rates) or args.duration < 0 or args.requests <= 0:
-        ap.error("rates and --requests must be positive, --duration >= 0")
-    print(f"{args.requests if not args.duration else 'rate x ' + str(args.duration) + ' s of'} "
-          f"requests at {args.rates} req/s mean (Azure conv arrivals), SLO "
-          f"TTFT<={args.slo_ttft}s TPOT<={args.slo_tpot}s; workers: "
-          + "; ".join(f"{n}: {c.engine.max_num_seqs} seqs, {c.engine.max_num_batched_tokens}-token "
-                      f"prefill, spec={c.engine.spec_method}" for n, c in WORKERS.items()),
-          flush=True)
-    results = asyncio.run(main_async(args))
-    print("rate     | goodput (req/s meeting the SLO) RR / LO / adaptive | adaptive/RR | adaptive/LO")
-    for rate, by_policy in results.items():
-        good = {n: pooled_goodput(runs) for n, runs in by_policy.items()}
-        ratios = [good["adaptive"] / good[o] if good[o] else float("inf")
-                  for o in ("round_robin", "least_outstanding")]
-        print(f"{rate:8g} | {good['round_robin']:.3f} / {good['least_outstanding']:.3f} / "
-              f"{good['adaptive']:.3f} | {ratios[0]:.2f}x | {ratios[1]:.2f}x")
-    stats = results[args.rates[-1]]["adaptive"][-1]["policy_stats"]
-    print("adaptive decisions (all rounds):",
+    args.rates = sorted(args.rates)
+    if min(args.rates) <= 0 or args.duration <= 0 or args.rounds <= 0 or args.warmup < 0:
+        ap.error("rates, --duration and --rounds must be positive, --warmup >= 0")
+    configs = fleet_configs(args.bulk_cores, args.device)
+    print(f"rates {args.rates} req/s x {args.duration:g} s, {args.rounds} rounds each, warm-up "
+          f"{args.warmup:g} s; workers: " + "; ".join(
+              f"{n}: {c.engine.max_num_seqs} seqs, {c.engine.max_num_batched_tokens}-token "
+              f"prefill, spec={c.engine.spec_method}, {max(c.engine.data_parallel_size, 1)} core(s), fit "
+              f"{','.join(c.fit.domains)}" for n, c in configs.items()), flush=True)
+    out = asyncio.run(main_async(args))
+    print("rate   | goodput (req/s meeting the SLO, median of rounds) RR / LO / adaptive "
+          "| adaptive/RR median (min-max) | adaptive/LO median (min-max)")
+    for rate, rounds in out["rates"].items():
+        print(ratio_line(float(rate), rounds))
+    stats = out["adaptive_stats"]
+    print("adaptive decisions (whole run):",
           json.dumps({k: stats.get(k) for k in ("reasons", "decisions", "depths")}))
     if args.json:
-        args.json.write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1,
-                                        default=str))
+        args.json.write_text(json.dumps(out, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ from typing import Any
 
 from router.affinity import PrefixAffinity
 from router.base import RequestOutcome, RequestShape, RouteDecision, WorkerView
-from router.profiles import LatencyPrior, Prediction, PriorConfig, WorkerProfile
+from router.calibration import Calibration
+from router.profiles import LatencyPrior, Prediction, PriorConfig, WorkerProfile, batch_capacity
 from specdec.policy import DepthPolicy
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,9 @@ class AdaptivePolicy:
         self.affinity = PrefixAffinity(self.config.affinity_capacity)
         self._rng = random.Random(seed)
         self._profiles: dict[str, WorkerProfile] = {}
+        # NOTE: one calibration for the whole fleet: what one worker measured against its
+        # prior tells the others how fast this machine is (router.calibration).
+        self.calibration = Calibration()
         self._pending: OrderedDict[int, _Pending] = OrderedDict()
         self.reasons: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
@@ -136,13 +140,13 @@ class AdaptivePolicy:
                             and prof.prior.config != view.config):
             # NOTE: a new compiled config (optimizer reload) restarts the worker's profile.
             prof = WorkerProfile(LatencyPrior(view.config, self.config.prior),
-                                 self.config.forgetting)
+                                 self.config.forgetting, self.calibration)
             self._profiles[view.name] = prof
         return prof
 
     def candidate(self, shape: RequestShape, view: WorkerView) -> Candidate:
         prof = self.profile(view)
-        cap = view.config.engine.max_num_seqs
+        cap = batch_capacity(view.config)
         queue = load_of(view)
         batch = min(queue + 1, cap)
         depth = self._depth(shape, view, batch)
@@ -255,4 +259,5 @@ class AdaptivePolicy:
                 "decisions": dict(self.decisions),
                 "depths": {str(k): v for k, v in sorted(self.depths.items())},
                 "affinity_entries": len(self.affinity),
+                "calibration": self.calibration.snapshot(),
                 "profiles": {n: p.snapshot() for n, p in self._profiles.items()}}

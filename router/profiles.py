@@ -31,10 +31,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.config import CompiledConfig, DeclaredFit
+from router.calibration import Calibration
 
 PROMPT_BANDS = (256, 1024, 4096)  # bucket upper edges, tokens; last band is open
 Vec = tuple[float, float, float]
 OUTLIER_FACTOR = 4.0  # one sample counts as at most this many times the current prediction
+
+
+def batch_capacity(config: CompiledConfig) -> int:
+    """Sequences the worker runs at once: ``max_num_seqs`` per engine core."""
+    return config.engine.max_num_seqs * max(config.engine.data_parallel_size, 1)
 
 
 def prompt_band(prompt_tokens: int) -> int:
@@ -92,6 +98,11 @@ class BayesianRLS:
         self.num_samples += 1
         self._w = self._weights()
 
+    def rescale(self, factor: float) -> None:
+        """Multiply every coefficient (the fit's predictions) by ``factor``."""
+        self.theta = self.theta * factor
+        self._w = self._weights()
+
     @property
     def coef(self) -> Vec:
         return self._w
@@ -138,9 +149,9 @@ class LatencyPrior:
         """[s, s per 1000 prompt tokens, s per 8 queued requests] for an average shape."""
         p, e = self.prior, self.config.engine
         per_k = 1000 * (p.prefill_s_per_token + p.step_s / e.max_num_batched_tokens)
-        # a queued request ahead costs about one prefill step; past the batch cap a whole
-        # request's decode (the policy adds that saturation wait separately)
-        return (p.step_s, per_k, 8 * p.step_s)
+        # a queued request ahead costs about one prefill step, shared by the engine cores;
+        # past the batch cap a whole request's decode (the policy adds that wait separately)
+        return (p.step_s, per_k, 8 * p.step_s / max(e.data_parallel_size, 1))
 
     def tpot_coef(self, domain: str) -> Vec:
         p, e = self.prior, self.config.engine
@@ -154,7 +165,7 @@ class LatencyPrior:
 
     def tpot_s(self, domain: str, prompt_tokens: int, batch: float, depth: int) -> float:
         c = self.tpot_coef(domain)
-        x = tpot_features(min(batch, self.config.engine.max_num_seqs), depth)
+        x = tpot_features(min(batch, batch_capacity(self.config)), depth)
         return (c[0] + c[1] * x[1] + c[2] * x[2]) * self.factor(domain, prompt_tokens)
 
 
@@ -172,10 +183,17 @@ class Prediction:
 
 
 class WorkerProfile:
-    """Learned TTFT/TPOT for one worker: a worker-level model and per-bucket models."""
+    """Learned TTFT/TPOT for one worker: a worker-level model and per-bucket models.
 
-    def __init__(self, prior: LatencyPrior, forgetting: float = 0.98) -> None:
+    Until the worker has samples of its own, its predictions are the prior scaled by
+    ``calibration`` (shared with the other workers' profiles, :mod:`router.calibration`);
+    its first sample starts the fit from there.
+    """
+
+    def __init__(self, prior: LatencyPrior, forgetting: float = 0.98,
+                 calibration: Calibration | None = None) -> None:
         self.prior = prior
+        self.calibration = calibration if calibration is not None else Calibration()
         self._forgetting = forgetting
         v = prior.prior.prior_variance
         self._all = _Models(BayesianRLS(prior.ttft_coef(), v, forgetting),
@@ -195,7 +213,7 @@ class WorkerProfile:
     def predict(self, domain: str, prompt_tokens: int, queue: float, batch: float,
                 depth: int) -> Prediction:
         xt = ttft_features(prompt_tokens, queue)
-        xp = tpot_features(min(batch, self.prior.config.engine.max_num_seqs), depth)
+        xp = tpot_features(min(batch, batch_capacity(self.prior.config)), depth)
         bucket = self._buckets.get((domain, prompt_band(prompt_tokens)))
         if bucket is None:
             bucket = self._bucket_init(domain, prompt_tokens)
@@ -206,24 +224,44 @@ class WorkerProfile:
         floor_ttft = 0.1 * bucket.ttft.coef[0] if bucket.ttft.coef[0] > 0 else 1e-4
         ttft = max(bucket.ttft.predict(xt), floor_ttft, 1e-4)
         tpot = max(bucket.tpot.predict(xp), 1e-5)
+        if self._all.ttft.num_samples == 0:
+            ttft *= self.calibration.factor("ttft")
+        if self._all.tpot.num_samples == 0:
+            tpot *= self.calibration.factor("tpot")
         return Prediction(ttft, tpot, n)
 
     def observe(self, domain: str, prompt_tokens: int, queue: float, batch: float, depth: int,
                 ttft_s: float | None, tpot_s: float | None) -> None:
+        has_ttft = ttft_s is not None and ttft_s >= 0 and math.isfinite(ttft_s)
+        has_tpot = tpot_s is not None and tpot_s > 0 and math.isfinite(tpot_s)
+        self._start_calibrated(has_ttft, has_tpot)
         key = (domain, prompt_band(prompt_tokens))
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = self._bucket_init(domain, prompt_tokens)
         xt = ttft_features(prompt_tokens, queue)
-        xp = tpot_features(min(batch, self.prior.config.engine.max_num_seqs), depth)
+        xp = tpot_features(min(batch, batch_capacity(self.prior.config)), depth)
         f = self.prior.factor(domain, prompt_tokens)
         spec = self.prior.tpot_coef(domain)[0] / self.prior.tpot_coef("chat")[0]
-        if ttft_s is not None and ttft_s >= 0 and math.isfinite(ttft_s):
+        if has_ttft:
+            assert ttft_s is not None
             bucket.ttft.update(xt, ttft_s)
             self._all.ttft.update(xt, ttft_s / f)
-        if tpot_s is not None and tpot_s > 0 and math.isfinite(tpot_s):
+            self.calibration.observe("ttft", ttft_s,
+                                     self.prior.ttft_s(domain, prompt_tokens, queue))
+        if has_tpot:
+            assert tpot_s is not None
             bucket.tpot.update(xp, tpot_s)
             self._all.tpot.update(xp, tpot_s / (f * spec))
+            self.calibration.observe("tpot", tpot_s,
+                                     self.prior.tpot_s(domain, prompt_tokens, batch, depth))
+
+    def _start_calibrated(self, ttft: bool, tpot: bool) -> None:
+        """Before a model's first sample, move it from the raw prior to the calibrated one."""
+        if ttft and self._all.ttft.num_samples == 0:
+            self._all.ttft.rescale(self.calibration.factor("ttft"))
+        if tpot and self._all.tpot.num_samples == 0:
+            self._all.tpot.rescale(self.calibration.factor("tpot"))
 
     def num_samples(self, domain: str, prompt_tokens: int) -> int:
         bucket = self._buckets.get((domain, prompt_band(prompt_tokens)))
@@ -231,6 +269,7 @@ class WorkerProfile:
 
     def snapshot(self) -> dict[str, object]:
         return {"num_samples": self._all.tpot.num_samples,
+                "calibration": self.calibration.snapshot(),
                 "buckets": {f"{d}/{b}": m.tpot.num_samples for (d, b), m in self._buckets.items()},
                 "ttft_coef": [round(v, 5) for v in self._all.ttft.coef],
                 "tpot_coef": [round(v, 6) for v in self._all.tpot.coef]}
