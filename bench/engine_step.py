@@ -8,7 +8,9 @@ attention alone over all layers:
     python bench/engine_step.py --batch 8 32 --context 300
 
 Prints milliseconds per step and the ratio torch path / kernel (higher = the
-kernel is faster). One intra-op thread, as the engine's lanes use.
+kernel is faster), then a whole step (kernel attention) with plain F.linear
+weights vs weights packed for oneDNN (engine.model's CPU float32 default),
+and the projections alone. One intra-op thread, as the engine's lanes use.
 """
 
 from __future__ import annotations
@@ -95,6 +97,51 @@ def main() -> None:
             fast = best_cpu_ms(make(model, kv, slices, ids, q, kernel), args.iters, args.repeats)
             row += [f"{slow:.2f}", f"{fast:.2f}", f"{slow / fast:.2f}x"]
         print(f"| {b} | " + " | ".join(row) + " |", flush=True)
+    linear_table(args, spec, kv, perm, per_seq, kernel, gen)
+
+
+def linear_table(args: argparse.Namespace, spec: object, kv: KVCache, perm: list[int],
+                 per_seq: int, kernel: CpuPagedAttention, gen: torch.Generator) -> None:
+    """Plain vs packed projection weights: a whole step, and the projections alone."""
+    weights = load_weights(TINY_TARGET, spec.num_layers)  # type: ignore[attr-defined]
+    plain = LlamaModel(spec, weights, pack_weights=False)  # type: ignore[arg-type]
+    packed = LlamaModel(spec, weights)  # type: ignore[arg-type]
+    if not packed.packed:
+        print("\nweights not packed on this machine (see engine.model.packing_disabled_reason)")
+        return
+    print("\n| batch | step F.linear ms | step packed ms | ratio | projections F.linear ms "
+          "| projections packed ms | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for b in args.batch:
+        slices = [SeqSlice(1, args.context, perm[i * per_seq:(i + 1) * per_seq])
+                  for i in range(b)]
+        ids = torch.randint(0, spec.vocab_size, (b,), generator=gen)  # type: ignore[attr-defined]
+        row = []
+        for make in (step_fn, projections_fn):
+            slow = best_cpu_ms(make(plain, kv, slices, ids, None, kernel), args.iters,
+                               args.repeats)
+            fast = best_cpu_ms(make(packed, kv, slices, ids, None, kernel), args.iters,
+                               args.repeats)
+            row += [f"{slow:.2f}", f"{fast:.2f}", f"{slow / fast:.2f}x"]
+        print(f"| {b} | " + " | ".join(row) + " |", flush=True)
+
+
+def projections_fn(model: LlamaModel, kv: KVCache, slices: list[SeqSlice], ids: torch.Tensor,
+                   q: torch.Tensor | None, kernel: CpuPagedAttention | None) -> Callable[[], object]:
+    """Every projection of one step (q|k|v, o, gate|up, down per layer, and the LM head)."""
+    x = torch.randn(len(slices), model.spec.hidden_size)
+    wide = torch.randn(len(slices), model.spec.intermediate_size)
+    heads = torch.randn(len(slices), model.spec.num_heads * model.spec.head_dim)
+
+    def run() -> None:
+        with torch.inference_mode():
+            for layer in model.layers:
+                model.linear(x, layer.qkv, layer.qkv_bias)
+                model.linear(heads, layer.o)
+                model.linear(x, layer.gate_up)
+                model.linear(wide, layer.down)
+            model.linear(x, model.lm_head)
+    return run
 
 
 if __name__ == "__main__":

@@ -85,7 +85,8 @@ class EngineCore:
         self.max_model_len = cfg.usable_model_len
         self.model = LlamaModel(self.spec, self._layer_weights(cfg), cfg.dtype, cfg.device,
                                 max_positions=self.max_model_len + cfg.spec_max_depth + 1,
-                                execution=cfg.execution, attention=cfg.attention)
+                                execution=cfg.execution, attention=cfg.attention,
+                                share=getattr(self, "model", None))
         kv = self.model.new_kv_cache(cfg.num_kv_blocks, cfg.block_size)
         self.allocator = BlockAllocator(cfg.num_kv_blocks)
         self.scheduler = Scheduler(cfg, self.allocator)

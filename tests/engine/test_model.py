@@ -129,3 +129,34 @@ def test_cuda_only_options_are_refused_on_cpu(tiny_model_dir: Path) -> None:
         LlamaModel(spec, weights, execution="cuda_graph")
     with pytest.raises(UnsupportedConfigError, match="CUDA"):
         LlamaModel(spec, weights, attention="triton")
+
+
+def test_packed_weights_match_plain_weights(tiny_model_dir: Path) -> None:
+    """oneDNN-packed projections give F.linear's logits, alone and in a shared step."""
+    spec = read_spec(tiny_model_dir)
+    weights = load_weights(tiny_model_dir, spec.num_layers)
+    packed = LlamaModel(spec, weights)
+    plain = LlamaModel(spec, weights, pack_weights=False)
+    assert packed.packed and not plain.packed
+    gen = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, 8192, (n,), generator=gen).tolist() for n in (21, 7, 30)]
+    together = run_chunks(packed, seqs, chunk=5)
+    for a, b in zip(together, run_chunks(plain, seqs, chunk=5), strict=True):
+        assert (a - b).abs().max().item() < 1e-4
+    alone = run_chunks(packed, seqs[:1], chunk=5)[0]
+    assert (alone - together[0]).abs().max().item() < 1e-4
+
+
+def test_weights_stay_plain_where_packing_does_not_apply(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.model import PACK_ENV, packing_disabled_reason
+
+    spec = read_spec(tiny_model_dir)
+    weights = load_weights(tiny_model_dir, 1)
+    assert packing_disabled_reason("cpu", torch.float32, "eager") is None
+    assert "float32" in str(packing_disabled_reason("cpu", torch.bfloat16, "eager"))
+    assert "float32" in str(packing_disabled_reason("cuda:0", torch.float32, "eager"))
+    assert "compiled" in str(packing_disabled_reason("cpu", torch.float32, "compiled"))
+    assert not LlamaModel(spec, weights, dtype="bfloat16").packed
+    monkeypatch.setenv(PACK_ENV, "0")
+    assert not LlamaModel(spec, weights).packed
