@@ -417,7 +417,7 @@ def main() -> None:
     ap.add_argument("--warmup-rate", type=float, default=0.0, help="req/s (0: the first rate)")
     ap.add_argument("--output-scale", type=float, default=0.25)
     ap.add_argument("--max-output", type=int, default=96)
-    ap.add_argument("--slo-scale", type=float, nargs=4, default=[8.0, 2.0, 4.0, 4.0],
+    ap.add_argument("--slo-scale", type=float, nargs=4, default=[10.0, 2.5, 5.0, 5.0],
                     metavar=("I_TTFT", "I_TPOT", "B_TTFT", "B_TPOT"),
                     help="SLO = scale x best unloaded latency, interactive then bulk class")
     ap.add_argument("--slo-seconds", type=float, nargs=4,

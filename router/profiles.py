@@ -38,6 +38,13 @@ Vec = tuple[float, float, float]
 OUTLIER_FACTOR = 4.0  # one sample counts as at most this many times the current prediction
 
 
+TPOT_KEY = "tpot"  # calibration keys (router.calibration): TPOT, and TTFT per prompt band
+
+
+def ttft_key(prompt_tokens: int) -> str:
+    return f"ttft/{prompt_band(prompt_tokens)}"
+
+
 def batch_capacity(config: CompiledConfig) -> int:
     """Sequences the worker runs at once: ``max_num_seqs`` per engine core."""
     return config.engine.max_num_seqs * max(config.engine.data_parallel_size, 1)
@@ -225,16 +232,20 @@ class WorkerProfile:
         ttft = max(bucket.ttft.predict(xt), floor_ttft, 1e-4)
         tpot = max(bucket.tpot.predict(xp), 1e-5)
         if self._all.ttft.num_samples == 0:
-            ttft *= self.calibration.factor("ttft")
+            ttft *= self.calibration.factor(ttft_key(prompt_tokens))
         if self._all.tpot.num_samples == 0:
-            tpot *= self.calibration.factor("tpot")
+            tpot *= self.calibration.factor(TPOT_KEY)
         return Prediction(ttft, tpot, n)
 
     def observe(self, domain: str, prompt_tokens: int, queue: float, batch: float, depth: int,
                 ttft_s: float | None, tpot_s: float | None) -> None:
         has_ttft = ttft_s is not None and ttft_s >= 0 and math.isfinite(ttft_s)
         has_tpot = tpot_s is not None and tpot_s > 0 and math.isfinite(tpot_s)
-        self._start_calibrated(has_ttft, has_tpot)
+        if has_tpot and self._all.tpot.num_samples == 0:
+            # NOTE: the worker's first TPOT sample starts its fit from the calibrated prior.
+            # TTFT is calibrated per prompt band, so no one factor fits its worker-level
+            # model: that one starts from the raw prior and learns.
+            self._all.tpot.rescale(self.calibration.factor(TPOT_KEY))
         key = (domain, prompt_band(prompt_tokens))
         bucket = self._buckets.get(key)
         if bucket is None:
@@ -247,21 +258,14 @@ class WorkerProfile:
             assert ttft_s is not None
             bucket.ttft.update(xt, ttft_s)
             self._all.ttft.update(xt, ttft_s / f)
-            self.calibration.observe("ttft", ttft_s,
+            self.calibration.observe(ttft_key(prompt_tokens), ttft_s,
                                      self.prior.ttft_s(domain, prompt_tokens, queue))
         if has_tpot:
             assert tpot_s is not None
             bucket.tpot.update(xp, tpot_s)
             self._all.tpot.update(xp, tpot_s / (f * spec))
-            self.calibration.observe("tpot", tpot_s,
+            self.calibration.observe(TPOT_KEY, tpot_s,
                                      self.prior.tpot_s(domain, prompt_tokens, batch, depth))
-
-    def _start_calibrated(self, ttft: bool, tpot: bool) -> None:
-        """Before a model's first sample, move it from the raw prior to the calibrated one."""
-        if ttft and self._all.ttft.num_samples == 0:
-            self._all.ttft.rescale(self.calibration.factor("ttft"))
-        if tpot and self._all.tpot.num_samples == 0:
-            self._all.tpot.rescale(self.calibration.factor("tpot"))
 
     def num_samples(self, domain: str, prompt_tokens: int) -> int:
         bucket = self._buckets.get((domain, prompt_band(prompt_tokens)))

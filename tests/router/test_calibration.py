@@ -81,3 +81,16 @@ def test_identical_workers_share_load_after_one_learns() -> None:
     assert policy.choose(RequestShape("chat", 100, None, 50), views).worker == "b"
     b, a = (policy.candidate(RequestShape("chat", 100, None, 50), v) for v in views[::-1])
     assert b.unloaded_cost_s == pytest.approx(a.unloaded_cost_s, rel=0.25)
+
+
+def test_ttft_is_calibrated_per_prompt_band() -> None:
+    """Short prompts' TTFT (overhead) says nothing about a long prompt's (prefill)."""
+    cal = Calibration()
+    measured = WorkerProfile(LatencyPrior(CompiledConfig(), PriorConfig()), calibration=cal)
+    fresh = WorkerProfile(LatencyPrior(CompiledConfig(), PriorConfig()), calibration=cal)
+    raw_short, raw_long = (fresh.predict("chat", n, 0, 1, 0).ttft_s for n in (100, 1500))
+    for _ in range(20):  # short prompts 5x slower than the prior, on the other worker
+        measured.observe("chat", 100, 0, 1, 0, ttft_s=5 * raw_short, tpot_s=None)
+    assert fresh.predict("chat", 100, 0, 1, 0).ttft_s == pytest.approx(5 * raw_short, rel=0.05)
+    assert fresh.predict("chat", 1500, 0, 1, 0).ttft_s == pytest.approx(raw_long)
+    assert cal.snapshot() == {"ttft/0": [pytest.approx(5.0, rel=1e-3), 20]}
