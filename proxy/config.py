@@ -49,6 +49,9 @@ def _check(cond: bool, key: str, expected: str, got: Any) -> None:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    # Serve plain POSTs to the two OpenAI routes with the lean protocol of proxy/fastpath.py
+    # (everything else, on the same port, by aiohttp); false = aiohttp for every request.
+    fast_path: bool = True
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "server.port", "0..65535", self.port)

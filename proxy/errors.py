@@ -43,10 +43,12 @@ class ProxyError(Exception):
     def body(self) -> dict[str, object]:
         return error_body(self.message, self.error_type, self.param, self.code)
 
+    def headers(self) -> dict[str, str]:
+        """Headers the error's response carries (``Retry-After`` for load and shutdown)."""
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+
     def to_response(self, headers: dict[str, str] | None = None) -> web.Response:
-        hdrs = dict(headers or {})
-        if self.retry_after_s is not None:
-            hdrs["Retry-After"] = str(self.retry_after_s)
+        hdrs = {**(headers or {}), **self.headers()}
         return web.Response(status=self.status, body=orjson.dumps(self.body()),
                             content_type="application/json", headers=hdrs)
 

@@ -12,7 +12,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy import keys
 from proxy.errors import ProxyError, error_body
-from proxy.relay import REC_KEY, proxy_headers
+from proxy.exchange import REC_KEY, AiohttpExchange
+from proxy.relay import proxy_headers
 from proxy.validate import CHAT, COMPLETIONS
 
 logger = logging.getLogger(__name__)
@@ -54,11 +55,15 @@ async def error_middleware(
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[keys.RELAY].handle(request, CHAT)
+    ex = AiohttpExchange(request)
+    await request.app[keys.RELAY].handle(ex, CHAT)
+    return ex.response
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[keys.RELAY].handle(request, COMPLETIONS)
+    ex = AiohttpExchange(request)
+    await request.app[keys.RELAY].handle(ex, COMPLETIONS)
+    return ex.response
 
 
 async def models(request: web.Request) -> web.Response:

@@ -25,7 +25,6 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
 
 from proxy.config import ProxyConfig
 from proxy.errors import (
@@ -39,6 +38,7 @@ from proxy.errors import (
     UpstreamError,
     sse_error_event,
 )
+from proxy.exchange import ClientExchange
 from proxy.pool import Worker, WorkerPool
 from proxy.record import STATUS_CANCELLED, STATUS_ERROR, RequestRecord
 from proxy.shape import ShapeEstimator, prompt_text
@@ -54,10 +54,6 @@ logger = logging.getLogger(__name__)
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 _JSON_HEADERS = {"Content-Type": "application/json"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
-# NOTE: web.RequestKey exists from aiohttp 3.13; older versions take a plain string key.
-REC_KEY: Any = web.RequestKey("rec", RequestRecord) if hasattr(web, "RequestKey") else "rec"
 
 
 class _Retryable(Exception):
@@ -102,22 +98,23 @@ class Relay:
     def new_request_id(self) -> str:
         return f"pi-{self._id_prefix}-{next(self._ids)}"
 
-    async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        rid = request.headers.get("x-request-id")
+    async def handle(self, ex: ClientExchange, endpoint: str) -> None:
+        """Serve one request; a :class:`ProxyError` raised means nothing was sent yet."""
+        rid = ex.header("x-request-id")
         if not rid or len(rid) > 128 or not (rid.isascii() and rid.isprintable()):
             rid = self.new_request_id()
         rec = RequestRecord(request_id=rid, ts=time.time(), t0=time.perf_counter(),
                             endpoint=endpoint)
-        request[REC_KEY] = rec
+        ex.bind(rec)
         try:
-            self._admit(request)
+            self._admit(ex)
         except ProxyError as e:
             self._fail(rec, e)
             self._finish(rec)
             raise
         self.stats.in_flight += 1
         try:
-            return await self._handle(request, rec)
+            await self._handle(ex, rec)
         except ProxyError as e:
             self._fail(rec, e)
             raise
@@ -135,11 +132,11 @@ class Relay:
                 rec.e2e_s = time.perf_counter() - rec.t0
             self._finish(rec)
 
-    def _admit(self, request: web.Request) -> None:
+    def _admit(self, ex: ClientExchange) -> None:
         retry = self.limits.retry_after_s
         if self.draining:
             raise ShuttingDown("the proxy is shutting down", retry_after_s=retry)
-        if self._api_keys and request.headers.get("Authorization") not in self._api_keys:
+        if self._api_keys and ex.header("authorization") not in self._api_keys:
             raise Unauthorized("invalid or missing API key (Authorization: Bearer <key>)")
         if self.stats.in_flight >= self.limits.max_in_flight:
             raise Overloaded(f"more than {self.limits.max_in_flight} requests in flight",
@@ -190,32 +187,30 @@ class Relay:
             rec.spec_draft_tokens, rec.spec_accepted_tokens, rec.completion_tokens,
             rec.e2e_s - rec.ttft_s)
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        if (request.content_length or 0) > self.limits.max_body_bytes:
-            raise BodyTooLarge(f"request body over {self.limits.max_body_bytes} bytes")
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge as e:
-            raise BodyTooLarge(f"request body over {self.limits.max_body_bytes} bytes") from e
+    async def _read_body(self, ex: ClientExchange) -> bytes:
+        limit = self.limits.max_body_bytes
+        if (ex.content_length or 0) > limit:
+            raise BodyTooLarge(f"request body over {limit} bytes")
+        return await ex.read_body(limit)
 
-    async def _handle(self, request: web.Request, rec: RequestRecord) -> web.StreamResponse:
-        body = parse_body(await self._read_body(request))
+    async def _handle(self, ex: ClientExchange, rec: RequestRecord) -> None:
+        body = parse_body(await self._read_body(ex))
         check_body(body, rec.endpoint)
         rec.model = body["model"]
         rec.stream = body.get("stream") is True
         if not self.pool.serves(rec.model):
             raise ModelNotFound(f"the model '{rec.model}' does not exist; see GET /v1/models",
                                 param="model")
-        rec.shape = self.estimator.estimate(body, request.path)
+        rec.shape = self.estimator.estimate(body, ex.path)
         if self.config.traces.record_prompt_text:
             rec.prompt_text = prompt_text(body)
         strip_usage = rec.stream and not wants_usage(body)
         if strip_usage:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        return await self._forward(request, rec, body, strip_usage)
+        await self._forward(ex, rec, body, strip_usage)
 
-    async def _forward(self, request: web.Request, rec: RequestRecord, body: dict[str, Any],
-                       strip_usage: bool) -> web.StreamResponse:
+    async def _forward(self, ex: ClientExchange, rec: RequestRecord, body: dict[str, Any],
+                       strip_usage: bool) -> None:
         assert rec.shape is not None
         tried: list[str] = []
         last_error = ""
@@ -229,7 +224,7 @@ class Relay:
             rec.num_attempts += 1
             rec.spec_depth = self._depth(worker, rec, decision.spec_depth)
             try:
-                return await self._attempt(request, rec, worker, body, strip_usage)
+                return await self._attempt(ex, rec, worker, body, strip_usage)
             except _Retryable as e:
                 last_error = str(e)
                 tried.append(worker.name)
@@ -272,8 +267,8 @@ class Relay:
         return self.depth_policy.decide(worker.name, rec.shape.domain, worker.view.running + 1,
                                         engine.spec_max_depth)
 
-    async def _attempt(self, request: web.Request, rec: RequestRecord, worker: Worker,
-                       body: dict[str, Any], strip_usage: bool) -> web.StreamResponse:
+    async def _attempt(self, ex: ClientExchange, rec: RequestRecord, worker: Worker,
+                       body: dict[str, Any], strip_usage: bool) -> None:
         if rec.spec_depth is not None:
             body["speculative_depth"] = rec.spec_depth
         else:
@@ -288,8 +283,9 @@ class Relay:
             upstream = await self._send(worker, orjson.dumps(body), rec)
             try:
                 if rec.stream and upstream.status == 200:
-                    return await self._relay_stream(request, rec, worker, upstream, strip_usage)
-                return await self._relay_body(rec, worker, upstream)
+                    await self._relay_stream(ex, rec, worker, upstream, strip_usage)
+                else:
+                    await self._relay_body(ex, rec, worker, upstream)
             finally:
                 # NOTE: release() keeps a fully read connection for reuse and closes one
                 # with unread body (client gone, worker broken), aborting the upstream.
@@ -317,8 +313,8 @@ class Relay:
             raise _Retryable(f"{worker.name}: HTTP {upstream.status} {detail!r}")
         return upstream
 
-    async def _relay_body(self, rec: RequestRecord, worker: Worker,
-                          upstream: UpstreamResponse) -> web.Response:
+    async def _relay_body(self, ex: ClientExchange, rec: RequestRecord, worker: Worker,
+                          upstream: UpstreamResponse) -> None:
         try:
             raw = await upstream.read_all()
         except UPSTREAM_ERRORS as e:
@@ -333,7 +329,7 @@ class Relay:
         rec.e2e_s = time.perf_counter() - rec.t0
         headers = proxy_headers(rec)
         headers["Content-Type"] = upstream.content_type or "application/json"
-        return web.Response(status=upstream.status, body=raw, headers=headers)
+        ex.send(upstream.status, headers, raw)
 
     @staticmethod
     def _read_usage(raw: bytes, rec: RequestRecord) -> None:
@@ -343,9 +339,8 @@ class Relay:
             return
         _take_usage(usage, rec)
 
-    async def _relay_stream(self, request: web.Request, rec: RequestRecord, worker: Worker,
-                            upstream: UpstreamResponse, strip_usage: bool
-                            ) -> web.StreamResponse:
+    async def _relay_stream(self, ex: ClientExchange, rec: RequestRecord, worker: Worker,
+                            upstream: UpstreamResponse, strip_usage: bool) -> None:
         content = upstream
         try:
             first = await content.read_chunk()
@@ -355,34 +350,32 @@ class Relay:
         if not first:
             worker.breaker.record_failure()
             raise _Retryable(f"{worker.name}: empty stream")
-        resp = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **proxy_headers(rec)})
-        await resp.prepare(request)
+        await ex.start_stream({**_SSE_HEADERS, **proxy_headers(rec)})
         try:
-            await self._pump(content, first, resp, rec, strip_usage)
+            await self._pump(content, first, ex, rec, strip_usage)
             worker.breaker.record_success()
         except _ClientGone:
             rec.status, rec.error = STATUS_CANCELLED, "client_disconnected"
-            return resp
+            return
         except UPSTREAM_ERRORS as e:
             if rec.responded:  # failed while reading past [DONE]: the client has it all
-                return resp
+                return
             worker.breaker.record_failure()
             rec.status, rec.http_status = STATUS_ERROR, 502
             rec.error = f"upstream_broken: {worker.name}: {type(e).__name__}"
             logger.warning("worker %s failed mid-stream (%s): %s", worker.name, rec.request_id, e)
-            await _write_quietly(resp, sse_error_event(
+            await _write_quietly(ex, sse_error_event(
                 f"worker {worker.name} failed mid-stream ({type(e).__name__}); "
                 f"the response is incomplete (request {rec.request_id})"))
         if rec.e2e_s is None:
             rec.e2e_s = time.perf_counter() - rec.t0
         try:
-            await resp.write_eof()
+            await ex.write_eof()
             rec.responded = True
         except ConnectionError:
             pass
-        return resp
 
-    async def _pump(self, content: UpstreamResponse, chunk: bytes, resp: web.StreamResponse,
+    async def _pump(self, content: UpstreamResponse, chunk: bytes, ex: ClientExchange,
                     rec: RequestRecord, strip_usage: bool) -> None:
         tail = b""
         while chunk:
@@ -397,30 +390,30 @@ class Relay:
                 if not tail and out.endswith(_DONE_EVENTS):
                     # NOTE: the stream's last event: send it with the chunked-encoding
                     # terminator (and, for a one-read stream, the headers) in one write.
-                    await _write_client(resp, out, eof=True)
+                    await _write_client(ex, out, eof=True)
                     rec.responded = True
                     rec.e2e_s = time.perf_counter() - rec.t0
                     await _drain_upstream(content)
                     return
                 if out:
-                    await _write_client(resp, out)
+                    await _write_client(ex, out)
             else:
                 tail = buf
             chunk = await content.read_chunk()
         if tail:
-            await _write_client(resp, tail)
+            await _write_client(ex, tail)
 
 
 _DONE_EVENTS = (b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n")
 _USAGE_MARKERS = (b'"usage":{', b'"usage": {')
 
 
-async def _write_client(resp: web.StreamResponse, data: bytes, eof: bool = False) -> None:
+async def _write_client(ex: ClientExchange, data: bytes, eof: bool = False) -> None:
     try:
         if eof:
-            await resp.write_eof(data)
+            await ex.write_eof(data)
         else:
-            await resp.write(data)
+            await ex.write(data)
     except (ConnectionError, RuntimeError) as e:
         raise _ClientGone() from e
 
@@ -431,9 +424,9 @@ async def _drain_upstream(content: UpstreamResponse) -> None:
         pass
 
 
-async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
+async def _write_quietly(ex: ClientExchange, data: bytes) -> None:
     try:
-        await resp.write(data)
+        await ex.write(data)
     except (ConnectionError, RuntimeError):
         pass
 

@@ -15,12 +15,14 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from typing import cast
 
 from aiohttp import web
 
 from proxy import keys
 from proxy.app import create_app
 from proxy.config import ProxyConfig
+from proxy.fastpath import FastServer
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +47,9 @@ class ProxyServer:
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=self.config.limits.drain_timeout_s)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.server.host, self.config.server.port,
-                           backlog=4096, reuse_address=True)
+        site_type = FastSite if self.config.server.fast_path else web.TCPSite
+        site = site_type(self._runner, self.config.server.host, self.config.server.port,
+                         backlog=4096, reuse_address=True)
         try:
             await site.start()
         except BaseException:
@@ -73,6 +76,36 @@ class ProxyServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+
+class FastSite(web.TCPSite):
+    """A TCP site whose connections start on the lean hot-path protocol (proxy/fastpath.py).
+
+    Requests that protocol does not serve go, with their connection, to the
+    runner's aiohttp server, so every route and rule of the app still applies.
+    """
+
+    _fast: FastServer | None = None
+
+    async def start(self) -> None:
+        self._runner._reg_site(self)
+        aiohttp_server = self._runner.server
+        assert aiohttp_server is not None
+        app = cast(web.AppRunner, self._runner).app
+        self._fast = FastServer(app[keys.RELAY], aiohttp_server,
+                                app[keys.CONFIG].limits.max_body_bytes)
+        self._server = await asyncio.get_running_loop().create_server(
+            self._fast, self._host, self._port, backlog=self._backlog,
+            reuse_address=self._reuse_address, reuse_port=self._reuse_port)
+        sockets = self._server.sockets
+        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+
+    async def stop(self) -> None:
+        # NOTE: after ProxyServer.drain: idle keep-alive connections are closed here,
+        # the ones handed to aiohttp by the runner's shutdown.
+        if self._fast is not None:
+            self._fast.close()
+        await super().stop()
 
 
 async def serve_until_signal(config: ProxyConfig) -> None:

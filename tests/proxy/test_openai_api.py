@@ -174,20 +174,25 @@ def test_prompt_text_only_when_enabled(engines, tmp_path) -> None:  # type: igno
 def test_tcp_nodelay_on_both_sides(proxy: ProxyThread) -> None:
     import socket
 
-    with httpx.Client(base_url=proxy.url) as h:
+    # one connection stays on the lean hot-path protocol, the other is handed to aiohttp
+    with httpx.Client(base_url=proxy.url) as h, httpx.Client(base_url=proxy.url) as g:
         h.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        g.get("/v1/models")
 
         def nodelay(transport) -> bool:  # type: ignore[no-untyped-def]
             sock = transport.get_extra_info("socket")
             return bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
 
-        server = proxy.server._runner.server  # type: ignore[union-attr]
-        client_side = [c.transport for c in server.connections if c.transport is not None]
+        runner = proxy.server._runner  # type: ignore[union-attr]
+        (site,) = runner.sites
+        lean = [c.transport for c in site._fast.connections if c.transport is not None]
+        handed_over = [c.transport for c in runner.server.connections
+                       if c.transport is not None]
         upstream = [conn.transport for pool in
                     proxy.app[keys.RELAY].client._pools.values()  # type: ignore[union-attr]
                     for conn in pool.idle if conn.transport is not None]
-        assert client_side and upstream
-        assert all(nodelay(t) for t in client_side + upstream)
+        assert lean and handed_over and upstream
+        assert all(nodelay(t) for t in lean + handed_over + upstream)
 
 
 def test_bare_worker_url_discovers_models_and_engine_config(engines, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,414 @@
+"""A lean server protocol for the hot path: plain POSTs to the two OpenAI routes.
+
+aiohttp's server side (request objects, header multidicts, URL objects,
+response objects, the per-connection handler loop) cost about as much CPU
+per streamed request as the whole relay (bench/proxy_overhead.py, py-spy).
+This protocol serves the common case itself and hands everything else to
+aiohttp, on the same port:
+
+    a new request on a connection
+      -> "POST /v1/chat/completions" or "POST /v1/completions", HTTP/1.1,
+         a Content-Length body within limits.max_body_bytes, only well-formed
+         header lines, none of Transfer-Encoding / Expect / Upgrade:
+         served here by the relay (keep-alive, pipelining, chunked SSE out)
+      -> anything else (other routes and methods, chunked request bodies,
+         HTTP/1.0, odd or oversized heads, bodies over the limit):
+         the connection and every byte not yet consumed go to aiohttp's own
+         protocol for the rest of the connection's life (transport.set_protocol)
+
+Only a request that starts exactly at a byte offset this protocol knows is
+ever looked at, so the hand-over is byte-exact: aiohttp sees the same bytes
+it would have read itself, and decides (404, 405, 413, 400 bad HTTP...).
+
+A client that disconnects cancels its request's task: the relay closes the
+upstream connection, which aborts the request on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from email.utils import formatdate
+from typing import Any, cast
+
+import orjson
+
+from proxy.errors import ProxyError, error_body
+from proxy.record import RequestRecord
+from proxy.relay import Relay, proxy_headers
+from proxy.validate import CHAT, COMPLETIONS
+
+logger = logging.getLogger(__name__)
+
+MAX_HEAD_BYTES = 8190  # aiohttp's own line / field limit; a longer head goes to aiohttp
+_ROUTES = {b"/v1/chat/completions": (CHAT, "/v1/chat/completions"),
+           b"/v1/completions": (COMPLETIONS, "/v1/completions")}
+_PREFIX = b"POST /v1/"
+# field-name ":" OWS field-value OWS CRLF, with RFC 9110 token names and visible/obs-text values.
+_HEADER_LINES = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t \x21-\x7e\x80-\xff]*\r\n)*\Z")
+_HEADER = re.compile(rb"([^:]+):[\t ]*([^\r]*?)[\t ]*\r\n")
+_HANDED_OVER = (b"transfer-encoding", b"expect", b"upgrade")
+_STATUS_TEXT = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden",
+                404: b"Not Found", 409: b"Conflict", 413: b"Payload Too Large",
+                422: b"Unprocessable Entity", 429: b"Too Many Requests",
+                500: b"Internal Server Error", 502: b"Bad Gateway",
+                503: b"Service Unavailable", 504: b"Gateway Timeout"}
+_EAGER = {"eager_start": True} if sys.version_info >= (3, 12) else {}
+
+
+class RequestHead:
+    """The parts of a hot-route request head the relay reads."""
+
+    __slots__ = ("endpoint", "path", "headers", "content_length", "keep_alive")
+
+    def __init__(self, endpoint: str, path: str, headers: dict[bytes, bytes],
+                 content_length: int, keep_alive: bool) -> None:
+        self.endpoint = endpoint
+        self.path = path
+        self.headers = headers  # lower-case names
+        self.content_length = content_length
+        self.keep_alive = keep_alive
+
+
+def parse_head(head: bytes) -> RequestHead | None:
+    """``head`` (up to, without, the blank line) if this protocol serves it, else None."""
+    line_end = head.find(b"\r\n")
+    request_line = head if line_end == -1 else head[:line_end]
+    parts = request_line.split(b" ")
+    if len(parts) != 3 or parts[0] != b"POST" or parts[2] != b"HTTP/1.1":
+        return None
+    route = _ROUTES.get(parts[1])
+    if route is None:
+        return None
+    block = b"" if line_end == -1 else head[line_end + 2:] + b"\r\n"
+    if _HEADER_LINES.match(block) is None:
+        return None
+    pairs = _HEADER.findall(block)
+    headers = {name.lower(): value for name, value in pairs}
+    if len(headers) != len(pairs) or any(h in headers for h in _HANDED_OVER):
+        return None  # repeated fields and body/protocol negotiation: aiohttp's rules
+    length = headers.get(b"content-length")
+    if length is None or not length.isdigit() or len(length) > 15:
+        return None
+    connection = headers.get(b"connection", b"keep-alive").lower()
+    if connection not in (b"keep-alive", b"close"):
+        return None
+    return RequestHead(route[0], route[1], headers, int(length), connection != b"close")
+
+
+class _DateHeader:
+    """The ``Date`` header value, formatted at most once per second."""
+
+    __slots__ = ("_second", "_value")
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._value = b""
+
+    def value(self) -> bytes:
+        now = int(time.time())
+        if now != self._second:
+            self._second = now
+            self._value = formatdate(now, usegmt=True).encode()
+        return self._value
+
+
+class FastExchange:
+    """A :class:`proxy.exchange.ClientExchange` on a :class:`FastConnection`."""
+
+    __slots__ = ("_conn", "_head", "_body", "rec", "_pending", "started", "finished")
+
+    def __init__(self, conn: FastConnection, head: RequestHead, body: bytes) -> None:
+        self._conn = conn
+        self._head = head
+        self._body = body
+        self.rec: RequestRecord | None = None
+        self._pending = b""  # the stream's response head, sent with its first bytes
+        self.started = False  # response bytes were (or are about to be) sent
+        self.finished = False  # the whole response was handed to the transport
+
+    @property
+    def path(self) -> str:
+        return self._head.path
+
+    @property
+    def content_length(self) -> int | None:
+        return self._head.content_length
+
+    def header(self, name: str) -> str | None:
+        value = self._head.headers.get(name.encode("latin-1"))
+        return None if value is None else value.decode("utf-8", "surrogateescape")
+
+    def bind(self, rec: RequestRecord) -> None:
+        self.rec = rec
+
+    async def read_body(self, max_bytes: int) -> bytes:
+        return self._body  # read whole before the request started; length checked then
+
+    def send(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.started = self.finished = True
+        self._conn.write(self._conn.response_head(status, headers, len(body)) + body)
+
+    async def start_stream(self, headers: dict[str, str]) -> None:
+        self.started = True
+        self._pending = self._conn.response_head(200, headers, None)
+
+    async def write(self, data: bytes) -> None:
+        if not data:
+            return  # an empty chunk would end the chunked body
+        self._conn.write(self._take_head() + b"%x\r\n%s\r\n" % (len(data), data))
+        await self._conn.drain()
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if self.finished:
+            return
+        self.finished = True
+        frame = b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
+        self._conn.write(self._take_head() + frame)
+        await self._conn.drain()
+
+    def _take_head(self) -> bytes:
+        head, self._pending = self._pending, b""
+        return head
+
+
+class FastConnection(asyncio.Protocol):
+    """One client connection: reads request heads, runs one request at a time."""
+
+    def __init__(self, server: FastServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.idle_since = 0.0  # loop time of the last request end or data; for the sweep
+        self._buf = bytearray()
+        self._head: RequestHead | None = None  # parsed head of a request still receiving its body
+        self._need = 0  # bytes of buffer the request above spans
+        self._task: asyncio.Task[None] | None = None
+        self._reading_paused = False
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+
+    # -- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # NOTE: uvloop's transports are not asyncio.Transport subclasses; same interface.
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.idle_since = self.server.loop.time()
+        self.server.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        if self._task is not None:
+            # pipelined: kept until the current response ends; bounded like a body
+            if len(self._buf) > self.server.max_body_bytes + MAX_HEAD_BYTES:
+                self._pause_reading()
+            return
+        self.idle_since = self.server.loop.time()
+        self._next_request()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        if self._task is not None:
+            self._task.cancel()  # the relay closes the upstream request
+        self._wake_drain(ConnectionResetError("the client closed the connection"))
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake_drain(None)
+
+    # -- writing ------------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        transport.write(data)
+
+    async def drain(self) -> None:
+        if not self._write_paused:
+            return
+        if self.transport is None or self.transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        self._drain_waiter = self.server.loop.create_future()
+        try:
+            await self._drain_waiter
+        finally:
+            self._drain_waiter = None
+
+    def _wake_drain(self, exc: Exception | None) -> None:
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            if exc is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(exc)
+
+    def response_head(self, status: int, headers: dict[str, str],
+                      content_length: int | None) -> bytes:
+        lines = [b"HTTP/1.1 %d %s\r\n" % (status, _STATUS_TEXT.get(status, b"Unknown"))]
+        for name, value in headers.items():
+            raw = value.encode("utf-8")
+            if b"\r" in raw or b"\n" in raw:
+                raise ValueError(f"newline in response header {name}")
+            lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), raw))
+        lines.append(b"Date: %s\r\nServer: polyinfer\r\n" % self.server.date.value())
+        if content_length is None:
+            lines.append(b"Transfer-Encoding: chunked\r\n\r\n")
+        else:
+            lines.append(b"Content-Length: %d\r\n\r\n" % content_length)
+        return b"".join(lines)
+
+    # -- requests -----------------------------------------------------------------------
+
+    def _next_request(self) -> None:
+        """Start the request at the front of the buffer, wait for more bytes, or hand over."""
+        buf = self._buf
+        head = self._head
+        if self._task is not None or self.transport is None:
+            return
+        if head is None:
+            if not buf:
+                return
+            if not _PREFIX.startswith(buf[:len(_PREFIX)]):
+                self._hand_over()
+                return
+            end = buf.find(b"\r\n\r\n")
+            if end == -1:
+                # NOTE: bare-LF line ends are legal for aiohttp's parser, never seen here
+                if len(buf) > MAX_HEAD_BYTES or buf.count(b"\n") != buf.count(b"\r\n"):
+                    self._hand_over()
+                return
+            head = parse_head(bytes(buf[:end]))
+            if head is None or head.content_length > self.server.max_body_bytes:
+                self._hand_over()
+                return
+            self._head, self._need = head, end + 4 + head.content_length
+        if len(buf) < self._need:
+            return  # the body is still arriving
+        body = bytes(buf[self._need - head.content_length:self._need])
+        del buf[:self._need]
+        self._head = None
+        task = _start_task(self._serve(FastExchange(self, head, body), head))
+        if not task.done():  # an eager task may have finished (an error answered at once)
+            self._task = task
+
+    async def _serve(self, ex: FastExchange, head: RequestHead) -> None:
+        try:
+            await self.server.relay.handle(ex, head.endpoint)
+        except ProxyError as e:
+            self._send_error(ex, e.status, e.body(), e.headers())
+        except asyncio.CancelledError:
+            return  # the client went away (connection_lost)
+        except Exception:
+            logger.exception("unhandled error on POST %s", head.path)
+            self._send_error(ex, 500, error_body("internal proxy error", "internal_error"), {})
+        finally:
+            self._task = None
+        self._request_done(ex, head.keep_alive)
+
+    def _send_error(self, ex: FastExchange, status: int, body: dict[str, object],
+                    headers: dict[str, str]) -> None:
+        if ex.started:
+            return  # part of a response went out: the connection is closed after it
+        headers = {"Content-Type": "application/json", **headers}
+        if ex.rec is not None:
+            headers.update(proxy_headers(ex.rec))
+        try:
+            ex.send(status, headers, orjson.dumps(body))
+        except ConnectionError:
+            pass
+
+    def _request_done(self, ex: FastExchange, keep_alive: bool) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if not keep_alive or not ex.finished or self.server.closing:
+            transport.close()
+            return
+        self.idle_since = self.server.loop.time()
+        if self._reading_paused:
+            self._reading_paused = False
+            transport.resume_reading()
+        if self._buf:
+            # NOTE: not called directly: pipelined requests answered eagerly would recurse.
+            self.server.loop.call_soon(self._next_request)
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _hand_over(self) -> None:
+        """Give the connection and its unread bytes to aiohttp's protocol, for good."""
+        transport = self.transport
+        assert transport is not None and self._task is None
+        self.server.connections.discard(self)
+        self.transport = None
+        data, self._buf = bytes(self._buf), bytearray()
+        if self._reading_paused:
+            transport.resume_reading()
+        handler = self.server.aiohttp_factory()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if data:
+            handler.data_received(data)
+
+    def close_if_idle(self, idle_before: float) -> None:
+        """Close a keep-alive connection with no request running since ``idle_before``."""
+        if self._task is None and self.idle_since < idle_before and self.transport is not None:
+            self.transport.close()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _start_task(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    # NOTE: eager start (3.12+) runs the request up to its first wait inside data_received,
+    # a loop iteration earlier; aiohttp's server does the same for its handler tasks.
+    return asyncio.Task(coro, **_EAGER)  # type: ignore[arg-type]
+
+
+class FastServer:
+    """Makes a :class:`FastConnection` per accepted socket; owns their shared state."""
+
+    def __init__(self, relay: Relay, aiohttp_factory: Callable[[], asyncio.Protocol],
+                 max_body_bytes: int, keepalive_timeout_s: float = 75.0) -> None:
+        self.relay = relay
+        self.aiohttp_factory = aiohttp_factory
+        self.max_body_bytes = max_body_bytes
+        self.keepalive_timeout_s = keepalive_timeout_s
+        self.loop = asyncio.get_running_loop()
+        self.connections: set[FastConnection] = set()
+        self.date = _DateHeader()
+        self.closing = False
+        # NOTE: one sweep for every idle keep-alive connection instead of a timer per request.
+        self._sweeper = self.loop.create_task(self._sweep(), name="fastpath-keepalive")
+
+    def __call__(self) -> FastConnection:
+        return FastConnection(self)
+
+    async def _sweep(self) -> None:
+        period_s = max(0.5, min(10.0, self.keepalive_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period_s)
+            idle_before = self.loop.time() - self.keepalive_timeout_s
+            for conn in list(self.connections):
+                conn.close_if_idle(idle_before)
+
+    def close(self) -> None:
+        """Stop the sweep and close every connection (requests still running are cancelled)."""
+        self.closing = True
+        self._sweeper.cancel()
+        for conn in list(self.connections):
+            conn.close()
