@@ -129,6 +129,134 @@ INLINE void attend_head(const float *q, int64_t q_row_stride, const float *k_cac
         }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* exp_nonpos on 8 lanes, the same polynomial. */
+INLINE __m256 exp_nonpos8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                   _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* Four dot products of q (8 registers, D = 64) with keys k0..k3: one 4-way reduction. */
+INLINE __m128 dot4(const __m256 *qv, const float *k0, const float *k1, const float *k2,
+                   const float *k3) {
+    __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0));
+    __m256 a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k1));
+    __m256 a2 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k2));
+    __m256 a3 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k3));
+    for (int c = 1; c < 8; c++) {
+        a0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), a0);
+        a1 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k1 + 8 * c), a1);
+        a2 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k2 + 8 * c), a2);
+        a3 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k3 + 8 * c), a3);
+    }
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* One query row (D = 64) against n <= bs keys of one block: online-softmax update of
+   (m, l, acc). Every row runs exactly this, whatever q_len and G are, so a row's
+   result does not depend on how many rows share the step (decode == verification). */
+INLINE void row_block_d64(const float *qr, const float *kb, const float *vb, int64_t n,
+                          float scale, float *sc, float *acc, float *m, float *l) {
+    __m256 qv[8];
+    __m256 sv = _mm256_set1_ps(scale);
+    for (int c = 0; c < 8; c++) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(qr + 8 * c), sv);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        _mm_storeu_ps(sc + i, dot4(qv, kb + i * 64, kb + (i + 1) * 64, kb + (i + 2) * 64,
+                                   kb + (i + 3) * 64));
+    for (; i < n; i++) {  /* a tail of 1-3 keys: the same 4-way reduction, key repeated */
+        const float *kr = kb + i * 64;
+        sc[i] = _mm_cvtss_f32(dot4(qv, kr, kr, kr, kr));
+    }
+    float bmax = -INFINITY;
+    for (i = 0; i < n; i++) bmax = sc[i] > bmax ? sc[i] : bmax;
+    float mnew = *m > bmax ? *m : bmax;
+    __m256 mv = _mm256_set1_ps(mnew), sum8 = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= n; i += 8) {
+        __m256 e = exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(sc + i), mv));
+        _mm256_storeu_ps(sc + i, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = 0.0f;
+    if (i < n) {  /* the last partial vector, padded with -inf (exp -> 0) */
+        float pad[8];
+        for (int t = 0; t < 8; t++) pad[t] = i + t < n ? sc[i + t] : -INFINITY;
+        __m256 e = exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(pad), mv));
+        _mm256_storeu_ps(pad, e);
+        for (int t = 0; i + t < n; t++) sc[i + t] = pad[t];
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    {
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sum8), _mm256_extractf128_ps(sum8, 1));
+        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        sum = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+    }
+    /* m = -inf on a row's first block: clamped, ~1e-38 x (l = 0, acc = 0) */
+    float alpha = _mm256_cvtss_f32(exp_nonpos8(_mm256_set1_ps(*m - mnew)));
+    *l = *l * alpha + sum;
+    *m = mnew;
+    __m256 av[8];
+    __m256 alv = _mm256_set1_ps(alpha);
+    for (int c = 0; c < 8; c++) av[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), alv);
+    for (i = 0; i < n; i++) {
+        __m256 p = _mm256_set1_ps(sc[i]);
+        const float *vr = vb + i * 64;
+        for (int c = 0; c < 8; c++) av[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), av[c]);
+    }
+    for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + 8 * c, av[c]);
+}
+
+static void attend_head_d64(const float *q, int64_t q_row_stride, const float *k_cache,
+                            const float *v_cache, const int64_t *table, int64_t start,
+                            int64_t q_len, int64_t hk, int64_t G, int64_t num_blocks, int64_t bs,
+                            float scale, float *out, int64_t out_row_stride, float *acc,
+                            float *m, float *l) {
+    float sc[MAX_BLOCK];
+    int64_t rows = q_len * G, ctx = start + q_len;
+    for (int64_t r = 0; r < rows; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        for (int64_t d = 0; d < 64; d++) acc[r * 64 + d] = 0.0f;
+    }
+    for (int64_t b = 0; b * bs < ctx; b++) {
+        const float *kb = k_cache + (hk * num_blocks + table[b]) * bs * 64;
+        const float *vb = v_cache + (hk * num_blocks + table[b]) * bs * 64;
+        for (int64_t j = 0; j < q_len; j++) {
+            int64_t n = start + j + 1 - b * bs;  /* causal: keys 0 .. start + j */
+            if (n <= 0) continue;
+            if (n > bs) n = bs;
+            for (int64_t g = 0; g < G; g++) {
+                int64_t r = j * G + g;
+                row_block_d64(q + j * q_row_stride + (hk * G + g) * 64, kb, vb, n, scale, sc,
+                              acc + r * 64, m + r, l + r);
+            }
+        }
+    }
+    for (int64_t j = 0; j < q_len; j++)
+        for (int64_t g = 0; g < G; g++) {
+            int64_t r = j * G + g;
+            float inv = 1.0f / l[r];
+            float *o = out + j * out_row_stride + (hk * G + g) * 64;
+            for (int64_t d = 0; d < 64; d++) o[d] = acc[r * 64 + d] * inv;
+        }
+}
+#else
 static void attend_head_d64(const float *q, int64_t q_row_stride, const float *k_cache,
                             const float *v_cache, const int64_t *table, int64_t start,
                             int64_t q_len, int64_t hk, int64_t G, int64_t num_blocks, int64_t bs,
@@ -137,6 +265,7 @@ static void attend_head_d64(const float *q, int64_t q_row_stride, const float *k
     attend_head(q, q_row_stride, k_cache, v_cache, table, start, q_len, hk, G, 64, num_blocks,
                 bs, scale, out, out_row_stride, acc, m, l);
 }
+#endif
 
 static void attend_head_any(const float *q, int64_t q_row_stride, const float *k_cache,
                             const float *v_cache, const int64_t *table, int64_t start,

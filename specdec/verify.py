@@ -67,11 +67,12 @@ class _Layout:
 def verify(target_logits: torch.Tensor, proposals: Sequence[Proposal],
            sampling: Sequence[SamplingParams]) -> list[VerifyResult]:
     """Accept or reject every proposal; one result per proposal, in order."""
-    layout = _layout(target_logits, proposals, sampling)
+    _check_inputs(target_logits, proposals, sampling)
+    if all(s.greedy for s in sampling):
+        return _verify_greedy(target_logits, proposals)
+    layout = _layout(target_logits, proposals)
     counts = [len(p.tokens) + 1 for p in proposals]
     flat_params = [s for s, c in zip(sampling, counts, strict=True) for _ in range(c)]
-    if all(s.greedy for s in sampling):
-        return _verify_greedy(target_logits, proposals, layout)
     p = process_logits(target_logits, flat_params)  # [T, vocab]
     q_draft = _draft_prob_of_token(proposals, layout)  # [T]
     p_draft = p.gather(1, layout.draft_tokens.unsqueeze(1)).squeeze(1)  # [T]
@@ -88,20 +89,24 @@ def verify(target_logits: torch.Tensor, proposals: Sequence[Proposal],
     return _results(proposals, num_accepted, final)
 
 
-def _layout(logits: torch.Tensor, proposals: Sequence[Proposal],
-            sampling: Sequence[SamplingParams]) -> _Layout:
+def _check_inputs(logits: torch.Tensor, proposals: Sequence[Proposal],
+                  sampling: Sequence[SamplingParams]) -> None:
     if len(proposals) != len(sampling):
         raise VerifyInputError(
             f"{len(proposals)} proposals but {len(sampling)} sampling params")
-    counts = [len(p.tokens) + 1 for p in proposals]
-    total = sum(counts)
+    total = sum(len(p.tokens) + 1 for p in proposals)
     if logits.dim() != 2 or logits.shape[0] != total:
         raise VerifyInputError(
             f"target_logits: expected [{total}, vocab] (sum of k_i + 1), got {tuple(logits.shape)}")
-    vocab = logits.shape[1]
+    for prop in proposals:
+        _check_proposal(prop, logits.shape[1])
+
+
+def _layout(logits: torch.Tensor, proposals: Sequence[Proposal]) -> _Layout:
+    counts = [len(p.tokens) + 1 for p in proposals]
+    total = sum(counts)
     flat: list[int] = []
     for prop in proposals:
-        _check_proposal(prop, vocab)
         flat.extend(prop.tokens)
         flat.append(0)
     dev = logits.device
@@ -122,12 +127,25 @@ def _check_proposal(prop: Proposal, vocab: int) -> None:
             f"got {tuple(prop.probs.shape)}")
 
 
-def _verify_greedy(logits: torch.Tensor, proposals: Sequence[Proposal],
-                   layout: _Layout) -> list[VerifyResult]:
-    argmax = logits.argmax(dim=1)  # [T]
-    match = (argmax == layout.draft_tokens).float()  # p(x) of a point mass on the argmax
-    num_accepted = _num_accepted(match, torch.ones_like(match), torch.zeros_like(match), layout)
-    return _results(proposals, num_accepted, argmax[layout.starts + num_accepted])
+def _verify_greedy(logits: torch.Tensor, proposals: Sequence[Proposal]) -> list[VerifyResult]:
+    """p is a point mass on each row's argmax: accept the longest prefix equal to the argmax.
+
+    NOTE: one argmax over all rows, then plain Python over at most sum(k_i) ints: at batch 1
+    building index tensors for the vectorised path cost more than the rows it checks.
+    """
+    argmax: list[int] = logits.argmax(dim=1).tolist()  # [T]
+    out = []
+    start = 0
+    for prop in proposals:
+        n = 0
+        for token in prop.tokens:
+            if token != argmax[start + n]:
+                break
+            n += 1
+        out.append(VerifyResult(prop.seq_id, prop.tokens[:n] + [argmax[start + n]], n,
+                                len(prop.tokens)))
+        start += len(prop.tokens) + 1
+    return out
 
 
 def _num_accepted(p_draft: torch.Tensor, q_draft: torch.Tensor, u: torch.Tensor,

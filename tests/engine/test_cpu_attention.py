@@ -136,3 +136,18 @@ def test_unwritable_cache_folder_falls_back_to_a_temporary_one(
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
     assert load_cpu_attention() is not None
     assert list((tmp_path / "tmp").rglob("*.so"))
+
+
+@pytest.mark.parametrize("head_dim", [64, 32])  # the vectorised D = 64 path and the generic one
+def test_a_row_does_not_depend_on_how_many_rows_share_the_step(kernel: CpuPagedAttention,
+                                                               head_dim: int) -> None:
+    """Verification rows (q_len = k + 1) give bit-for-bit what one decode row at the same
+    position gives, so greedy speculative decoding can reproduce depth 0 exactly."""
+    start, q_len, block_size = 37, 6, 16
+    q, k, v, perm = random_case(3, 4, 2, head_dim, block_size, [q_len], [start])
+    table = torch.tensor([slices_for([q_len], [start], perm, block_size)[0].block_table])
+    together = kernel.attend(q, k, v, table, torch.tensor([start]), torch.tensor([q_len]), 0.125)
+    for j in range(q_len):
+        alone = kernel.attend(q[j:j + 1], k, v, table, torch.tensor([start + j]),
+                              torch.tensor([1]), 0.125)
+        assert torch.equal(alone[0], together[j]), j

@@ -125,6 +125,37 @@ def test_proposer_incremental_equals_fresh() -> None:
         assert got.seq_id == 7 and got.probs is None
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    chunks=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=1,
+                    max_size=12),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 2),
+    window=st.sampled_from([5, 8, 4096]),
+    k=st.integers(1, 9),
+    weak=st.one_of(st.none(), st.integers(1, 4)),
+    rewrite_at=st.integers(0, 12),
+)
+def test_index_equals_the_reference_search(chunks: list[list[int]], min_n: int, extra: int,
+                                           window: int, k: int, weak: int | None,
+                                           rewrite_at: int) -> None:
+    """The proposer's per-sequence index answers what find_ngram_proposal does on the window,
+    step after step as tokens arrive (several per step), and after a preemption (release,
+    then a shorter history)."""
+    max_n = min_n + extra
+    window = max(window, max_n + 1)
+    proposer = NgramProposer(NgramConfig(min_n=min_n, max_n=max_n, window=window,
+                                         weak_match_depth=weak))
+    tokens: list[int] = []
+    for step, chunk in enumerate(chunks):
+        if step == rewrite_at:
+            proposer.release(3)
+            tokens = tokens[: len(tokens) // 2]
+        tokens = tokens + chunk
+        got = proposer.propose([ProposalRequest(3, tokens, k)])[0].tokens
+        assert got == _find(tokens[-window:], min_n, max_n, k, True, weak), (step, tokens)
+
+
 def test_proposer_batch_depths_and_release() -> None:
     proposer = NgramProposer(NgramConfig(min_n=1, max_n=2))
     out = proposer.propose([
