@@ -32,14 +32,16 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import Counter, OrderedDict
-from collections.abc import Sequence
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from router.affinity import PrefixAffinity
 from router.base import RequestOutcome, RequestShape, RouteDecision, WorkerView
 from router.calibration import Calibration
+from router.inflight import Flight, InFlight
 from router.profiles import LatencyPrior, Prediction, PriorConfig, WorkerProfile, batch_capacity
 from specdec.policy import DepthPolicy
 
@@ -55,6 +57,9 @@ class AdaptiveConfig:
     forgetting: float = 0.98  # RLS forgetting factor of the latency profiles
     prior: PriorConfig = field(default_factory=PriorConfig)
     max_pending: int = 65536  # decisions awaiting their outcome, remembered
+    # price prefill/decode interference: the prefills a request would wait out on a worker,
+    # and the delay its own prefill adds to the requests decoding there (router.inflight)
+    interference: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore_prob < 1.0:
@@ -72,21 +77,17 @@ class Candidate:
     """One worker's predicted cost for the request at hand."""
 
     name: str
-    cost_s: float  # predicted seconds, with saturation wait and SLO penalty
+    cost_s: float  # predicted seconds, with saturation wait, SLO penalty and interference
     unloaded_cost_s: float  # the same at zero load: what the worker's fit alone predicts
     depth: int | None  # speculative depth to send (engine workers)
     queue: int
     batch: int
     saturated: bool
     meets_slo: bool
-
-
-@dataclass(frozen=True)
-class _Pending:
-    worker: str
-    queue: int
-    batch: int
-    depth: int
+    ttft_s: float = 0.0  # predicted, with the slot wait
+    tpot_s: float = 0.0  # predicted, with the prefills ahead
+    prefill_s: float = 0.0  # this prompt's prefill compute on the worker
+    caches_prefixes: bool = False  # prefix affinity can pay off (not the built-in engine)
 
 
 def load_of(view: WorkerView) -> int:
@@ -100,7 +101,8 @@ class AdaptivePolicy:
     name = "adaptive"
 
     def __init__(self, config: AdaptiveConfig | None = None,
-                 depth_policy: DepthPolicy | None = None, seed: int = 0) -> None:
+                 depth_policy: DepthPolicy | None = None, seed: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or AdaptiveConfig()
         self.depth_policy = depth_policy if depth_policy is not None else DepthPolicy()
         self.affinity = PrefixAffinity(self.config.affinity_capacity)
@@ -109,7 +111,8 @@ class AdaptivePolicy:
         # NOTE: one calibration for the whole fleet: what one worker measured against its
         # prior tells the others how fast this machine is (router.calibration).
         self.calibration = Calibration()
-        self._pending: OrderedDict[int, _Pending] = OrderedDict()
+        self.clock = clock
+        self._inflight = InFlight(self.config.max_pending)
         self.reasons: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
         self.depths: Counter[int] = Counter()
@@ -150,25 +153,51 @@ class AdaptivePolicy:
         queue = load_of(view)
         batch = min(queue + 1, cap)
         depth = self._depth(shape, view, batch)
-        pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, depth or 0)
-        idle = prof.predict(shape.domain, shape.prompt_tokens, 0, 1, depth or 0)
+        d = depth or 0
+        pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d)
+        idle = prof.predict(shape.domain, shape.prompt_tokens, 0, 1, d)
+        prefill_s = max(idle.ttft_s - prof.predict(shape.domain, 1, 0, 1, d).ttft_s, 0.0)
         cost = self._cost(shape, pred)
         # past capacity the request waits for a slot: about one request's time per full batch
         wait = max(0, queue + 1 - cap) / cap * cost
-        penalty, meets = self._slo(shape, pred.ttft_s + wait, pred.tpot_s)
-        return Candidate(view.name, (cost + wait) * penalty, self._cost(shape, idle), depth,
-                         queue, batch, queue >= cap, meets)
+        ahead, harm = self._interference(shape, view.name, prefill_s)
+        num_gaps = max(shape.predicted_output_tokens - 1, 1)
+        ttft_s, tpot_s = pred.ttft_s + wait, pred.tpot_s + ahead / num_gaps
+        penalty, meets = self._slo(shape, ttft_s, tpot_s)
+        return Candidate(view.name, (cost + wait + ahead) * penalty + harm,
+                         self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
+                         ttft_s, tpot_s, prefill_s, view.backend != "engine")
+
+    def _interference(self, shape: RequestShape, worker: str, prefill_s: float
+                      ) -> tuple[float, float]:
+        """(prefill still ahead on the worker, the penalised delay this prompt's prefill adds
+        to the requests running there), seconds; see :mod:`router.inflight`."""
+        if not self.config.interference:
+            return 0.0, 0.0
+        now = self.clock()
+        harm = 0.0
+        for f in self._inflight.active(worker, now):
+            before, _ = self._slo_of(f.slo_ttft_s, f.slo_tpot_s, f.ttft_s, f.tpot_s)
+            after, _ = self._slo_of(f.slo_ttft_s, f.slo_tpot_s, f.ttft_s,
+                                    f.tpot_s + prefill_s / max(f.num_tokens - 1, 1))
+            harm += (f.cost_s + prefill_s) * after - f.cost_s * before
+        return self._inflight.prefill_ahead_s(worker, now), harm
 
     @staticmethod
     def _cost(shape: RequestShape, pred: Prediction) -> float:
         return pred.ttft_s + max(shape.predicted_output_tokens - 1, 0) * pred.tpot_s
 
     def _slo(self, shape: RequestShape, ttft_s: float, tpot_s: float) -> tuple[float, bool]:
+        return self._slo_of(shape.slo_ttft_s, shape.slo_tpot_s, ttft_s, tpot_s)
+
+    def _slo_of(self, slo_ttft_s: float | None, slo_tpot_s: float | None, ttft_s: float,
+                tpot_s: float) -> tuple[float, bool]:
+        """(cost multiplier, meets): 1 + slo_penalty x the summed relative misses."""
         miss = 0.0
-        if shape.slo_ttft_s:
-            miss += max(0.0, ttft_s / shape.slo_ttft_s - 1.0)
-        if shape.slo_tpot_s:
-            miss += max(0.0, tpot_s / shape.slo_tpot_s - 1.0)
+        if slo_ttft_s:
+            miss += max(0.0, ttft_s / slo_ttft_s - 1.0)
+        if slo_tpot_s:
+            miss += max(0.0, tpot_s / slo_tpot_s - 1.0)
         return 1.0 + self.config.slo_penalty * miss, miss == 0.0
 
     def _depth(self, shape: RequestShape, view: WorkerView, batch: int) -> int | None:
@@ -204,7 +233,8 @@ class AdaptivePolicy:
         if hit is None or hit[0] == best.name:
             return None
         cand = next((c for c in cands if c.name == hit[0]), None)
-        if cand is None or cand.saturated:
+        # NOTE: the built-in engine keeps no prefix cache, so affinity to it buys nothing
+        if cand is None or cand.saturated or not cand.caches_prefixes:
             return None
         return cand if cand.cost_s <= best.cost_s * (1.0 + self.config.affinity_slack) else None
 
@@ -215,12 +245,13 @@ class AdaptivePolicy:
             self.affinity.record(shape.prefix_hashes, pick.name)
         # NOTE: the proxy hands back the same RequestShape object in the outcome, so its
         # id() recovers the load this decision saw; entries are bounded and evicted FIFO.
-        self._pending[id(shape)] = _Pending(pick.name, pick.queue, pick.batch, pick.depth or 0)
-        while len(self._pending) > self.config.max_pending:
-            self._pending.popitem(last=False)
+        self._inflight.add(id(shape), Flight(
+            pick.name, pick.queue, pick.batch, pick.depth or 0, self.clock(), pick.ttft_s,
+            pick.tpot_s, max(shape.predicted_output_tokens, 1), pick.prefill_s,
+            shape.slo_ttft_s, shape.slo_tpot_s))
 
     def _observe(self, outcome: RequestOutcome) -> None:
-        pending = self._pending.pop(id(outcome.shape), None)
+        pending = self._inflight.pop(id(outcome.shape))
         if pending is not None and pending.worker != outcome.worker:
             pending = None  # a retry went elsewhere
         if outcome.status != "ok":
@@ -258,6 +289,6 @@ class AdaptivePolicy:
         return {"policy": self.name, "reasons": dict(self.reasons),
                 "decisions": dict(self.decisions),
                 "depths": {str(k): v for k, v in sorted(self.depths.items())},
-                "affinity_entries": len(self.affinity),
+                "affinity_entries": len(self.affinity), "in_flight": len(self._inflight),
                 "calibration": self.calibration.snapshot(),
                 "profiles": {n: p.snapshot() for n, p in self._profiles.items()}}

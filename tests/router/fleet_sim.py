@@ -35,12 +35,25 @@ class SimWorker:
                           running=len(self.running), waiting=len(self.waiting))
 
 
+class SimClock:
+    """Simulated seconds, for a policy's ``clock`` argument."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def simulate(policy: RoutingPolicy, workers: list[SimWorker], arrivals: list[tuple[float, RequestShape]],
-             slo_ttft_s: float, slo_tpot_s: float, dt: float = 0.005) -> float:
+             slo_ttft_s: float, slo_tpot_s: float, dt: float = 0.005,
+             clock: SimClock | None = None) -> float:
     """Fraction of requests meeting both SLOs (goodput per offered request)."""
     pending = sorted(arrivals, key=lambda a: a[0])
     now, i, num_good, num_done = 0.0, 0, 0, 0
     while num_done < len(arrivals):
+        if clock is not None:
+            clock.now = now
         while i < len(pending) and pending[i][0] <= now:
             _route(policy, workers, pending[i][0], pending[i][1])
             i += 1

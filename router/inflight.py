@@ -1,0 +1,85 @@
+"""Requests the adaptive policy has routed and not yet heard back about, per worker.
+
+Each entry keeps what the decision predicted (TTFT, TPOT, the prompt's prefill
+time on that worker) and when it was sent, so the policy can tell, at the next
+decision, which of them are still prefilling and which are decoding. That is
+what prefill/decode interference needs: on a continuous-batching worker a
+prompt's prefill runs in the same steps as everyone else's decodes, so
+
+- a request sent to a worker that is prefilling long prompts waits out their
+  prefill in its own decode (:meth:`InFlight.prefill_ahead_s`), and
+- a request with a long prompt delays every request decoding there by its
+  prefill time (:meth:`InFlight.active`, priced by the policy).
+
+Bounded: entries are dropped in FIFO order past ``capacity`` (a lost outcome
+must not grow it forever) and ignored once far past their predicted end.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+STALE_FACTOR = 4.0  # an entry counts until sent + STALE_FACTOR x its predicted e2e
+
+
+@dataclass(frozen=True)
+class Flight:
+    """One routed request, as predicted when it was sent (times: policy clock, seconds)."""
+
+    worker: str
+    queue: int  # load the decision saw
+    batch: int
+    depth: int
+    sent_s: float
+    ttft_s: float  # predicted
+    tpot_s: float  # predicted
+    num_tokens: int  # predicted output tokens
+    prefill_s: float  # predicted prefill compute on this worker: the stall it causes others
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+
+    @property
+    def cost_s(self) -> float:
+        return self.ttft_s + max(self.num_tokens - 1, 0) * self.tpot_s
+
+    def prefilling(self, now_s: float) -> bool:
+        return now_s < self.sent_s + self.ttft_s
+
+
+class InFlight:
+    """Flights by key (the proxy's RequestShape identity), indexed by worker."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._all: OrderedDict[int, Flight] = OrderedDict()
+        self._by_worker: dict[str, dict[int, Flight]] = {}
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def add(self, key: int, flight: Flight) -> None:
+        self.pop(key)
+        self._all[key] = flight
+        self._by_worker.setdefault(flight.worker, {})[key] = flight
+        while len(self._all) > self.capacity:
+            old_key, old = self._all.popitem(last=False)
+            self._by_worker[old.worker].pop(old_key, None)
+
+    def pop(self, key: int) -> Flight | None:
+        flight = self._all.pop(key, None)
+        if flight is not None:
+            self._by_worker[flight.worker].pop(key, None)
+        return flight
+
+    def active(self, worker: str, now_s: float) -> Iterator[Flight]:
+        """Flights on ``worker`` that should still be running at ``now_s``."""
+        for f in self._by_worker.get(worker, {}).values():
+            if now_s < f.sent_s + STALE_FACTOR * max(f.cost_s, 1e-3):
+                yield f
+
+    def prefill_ahead_s(self, worker: str, now_s: float) -> float:
+        """Prefill time still to run on ``worker`` for requests sent before now."""
+        return sum(min(f.prefill_s, f.sent_s + f.ttft_s - now_s)
+                   for f in self.active(worker, now_s) if f.prefilling(now_s))

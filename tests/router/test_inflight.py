@@ -1,0 +1,89 @@
+"""InFlight bookkeeping and the adaptive policy's pricing of prefill/decode interference."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import CompiledConfig
+from router.adaptive import AdaptiveConfig, AdaptivePolicy
+from router.base import RequestShape, WorkerView
+from router.inflight import Flight, InFlight
+
+
+def flight(worker: str = "a", sent: float = 0.0, ttft: float = 1.0, tpot: float = 0.01,
+           tokens: int = 101, prefill: float = 0.8) -> Flight:
+    return Flight(worker, 0, 1, 0, sent, ttft, tpot, tokens, prefill)
+
+
+def test_active_prefilling_and_prefill_ahead() -> None:
+    f = InFlight(capacity=10)
+    f.add(1, flight(sent=0.0, ttft=1.0, prefill=0.8))  # prefilling until t=1
+    f.add(2, flight(sent=0.0, ttft=0.1, prefill=0.05))  # decoding from t=0.1
+    f.add(3, flight("b", sent=0.0, ttft=1.0, prefill=0.9))
+    assert f.prefill_ahead_s("a", 0.5) == pytest.approx(0.5)  # min(0.8, 1.0 - 0.5)
+    assert f.prefill_ahead_s("a", 0.1) == pytest.approx(0.8)
+    assert f.prefill_ahead_s("a", 1.5) == 0.0
+    assert len(list(f.active("a", 1.5))) == 2
+    # stale past 4x the predicted e2e (1.0 + 100 * 0.01 = 2 s): a lost outcome stops counting
+    assert list(f.active("a", 8.5)) == []
+    assert f.pop(1) is not None and f.pop(1) is None
+    assert [x.prefill_s for x in f.active("a", 0.0)] == [0.05]
+
+
+def test_bounded_fifo() -> None:
+    f = InFlight(capacity=2)
+    for key in range(5):
+        f.add(key, flight())
+    assert len(f) == 2
+    assert f.pop(0) is None and f.pop(4) is not None
+    assert len(list(f.active("a", 0.0))) == 1
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pair() -> list[WorkerView]:
+    cfg = CompiledConfig().with_engine(max_num_seqs=8)
+    return [WorkerView(n, f"http://{n}", "engine", cfg, outstanding_requests=4)
+            for n in ("a", "b")]
+
+
+def short(**kw: object) -> RequestShape:
+    return RequestShape("chat", 50, None, 60, **kw)  # type: ignore[arg-type]
+
+
+def long_prompt(**kw: object) -> RequestShape:
+    return RequestShape("summarization", 1800, None, 60, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("interference", [True, False])
+def test_short_request_avoids_a_worker_busy_prefilling(interference: bool) -> None:
+    clock = Clock()
+    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, interference=interference), clock=clock)
+    ws = pair()
+    assert p.choose(long_prompt(), ws[:1]).worker == "a"  # a 1,800-token prefill on "a"
+    clock.now = 0.05
+    # same load on both views: only the prefill in progress tells them apart
+    assert p.choose(short(slo_tpot_s=0.03), ws).worker == ("b" if interference else "a")
+
+
+@pytest.mark.parametrize("interference", [True, False])
+def test_long_prompt_avoids_tight_slo_decoders(interference: bool) -> None:
+    clock = Clock()
+    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, interference=interference), clock=clock)
+    ws = pair()
+    for _ in range(4):  # tight-TPOT requests decoding on "a", loose ones on "b"
+        p.choose(short(slo_tpot_s=0.025), ws[:1])
+        p.choose(short(slo_tpot_s=1.0), ws[1:])
+    clock.now = 0.5  # all past their first token
+    d = p.choose(long_prompt(slo_ttft_s=5.0, slo_tpot_s=1.0), ws)
+    assert d.worker == ("b" if interference else "a")
+    if interference:
+        a, b = (p.candidate(long_prompt(slo_ttft_s=5.0, slo_tpot_s=1.0), w) for w in ws)
+        # the prefill delays four requests either way; on "a" it also breaks their SLO
+        assert a.cost_s > b.cost_s > 4 * b.prefill_s
