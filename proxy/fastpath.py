@@ -49,9 +49,11 @@ MAX_HEAD_BYTES = 8190  # aiohttp's own line / field limit; a longer head goes to
 _ROUTES = {b"/v1/chat/completions": (CHAT, "/v1/chat/completions"),
            b"/v1/completions": (COMPLETIONS, "/v1/completions")}
 _PREFIX = b"POST /v1/"
-# field-name ":" OWS field-value OWS CRLF, with RFC 9110 token names and visible/obs-text values.
-_HEADER_LINES = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t \x21-\x7e\x80-\xff]*\r\n)*\Z")
-_HEADER = re.compile(rb"([^:]+):[\t ]*([^\r]*?)[\t ]*\r\n")
+# A whole line: field-name ":" OWS field-value CRLF, with an RFC 9110 token for the name and
+# visible / obs-text characters (and spaces, tabs) in the value.
+_HEADER = re.compile(rb"^([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[\t ]*([\t \x21-\x7e\x80-\xff]*)\r\n",
+                     re.MULTILINE)
+_OWS = b" \t"
 _HANDED_OVER = (b"transfer-encoding", b"expect", b"upgrade")
 _STATUS_TEXT = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden",
                 404: b"Not Found", 409: b"Conflict", 413: b"Payload Too Large",
@@ -70,7 +72,7 @@ class RequestHead:
                  content_length: int, keep_alive: bool) -> None:
         self.endpoint = endpoint
         self.path = path
-        self.headers = headers  # lower-case names
+        self.headers = headers  # lower-case names, values without surrounding spaces / tabs
         self.content_length = content_length
         self.keep_alive = keep_alive
 
@@ -86,14 +88,16 @@ def parse_head(head: bytes) -> RequestHead | None:
     if route is None:
         return None
     block = b"" if line_end == -1 else head[line_end + 2:] + b"\r\n"
-    if _HEADER_LINES.match(block) is None:
-        return None
     pairs = _HEADER.findall(block)
-    headers = {name.lower(): value for name, value in pairs}
+    # NOTE: each match is a whole line (from a line start to its CRLF, no LF inside), so one
+    # match per LF means every line matched: no bare LF or CR, obs-fold, or bad name.
+    if len(pairs) != block.count(b"\n"):
+        return None
+    headers = {name.lower(): value.rstrip(_OWS) for name, value in pairs}
     if len(headers) != len(pairs) or any(h in headers for h in _HANDED_OVER):
         return None  # repeated fields and body/protocol negotiation: aiohttp's rules
-    length = headers.get(b"content-length")
-    if length is None or not length.isdigit() or len(length) > 15:
+    length = headers.get(b"content-length", b"")
+    if not length.isdigit() or len(length) > 15:
         return None
     connection = headers.get(b"connection", b"keep-alive").lower()
     if connection not in (b"keep-alive", b"close"):
@@ -255,18 +259,14 @@ class FastConnection(asyncio.Protocol):
 
     def response_head(self, status: int, headers: dict[str, str],
                       content_length: int | None) -> bytes:
-        lines = [b"HTTP/1.1 %d %s\r\n" % (status, _STATUS_TEXT.get(status, b"Unknown"))]
-        for name, value in headers.items():
-            raw = value.encode("utf-8")
-            if b"\r" in raw or b"\n" in raw:
-                raise ValueError(f"newline in response header {name}")
-            lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), raw))
-        lines.append(b"Date: %s\r\nServer: polyinfer\r\n" % self.server.date.value())
-        if content_length is None:
-            lines.append(b"Transfer-Encoding: chunked\r\n\r\n")
-        else:
-            lines.append(b"Content-Length: %d\r\n\r\n" % content_length)
-        return b"".join(lines)
+        fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+        if fields.count("\n") != len(headers) or fields.count("\r") != len(headers):
+            raise ValueError(f"a newline in a response header: {headers!r}")
+        length = (b"Transfer-Encoding: chunked\r\n\r\n" if content_length is None
+                  else b"Content-Length: %d\r\n\r\n" % content_length)
+        return b"HTTP/1.1 %d %s\r\n%sDate: %s\r\nServer: polyinfer\r\n%s" % (
+            status, _STATUS_TEXT.get(status, b"Unknown"), fields.encode("utf-8"),
+            self.server.date.value(), length)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -298,7 +298,7 @@ class FastConnection(asyncio.Protocol):
         body = bytes(buf[self._need - head.content_length:self._need])
         del buf[:self._need]
         self._head = None
-        task = _start_task(self._serve(FastExchange(self, head, body), head))
+        task = _start_task(self.server.loop, self._serve(FastExchange(self, head, body), head))
         if not task.done():  # an eager task may have finished (an error answered at once)
             self._task = task
 
@@ -373,10 +373,12 @@ class FastConnection(asyncio.Protocol):
             self.transport.close()
 
 
-def _start_task(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+def _start_task(loop: asyncio.AbstractEventLoop,
+                coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
     # NOTE: eager start (3.12+) runs the request up to its first wait inside data_received,
-    # a loop iteration earlier; aiohttp's server does the same for its handler tasks.
-    return asyncio.Task(coro, **_EAGER)  # type: ignore[arg-type]
+    # a loop iteration earlier; aiohttp's server does the same for its handler tasks. The
+    # loop is passed: looking it up costs a getpid() system call.
+    return asyncio.Task(coro, loop=loop, **_EAGER)  # type: ignore[arg-type]
 
 
 class FastServer:

@@ -39,6 +39,9 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, pool: _HostPool) -> None:
         self.pool = pool
+        # NOTE: kept, not looked up per wait: asyncio.get_running_loop() makes a getpid()
+        # system call each time (its fork check), ~2 per request here (strace).
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.reused = False
@@ -72,7 +75,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.waiter is not None:
-            self._last_progress = self.waiter.get_loop().time()
+            self._last_progress = self.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
@@ -124,7 +127,7 @@ class _Connection(asyncio.Protocol):
 
     async def wait(self, timeout_s: float) -> None:
         """Until the next response event; TimeoutError after ``timeout_s`` without data."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         self.waiter = loop.create_future()
         self._timeout_s = timeout_s
         self._last_progress = loop.time()
@@ -143,7 +146,7 @@ class _Connection(asyncio.Protocol):
         if self.waiter is None or self.waiter.done():
             return  # idle (or about to resume): the next wait arms it again
         deadline = self._last_progress + self._timeout_s
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         if loop.time() >= deadline:
             self._fail(TimeoutError(f"no data from the worker for {self._timeout_s:g} s"))
         else:
