@@ -98,10 +98,13 @@ class BayesianRLS:
             # and a single outlier cannot swing the fit by orders of magnitude.
             target = min(max(target, pred / OUTLIER_FACTOR), pred * OUTLIER_FACTOR)
         self.theta = self.theta + gain * (target - pred)
-        self.p = (self.p - np.outer(gain, px)) / self.forgetting
-        # NOTE: forgetting inflates P along directions the data never excites;
-        # cap it at the prior's variance so those slopes stay near the prior.
-        np.clip(self.p, -self._p_cap, self._p_cap, out=self.p)
+        p = (self.p - np.outer(gain, px)) / self.forgetting
+        # NOTE: forgetting inflates P along directions the data never excites; cap its
+        # eigenvalues at the prior's variance so those slopes stay near the prior. The cap
+        # must keep P positive semi-definite: an elementwise clip did not, and a TPOT fit
+        # diverged to coefficients of +-2e10 in the session-3 routing bench.
+        eig, vec = np.linalg.eigh(0.5 * (p + p.T))
+        self.p = (vec * np.clip(eig, 0.0, self._p_cap)) @ vec.T
         self.num_samples += 1
         self._w = self._weights()
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 
 from engine.config import CompiledConfig, DeclaredFit
@@ -97,3 +100,19 @@ def test_rls_bounds_an_outliers_pull_but_follows_a_real_shift() -> None:
     for _ in range(200):  # the worker really became 10x slower
         rls.update((1.0, 0.0, 0.0), 0.2)
     assert rls.predict((1.0, 0.0, 0.0)) == pytest.approx(0.2, rel=0.05)
+
+
+def test_rls_stays_bounded_on_weakly_exciting_noisy_data() -> None:
+    """Regression (session-3 routing bench): the old elementwise cap on P made it
+    indefinite and a TPOT fit diverged to +-2e10. P must stay positive semi-definite."""
+    rng = random.Random(0)
+    for trial in range(5):
+        rls = BayesianRLS((0.02, 0.016, 0.0), prior_variance=1.0, forgetting=0.98)
+        for i in range(3000):  # batch and depth barely vary, heavy-tailed noise
+            batch = rng.choice([1, 1, 2, 3, 8, 8, 8, 8]) if i < 1500 else 8
+            depth = rng.choice([0, 0, 0, 1]) if i % 700 < 600 else 0
+            rls.update((1.0, batch / 8, depth / 4),
+                       0.004 + 0.001 * batch + rng.expovariate(1 / 0.004))
+            assert np.linalg.eigvalsh(rls.p).min() >= -1e-9, (trial, i)
+        assert max(abs(c) for c in rls.coef) < 0.05, trial
+        assert rls.predict((1.0, 1.0, 0.0)) == pytest.approx(0.016, abs=0.004)
