@@ -217,7 +217,7 @@ class EngineCore:
                         self.max_model_len - seq.num_tokens)
             if depth > 0:
                 reqs.append(ProposalRequest(seq.seq_id, seq.token_ids, depth,
-                                            seq.params.sampling))
+                                            seq.params.sampling, seq.num_prompt_tokens))
         if not reqs:
             return {}
         return {p.seq_id: p for p in self.proposer.propose(reqs) if p.tokens}

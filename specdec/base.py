@@ -34,6 +34,9 @@ class ProposalRequest:
     # distribution (the draft model does, returning it as ``Proposal.probs``),
     # which raises acceptance at temperature > 0; None = draft greedily.
     sampling: SamplingParams | None = None
+    # How many of token_ids are the prompt (0 = unknown); the n-gram proposer pools
+    # outputs across requests (specdec.pool) and needs to tell them from prompts.
+    num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)

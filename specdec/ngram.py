@@ -23,6 +23,12 @@ So a proposal from a match shorter than ``max_n`` is capped at
 ``weak_match_depth`` tokens, while a full-length match may use the whole depth
 the request allows (which is what makes depths of 8-16 pay).
 
+The proposer also keeps the outputs of the requests it served before
+(:mod:`specdec.pool`) and proposes from them when the context's own match is
+shorter than one found there: the bundled model's answers to different prompts
+share much of their phrasing (offline on its greedy outputs, 2.5 -> 3.0-3.4
+tokens per step at depth 16 on the repetitive domains).
+
 :func:`find_ngram_proposal` is the reference search, vectorised with numpy
 over a window of the most recent ``window`` tokens: one comparison per n-gram
 offset (``max_n`` of them), a running AND gives the match length ending at
@@ -47,6 +53,7 @@ import numpy as np
 
 from specdec.base import Proposal, ProposalRequest
 from specdec.errors import ProposerConfigError
+from specdec.pool import OutputPool
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +67,8 @@ class NgramConfig:
     periodic: bool = True
     # Cap on proposals from matches shorter than max_n (None = no cap).
     weak_match_depth: int | None = 4
+    # Outputs of finished requests kept for cross-request lookup (specdec.pool); 0 = off.
+    pool_tokens: int = 16384
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
@@ -68,6 +77,8 @@ class NgramConfig:
         if self.weak_match_depth is not None and self.weak_match_depth < 1:
             raise ProposerConfigError(
                 f"ngram: weak_match_depth must be >= 1 or None, got {self.weak_match_depth}")
+        if self.pool_tokens < 0:
+            raise ProposerConfigError(f"ngram: pool_tokens must be >= 0, got {self.pool_tokens}")
         if self.window <= self.max_n:
             raise ProposerConfigError(
                 f"ngram: window must exceed max_n ({self.max_n}), got {self.window}")
@@ -147,34 +158,48 @@ class _SuffixIndex:
                 self.latest[m][tuple(tokens[j - m + 1 : j + 1])] = j
 
     def lookup(self, k: int, window: int, periodic: bool,
-               weak_match_depth: int | None) -> list[int]:
-        """What :func:`find_ngram_proposal` returns for the last ``window`` tokens."""
+               weak_match_depth: int | None) -> tuple[int, list[int]]:
+        """(match length, proposal): the proposal is what :func:`find_ngram_proposal` returns
+        for the last ``window`` tokens; (0, []) without a match."""
         tokens = self.tokens
         length = len(tokens)
         lowest = max(0, length - window)  # first position inside the window
         if k <= 0 or length - lowest <= self.min_n:
-            return []
+            return 0, []
         for m in range(min(self.max_n, length - lowest - 1), self.min_n - 1, -1):
             j = self.latest[m].get(tuple(tokens[length - m :]))
             if j is not None and j - m + 1 >= lowest:
                 break
         else:
-            return []
+            return 0, []
         if weak_match_depth is not None and m < self.max_n:
             k = min(k, weak_match_depth)
         follow = tokens[j + 1 : j + 1 + k]
         if periodic and len(follow) < k:
             period = length - 1 - j  # the context repeats with this period: continue it
             follow = [tokens[j + 1 + i % period] for i in range(k)]
-        return follow
+        return m, follow
+
+
+@dataclass
+class _SeqState:
+    index: _SuffixIndex
+    num_prompt_tokens: int  # 0 = unknown: the output is not pooled
+    prompt_key: int | None  # hash of the prompt tokens (specdec.pool)
 
 
 class NgramProposer:
-    """Prompt-lookup proposer over prompt + generated tokens (implements ``Proposer``)."""
+    """Prompt-lookup proposer over prompt + generated tokens (implements ``Proposer``).
+
+    With ``pool_tokens > 0`` it also searches the outputs of the requests it served
+    before (:class:`specdec.pool.OutputPool`) when the context's own match is shorter.
+    """
 
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config or NgramConfig()
-        self._indexes: dict[int, _SuffixIndex] = {}
+        self._indexes: dict[int, _SeqState] = {}
+        c = self.config
+        self.pool = OutputPool(c.pool_tokens, c.min_n, c.max_n) if c.pool_tokens else None
 
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
         return [self._propose_one(r) for r in requests]
@@ -183,12 +208,23 @@ class NgramProposer:
         if request.depth <= 0:
             return Proposal(request.seq_id, [])
         c = self.config
-        index = self._indexes.get(request.seq_id)
-        if index is None:
-            index = self._indexes[request.seq_id] = _SuffixIndex(c.min_n, c.max_n)
-        index.sync(request.token_ids)
-        return Proposal(request.seq_id,
-                        index.lookup(request.depth, c.window, c.periodic, c.weak_match_depth))
+        state = self._indexes.get(request.seq_id)
+        if state is None:
+            state = self._indexes[request.seq_id] = self._new_state(request)
+        state.index.sync(request.token_ids)
+        length, tokens = state.index.lookup(request.depth, c.window, c.periodic,
+                                            c.weak_match_depth)
+        if self.pool is not None and length < c.max_n:
+            pooled = self.pool.lookup(state.index.tokens, state.prompt_key, length,
+                                      request.depth, c.weak_match_depth)
+            tokens = pooled or tokens
+        return Proposal(request.seq_id, tokens)
+
+    def _new_state(self, request: ProposalRequest) -> _SeqState:
+        c = self.config
+        num_prompt = request.num_prompt_tokens
+        key = hash(tuple(request.token_ids[:num_prompt])) if num_prompt > 0 else None
+        return _SeqState(_SuffixIndex(c.min_n, c.max_n), num_prompt, key)
 
     def commit(self, seq_id: int, num_accepted: int) -> None:
         # Stateless between steps apart from the token buffer, which the next
@@ -196,7 +232,10 @@ class NgramProposer:
         return None
 
     def release(self, seq_id: int) -> None:
-        self._indexes.pop(seq_id, None)
+        state = self._indexes.pop(seq_id, None)
+        if state is None or self.pool is None or state.prompt_key is None:
+            return
+        self.pool.add(state.prompt_key, state.index.tokens[state.num_prompt_tokens:])
 
     @property
     def num_tracked(self) -> int:
