@@ -203,8 +203,12 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttnMetadata | DecodeMetadata, kv: KVCache,
-                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids ``[T]`` -> float32 logits ``[N, vocab]`` for rows ``logit_rows`` (all if None)."""
+                logit_rows: torch.Tensor | None = None, hidden_only: bool = False) -> torch.Tensor:
+        """input_ids ``[T]`` -> float32 logits ``[N, vocab]`` for rows ``logit_rows`` (all if None).
+
+        ``hidden_only``: the last layer's hidden states ``[N, hidden]`` instead, for a caller
+        that computes :meth:`logits` only for the rows it turns out to need (verification).
+        """
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         cos = self.cos[meta.positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[meta.positions].unsqueeze(1)
@@ -215,7 +219,12 @@ class LlamaModel:
             h = self._mlp(h, layer.post_norm, layer.gate_up, layer.down, eps, self.linear)
         if logit_rows is not None:
             h = h.index_select(0, logit_rows)
-        h = F.rms_norm(h, (h.shape[-1],), self.norm, eps)
+        return h if hidden_only else self.logits(h)
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states ``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
+        h = F.rms_norm(h, (h.shape[-1],), self.norm, self.spec.rms_norm_eps)
         return self.linear(h, self.lm_head).float()
 
     def _attention(self, x: torch.Tensor, layer: LayerWeights, i: int, cos: torch.Tensor,

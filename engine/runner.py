@@ -5,6 +5,9 @@ with no speculative tokens anywhere in the batch the plain sampler
 (``specdec.sampling.sample``) runs on one logits row per sequence; otherwise
 every sampled sequence gets ``k_i + 1`` rows and ``specdec.verify.verify``
 accepts a prefix of each proposal (k_i = 0 rows behave like plain sampling).
+When every sampled sequence is greedy (on the CPU), the forward stops at the
+hidden states and ``specdec.verify.verify_greedy_in_waves`` projects to the
+vocabulary only the rows it reads (up to each proposal's first rejection).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from engine.model import LlamaModel
 from engine.scheduler import ScheduledSeq
 from specdec.base import Proposal
 from specdec.sampling import sample
-from specdec.verify import verify
+from specdec.verify import verify, verify_greedy_in_waves
 
 
 @dataclass(frozen=True)
@@ -56,17 +59,21 @@ class ModelRunner:
             return self._execute_graph(scheduled)
         num_tokens = sum(s.q_len for s in scheduled)
         parts = self._lane_parts(scheduled, self.chooser.lanes_for(num_tokens))
+        in_waves = self._verify_in_waves(scheduled)
         t0 = time.perf_counter()
-        outs = self.lanes.run([functools.partial(self._forward, part) for part in parts])
+        outs = self.lanes.run([functools.partial(self._forward, part, in_waves)
+                               for part in parts])
         if all(s.q_len <= self.short_q for s in scheduled):  # like for like: decode steps
             self.chooser.record(len(parts), num_tokens, time.perf_counter() - t0)
         # NOTE: sampling and verification build small CPU tensors per request; on an
         # accelerator the [N, vocab] logits come back once instead.
-        logits = outs[0].cpu() if len(outs) == 1 else torch.cat([o.cpu() for o in outs])
+        rows = outs[0].cpu() if len(outs) == 1 else torch.cat([o.cpu() for o in outs])
         sampled = [it for part in parts for it in part if it.samples]
         if not sampled:
             return []
-        return self._sample(sampled, logits)
+        if in_waves:  # rows are hidden states: logits only for the rows verification reads
+            return self._verify_greedy(sampled, rows)
+        return self._sample(sampled, rows)
 
     def set_lanes(self, num_lanes: int, threads_per_lane: int) -> None:
         """Run big CPU steps as ``num_lanes`` forwards in parallel (engine.lanes)."""
@@ -85,8 +92,16 @@ class ModelRunner:
             parts.append([scheduled[lane[i]] for i in order])
         return parts
 
-    def _forward(self, items: list[ScheduledSeq]) -> torch.Tensor:
-        """Logits ``[N, vocab]`` (on the model's device) for the sampling rows of ``items``."""
+    def _verify_in_waves(self, scheduled: Sequence[ScheduledSeq]) -> bool:
+        """Greedy verification on the CPU scores rows in waves (verify_greedy_in_waves)."""
+        sampled = [it for it in scheduled if it.samples]
+        return (torch.device(self.model.device).type == "cpu"
+                and any(it.drafts for it in sampled)
+                and all(it.seq.params.sampling.greedy for it in sampled))
+
+    def _forward(self, items: list[ScheduledSeq], hidden_only: bool = False) -> torch.Tensor:
+        """Logits ``[N, vocab]`` (on the model's device) for the sampling rows of ``items``;
+        their last hidden states ``[N, hidden]`` with ``hidden_only``."""
         ids: list[int] = []
         slices: list[SeqSlice] = []
         rows: list[int] = []
@@ -103,7 +118,7 @@ class ModelRunner:
                               device, self.cpu_attention)
         logit_rows = torch.tensor(rows, dtype=torch.long).to(device)
         return self.model.forward(torch.tensor(ids, dtype=torch.long).to(device), meta,
-                                  self.kv, logit_rows)
+                                  self.kv, logit_rows, hidden_only)
 
     def _sample(self, sampled: list[ScheduledSeq], logits: torch.Tensor) -> list[StepResult]:
         params = [it.seq.params.sampling for it in sampled]
@@ -113,6 +128,19 @@ class ModelRunner:
         proposals = [Proposal(it.seq.seq_id, it.drafts, it.draft_probs) for it in sampled]
         results = verify(logits, proposals, params)
         return [StepResult(it, r.tokens, r.num_accepted) for it, r in zip(sampled, results, strict=False)]
+
+    def _verify_greedy(self, sampled: list[ScheduledSeq],
+                       hidden: torch.Tensor) -> list[StepResult]:
+        def score(rows: list[int]) -> list[int]:
+            index = torch.tensor(rows, dtype=torch.long)
+            argmax: list[int] = self.model.logits(hidden.index_select(0, index)).argmax(
+                dim=1).tolist()
+            return argmax
+
+        proposals = [Proposal(it.seq.seq_id, it.drafts) for it in sampled]
+        results = verify_greedy_in_waves(score, proposals)
+        return [StepResult(it, r.tokens, r.num_accepted)
+                for it, r in zip(sampled, results, strict=True)]
 
     def _graph_can_run(self, scheduled: Sequence[ScheduledSeq]) -> bool:
         assert self.graphs is not None

@@ -19,7 +19,7 @@ import specdec.verify as verify_mod
 from specdec.base import Proposal
 from specdec.errors import VerifyInputError
 from specdec.sampling import SamplingParams, process_logits, sample
-from specdec.verify import VerifyResult, verify
+from specdec.verify import FIRST_WAVE_ROWS, VerifyResult, verify, verify_greedy_in_waves
 
 GREEDY = SamplingParams(0.0)
 
@@ -45,6 +45,47 @@ def test_greedy_mixed_depths_expected_answers() -> None:
         VerifyResult(12, [7], 0, 2),
         VerifyResult(13, [1, 0], 1, 1),
     ]
+
+
+def _scorer(argmax: list[int], scored: list[int]) -> Callable[[list[int]], list[int]]:
+    def score(rows: list[int]) -> list[int]:
+        scored.extend(rows)
+        return [argmax[r] for r in rows]
+    return score
+
+
+def test_greedy_in_waves_scores_only_the_rows_it_reads() -> None:
+    # row argmaxes: seq 1 (12 drafts) rejects at draft 1; seq 2 (5 drafts) accepts all
+    argmax = [7, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0] + [1, 2, 3, 4, 5, 6]
+    proposals = [Proposal(1, [7] * 12), Proposal(2, [1, 2, 3, 4, 5])]
+    scored: list[int] = []
+    got = verify_greedy_in_waves(_scorer(argmax, scored), proposals)
+    assert got == [VerifyResult(1, [7, 3], 1, 12), VerifyResult(2, [1, 2, 3, 4, 5, 6], 5, 5)]
+    # wave 1: the first 4 rows of each; wave 2: the rest of seq 2 only
+    assert scored == [0, 1, 2, 3, 13, 14, 15, 16, 17, 18]
+    assert FIRST_WAVE_ROWS == 4
+
+
+def test_greedy_in_waves_equals_verify() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        depths = torch.randint(0, 14, (int(torch.randint(1, 6, (1,), generator=gen)),),
+                               generator=gen).tolist()
+        logits = torch.randn(sum(k + 1 for k in depths), 16, generator=gen)
+        argmax = logits.argmax(dim=1).tolist()
+        proposals, row = [], 0
+        for i, k in enumerate(depths):
+            right = torch.rand(k, generator=gen) < 0.8  # mostly the argmax, sometimes not
+            proposals.append(Proposal(i, [argmax[row + j] if right[j] else
+                                          (argmax[row + j] + 1) % 16 for j in range(k)]))
+            row += k + 1
+        scored: list[int] = []
+        got = verify_greedy_in_waves(_scorer(argmax, scored), proposals)
+        assert got == verify(logits, proposals, [GREEDY] * len(depths))
+        assert len(scored) == len(set(scored))  # no row scored twice
+        # a proposal decided in the first wave costs at most FIRST_WAVE_ROWS rows
+        assert len(scored) == sum(min(k + 1, FIRST_WAVE_ROWS) if r.num_accepted < FIRST_WAVE_ROWS
+                                  else k + 1 for k, r in zip(depths, got, strict=True))
 
 
 def test_greedy_rows_in_a_sampled_batch_still_match_argmax() -> None:
