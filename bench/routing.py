@@ -1,15 +1,15 @@
 # ruff: noqa: E402
 """Routing policies side by side on heterogeneous engine workers and mixed real traffic.
 
-Fleet (one per policy, identical): two built-in engine workers on the bundled
-tiny model whose compiled configs differ in what a CPU rewards:
+Fleet (one per policy, identical): three built-in engine workers on the
+bundled tiny model whose compiled configs differ in what a CPU rewards:
 
-- ``interactive``: 4 sequences, 64-token prefill chunks (a long prompt never
-  stalls the decodes for long), n-gram speculation (max depth 8, default 4),
-  one thread; declared for the short-prompt domains;
-- ``bulk``: 32 sequences, 2,048-token prefill chunks (a whole long prompt in one
-  step), no speculation, ``--bulk-threads`` threads; declared for the
-  long-prompt domains (summarization, rag).
+- ``interactive-1``, ``interactive-2``: 8 sequences, 128-token prefill chunks
+  (a long prompt never stalls the decodes for long), n-gram speculation (max
+  depth 8, default 2), one thread; declared for the short-prompt domains;
+- ``bulk``: 32 sequences per core, 2,048-token prefill chunks (a whole long
+  prompt in one step), no speculation, ``--bulk-cores`` engine-core processes
+  (default 2); declared for the long-prompt domains (summarization, rag).
 
 Workload: real prompts (Spec-Bench questions, all 13 categories, and GSM8K
 problems) as chat requests, with arrival times and output lengths taken from
@@ -33,7 +33,10 @@ learned -> for each rate, ``--rounds`` measured rounds, each a fresh schedule
 per round, its ratio to each baseline per round (median, min-max), TTFT/TPOT
 percentiles, SLO attainment per (worker, domain class) and where requests went.
 
-    python bench/routing.py --rates 3 6 --duration 30 --rounds 3 --warmup 60
+    python bench/routing.py --rates 4 8 12 --duration 25 --rounds 3 --warmup 40
+
+Needs ~13 free cores (three fleets of 1 + 1 + 2 cores, plus this process): the
+session-3 runs used the lent H200 machine's 16 CPU cores (bench/RESULTS.md).
 """
 
 from __future__ import annotations

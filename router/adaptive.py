@@ -5,14 +5,23 @@ from the worker's learned profile (:mod:`router.profiles`) at the worker's
 current load, with the speculative depth the depth policy
 (:class:`specdec.policy.DepthPolicy`) would pick there, and scores
 
-    cost = TTFT + predicted_output_tokens * TPOT + saturation wait
+    cost = (TTFT + predicted_output_tokens * TPOT + saturation wait + prefill ahead)
+           x SLO penalty  +  interference
 
-times an SLO penalty when the prediction misses the request's TTFT/TPOT SLO.
-The lowest cost wins, except that
+The SLO penalty grows with the predicted relative miss of the request's
+TTFT/TPOT SLO. ``prefill ahead`` is the prefill still to run on the worker for
+prompts routed there earlier (it stalls this request's decode steps), and
+``interference`` is what this prompt's own prefill costs the requests decoding
+there: each one's penalised cost with its TPOT raised by the stall, minus
+without (:mod:`router.inflight`). So a long prompt is steered away from
+workers full of tight-SLO decodes, and a short one away from a worker busy
+prefilling, without any rule about domains. Profiles that have no samples yet
+predict their config's prior scaled by what the other workers measured
+against theirs (:mod:`router.calibration`). The lowest cost wins, except that
 
 - a worker that already holds the request's prefix blocks (prefix affinity)
-  wins if its cost is within ``affinity_slack`` of the best and it is not
-  saturated;
+  wins if its cost is within ``affinity_slack`` of the best, it is not
+  saturated and it keeps a prefix cache (not the built-in engine);
 - with probability ``explore_prob`` a random unsaturated worker is tried, so
   every profile keeps getting fresh samples.
 
