@@ -165,7 +165,7 @@ class AdaptivePolicy:
         d = depth or 0
         pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d)
         idle = prof.predict(shape.domain, shape.prompt_tokens, 0, 1, d)
-        prefill_s = max(idle.ttft_s - prof.predict(shape.domain, 1, 0, 1, d).ttft_s, 0.0)
+        prefill_s = idle.prefill_s
         cost = self._cost(shape, pred)
         # past capacity the request waits for a slot: about one request's time per full batch
         wait = max(0, queue + 1 - cap) / cap * cost
@@ -185,11 +185,11 @@ class AdaptivePolicy:
             return 0.0, 0.0
         now = self.clock()
         harm = 0.0
-        for f in self._inflight.active(worker, now):
-            before, _ = self._slo_of(f.slo_ttft_s, f.slo_tpot_s, f.ttft_s, f.tpot_s)
-            after, _ = self._slo_of(f.slo_ttft_s, f.slo_tpot_s, f.ttft_s,
-                                    f.tpot_s + prefill_s / max(f.num_tokens - 1, 1))
-            harm += (f.cost_s + prefill_s) * after - f.cost_s * before
+        if prefill_s > 0:
+            for f in self._inflight.active(worker, now):
+                after, _ = self._slo_of(f.slo_ttft_s, f.slo_tpot_s, f.ttft_s,
+                                        f.tpot_s + prefill_s / max(f.num_tokens - 1, 1))
+                harm += (f.cost_s + prefill_s) * after - f.cost_s * f.penalty
         return self._inflight.prefill_ahead_s(worker, now), harm
 
     @staticmethod
@@ -254,10 +254,11 @@ class AdaptivePolicy:
             self.affinity.record(shape.prefix_hashes, pick.name)
         # NOTE: the proxy hands back the same RequestShape object in the outcome, so its
         # id() recovers the load this decision saw; entries are bounded and evicted FIFO.
+        penalty, _ = self._slo(shape, pick.ttft_s, pick.tpot_s)
         self._inflight.add(id(shape), Flight(
             pick.name, pick.queue, pick.batch, pick.depth or 0, self.clock(), pick.ttft_s,
             pick.tpot_s, max(shape.predicted_output_tokens, 1), pick.prefill_s,
-            shape.slo_ttft_s, shape.slo_tpot_s))
+            shape.slo_ttft_s, shape.slo_tpot_s, penalty))
 
     def _observe(self, outcome: RequestOutcome) -> None:
         pending = self._inflight.pop(id(outcome.shape))

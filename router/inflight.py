@@ -39,6 +39,7 @@ class Flight:
     prefill_s: float  # predicted prefill compute on this worker: the stall it causes others
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    penalty: float = 1.0  # the policy's SLO cost multiplier for these predictions
 
     @property
     def cost_s(self) -> float:

@@ -190,6 +190,7 @@ class Prediction:
     ttft_s: float
     tpot_s: float
     num_samples: int  # samples of the request's own bucket behind it
+    prefill_s: float = 0.0  # the prompt-length part of the TTFT: prefill compute, seconds
 
 
 class WorkerProfile:
@@ -210,15 +211,20 @@ class WorkerProfile:
                             BayesianRLS(prior.tpot_coef("chat"), v, forgetting))
         self._buckets: dict[tuple[str, int], _Models] = {}
 
-    def _bucket_init(self, domain: str, prompt_tokens: int) -> _Models:
-        """A bucket starts at the worker-level fit, shaped by the bucket's prior factors."""
+    def _bucket_coef(self, domain: str, prompt_tokens: int) -> tuple[Vec, Vec]:
+        """A new bucket's (TTFT, TPOT) coefficients: the worker-level fit, shaped by the
+        bucket's prior factors."""
         f = self.prior.factor(domain, prompt_tokens)
         spec = self.prior.tpot_coef(domain)[0] / self.prior.tpot_coef("chat")[0]
+        t, p = self._all.ttft.coef, self._all.tpot.coef
+        fs = f * spec
+        return (t[0] * f, t[1] * f, t[2] * f), (p[0] * fs, p[1] * fs, p[2] * fs)
+
+    def _bucket_init(self, domain: str, prompt_tokens: int) -> _Models:
+        ttft, tpot = self._bucket_coef(domain, prompt_tokens)
         v = self.prior.prior.prior_variance
-        ttft = tuple(c * f for c in self._all.ttft.coef)
-        tpot = tuple(c * f * spec for c in self._all.tpot.coef)
-        return _Models(BayesianRLS(ttft, v, self._forgetting),  # type: ignore[arg-type]
-                       BayesianRLS(tpot, v, self._forgetting))  # type: ignore[arg-type]
+        return _Models(BayesianRLS(ttft, v, self._forgetting),
+                       BayesianRLS(tpot, v, self._forgetting))
 
     def predict(self, domain: str, prompt_tokens: int, queue: float, batch: float,
                 depth: int) -> Prediction:
@@ -226,19 +232,24 @@ class WorkerProfile:
         xp = tpot_features(min(batch, batch_capacity(self.prior.config)), depth)
         bucket = self._buckets.get((domain, prompt_band(prompt_tokens)))
         if bucket is None:
-            bucket = self._bucket_init(domain, prompt_tokens)
+            # NOTE: no model is built for a bucket without samples (predict runs several
+            # times per routing decision); its coefficients are derived on the fly.
+            ct, cp = self._bucket_coef(domain, prompt_tokens)
             n = 0
         else:
+            ct, cp = bucket.ttft.coef, bucket.tpot.coef
             n = bucket.tpot.num_samples
         # NOTE: floors: a fit may extrapolate below zero far from its data.
-        floor_ttft = 0.1 * bucket.ttft.coef[0] if bucket.ttft.coef[0] > 0 else 1e-4
-        ttft = max(bucket.ttft.predict(xt), floor_ttft, 1e-4)
-        tpot = max(bucket.tpot.predict(xp), 1e-5)
+        floor_ttft = 0.1 * ct[0] if ct[0] > 0 else 1e-4
+        ttft = max(ct[0] + ct[1] * xt[1] + ct[2] * xt[2], floor_ttft, 1e-4)
+        tpot = max(cp[0] + cp[1] * xp[1] + cp[2] * xp[2], 1e-5)
+        prefill = max(ct[1] * xt[1], 0.0)
         if self._all.ttft.num_samples == 0:
-            ttft *= self.calibration.factor(ttft_key(prompt_tokens))
+            c = self.calibration.factor(ttft_key(prompt_tokens))
+            ttft, prefill = ttft * c, prefill * c
         if self._all.tpot.num_samples == 0:
             tpot *= self.calibration.factor(TPOT_KEY)
-        return Prediction(ttft, tpot, n)
+        return Prediction(ttft, tpot, n, prefill)
 
     def observe(self, domain: str, prompt_tokens: int, queue: float, batch: float, depth: int,
                 ttft_s: float | None, tpot_s: float | None) -> None:
