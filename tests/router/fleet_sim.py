@@ -5,8 +5,11 @@ Each worker runs up to ``max_seqs`` requests; the rest wait FIFO. A step takes
 ``base_s + per_seq_s * batch`` seconds; a request needs ``prompt * prefill_s``
 seconds of prefill before its first token, then emits one token per
 ``step * factor[domain]`` seconds (``factor`` < 1 models speculation that pays
-off on that domain). Policies see WorkerView snapshots and get RequestOutcomes,
-exactly as in the proxy.
+off on that domain). With ``chunk`` set, prefill shares the steps instead
+(chunked prefill, as the engine does): each step carries up to ``chunk`` prompt
+tokens, which add ``prefill_s`` each to that step's time, so a long prompt slows
+every decode on its worker. Policies see WorkerView snapshots and get
+RequestOutcomes, exactly as in the proxy.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class SimWorker:
     per_seq_s: float
     prefill_s: float  # per prompt token
     factor: dict[str, float] = field(default_factory=dict)
+    chunk: int | None = None  # prompt tokens per step (chunked prefill); None: prefill apart
     running: list[dict] = field(default_factory=list)
     waiting: list[dict] = field(default_factory=list)
 
@@ -77,11 +81,42 @@ def _advance(w: SimWorker, now: float, dt: float) -> list[dict]:
         req = w.waiting.pop(0)
         req["left_prefill"] = req["shape"].prompt_tokens * w.prefill_s
         w.running.append(req)
+    if w.chunk is not None:
+        return _advance_chunked(w, now, dt)
     step = w.base_s + w.per_seq_s * len(w.running)
     done = []
     for req in w.running:
         if req["left_prefill"] > 0:
             req["left_prefill"] -= dt
+            continue
+        if req["first"] is None:
+            req["first"] = now
+        req["tokens"] += dt / (step * w.factor.get(req["shape"].domain, 1.0))
+        if req["tokens"] >= req["shape"].predicted_output_tokens:
+            req["end"] = now
+            done.append(req)
+    w.running = [r for r in w.running if r not in done]
+    return done
+
+
+def _advance_chunked(w: SimWorker, now: float, dt: float) -> list[dict]:
+    """One dt of a worker whose prefill runs inside the decode steps (``chunk`` per step)."""
+    assert w.chunk is not None
+    filling = [r for r in w.running if r["left_prefill"] > 0]
+    # left_prefill counts seconds of prefill compute; in tokens it is left / prefill_s
+    budget, take = float(w.chunk), {}
+    for req in filling:  # the step's prompt tokens go to the oldest prefills first
+        # NOTE: the share is fixed by the prompt's full length, so a prompt that fits in
+        # one step's budget finishes in one step (no geometric tail as it shrinks)
+        take[id(req)] = min(budget, float(req["shape"].prompt_tokens))
+        budget -= take[id(req)]
+    step = w.base_s + w.per_seq_s * len(w.running) + w.prefill_s * (w.chunk - budget)
+    done = []
+    for req in w.running:
+        if req["left_prefill"] > 0:
+            req["left_prefill"] -= take[id(req)] * w.prefill_s * dt / step
+            if req["left_prefill"] <= 1e-9:
+                req["left_prefill"] = 0.0
             continue
         if req["first"] is None:
             req["first"] = now
@@ -102,7 +137,7 @@ def _report(policy: RoutingPolicy, w: SimWorker, req: dict, slo_ttft_s: float,
     policy.observe(RequestOutcome(w.name, shape, "ok", completion_tokens=n, ttft_s=ttft,
                                   tpot_s=tpot, e2e_s=req["end"] - req["arrival"],
                                   spec_depth=req["depth"], batch_size=req["batch"]))
-    return ttft <= slo_ttft_s and tpot <= slo_tpot_s
+    return ttft <= (shape.slo_ttft_s or slo_ttft_s) and tpot <= (shape.slo_tpot_s or slo_tpot_s)
 
 
 def poisson_mix(rate: float, num: int, mix: dict[str, float], prompt: int, output: int,
