@@ -169,7 +169,7 @@ class AdaptivePolicy:
         cost = self._cost(shape, pred)
         # past capacity the request waits for a slot: about one request's time per full batch
         wait = max(0, queue + 1 - cap) / cap * cost
-        ahead, harm = self._interference(shape, view.name, prefill_s)
+        ahead, harm = self._interference(view.name, prefill_s)
         num_gaps = max(shape.predicted_output_tokens - 1, 1)
         ttft_s, tpot_s = pred.ttft_s + wait, pred.tpot_s + ahead / num_gaps
         penalty, meets = self._slo(shape, ttft_s, tpot_s)
@@ -177,8 +177,7 @@ class AdaptivePolicy:
                          self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
                          ttft_s, tpot_s, prefill_s, view.backend != "engine")
 
-    def _interference(self, shape: RequestShape, worker: str, prefill_s: float
-                      ) -> tuple[float, float]:
+    def _interference(self, worker: str, prefill_s: float) -> tuple[float, float]:
         """(prefill still ahead on the worker, the penalised delay this prompt's prefill adds
         to the requests running there), seconds; see :mod:`router.inflight`."""
         if not self.config.interference:
