@@ -450,8 +450,11 @@ def _per_call_us(fn: object, number: int) -> float:
 
 
 def _forward_ms(model_dir: Path, batch: int, context: int, q_lens: list[int],
-                repeats: int) -> dict[int, float]:
-    """Median ms of one forward of ``batch`` sequences with ``q`` new tokens each (one thread)."""
+                repeats: int, wave: int | None = None) -> dict[int, float]:
+    """Median ms of one forward of ``batch`` sequences with ``q`` new tokens each (one thread).
+
+    With ``wave``, the vocabulary projection covers only the first ``wave`` rows of each
+    sequence (greedy verification in waves when every proposal is rejected early)."""
     import torch
 
     from engine.attention import SeqSlice, build_metadata
@@ -474,8 +477,13 @@ def _forward_ms(model_dir: Path, batch: int, context: int, q_lens: list[int],
     for rep in range(repeats + 2):  # interleaved, so drift hits every q alike
         for q in q_lens:
             ids = torch.randint(0, spec.vocab_size, (q * batch,))
+            rows = torch.arange(q * batch)
             t0 = time.perf_counter()
-            model.forward(ids, metas[q], kv, torch.arange(q * batch))
+            if wave is None or q == 1:
+                model.forward(ids, metas[q], kv, rows)
+            else:
+                hidden = model.forward(ids, metas[q], kv, rows, hidden_only=True)
+                model.logits(hidden.view(batch, q, -1)[:, :wave].reshape(-1, hidden.shape[-1]))
             if rep >= 2:
                 out[q].append((time.perf_counter() - t0) * 1e3)
     return {q: sorted(v)[len(v) // 2] for q, v in out.items()}
@@ -486,16 +494,20 @@ def run_step_costs(repeats: int = 30) -> None:
     import torch
 
     torch.set_num_threads(1)  # as the engine on this box (cpu_count // 2)
-    depths = [0, 1, 2, 4, 6, 8]
+    from specdec.verify import FIRST_WAVE_ROWS
+
+    depths = [0, 1, 2, 4, 6, 8, 16]
     print("step costs: median forward ms, 300-token context, one thread "
-          "(ratio = t(k+1 tokens) / t(1 token))")
+          "(ratio = t(k+1 tokens) / t(1 token)); 'early reject' = greedy verification in "
+          f"waves when every proposal ends in its first {FIRST_WAVE_ROWS} rows")
     for batch in (1, 4, 16):
-        target = _forward_ms(REPO / "models" / "tiny-target", batch, 300,
-                             [k + 1 for k in depths], repeats)
+        for name, wave in (("all rows", None), ("early reject", FIRST_WAVE_ROWS)):
+            target = _forward_ms(REPO / "models" / "tiny-target", batch, 300,
+                                 [k + 1 for k in depths], repeats, wave)
+            cells = " ".join(f"k={k}:{target[k + 1]:.1f}ms({target[k + 1] / target[1]:.2f})"
+                             for k in depths)
+            print(f"  batch {batch:>2} target, {name:>12}: {cells}")
         draft = _forward_ms(REPO / "models" / "tiny-draft", batch, 300, [1], repeats)[1]
-        cells = " ".join(f"k={k}:{target[k + 1]:.1f}ms({target[k + 1] / target[1]:.2f})"
-                         for k in depths)
-        print(f"  batch {batch:>2} target {cells}")
         print(f"  batch {batch:>2} draft 1 token {draft:.2f} ms = {draft / target[1]:.2f} of a "
               f"target decode step; k draft steps cost k x that")
 

@@ -205,6 +205,7 @@ class AcceptanceEstimate:
             geo = expected_tokens_per_step(a, k)
             steps = self.steps_at.get(k, 0.0)
             out.append((self.tokens_at.get(k, 0.0) + prior_steps * geo) / (steps + prior_steps))
+        out = _between_measured(out, [k for k in range(max_depth + 1) if self.steps_at.get(k)])
         self._cache[(max_depth, prior_steps)] = out
         return out
 
@@ -253,6 +254,28 @@ class AcceptanceEstimate:
             steps = max_evidence
         self.steps_at[depth] = steps
         self.tokens_at[depth] = tokens
+
+
+def _between_measured(expected: list[float], measured: list[int]) -> list[float]:
+    """Keep each unmeasured depth's E between those of the measured depths around it.
+
+    NOTE: a proposal at depth k is a prefix of the proposal the same context gives at
+    any deeper k, so E[tokens per step] never falls with k. The geometric prior does
+    not know that n-gram acceptance comes in whole runs: it saturates early, and put
+    depths 5-7 (never measured) above a measured 8 or 16 that did better, so the policy
+    picked them. Measured depths are kept as measured.
+    """
+    out = list(expected)
+    for k in range(len(out)):
+        if k in measured:
+            continue
+        below = [expected[j] for j in measured if j < k]
+        above = [expected[j] for j in measured if j > k]
+        if below:
+            out[k] = max(out[k], max(below))
+        if above:
+            out[k] = min(out[k], min(above))
+    return out
 
 
 @dataclass

@@ -207,6 +207,20 @@ def test_measured_tokens_per_step_take_over_from_the_geometric_prior() -> None:
     assert out[1] == pytest.approx(1.6233, abs=1e-3)  # not measured: geometric 1 + a
 
 
+def test_unmeasured_depths_stay_between_the_measured_ones() -> None:
+    est = AcceptanceEstimate(5.0, 5.0)  # a = .5: geometric E saturates near 2
+    est.observe(0, 0, depth=2, max_evidence=1e9)  # no counts: nothing changes
+    # measured: k = 2 at 1.5 tokens per step, k = 4 at 3.0 (whole runs accepted)
+    est.steps_at, est.tokens_at = {2: 1000.0, 4: 1000.0}, {2: 1500.0, 4: 3000.0}
+    out = est.tokens_per_step(6, prior_steps=1.0)
+    geo = [expected_tokens_per_step(0.5, k) for k in range(7)]
+    assert out[0] == pytest.approx(1.0) and out[1] == pytest.approx(1.5)  # at most k = 2's
+    assert out[2] == pytest.approx((1500 + geo[2]) / 1001)  # measured: kept
+    assert out[3] == pytest.approx(geo[3])  # geometric 1.875 lies between 1.5 and 3.0
+    assert out[4] == pytest.approx((3000 + geo[4]) / 1001)
+    assert out[5] == pytest.approx(out[4]) and out[6] == pytest.approx(out[4])  # >= k = 4's
+
+
 def test_bursty_acceptance_favours_a_deeper_measured_k() -> None:
     model = _model(0.010, 0.0, 0.0, 0.002)
     # geometric a = 0.4: 1.4/.012 = 116.7, 1.56/.014 = 111.4 ... -> k = 1
