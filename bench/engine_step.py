@@ -9,8 +9,9 @@ attention alone over all layers:
 
 Prints milliseconds per step and the ratio torch path / kernel (higher = the
 kernel is faster), then a whole step (kernel attention) with plain F.linear
-weights vs weights packed for oneDNN (engine.model's CPU float32 default),
-and the projections alone. One intra-op thread, as the engine's lanes use.
+weights vs the engine's CPU float32 default (weights packed for oneDNN, and
+engine.cpu_gemm's bfloat16-weight kernel for steps of up to 16 rows), and the
+projections alone. One intra-op thread, as the engine's lanes use.
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ def linear_table(args: argparse.Namespace, spec: object, kv: KVCache, perm: list
     if not packed.packed:
         print("\nweights not packed on this machine (see engine.model.packing_disabled_reason)")
         return
-    print("\n| batch | step F.linear ms | step packed ms | ratio | projections F.linear ms "
-          "| projections packed ms | ratio |")
+    print("\n| batch | step F.linear ms | step packed/kernel ms | ratio "
+          "| projections F.linear ms | projections packed/kernel ms | ratio |")
     print("|---|---|---|---|---|---|---|")
     for b in args.batch:
         slices = [SeqSlice(1, args.context, perm[i * per_seq:(i + 1) * per_seq])

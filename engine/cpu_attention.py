@@ -21,26 +21,16 @@ engine keeps the torch path.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
+
+from engine.cbuild import load_library
 
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "POLYINFER_CPU_ATTENTION"  # "0" keeps the torch path
-CACHE_ENV = "POLYINFER_KERNEL_CACHE"  # where built libraries live
-# NOTE: no -ffast-math: linking a shared library with it sets flush-to-zero for the whole
-# process (crtfastmath.o). These flags only let gcc vectorize the float reductions.
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-          "-fno-signed-zeros", "-freciprocal-math", "-shared", "-fPIC", "-std=gnu99")
-BUILD_TIMEOUT_S = 60.0
 MAX_BLOCK = 256  # tokens per KV block the kernel accepts (its score buffer)
 
 SOURCE = r"""
@@ -356,35 +346,6 @@ def cpu_attention_for(device: str | torch.device, dtype: torch.dtype,
     return load_cpu_attention()
 
 
-def _cache_dirs() -> list[Path]:
-    """The user's cache folder, then a per-user temporary one if that is not writable."""
-    base = os.environ.get(CACHE_ENV) or os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    user = os.getuid() if hasattr(os, "getuid") else 0
-    return [Path(base).expanduser() / "polyinfer" / "kernels",
-            Path(tempfile.gettempdir()) / f"polyinfer-kernels-{user}"]
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(compiler: str, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src = Path(tmp) / "paged_attention.c"
-        src.write_text(SOURCE)
-        lib = Path(tmp) / out.name
-        subprocess.run([compiler, *CFLAGS, str(src), "-o", str(lib), "-lm"], check=True,
-                       capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        os.replace(lib, out)  # atomic: concurrent builders never load a partial file
-
-
 def load_cpu_attention() -> CpuPagedAttention | None:
     """Build (once per source, compiler and CPU) and load the kernel; None, logged, if not.
 
@@ -394,25 +355,9 @@ def load_cpu_attention() -> CpuPagedAttention | None:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         logger.info("CPU paged-attention kernel disabled by %s=0", DISABLE_ENV)
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.warning("no C compiler found: CPU decode attention uses the torch path")
+    lib, reason = load_library("paged_attention", SOURCE)
+    if lib is None:
+        logger.warning("CPU paged-attention kernel unavailable (%s): decode attention uses the "
+                       "torch path", reason)
         return None
-    key = hashlib.sha256("\0".join([SOURCE, compiler, *CFLAGS, platform.machine(),
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
-    error: Exception | None = None
-    for folder in _cache_dirs():
-        path = folder / f"paged_attention_{key}.so"
-        try:
-            if not path.exists():
-                _build(compiler, path)
-            return CpuPagedAttention(ctypes.CDLL(str(path)))
-        except subprocess.CalledProcessError as e:  # the compiler refused: no folder helps
-            error = e
-            break
-        except (OSError, subprocess.SubprocessError) as e:  # e.g. a read-only cache folder
-            error = e
-    detail = getattr(error, "stderr", "") or error
-    logger.warning("CPU paged-attention kernel unavailable (%s): decode attention uses the "
-                   "torch path", str(detail).strip()[:500])
-    return None
+    return CpuPagedAttention(lib)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttnMetadata, paged_attention
 from engine.checkpoint import ModelSpec
+from engine.cpu_gemm import CpuGemm, CpuProjection, load_cpu_gemm, project
 from engine.errors import CheckpointError, UnsupportedConfigError
 from engine.kv_cache import KVCache
 from engine.triton_attention import DecodeMetadata, decode_attention
@@ -30,22 +31,20 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PACK_ENV = "POLYINFER_CPU_PACKED_LINEAR"  # "0" keeps F.linear on plain weights
-# NOTE: the row count oneDNN blocks the packed layout for; measured on the 2-core box,
-# 8, 32 and 128 give the same speed within noise for 1-512 rows (bench/RESULTS.md).
-PACK_BATCH_HINT = 32
 
 Linear = Callable[..., torch.Tensor]  # (x, weight, bias=None) -> x @ weight.T + bias
+Weight = torch.Tensor | CpuProjection  # a projection's weight as self.linear takes it
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv: Weight  # [q_size + 2 * kv_size, hidden]
     qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
-    o: torch.Tensor  # [hidden, q_size]
+    o: Weight  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Weight  # [2 * intermediate, hidden]
+    down: Weight  # [hidden, intermediate]
 
 
 def _get(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -94,20 +93,12 @@ def _mlp_block(h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, down:
     return h + linear(F.silu(gate) * up, down)
 
 
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-def _pack(w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
-
-
 def packing_disabled_reason(device: str, dtype: torch.dtype, execution: str) -> str | None:
     """Why this model keeps plain F.linear weights, or None when it packs them for oneDNN.
 
     On the CPU in float32, weights reordered once into oneDNN's blocked layout make every
-    projection 15-35% faster than F.linear at 1-512 rows on the 2-core box
+    projection 15-35% faster than F.linear at 1-512 rows on the 2-core box, and steps of
+    a few rows go through :mod:`engine.cpu_gemm`'s kernel on the exact bfloat16 copy
     (``bench/engine_step.py``).
     """
     if not str(device).startswith("cpu") or dtype != torch.float32:
@@ -122,9 +113,12 @@ def packing_disabled_reason(device: str, dtype: torch.dtype, execution: str) -> 
     return None
 
 
-def _pack_layer(layer: LayerWeights) -> LayerWeights:
-    return replace(layer, qkv=_pack(layer.qkv), o=_pack(layer.o), gate_up=_pack(layer.gate_up),
-                   down=_pack(layer.down))
+def _pack_layer(layer: LayerWeights, kernel: CpuGemm | None) -> LayerWeights:
+    def pack(w: Weight) -> CpuProjection:
+        return CpuProjection.pack(w, kernel)  # type: ignore[arg-type]
+
+    return replace(layer, qkv=pack(layer.qkv), o=pack(layer.o), gate_up=pack(layer.gate_up),
+                   down=pack(layer.down))
 
 
 class LlamaModel:
@@ -187,9 +181,10 @@ class LlamaModel:
         self.packed = False
         if reason is None:
             try:
-                self.layers = [_pack_layer(layer) for layer in self.layers]
-                self.lm_head = _pack(self.lm_head)
-                self.linear, self.packed = _packed_linear, True
+                kernel = load_cpu_gemm()
+                self.layers = [_pack_layer(layer, kernel) for layer in self.layers]
+                self.lm_head = CpuProjection.pack(self.lm_head, kernel)  # type: ignore[arg-type]
+                self.linear, self.packed = project, True
             except RuntimeError as e:  # an unusual CPU or build: plain weights still work
                 reason = f"oneDNN could not pack the weights: {e}"
                 self.layers = [_layer(weights, i, spec, cast) for i in range(self.num_layers)]
