@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -380,10 +381,10 @@ class Relay:
         tail = b""
         while chunk:
             buf = tail + chunk if tail else chunk
-            cut = max(buf.rfind(b"\n\n") + 2, buf.rfind(b"\r\n\r\n") + 4)
+            cut = _last_event_end(buf)
             if cut > 3:
                 out, tail = (buf, b"") if cut == len(buf) else (buf[:cut], buf[cut:])
-                if _USAGE_MARKERS[0] in out or _USAGE_MARKERS[1] in out:
+                if _USAGE.search(out) is not None:
                     out = _scan_usage_events(out, rec, strip_usage)
                 if rec.ttft_s is None and out:
                     rec.ttft_s = time.perf_counter() - rec.t0
@@ -405,7 +406,17 @@ class Relay:
 
 
 _DONE_EVENTS = (b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n")
-_USAGE_MARKERS = (b'"usage":{', b'"usage": {')
+_USAGE = re.compile(rb'"usage": ?\{')  # a usage object (not "usage": null)
+
+
+def _last_event_end(buf: bytes) -> int:
+    """The end of the last complete SSE event in ``buf`` (after its blank line); < 4 if none.
+
+    NOTE: the CRLF form is looked for only after the last LF-form end, so a stream in
+    one style costs one backward scan that stops near the end, not two full scans.
+    """
+    lf = buf.rfind(b"\n\n")
+    return max(lf + 2, buf.rfind(b"\r\n\r\n", max(lf, 0)) + 4)
 
 
 async def _write_client(ex: ClientExchange, data: bytes, eof: bool = False) -> None:
@@ -469,8 +480,8 @@ def _scan_usage_events(out: bytes, rec: RequestRecord, strip: bool) -> bytes:
 
 def _find_usage(out: bytes, start: int) -> int:
     """Position of the first usage object at or after ``start``; -1 when none."""
-    a, b = out.find(_USAGE_MARKERS[0], start), out.find(_USAGE_MARKERS[1], start)
-    return a if b == -1 or (a != -1 and a < b) else b
+    m = _USAGE.search(out, start)
+    return -1 if m is None else m.start()
 
 
 def _event_json(event: bytes) -> dict[str, Any] | None:
