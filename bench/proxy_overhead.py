@@ -14,6 +14,7 @@ CPU seconds per request (from /proc/<pid>/stat, user + system).
     python bench/proxy_overhead.py --rates 200 500 1000 2000 --duration 10
     python bench/proxy_overhead.py --prompts unique              # every prompt different
     python bench/proxy_overhead.py --baseline-src /tmp/base     # + polyinfer from another tree
+    python bench/proxy_overhead.py --rounds 3                   # 3 sweeps, CPU ratios per round
     python bench/proxy_overhead.py --loadgen URL RATE SECONDS PROMPTS   # (internal) one load run
 
 Prompts (--prompts): ``fixed`` sends one short prompt every time (what the
@@ -293,10 +294,20 @@ def fmt(v: float | None, nd: int = 2) -> str:
     return "-" if v is None else f"{v:.{nd}f}"
 
 
+def cpu_ratio(rows: list[tuple[str, float, dict, dict]], name: str, rate: float,
+              peer: str) -> float | None:
+    """``name``'s CPU per request over ``peer``'s at the same rate and round."""
+    def cpu(n: str) -> float | None:
+        return next((r.get("cpu_ms_per_req") for t, rt, r, _ in rows if t == n and rt == rate),
+                    None)
+    mine, theirs = cpu(name), cpu(peer)
+    return None if mine is None or not theirs else mine / theirs
+
+
 def print_table(rows: list[tuple[str, float, dict, dict]]) -> None:
     print(f"{'target':<16}{'rate':>6}{'goodput':>9}{'err':>5}{'shed':>6}{'ttft p50':>9}{'p99':>8}"
           f"{'e2e p50':>9}{'p99':>8}{'+ttft p50':>10}{'+p99':>8}{'+e2e p50':>9}{'+p99':>8}"
-          f"{'cpu ms/req':>11}")
+          f"{'cpu ms/req':>11}{'/vllm-router':>13}")
     for name, rate, r, d in rows:
         add = {k: (r[k] - d[k]) if r[k] is not None and d[k] is not None else None
                for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")}
@@ -306,7 +317,8 @@ def print_table(rows: list[tuple[str, float, dict, dict]]) -> None:
               f"{fmt(r['e2e_p99_ms']):>8}"
               + ("" if direct else f"{fmt(add['ttft_p50_ms']):>10}{fmt(add['ttft_p99_ms']):>8}"
                  f"{fmt(add['e2e_p50_ms']):>9}{fmt(add['e2e_p99_ms']):>8}"
-                 f"{fmt(r.get('cpu_ms_per_req'), 3):>11}"))
+                 f"{fmt(r.get('cpu_ms_per_req'), 3):>11}"
+                 f"{fmt(cpu_ratio(rows, name, rate, 'vllm-router')):>13}"))
 
 
 def sustained(rows: list[tuple[str, float, dict, dict]], name: str) -> float | None:
@@ -315,6 +327,37 @@ def sustained(rows: list[tuple[str, float, dict, dict]], name: str) -> float | N
             if n == name and r["errors"] == 0 and r["shed"] == 0
             and r["achieved_rps"] >= 0.95 * rate]
     return max(good) if good else None
+
+
+def sweep(targets: list[Target], args: argparse.Namespace,
+          core: int | None) -> list[tuple[str, float, dict, dict]]:
+    """Every target at every rate, targets one after another at each rate."""
+    rows = []
+    for rate in args.rates:
+        direct = None
+        for t in targets:
+            if rate > t.max_rate:
+                continue
+            r = measure(t, rate, args.duration, args.prompts, core)
+            direct = r if t.name == "direct" else direct
+            assert direct is not None
+            rows.append((t.name, rate, r, direct))
+    return rows
+
+
+def print_ratio_summary(rounds: list[list[tuple[str, float, dict, dict]]],
+                        names: list[str]) -> None:
+    """CPU per request over vllm-router's, per target and rate, one column per round."""
+    print("# CPU per request / vllm-router's, per round (median last)")
+    for name in names:
+        if name == "vllm-router":
+            continue
+        for rate in sorted({rate for rows in rounds for _, rate, _, _ in rows}):
+            ratios = [cpu_ratio(rows, name, rate, "vllm-router") for rows in rounds]
+            got = [x for x in ratios if x is not None]
+            if got:
+                print(f"{name:<16}{rate:>6.0f}  " + "  ".join(fmt(x) for x in ratios)
+                      + f"  | median {float(np.median(got)):.2f}")
 
 
 def orchestrate(args: argparse.Namespace) -> None:
@@ -351,22 +394,20 @@ def orchestrate(args: argparse.Namespace) -> None:
                 print(f"# litellm did not start: {e}")
         else:
             print("# litellm not installed (or --skip-litellm): not compared")
-        rows = []
-        for rate in args.rates:
-            direct = None
-            for t in targets:
-                if rate > t.max_rate:
-                    continue
-                r = measure(t, rate, args.duration, args.prompts, other_core)
-                direct = r if t.name == "direct" else direct
-                assert direct is not None
-                rows.append((t.name, rate, r, direct))
-        print(f"# FakeFastUpstream, {args.chunks} chunks/stream, {args.duration:.0f} s per "
-              f"point, prompts {args.prompts}; proxy pinned to core {proxy_core}; times in ms")
-        print_table(rows)
-        for t in targets[1:]:
-            print(f"# {t.name}: highest sustained rate tested = {sustained(rows, t.name)} req/s")
-        (workdir / "results.json").write_text(json.dumps(rows, indent=1))
+        rounds = []
+        for i in range(args.rounds):
+            rows = sweep(targets, args, other_core)
+            rounds.append(rows)
+            print(f"# round {i + 1}/{args.rounds}: FakeFastUpstream, {args.chunks} chunks/stream, "
+                  f"{args.duration:.0f} s per point, prompts {args.prompts}; proxy pinned to core "
+                  f"{proxy_core}; times in ms", flush=True)
+            print_table(rows)
+            for t in targets[1:]:
+                print(f"# {t.name}: highest sustained rate tested = "
+                      f"{sustained(rows, t.name)} req/s")
+        if args.rounds > 1:
+            print_ratio_summary(rounds, [t.name for t in targets if t.proc is not None])
+        (workdir / "results.json").write_text(json.dumps(rounds, indent=1))
         print(f"# raw results: {workdir / 'results.json'}")
     finally:
         for t in targets:
@@ -386,6 +427,8 @@ def main() -> None:
     p.add_argument("--rates", type=float, nargs="+", default=[50, 200, 500, 1000])
     p.add_argument("--duration", type=float, default=5.0, help="seconds per point")
     p.add_argument("--chunks", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat the whole sweep this many times with the same processes")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     p.add_argument("--skip-litellm", action="store_true")
     p.add_argument("--baseline-src", type=Path, default=None,
