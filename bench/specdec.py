@@ -32,6 +32,10 @@ Session-2 runs (bench/RESULTS.md), each under 10 minutes on the 2-core box:
     python bench/specdec.py --methods ngram --concurrency 4 16 --rounds 2
     python bench/specdec.py --methods draft --concurrency 1 4 16 --depths 1 2 4 --rounds 2 \
         --per-domain 2
+
+Session 3 (bench/RESULTS.md "Speculative decoding (session 3)"): the same n-gram
+commands under ``flock /tmp/polyinfer-bench.lock nice -n 5``, plus ``--step-costs``
+(now with k=16 and an "early reject" row per batch size).
 """
 
 from __future__ import annotations
