@@ -17,6 +17,9 @@ behind ``auth.admin_key`` (see :mod:`proxy.admin`). Every response carries
 Modules, in request order:
 
 - :mod:`proxy.serve_cli`, :mod:`proxy.server` — CLI, listening, SIGTERM drain
+- :mod:`proxy.fastpath` — lean protocol for plain POSTs to the two OpenAI routes;
+  every other request (and its connection) is handed to aiohttp on the same port
+- :mod:`proxy.exchange` — the client side of one request, for the relay (aiohttp or lean)
 - :mod:`proxy.config` — frozen config tree, validated on load
 - :mod:`proxy.app`, :mod:`proxy.keys` — app factory, typed app keys, lifetimes
 - :mod:`proxy.handlers`, :mod:`proxy.admin` — HTTP handlers, error middleware
