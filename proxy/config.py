@@ -136,8 +136,7 @@ class RoutingConfig:
         """``slo_ttft_s`` or ``slo_tpot_s`` with ``*`` spread over the domains it covers."""
         table: dict[str, float] = getattr(self, name)
         default = table.get("*")
-        return {d: float(table.get(d, default)) for d in DOMAINS
-                if table.get(d, default) is not None}
+        return {d: float(v) for d in DOMAINS if (v := table.get(d, default)) is not None}
 
 
 @dataclass(frozen=True)
