@@ -6,9 +6,9 @@ bundled checkpoints are bfloat16 on disk: keeping that copy (every value is
 exact, nothing is rounded) halves the bytes, and this C kernel widens eight
 weights to float32 with two AVX2 instructions and accumulates in float32 with
 several independent FMA chains. On the 2-core box it runs the tiny target's 33
-projections of one step 7x faster than oneDNN float32 at 1 row, 2.3x at 8 and
-1.5x at 16 (``bench/engine_step.py``); from ``SMALL_ROWS`` rows on, oneDNN's
-packed float32 GEMM is as fast or faster and takes over.
+projections of one step 5-7x faster than oneDNN float32 at 1 row, 2x at 8-9,
+1.4x at 16-24 and 1.2-1.4x at 32 (``bench/engine_step.py``); past ``SMALL_ROWS``
+rows (prefill chunks) oneDNN's packed float32 GEMM takes over.
 
 :class:`CpuProjection` holds both copies of one weight; :func:`project` picks
 per call. Weights that are not exactly representable in bfloat16 (a float32
@@ -31,7 +31,7 @@ from engine.cbuild import load_library
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "POLYINFER_CPU_GEMM"  # "0" keeps oneDNN for every row count
-SMALL_ROWS = 16  # rows up to which the kernel beats oneDNN's packed float32 GEMM here
+SMALL_ROWS = 32  # rows up to which the kernel beats oneDNN's packed float32 GEMM here
 COLUMNS = 8  # output columns per kernel block (one AVX2 register)
 # NOTE: the row count oneDNN blocks its packed layout for; 8, 32 and 128 measured the
 # same within noise for 1-512 rows on the 2-core box.
@@ -53,7 +53,7 @@ INLINE __m256 widen8(const uint16_t *p) {
    U accumulators per row over interleaved k keep at least 8 FMA chains in flight. */
 INLINE void block(const float *x, int64_t xs, int64_t K, const uint16_t *w8, float *y,
                   int64_t ys, const float *bias, const int MR, const int U) {
-    __m256 acc[8][8];
+    __m256 acc[12][8];
     for (int r = 0; r < MR; r++)
         for (int u = 0; u < U; u++) acc[r][u] = _mm256_setzero_ps();
     int64_t k = 0;
@@ -77,24 +77,29 @@ INLINE void block(const float *x, int64_t xs, int64_t K, const uint16_t *w8, flo
     }
 }
 
+#define MAX_MR 12  /* rows per block: 12 accumulators + a weight + a broadcast in 16 registers */
 #define ROWS(R, U) case R: block(xr, xs, K, w8, yr, ys, bb, R, U); break;
 
 /* y [M, N] (row stride ys) = x [M, K] (row stride xs) @ W.T + bias; W packed as
    [N / 8][K][8] bfloat16. Every column block is read from memory once; row blocks
-   after the first find it in L1. Returns 1 if N is not a multiple of 8. */
+   (at most MAX_MR rows each) after the first find it in L1. Returns 1 if N is not a
+   multiple of 8. */
 int linear_bf16w(const float *x, int64_t xs, int64_t M, int64_t K, const uint16_t *packed,
                  int64_t N, const float *bias, float *y, int64_t ys) {
     if (N % 8) return 1;
     for (int64_t nb = 0; nb < N / 8; nb++) {
         const uint16_t *w8 = packed + nb * K * 8;
         const float *bb = bias ? bias + nb * 8 : 0;
-        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        int64_t blocks = (M + MAX_MR - 1) / MAX_MR;  /* balanced: 17 rows = 9 + 8, not 12 + 5 */
+        for (int64_t b = 0, m0 = 0; b < blocks; b++) {
+            int64_t left = blocks - b, rows = (M - m0 + left - 1) / left;
             const float *xr = x + m0 * xs;
             float *yr = y + m0 * ys + nb * 8;
-            switch (M - m0 >= 8 ? 8 : M - m0) {
-                ROWS(1, 8) ROWS(2, 4) ROWS(3, 3) ROWS(4, 2)
-                ROWS(5, 1) ROWS(6, 1) ROWS(7, 1) ROWS(8, 1)
+            switch (rows) {
+                ROWS(1, 8) ROWS(2, 4) ROWS(3, 3) ROWS(4, 2) ROWS(5, 1) ROWS(6, 1)
+                ROWS(7, 1) ROWS(8, 1) ROWS(9, 1) ROWS(10, 1) ROWS(11, 1) ROWS(12, 1)
             }
+            m0 += rows;
         }
     }
     return 0;

@@ -31,7 +31,8 @@ def bf16_exact(n: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(n, k, generator=gen).to(torch.bfloat16).float()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, SMALL_ROWS, SMALL_ROWS + 1, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 17, 24, 25, SMALL_ROWS,
+                                  SMALL_ROWS + 1, 40])
 @pytest.mark.parametrize(("n", "k"), [(64, 48), (512, 256), (256, 771)])
 def test_matches_f_linear_at_every_row_count(kernel: CpuGemm, rows: int, n: int, k: int) -> None:
     w = bf16_exact(n, k, rows)
