@@ -85,7 +85,7 @@ def rope_table(spec: ModelSpec, max_positions: int) -> tuple[torch.Tensor, torch
     return emb.cos(), emb.sin()
 
 
-def _mlp_block(h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+def _mlp_block(h: torch.Tensor, norm: torch.Tensor, gate_up: Weight, down: Weight,
                eps: float, linear: Linear = F.linear) -> torch.Tensor:
     """h + SwiGLU(RMSNorm(h)): the dense half of a layer, the part worth compiling."""
     x = F.rms_norm(h, (h.shape[-1],), norm, eps)
@@ -157,12 +157,17 @@ class LlamaModel:
         reason = (packing_disabled_reason(device, self.dtype, execution) if pack_weights
                   else "pack_weights=False")
         self.weights_key = (self.dtype, str(device), self.num_layers, reason is None)
+        self.embed: torch.Tensor
+        self.layers: list[LayerWeights]
+        self.norm: torch.Tensor
+        self.lm_head: Weight
+        self.linear: Linear
+        self.packed: bool
         if share is not None and share.weights_key == self.weights_key:  # a hot reload
             self.embed, self.layers, self.norm = share.embed, share.layers, share.norm
             self.lm_head, self.linear, self.packed = share.lm_head, share.linear, share.packed
         else:
             self._cast_weights(weights, cast, reason)
-        cos, sin = rope_table(spec, max(max_positions or 0, spec.max_position_embeddings))
         cos, sin = rope_table(spec, max(max_positions or 0, spec.max_position_embeddings))
         self.cos = cos.to(**cast)  # type: ignore[call-overload]
         self.sin = sin.to(**cast)  # type: ignore[call-overload]
@@ -177,7 +182,7 @@ class LlamaModel:
         self.norm = _get(weights, "model.norm.weight").to(**cast)  # type: ignore
         head = weights.get("lm_head.weight") if not spec.tie_word_embeddings else None
         self.lm_head = head.to(**cast) if head is not None else self.embed  # type: ignore
-        self.linear: Linear = F.linear
+        self.linear = F.linear
         self.packed = False
         if reason is None:
             try:
