@@ -278,7 +278,11 @@ class AdaptivePolicy:
             # NOTE: a non-streamed request shows only e2e; attribute the predicted TTFT
             # to its prefill and learn TPOT from the rest (TTFT itself stays unobserved).
             pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, depth)
-            decode_s = max(outcome.e2e_s - min(pred.ttft_s, outcome.e2e_s), 0.0)
+            decode_s = outcome.e2e_s - pred.ttft_s
+            if decode_s <= 0:  # the TTFT prediction overshoots: split e2e by predicted shares
+                decode_pred = pred.tpot_s * (outcome.completion_tokens - 1)
+                total = pred.ttft_s + decode_pred
+                decode_s = outcome.e2e_s * (decode_pred / total if total > 0 else 0.5)
             tpot_s = decode_s / (outcome.completion_tokens - 1)
         prof.observe(shape.domain, shape.prompt_tokens, queue, batch, depth, ttft_s, tpot_s)
         self._observe_depth(outcome, batch, depth)

@@ -172,6 +172,16 @@ def test_non_streamed_outcomes_teach_tpot_from_e2e() -> None:
     assert p.stats()["profiles"]["big"]["num_samples"] == 100
 
 
+def test_a_non_streamed_outcome_faster_than_the_predicted_ttft_still_teaches_tpot() -> None:
+    p, ws = AdaptivePolicy(NO_EXPLORE), views()
+    s = shape("chat", out=6)
+    p.choose(s, [ws[1]])
+    pred = p.profile(ws[1]).predict("chat", 100, 0, 1, 0)
+    e2e = pred.ttft_s / 2  # the whole request took half the TTFT the prior predicts
+    p.observe(RequestOutcome("big", s, "ok", completion_tokens=6, e2e_s=e2e))
+    assert p.stats()["profiles"]["big"]["num_samples"] == 1  # before: TPOT 0, sample dropped
+
+
 def test_profile_survives_equal_config_copies_and_resets_on_a_new_config() -> None:
     import dataclasses
 
