@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.attention import SeqSlice, build_metadata, paged_attention  # noqa: E402
-from engine.checkpoint import load_weights, read_spec  # noqa: E402
+from engine.checkpoint import ModelSpec, load_weights, read_spec  # noqa: E402
 from engine.config import TINY_TARGET  # noqa: E402
 from engine.cpu_attention import CpuPagedAttention, load_cpu_attention  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
@@ -87,26 +87,21 @@ def main() -> None:
           "| attention kernel ms | ratio |")
     print("|---|---|---|---|---|---|---|")
     for b in args.batch:
-        slices = [SeqSlice(1, args.context, perm[i * per_seq:(i + 1) * per_seq])
-                  for i in range(b)]
+        slices = decode_slices(b, args.context, perm, per_seq)
         ids = torch.randint(0, spec.vocab_size, (b,), generator=gen)
         q = torch.randn(b, spec.num_heads, spec.head_dim, generator=gen)
-
-        row = []
-        for make in (step_fn, attention_fn):
-            slow = best_cpu_ms(make(model, kv, slices, ids, q, None), args.iters, args.repeats)
-            fast = best_cpu_ms(make(model, kv, slices, ids, q, kernel), args.iters, args.repeats)
-            row += [f"{slow:.2f}", f"{fast:.2f}", f"{slow / fast:.2f}x"]
-        print(f"| {b} | " + " | ".join(row) + " |", flush=True)
+        print_row(b, args, [(make(model, kv, slices, ids, q, None),
+                             make(model, kv, slices, ids, q, kernel))
+                            for make in (step_fn, attention_fn)])
     linear_table(args, spec, kv, perm, per_seq, kernel, gen)
 
 
-def linear_table(args: argparse.Namespace, spec: object, kv: KVCache, perm: list[int],
+def linear_table(args: argparse.Namespace, spec: ModelSpec, kv: KVCache, perm: list[int],
                  per_seq: int, kernel: CpuPagedAttention, gen: torch.Generator) -> None:
     """Plain vs packed projection weights: a whole step, and the projections alone."""
-    weights = load_weights(TINY_TARGET, spec.num_layers)  # type: ignore[attr-defined]
-    plain = LlamaModel(spec, weights, pack_weights=False)  # type: ignore[arg-type]
-    packed = LlamaModel(spec, weights)  # type: ignore[arg-type]
+    weights = load_weights(TINY_TARGET, spec.num_layers)
+    plain = LlamaModel(spec, weights, pack_weights=False)
+    packed = LlamaModel(spec, weights)
     if not packed.packed:
         print("\nweights not packed on this machine (see engine.model.packing_disabled_reason)")
         return
@@ -114,17 +109,27 @@ def linear_table(args: argparse.Namespace, spec: object, kv: KVCache, perm: list
           "| projections F.linear ms | projections packed/kernel ms | ratio |")
     print("|---|---|---|---|---|---|---|")
     for b in args.batch:
-        slices = [SeqSlice(1, args.context, perm[i * per_seq:(i + 1) * per_seq])
-                  for i in range(b)]
-        ids = torch.randint(0, spec.vocab_size, (b,), generator=gen)  # type: ignore[attr-defined]
-        row = []
-        for make in (step_fn, projections_fn):
-            slow = best_cpu_ms(make(plain, kv, slices, ids, None, kernel), args.iters,
-                               args.repeats)
-            fast = best_cpu_ms(make(packed, kv, slices, ids, None, kernel), args.iters,
-                               args.repeats)
-            row += [f"{slow:.2f}", f"{fast:.2f}", f"{slow / fast:.2f}x"]
-        print(f"| {b} | " + " | ".join(row) + " |", flush=True)
+        slices = decode_slices(b, args.context, perm, per_seq)
+        ids = torch.randint(0, spec.vocab_size, (b,), generator=gen)
+        print_row(b, args, [(make(plain, kv, slices, ids, None, kernel),
+                             make(packed, kv, slices, ids, None, kernel))
+                            for make in (step_fn, projections_fn)])
+
+
+def decode_slices(batch: int, context: int, perm: list[int], per_seq: int) -> list[SeqSlice]:
+    """One decode row per sequence, each over its own scattered KV blocks."""
+    return [SeqSlice(1, context, perm[i * per_seq:(i + 1) * per_seq]) for i in range(batch)]
+
+
+def print_row(batch: int, args: argparse.Namespace,
+              pairs: list[tuple[Callable[[], object], Callable[[], object]]]) -> None:
+    """CPU ms of each (slow, fast) pair and their ratio, as one table row."""
+    row = []
+    for slow_fn, fast_fn in pairs:
+        slow = best_cpu_ms(slow_fn, args.iters, args.repeats)
+        fast = best_cpu_ms(fast_fn, args.iters, args.repeats)
+        row += [f"{slow:.2f}", f"{fast:.2f}", f"{slow / fast:.2f}x"]
+    print(f"| {batch} | " + " | ".join(row) + " |", flush=True)
 
 
 def projections_fn(model: LlamaModel, kv: KVCache, slices: list[SeqSlice], ids: torch.Tensor,

@@ -28,8 +28,12 @@ CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fas
 BUILD_TIMEOUT_S = 60.0
 
 
-def load_library(name: str, source: str) -> tuple[ctypes.CDLL | None, str]:
-    """``(library, "")`` once built (or found in the cache); ``(None, reason)`` if not."""
+def load_library(name: str, source: str,
+                 disable_env: str | None = None) -> tuple[ctypes.CDLL | None, str]:
+    """``(library, "")`` once built (or found in the cache); ``(None, reason)`` if not,
+    including when ``disable_env`` is set to "0"."""
+    if disable_env is not None and os.environ.get(disable_env, "1") == "0":
+        return None, f"disabled by {disable_env}=0"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None, "no C compiler found"

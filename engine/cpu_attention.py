@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 import torch
 
@@ -352,10 +351,7 @@ def load_cpu_attention() -> CpuPagedAttention | None:
     A built library is reused from the cache directory, so later calls cost a
     ``dlopen`` of an already-loaded file.
     """
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        logger.info("CPU paged-attention kernel disabled by %s=0", DISABLE_ENV)
-        return None
-    lib, reason = load_library("paged_attention", SOURCE)
+    lib, reason = load_library("paged_attention", SOURCE, DISABLE_ENV)
     if lib is None:
         logger.warning("CPU paged-attention kernel unavailable (%s): decode attention uses the "
                        "torch path", reason)

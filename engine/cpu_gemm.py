@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -165,10 +164,7 @@ def project(x: torch.Tensor, w: CpuProjection, bias: torch.Tensor | None = None)
 
 def load_cpu_gemm() -> CpuGemm | None:
     """Build (once per source, compiler and CPU) and load the kernel; None, logged, if not."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        logger.info("bfloat16-weight projection kernel disabled by %s=0", DISABLE_ENV)
-        return None
-    lib, reason = load_library("linear_bf16w", SOURCE)
+    lib, reason = load_library("linear_bf16w", SOURCE, DISABLE_ENV)
     if lib is None:
         logger.info("bfloat16-weight projection kernel unavailable (%s): projections use "
                     "oneDNN float32", reason)

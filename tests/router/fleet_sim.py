@@ -89,14 +89,21 @@ def _advance(w: SimWorker, now: float, dt: float) -> list[dict]:
         if req["left_prefill"] > 0:
             req["left_prefill"] -= dt
             continue
-        if req["first"] is None:
-            req["first"] = now
-        req["tokens"] += dt / (step * w.factor.get(req["shape"].domain, 1.0))
-        if req["tokens"] >= req["shape"].predicted_output_tokens:
-            req["end"] = now
+        if _decode(w, req, now, dt, step):
             done.append(req)
     w.running = [r for r in w.running if r not in done]
     return done
+
+
+def _decode(w: SimWorker, req: dict, now: float, dt: float, step: float) -> bool:
+    """One dt of decoding for a request past its prefill; True once it has all its tokens."""
+    if req["first"] is None:
+        req["first"] = now
+    req["tokens"] += dt / (step * w.factor.get(req["shape"].domain, 1.0))
+    if req["tokens"] >= req["shape"].predicted_output_tokens:
+        req["end"] = now
+        return True
+    return False
 
 
 def _advance_chunked(w: SimWorker, now: float, dt: float) -> list[dict]:
@@ -118,11 +125,7 @@ def _advance_chunked(w: SimWorker, now: float, dt: float) -> list[dict]:
             if req["left_prefill"] <= 1e-9:
                 req["left_prefill"] = 0.0
             continue
-        if req["first"] is None:
-            req["first"] = now
-        req["tokens"] += dt / (step * w.factor.get(req["shape"].domain, 1.0))
-        if req["tokens"] >= req["shape"].predicted_output_tokens:
-            req["end"] = now
+        if _decode(w, req, now, dt, step):
             done.append(req)
     w.running = [r for r in w.running if r not in done]
     return done
