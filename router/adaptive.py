@@ -25,11 +25,18 @@ against theirs (:mod:`router.calibration`). The lowest cost wins, except that
 - with probability ``explore_prob`` a random unsaturated worker is tried, so
   every profile keeps getting fresh samples.
 
-Load enters twice, which is what keeps it from herding: the profiles' TTFT
-depends on the queue and TPOT on the batch size, and a worker past its batch
-capacity (``max_num_seqs``) pays the expected wait for a slot. So when one
-domain's favourite saturates, its cost rises above the next-best worker's and
-traffic spreads (tests/router/test_adaptive.py).
+Load enters three times, which is what keeps it from herding: the profiles'
+TTFT depends on the batch and TPOT on the batch size; a worker past its batch
+capacity (``max_num_seqs`` per engine core) pays the wait for a slot, until
+enough of the requests ahead of it are predicted to finish; and below the
+capacity, joining a batch is charged the slower steps it causes every request
+running there (``crowding``: each one's penalised cost with its TPOT raised by
+the profile's per-sequence slope for the steps they share). That last term is
+the capacity-aware spill: a worker that is best for each request alone is
+still the wrong place for the next one once the requests already there would
+be pushed past their SLOs. So when one domain's favourite saturates, its cost
+rises above the next-best worker's and traffic spreads
+(tests/router/test_adaptive.py, tests/router/test_adaptive_sim.py).
 
 Every decision's reason is counted (``stats()``, for the proxy's /stats):
 ``only`` (one candidate), ``fit`` (the cheapest worker even unloaded),
@@ -69,6 +76,9 @@ class AdaptiveConfig:
     # price prefill/decode interference: the prefills a request would wait out on a worker,
     # and the delay its own prefill adds to the requests decoding there (router.inflight)
     interference: bool = True
+    # with interference: also price the slower steps a request's joining a batch causes
+    # the requests running there (capacity-aware spill before the batch cap is reached)
+    crowding: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore_prob < 1.0:
@@ -97,6 +107,7 @@ class Candidate:
     tpot_s: float = 0.0  # predicted, with the prefills ahead
     prefill_s: float = 0.0  # this prompt's prefill compute on the worker
     caches_prefixes: bool = False  # prefix affinity can pay off (not the built-in engine)
+    wait_s: float = 0.0  # predicted wait for a batch slot, in ttft_s
 
 
 def load_of(view: WorkerView) -> int:
@@ -167,28 +178,40 @@ class AdaptivePolicy:
         idle = prof.predict(shape.domain, shape.prompt_tokens, 0, 1, d)
         prefill_s = idle.prefill_s
         cost = self._cost(shape, pred)
-        # past capacity the request waits for a slot: about one request's time per full batch
-        wait = max(0, queue + 1 - cap) / cap * cost
-        ahead, harm = self._interference(view.name, prefill_s)
+        now = self.clock()
+        # past capacity the request waits for a slot: until enough of those ahead finish
+        wait = self._inflight.slot_wait_s(view.name, now, queue + 1 - cap, cap, cost)
+        # NOTE: below capacity it joins the batch and slows every request running there
+        # (crowding); at capacity it waits instead and slows no one.
+        crowd_s = prof.tpot_per_seq_s() if self.config.crowding and queue < cap else 0.0
+        ahead, harm = self._interference(view.name, now, prefill_s, crowd_s, cost)
         num_gaps = max(shape.predicted_output_tokens - 1, 1)
         ttft_s, tpot_s = pred.ttft_s + wait, pred.tpot_s + ahead / num_gaps
         penalty, meets = self._slo(shape, ttft_s, tpot_s)
         return Candidate(view.name, (cost + wait + ahead) * penalty + harm,
                          self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
-                         ttft_s, tpot_s, prefill_s, view.backend != "engine")
+                         ttft_s, tpot_s, prefill_s, view.backend != "engine", wait)
 
-    def _interference(self, worker: str, prefill_s: float) -> tuple[float, float]:
-        """(prefill still ahead on the worker, the penalised delay this prompt's prefill adds
-        to the requests running there), seconds; see :mod:`router.inflight`."""
+    def _interference(self, worker: str, now: float, prefill_s: float, crowd_s: float,
+                      cost_s: float) -> tuple[float, float]:
+        """(prefill still ahead on the worker, the penalised delay this request adds to the
+        requests running there), seconds; see :mod:`router.inflight`.
+
+        The delay to each running request is this prompt's prefill (it stalls their
+        steps) plus ``crowd_s`` per step they share with this one while both run (a
+        bigger batch makes every step slower): the externality that keeps the policy
+        from piling requests onto the worker that looks best for each one alone.
+        """
         if not self.config.interference:
             return 0.0, 0.0
-        now = self.clock()
         harm = 0.0
-        if prefill_s > 0:
+        if prefill_s > 0 or crowd_s > 0:
             for f in self._inflight.active(worker, now):
+                shared_steps = min(f.remaining_s(now), cost_s) / max(f.tpot_s, 1e-4)
+                delay = prefill_s + crowd_s * shared_steps
                 after, _ = self._slo_of(f.slo_ttft_s, f.slo_tpot_s, f.ttft_s,
-                                        f.tpot_s + prefill_s / max(f.num_tokens - 1, 1))
-                harm += (f.cost_s + prefill_s) * after - f.cost_s * f.penalty
+                                        f.tpot_s + delay / max(f.num_tokens - 1, 1))
+                harm += (f.cost_s + delay) * after - f.cost_s * f.penalty
         return self._inflight.prefill_ahead_s(worker, now), harm
 
     @staticmethod
@@ -257,7 +280,7 @@ class AdaptivePolicy:
         self._inflight.add(id(shape), Flight(
             pick.name, pick.queue, pick.batch, pick.depth or 0, self.clock(), pick.ttft_s,
             pick.tpot_s, max(shape.predicted_output_tokens, 1), pick.prefill_s,
-            shape.slo_ttft_s, shape.slo_tpot_s, penalty))
+            shape.slo_ttft_s, shape.slo_tpot_s, penalty, pick.wait_s))
 
     def _observe(self, outcome: RequestOutcome) -> None:
         pending = self._inflight.pop(id(outcome.shape))
@@ -274,6 +297,11 @@ class AdaptivePolicy:
         depth = outcome.spec_depth if outcome.spec_depth is not None else (
             pending.depth if pending else 0)
         ttft_s, tpot_s = outcome.ttft_s, outcome.tpot_s
+        if ttft_s is not None and pending is not None and pending.wait_s > 0:
+            # NOTE: the TTFT model prices the batch a request shares; the wait for a slot
+            # is priced apart (router.inflight), so it is not learned twice. Floor: a
+            # quarter of the prediction without the wait (the wait may be overestimated).
+            ttft_s = max(ttft_s - pending.wait_s, 0.25 * (pending.ttft_s - pending.wait_s))
         if ttft_s is None and outcome.e2e_s is not None and outcome.completion_tokens > 1:
             # NOTE: a non-streamed request shows only e2e; attribute the predicted TTFT
             # to its prefill and learn TPOT from the rest (TTFT itself stays unobserved).

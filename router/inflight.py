@@ -9,7 +9,11 @@ prompt's prefill runs in the same steps as everyone else's decodes, so
 - a request sent to a worker that is prefilling long prompts waits out their
   prefill in its own decode (:meth:`InFlight.prefill_ahead_s`), and
 - a request with a long prompt delays every request decoding there by its
-  prefill time (:meth:`InFlight.active`, priced by the policy).
+  prefill time (:meth:`InFlight.active`, priced by the policy);
+- every request joining a batch slows the others' steps for as long as they
+  overlap (crowding, priced by the policy from :meth:`Flight.remaining_s`), and
+  a request arriving at a full batch waits for the running ones to finish
+  (:meth:`InFlight.slot_wait_s`).
 
 Bounded: entries are dropped in FIFO order past ``capacity`` (a lost outcome
 must not grow it forever) and ignored once far past their predicted end.
@@ -40,10 +44,15 @@ class Flight:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     penalty: float = 1.0  # the policy's SLO cost multiplier for these predictions
+    wait_s: float = 0.0  # predicted wait for a batch slot, included in ttft_s
 
     @property
     def cost_s(self) -> float:
         return self.ttft_s + max(self.num_tokens - 1, 0) * self.tpot_s
+
+    def remaining_s(self, now_s: float) -> float:
+        """Predicted time left; a request running late counts a tenth of its cost."""
+        return max(self.sent_s + self.cost_s - now_s, 0.1 * self.cost_s)
 
     def prefilling(self, now_s: float) -> bool:
         return now_s < self.sent_s + self.ttft_s
@@ -79,6 +88,22 @@ class InFlight:
         for f in self._by_worker.get(worker, {}).values():
             if now_s < f.sent_s + STALE_FACTOR * max(f.cost_s, 1e-3):
                 yield f
+
+    def slot_wait_s(self, worker: str, now_s: float, num_ahead: int, capacity: int,
+                    fallback_s: float) -> float:
+        """Seconds until ``num_ahead`` of the requests on ``worker`` have finished, so a new
+        one gets a slot in a batch of ``capacity``. The known ones' predicted remaining
+        times, soonest first; past them (more ahead than this policy routed: another proxy,
+        a scrape) each further request takes 1 / ``capacity`` of the mean known request's
+        cost, or of ``fallback_s`` when none is known."""
+        if num_ahead <= 0:
+            return 0.0
+        flights = list(self.active(worker, now_s))
+        left = sorted(f.remaining_s(now_s) for f in flights)
+        if num_ahead <= len(left):
+            return left[num_ahead - 1]
+        mean_s = sum(f.cost_s for f in flights) / len(flights) if flights else fallback_s
+        return (left[-1] if left else 0.0) + (num_ahead - len(left)) / capacity * mean_s
 
     def prefill_ahead_s(self, worker: str, now_s: float) -> float:
         """Prefill time still to run on ``worker`` for requests sent before now."""

@@ -3,7 +3,9 @@
 Two linear models per (worker, shape bucket):
 
 - TTFT (seconds) against ``[1, prompt_tokens / 1000, queue / 8]``, where
-  ``queue`` is the worker's load when the request was sent;
+  ``queue`` is the worker's load when the request was sent, up to its batch
+  capacity (the requests it shares steps with; the wait for a slot past the
+  capacity is the policy's, from what is ahead: :mod:`router.inflight`);
 - TPOT (seconds per output token) against ``[1, batch / 8, k / 4]`` — batch
   size and speculative depth.
 
@@ -228,8 +230,9 @@ class WorkerProfile:
 
     def predict(self, domain: str, prompt_tokens: int, queue: float, batch: float,
                 depth: int) -> Prediction:
-        xt = ttft_features(prompt_tokens, queue)
-        xp = tpot_features(min(batch, batch_capacity(self.prior.config)), depth)
+        cap = batch_capacity(self.prior.config)
+        xt = ttft_features(prompt_tokens, min(queue, cap))
+        xp = tpot_features(min(batch, cap), depth)
         bucket = self._buckets.get((domain, prompt_band(prompt_tokens)))
         if bucket is None:
             # NOTE: no model is built for a bucket without samples (predict runs several
@@ -264,8 +267,9 @@ class WorkerProfile:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = self._bucket_init(domain, prompt_tokens)
-        xt = ttft_features(prompt_tokens, queue)
-        xp = tpot_features(min(batch, batch_capacity(self.prior.config)), depth)
+        cap = batch_capacity(self.prior.config)
+        xt = ttft_features(prompt_tokens, min(queue, cap))
+        xp = tpot_features(min(batch, cap), depth)
         f = self.prior.factor(domain, prompt_tokens)
         spec = self.prior.tpot_coef(domain)[0] / self.prior.tpot_coef("chat")[0]
         if has_ttft:
@@ -273,13 +277,21 @@ class WorkerProfile:
             bucket.ttft.update(xt, ttft_s)
             self._all.ttft.update(xt, ttft_s / f)
             self.calibration.observe(ttft_key(prompt_tokens), ttft_s,
-                                     self.prior.ttft_s(domain, prompt_tokens, queue))
+                                     self.prior.ttft_s(domain, prompt_tokens, min(queue, cap)))
         if has_tpot:
             assert tpot_s is not None
             bucket.tpot.update(xp, tpot_s)
             self._all.tpot.update(xp, tpot_s / (f * spec))
             self.calibration.observe(TPOT_KEY, tpot_s,
                                      self.prior.tpot_s(domain, prompt_tokens, batch, depth))
+
+    def tpot_per_seq_s(self) -> float:
+        """What one more sequence in the batch adds to every running request's TPOT,
+        seconds: the worker-level fit's batch slope (calibrated prior before samples)."""
+        slope = max(self._all.tpot.coef[1], 0.0) / 8.0
+        if self._all.tpot.num_samples == 0:
+            slope *= self.calibration.factor(TPOT_KEY)
+        return slope
 
     def num_samples(self, domain: str, prompt_tokens: int) -> int:
         bucket = self._buckets.get((domain, prompt_band(prompt_tokens)))

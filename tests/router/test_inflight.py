@@ -6,7 +6,7 @@ import pytest
 
 from engine.config import CompiledConfig
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
-from router.base import RequestShape, WorkerView
+from router.base import RequestOutcome, RequestShape, WorkerView
 from router.inflight import Flight, InFlight
 
 
@@ -87,3 +87,58 @@ def test_long_prompt_avoids_tight_slo_decoders(interference: bool) -> None:
         a, b = (p.candidate(long_prompt(slo_ttft_s=5.0, slo_tpot_s=1.0), w) for w in ws)
         # the prefill delays four requests either way; on "a" it also breaks their SLO
         assert a.cost_s > b.cost_s > 4 * b.prefill_s
+
+
+def test_slot_wait_is_the_time_until_enough_of_those_ahead_finish() -> None:
+    f = InFlight(capacity=10)
+    for key, tokens in enumerate((101, 201, 301)):  # predicted e2e 2, 3, 4 s (ttft 1 s)
+        f.add(key, flight(tokens=tokens))
+    assert f.slot_wait_s("a", 0.5, 0, 3, 9.0) == 0.0
+    assert f.slot_wait_s("a", 0.5, 1, 3, 9.0) == pytest.approx(1.5)  # the soonest: 2 - 0.5
+    assert f.slot_wait_s("a", 0.5, 3, 3, 9.0) == pytest.approx(3.5)
+    # two more ahead than this policy knows of: each a third of the known mean cost (3 s)
+    assert f.slot_wait_s("a", 0.5, 5, 3, 9.0) == pytest.approx(3.5 + 2 / 3 * 3.0)
+    # a request running late still counts a tenth of its cost, not zero
+    assert f.slot_wait_s("a", 2.5, 1, 3, 9.0) == pytest.approx(0.2)
+    assert f.slot_wait_s("b", 0.0, 2, 4, 8.0) == pytest.approx(4.0)  # none known: fallback
+
+
+def no_prefill(**kw: object) -> RequestShape:
+    return RequestShape("chat", 0, None, 60, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("crowding", [True, False])
+def test_crowding_spills_before_the_batch_cap(crowding: bool) -> None:
+    """Same load and no prefill either way: joining "a" slows four tight-TPOT decodes past
+    their SLO, joining "b" four loose ones; only the crowding term tells them apart."""
+    clock = Clock()
+    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, crowding=crowding), clock=clock)
+    ws = pair()
+    for _ in range(4):
+        p.choose(no_prefill(slo_tpot_s=0.0245), ws[:1])
+        p.choose(no_prefill(slo_tpot_s=1.0), ws[1:])
+    clock.now = 0.1
+    a, b = (p.candidate(no_prefill(), w) for w in ws)
+    assert not a.saturated and a.queue < 8  # well below the batch cap
+    assert p.choose(no_prefill(), ws).worker == ("b" if crowding else "a")
+    if crowding:
+        assert a.cost_s > b.cost_s
+
+
+def test_a_full_batch_charges_the_wait_not_crowding_and_learns_ttft_without_it() -> None:
+    clock = Clock()
+    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0), clock=clock)
+    cfg = CompiledConfig().with_engine(max_num_seqs=2)
+    full = WorkerView("a", "http://a", "engine", cfg)
+    shapes = [no_prefill() for _ in range(3)]
+    for s in shapes:
+        p.choose(s, [full])
+        full.outstanding_requests += 1
+    third = p._inflight.pop(id(shapes[2]))
+    assert third is not None and third.wait_s > 0  # two running ahead: it waits for a slot
+    p._inflight.add(id(shapes[2]), third)
+    before = p.profile(full).predict("chat", 0, 2, 2, 0).ttft_s
+    p.observe(RequestOutcome("a", shapes[2], "ok", completion_tokens=60,
+                             ttft_s=third.wait_s + before, tpot_s=0.02))
+    # what it learned is the TTFT without the wait: the prediction barely moves
+    assert p.profile(full).predict("chat", 0, 2, 2, 0).ttft_s == pytest.approx(before, rel=0.2)
