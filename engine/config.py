@@ -57,7 +57,7 @@ def _check(cond: bool, key: str, expected: str, got: Any) -> None:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Knobs of the built-in engine; everything here can be hot-reloaded except ``device``."""
+    """Knobs of the built-in engine; all hot-reloadable except :data:`RESTART_FIELDS`."""
 
     max_num_seqs: int = 32  # sequences in one batch
     max_num_batched_tokens: int = 1024  # tokens per step (chunked-prefill budget)
@@ -134,6 +134,24 @@ class EngineConfig:
     def usable_model_len(self) -> int:
         """Tokens one sequence can hold: ``max_model_len``, capped by the whole KV cache."""
         return min(self.max_model_len, self.num_kv_blocks * self.block_size)
+
+
+# Engine fields a running engine cannot take by hot reload: a change needs a new engine
+# process (a cold start, or a blue-green replacement of a live worker).
+RESTART_FIELDS = ("device", "data_parallel_size")
+
+
+def needs_restart(running: CompiledConfig, target: CompiledConfig) -> bool:
+    """True when ``target`` cannot be hot-reloaded onto an engine serving ``running``.
+
+    A different backend or model, or a different value of any of
+    :data:`RESTART_FIELDS`; vLLM and external workers take no hot reload at all.
+    """
+    if running.backend != target.backend or running.model != target.model:
+        return True
+    if target.backend != "engine":
+        return running != target
+    return any(getattr(running.engine, f) != getattr(target.engine, f) for f in RESTART_FIELDS)
 
 
 @dataclass(frozen=True)

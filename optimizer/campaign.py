@@ -3,6 +3,9 @@
     screen   claim proposals from the board (any agent's), prune with the cost
              model, measure the rest in the fast tier, recalibrate the cost
              model, until the fast-tier budget is spent or the agents go quiet;
+             an experiment that had to start an engine (a restart-only knob,
+             see optimizer.pool) is charged its seconds over its seconds
+             without the start: a 4 s cold start before a 1 s replay costs 5;
     confirm  measure the incumbent and the best few screened candidates in the
              slow tier (repeated), and return the best with its gain report.
 
@@ -37,7 +40,7 @@ STALE_CLAIM_S = 900.0  # a claim older than this (no result) is taken to be aban
 
 @dataclass(frozen=True)
 class SearchConfig:
-    fast_budget: int = 24  # fast-tier experiments per campaign
+    fast_budget: int = 24  # fast-tier experiments per campaign (restarts priced in, see above)
     finalists: int = 2  # screened candidates confirmed in the slow tier
     # NOTE: the fast tier's truncated model writes different text, so it misjudges
     # speculation (acceptance depends on the full model's output). With this on,
@@ -83,6 +86,7 @@ class Campaign:
         self.pruner = Pruner(config.prune, self.predict_fast)
         self.phase = "screening"
         self.num_fast = 0
+        self.budget_used = 0.0  # fast experiments, each priced by experiment_cost
         self.num_failed = 0
         self.started = time.monotonic()
         self.log: list[dict[str, Any]] = []  # last experiments, for /stats
@@ -111,7 +115,7 @@ class Campaign:
         # NOTE: claims left by a measurer process that died go back on the board.
         await self._call(self.board.requeue_stale, self.id, STALE_CLAIM_S)
         last_claim = time.monotonic()
-        while self.num_fast < self.config.fast_budget:
+        while self.budget_used < self.config.fast_budget:
             p = await self._call(self.board.claim, self.id, self.claimer)
             if p is None:
                 if time.monotonic() - last_claim > self.config.idle_timeout_s:
@@ -159,8 +163,10 @@ class Campaign:
             return None
         if tier == self.fast:
             self.num_fast += 1
+            self.budget_used += experiment_cost(m)
         await self._call(self.board.add_result, p.id, tier, m.value, m.seconds,
                          {"values": m.values, "reload_s": m.reload_s, "errors": m.num_errors,
+                          "restart_s": m.restart_s,
                           **m.details})
         await self._call(self.board.set_status, p.id, "measured")
         return m
@@ -227,10 +233,17 @@ class Campaign:
 
     def snapshot(self) -> dict[str, Any]:
         return {"id": self.id, "phase": self.phase, "fast_experiments": self.num_fast,
-                "fast_budget": self.config.fast_budget, "failed": self.num_failed,
+                "fast_budget": self.config.fast_budget,
+                "budget_used": round(self.budget_used, 2), "failed": self.num_failed,
                 "pruning": self.pruner.snapshot(),
                 "elapsed_s": round(time.monotonic() - self.started, 1),
                 "recent": list(self.log[-10:])}
+
+
+def experiment_cost(m: Measurement) -> float:
+    """Budget units one experiment used: 1, times the share an engine cold start added."""
+    replay_s = m.seconds - m.restart_s
+    return 1.0 if m.restart_s <= 0 or replay_s <= 0 else m.seconds / replay_s
 
 
 def pick_finalists(measured: dict[str, float], incumbent_key: str, num: int,

@@ -52,7 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=8,
                    help="replay concurrency cap (the traffic's own concurrency when lower)")
     p.add_argument("--objective", default="auto", choices=["auto", "request", "cpu", "wall"],
-                   help="auto: per-request tok/s at low load, throughput (cpu/wall) when busy")
+                   help="auto: per-request tok/s at low load, throughput when busy")
+    p.add_argument("--throughput-objective", default="wall", choices=["wall", "cpu"],
+                   help="auto's busy-traffic objective: wall tok/s (rewards idle cores) or "
+                        "tok per engine CPU second (steadier on a shared box)")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--max-output-tokens", type=int, default=48)
     p.add_argument("--memory-gb", type=float, default=1.0, help="memory budget for the KV cache")
@@ -80,7 +83,9 @@ def build_config(args: argparse.Namespace) -> OptimizerConfig:
         search=SearchConfig(fast_budget=args.budget, finalists=args.finalists),
         promotion=PromotionConfig(watch_s=args.watch_s),
         memory_budget_bytes=int(args.memory_gb * (1 << 30)), min_records=args.min_records,
-        objective=getattr(args, "objective", "auto"), once=args.once, seed=args.seed)
+        objective=getattr(args, "objective", "auto"),
+        throughput_objective=getattr(args, "throughput_objective", "wall"), once=args.once,
+        seed=args.seed)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -57,6 +57,36 @@ def process_cpu_seconds(pid: int) -> float:
     return run_ns / 1e9 if run_ns else ticks_s
 
 
+def child_pids(pid: int) -> list[int]:
+    """Direct children of a Linux process (all its threads'), [] when they cannot be read."""
+    out: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            out.extend(int(c) for c in (task / "children").read_text().split())
+        except (OSError, ValueError):
+            continue  # NOTE: a thread that ended between listing and reading
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process and of its live descendants (engine-core processes).
+
+    NOTE: with ``data_parallel_size`` N the step loops run in N child
+    processes; the HTTP process alone would show a fraction of the work.
+    """
+    total = process_cpu_seconds(pid)
+    for child in child_pids(pid):
+        try:
+            total += tree_cpu_seconds(child)
+        except EngineUnavailable:
+            continue  # NOTE: a child that exited between listing and reading
+    return total
+
+
 class EngineProcess:
     """One engine child process; ``start()`` returns the seconds until it served."""
 
@@ -99,10 +129,10 @@ class EngineProcess:
         return time.perf_counter() - t0
 
     def cpu_seconds(self) -> float:
-        """User + system CPU seconds the engine process has used (all its threads)."""
+        """CPU seconds the engine has used: all threads, engine-core child processes too."""
         if self._proc is None:
             raise EngineUnavailable("engine not running")
-        return process_cpu_seconds(self._proc.pid)
+        return tree_cpu_seconds(self._proc.pid)
 
     async def stop(self, timeout_s: float = 20.0) -> None:
         proc, self._proc = self._proc, None

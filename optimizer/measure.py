@@ -18,6 +18,13 @@ Objectives (higher is better), see :class:`Measurer`:
     changes (speculation trades CPU for latency), while throughput is capped
     by the offered load.
 
+Restart-only knobs (``engine.config.RESTART_FIELDS``, e.g. ``data_parallel_size``)
+cannot be hot-reloaded: with an :class:`optimizer.pool.EnginePool` the measurer
+runs such a candidate on an engine started with it, and the cold start it
+paid is part of the experiment's seconds (``Measurement.restart_s``); without
+a pool such a candidate is refused (ReloadRejected) instead of measured as
+something it is not.
+
 Two tiers: the fast tier reloads with ``engine.measure_num_layers`` set (the
 first N layers only: wrong outputs, step times that track the full model)
 and a short sample; the slow tier runs the full model on a longer sample,
@@ -32,18 +39,21 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
 
-from engine.config import CompiledConfig
+from engine.config import RESTART_FIELDS, CompiledConfig, needs_restart
 from loadgen.client import StreamingClient
 from loadgen.config import ClientConfig
 from loadgen.request import PreparedRequest
 from loadgen.runner import Runner
 from optimizer.errors import EngineUnavailable, MeasurementError, ReloadRejected
 from optimizer.sample import ReplayRequest
+
+if TYPE_CHECKING:
+    from optimizer.pool import EnginePool
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +104,7 @@ class Measurement:
     reload_s: float  # what the engine reported for the hot reload
     num_errors: int
     details: dict[str, Any] = field(default_factory=dict)
+    restart_s: float = 0.0  # cold start paid for a restart-only knob (part of seconds)
 
     @property
     def stdev(self) -> float:
@@ -233,7 +244,7 @@ class Measurer:
 
     def __init__(self, engine: EngineClient, samples: dict[str, list[ReplayRequest]],
                  tiers: Sequence[Tier], cpu_seconds: Callable[[], float] | None = None,
-                 objective: str = "wall") -> None:
+                 objective: str = "wall", pool: EnginePool | None = None) -> None:
         missing = [t.name for t in tiers if not samples.get(t.name)]
         if missing:
             raise MeasurementError(f"no replay sample for tier(s) {missing}")
@@ -241,6 +252,8 @@ class Measurer:
             raise MeasurementError(f"objective: expected one of {OBJECTIVES} ('cpu' needs the "
                                    f"engine's CPU clock), got {objective!r}")
         self.engine = engine
+        self.pool = pool  # engines for candidates a hot reload cannot reach
+        self._running: CompiledConfig | None = None  # what `engine` serves (no pool)
         self.samples = samples
         self.cpu_seconds = cpu_seconds
         self.objective = objective
@@ -257,19 +270,23 @@ class Measurer:
         tier = self.tiers[tier_name]
         async with self._lock:
             t0 = time.perf_counter()
-            reload_s = await self.engine.reload(tier.apply(cfg))
+            engine, clock, restart_s = await self._engine_for(cfg)
+            reload_s = await engine.reload(tier.apply(cfg))
             sample = self.samples[tier_name][: tier.num_requests]
             if tier.warmup_requests:
-                await self.engine.replay(sample[: tier.warmup_requests], tier.concurrency)
+                await engine.replay(sample[: tier.warmup_requests], tier.concurrency)
             runs, cpu = [], []
             for _ in range(repeats or tier.repeats):
-                cpu0 = self.cpu_seconds() if self.cpu_seconds else 0.0
-                runs.append(await self.engine.replay(sample, tier.concurrency, tier.open_loop))
-                cpu.append(self.cpu_seconds() - cpu0 if self.cpu_seconds else 0.0)
+                cpu0 = clock() if clock else 0.0
+                runs.append(await engine.replay(sample, tier.concurrency, tier.open_loop))
+                cpu.append(clock() - cpu0 if clock else 0.0)
             seconds = time.perf_counter() - t0
         self.num_experiments[tier_name] += 1
         self.seconds[tier_name] += seconds
         wall = tuple(r.tokens_per_s for r in runs)
+        if self.objective == "cpu" and clock is None:
+            raise MeasurementError("objective 'cpu': the engine that measured this candidate "
+                                   "has no CPU clock")
         per_cpu = tuple(r.num_tokens / c if c > 0 else 0.0 for r, c in zip(runs, cpu, strict=True))
         per_request = tuple(r.request_tokens_per_s for r in runs)
         values = {"cpu": per_cpu, "wall": wall, "request": per_request}[self.objective]
@@ -283,8 +300,24 @@ class Measurer:
                             "wall_tokens_per_s": statistics.fmean(wall),
                             "request_tokens_per_s": statistics.fmean(per_request),
                             "in_flight": statistics.fmean(r.in_flight for r in runs),
-                            "cpu_tokens_per_s": statistics.fmean(per_cpu) if self.cpu_seconds
-                            else None})
+                            "cpu_tokens_per_s": statistics.fmean(per_cpu) if clock
+                            else None}, restart_s)
+
+    async def _engine_for(self, cfg: CompiledConfig
+                          ) -> tuple[EngineClient, Callable[[], float] | None, float]:
+        """The engine to measure ``cfg`` on, its CPU clock, and the cold start paid for it."""
+        if self.pool is not None:
+            handle, start_s = await self.pool.get(cfg)
+            clock = handle.process.cpu_seconds if handle.process is not None else None
+            return handle.client, clock, start_s
+        if self._running is None:
+            # NOTE: an in-process engine would take a data_parallel_size change by reload
+            # without acting on it; ask once what it serves, so such a candidate is refused.
+            self._running = await self.engine.config()
+        if needs_restart(self._running, cfg):
+            raise ReloadRejected(f"{', '.join(RESTART_FIELDS)}, backend and model need an engine "
+                                 "restart, and this measurer has no engine pool")
+        return self.engine, self.cpu_seconds, 0.0
 
     def experiments_per_hour(self) -> dict[str, float]:
         return {t: 3600.0 * n / self.seconds[t] for t, n in self.num_experiments.items()

@@ -1,9 +1,11 @@
 """Promotion: apply a verified winner to a live worker, watch it, roll back if it regresses.
 
 Engine workers take the winner by hot reload (``POST /admin/reload``: the
-engine swaps configs between steps, requests in flight continue). vLLM
-workers need a blue-green replacement (a new server, then drain the old),
-which costs a cold start: ``switch_cost_s`` prices that, and a candidate is
+engine swaps configs between steps, requests in flight continue), unless the
+winner changes a restart-only field (``engine.config.RESTART_FIELDS``, e.g.
+``data_parallel_size``). vLLM workers, and engine workers in that case, need a
+blue-green replacement (a new server, then drain the old), which costs a cold
+start: ``switch_cost_s`` prices that, and a candidate is
 only worth switching to when the time its gain saves over the payback
 horizon exceeds the switch cost. Blue-green itself is issue 8's; until a
 ``BlueGreen`` implementation is handed in, vLLM promotions are refused with a
@@ -25,7 +27,7 @@ from typing import Protocol
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import CompiledConfig
+from engine.config import RESTART_FIELDS, CompiledConfig, needs_restart
 from optimizer.errors import PromotionError
 from optimizer.measure import EngineClient
 
@@ -48,16 +50,17 @@ class PromotionConfig:
         if self.watch_s <= 0 or self.min_requests < 1 or self.max_tpot_regression <= 0:
             raise PromotionError("watch_s, min_requests and max_tpot_regression must be > 0")
 
-    def switch_cost_s(self, backend: str, measured_reload_s: float | None = None) -> float:
-        if backend == "engine":
+    def switch_cost_s(self, backend: str, measured_reload_s: float | None = None,
+                      restart: bool = False) -> float:
+        if backend == "engine" and not restart:
             return measured_reload_s if measured_reload_s is not None else self.hot_reload_cost_s
         return self.restart_cost_s
 
     def worth_switching(self, gain: float, backend: str,
-                        measured_reload_s: float | None = None) -> bool:
+                        measured_reload_s: float | None = None, restart: bool = False) -> bool:
         """Time the gain saves over the horizon (as served work) beats the switch cost."""
         saved_s = self.payback_horizon_s * gain / (1.0 + gain) if gain > 0 else 0.0
-        return saved_s > self.switch_cost_s(backend, measured_reload_s)
+        return saved_s > self.switch_cost_s(backend, measured_reload_s, restart)
 
 
 class ConfigSink(Protocol):
@@ -69,7 +72,11 @@ class ConfigSink(Protocol):
 
 
 class BlueGreen(Protocol):
-    """Replaces a vLLM worker with one running ``config`` (issue 8); returns seconds taken."""
+    """Replaces a worker with one running ``config`` (issue 8); returns seconds taken.
+
+    Used for vLLM workers, and for engine workers whose new config changes a
+    restart-only field.
+    """
 
     async def replace(self, worker_url: str, config: CompiledConfig) -> float:
         ...
@@ -123,29 +130,37 @@ class Promoter:
         self.sinks = sinks
         self.blue_green = blue_green
 
-    async def switch(self, worker_url: str, backend: str, cfg: CompiledConfig) -> float:
-        if backend == "engine":
+    async def switch(self, worker_url: str, backend: str, cfg: CompiledConfig,
+                     restart: bool = False) -> float:
+        if backend == "engine" and not restart:
             return await EngineClient(worker_url, self.session).reload(
                 cfg.with_engine(measure_num_layers=None))
         if self.blue_green is None:
-            raise PromotionError(f"{worker_url}: a {backend} worker needs a blue-green "
-                                 "replacement (issue 8), and none is configured")
+            what = "an engine worker changing a restart-only field" if restart else \
+                f"a {backend} worker"
+            raise PromotionError(f"{worker_url}: {what} needs a blue-green replacement "
+                                 "(issue 8), and none is configured")
         return await self.blue_green.replace(worker_url, cfg)
 
     async def promote(self, worker_url: str, backend: str, winner: CompiledConfig,
                       previous: CompiledConfig, tokens_per_s: float) -> PromotionOutcome:
         """Switch, watch one window, roll back on regression; sinks hear only of kept configs."""
+        restart = backend == "engine" and needs_restart(previous, winner)
+        if restart and self.blue_green is None:
+            raise PromotionError(f"{worker_url}: the winner changes a restart-only field of "
+                                 f"{RESTART_FIELDS}; that needs a blue-green replacement, and "
+                                 "none is configured")
         before_a = await scrape(self.session, worker_url)
         await asyncio.sleep(self.config.watch_s)
         before_b = await scrape(self.session, worker_url)
-        switch_s = await self.switch(worker_url, backend, winner)
+        switch_s = await self.switch(worker_url, backend, winner, restart)
         after_a = await scrape(self.session, worker_url)
         await asyncio.sleep(self.config.watch_s)
         after_b = await scrape(self.session, worker_url)
         tpot_before, n_before = window_tpot(before_a, before_b)
         tpot_after, n_after = window_tpot(after_a, after_b)
         if self._regressed(tpot_before, n_before, tpot_after, n_after):
-            await self.switch(worker_url, backend, previous)
+            await self.switch(worker_url, backend, previous, restart)
             return PromotionOutcome("rolled_back", switch_s, tpot_before, tpot_after,
                                     f"live TPOT {tpot_after:.4f}s vs {tpot_before:.4f}s before")
         for sink in self.sinks:

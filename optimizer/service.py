@@ -36,7 +36,7 @@ from typing import Any
 
 import aiohttp
 
-from engine.config import TINY_DRAFT, CompiledConfig
+from engine.config import RESTART_FIELDS, TINY_DRAFT, CompiledConfig, needs_restart
 from optimizer.agents.base import Agent, AgentRunner
 from optimizer.agents.bayes import BayesAgent
 from optimizer.agents.costagent import CostModelAgent
@@ -48,6 +48,7 @@ from optimizer.costmodel import CostModel, HardwareConstants, StepTimeModel, Wor
 from optimizer.engine_proc import EngineProcess
 from optimizer.errors import OptimizerError, PromotionError
 from optimizer.measure import EngineClient, Measurer, Tier
+from optimizer.pool import EnginePool
 from optimizer.profile import (
     TraceRecord,
     TraceTail,
@@ -75,6 +76,9 @@ class OptimizerConfig:
     worker_url: str | None = None  # live worker to promote to; None = search only
     worker_backend: str = "engine"
     measure_url: str | None = None  # a persistent engine to measure on; None = start one
+    # engines kept up at once for restart-only knobs (data_parallel_size), one per value
+    # (only when this service starts its own; with measure_url such candidates are refused)
+    max_measure_engines: int = 2
     agents: tuple[str, ...] = ("costmodel", "bayes", "evolution")
     llm_url: str | None = None  # OpenAI-compatible endpoint for the llm agent
     llm_model: str = ""
@@ -89,10 +93,14 @@ class OptimizerConfig:
     # "auto": at low load (the traffic's mean concurrency below
     # `latency_bound_concurrency`) the mean per-request output tokens/s at the
     # replayed concurrency ("request": what a client sees; throughput only echoes
-    # the offered load there); at higher load a throughput objective: tokens
-    # per engine CPU second when this service started the measurement engine
-    # (robust on a shared box), else tokens per wall second.
+    # the offered load there); at higher load `throughput_objective`: "wall"
+    # (output tokens per wall second of a closed-loop replay at the traffic's own
+    # concurrency: the tokens/s the machine serves; it rewards using idle cores) or
+    # "cpu" (tokens per engine CPU second: steadier on a box shared with other
+    # tenants, but it can never pick a config that uses more cores; wall without a
+    # CPU clock).
     objective: str = "auto"
+    throughput_objective: str = "wall"
     latency_bound_concurrency: float = 2.0
     # Replay concurrency follows the traffic (Little's law on the traces) up to
     # each tier's concurrency; False = always the tier's concurrency.
@@ -115,9 +123,15 @@ class OptimizerConfig:
         if self.objective not in ("auto", "wall", "cpu", "request"):
             raise OptimizerError(f"objective: expected auto, wall, cpu or request, got "
                                  f"{self.objective!r}")
+        if self.throughput_objective not in ("wall", "cpu"):
+            raise OptimizerError(f"throughput_objective: expected wall or cpu, got "
+                                 f"{self.throughput_objective!r}")
         if self.latency_bound_concurrency < 0:
             raise OptimizerError(f"latency_bound_concurrency: expected >= 0, got "
                                  f"{self.latency_bound_concurrency}")
+        if self.max_measure_engines < 1:
+            raise OptimizerError(f"max_measure_engines: expected >= 1, got "
+                                 f"{self.max_measure_engines}")
         if self.min_records < 1 or self.window_records < self.min_records:
             raise OptimizerError("min_records >= 1 and window_records >= min_records")
 
@@ -143,6 +157,7 @@ class OptimizerService:
         self.live_config: CompiledConfig | None = None
         self.hardware: dict[str, float] = {}
         self._cpu_clock: Callable[[], float] | None = None
+        self._pool: EnginePool | None = None  # set when this service starts its engines
 
     # -- the public surface -------------------------------------------------
 
@@ -165,6 +180,8 @@ class OptimizerService:
                 self.state = "starting measurement engine"
                 self.timings["cold_start_s"] = await engine_proc.start()
                 engine_url = engine_proc.url
+                self._pool = EnginePool(session, self.config.max_measure_engines)
+                self._pool.adopt(self.config.base, EngineClient(engine_url, session), engine_proc)
             self._cpu_clock = engine_proc.cpu_seconds if engine_proc is not None else None
             await self._run(session, engine_url)
         except asyncio.CancelledError:
@@ -175,6 +192,8 @@ class OptimizerService:
             logger.exception("optimizer stopped")
             raise
         finally:
+            if self._pool is not None:
+                await asyncio.shield(self._pool.close())
             if engine_proc is not None:
                 await asyncio.shield(engine_proc.stop())
             if own_session:
@@ -224,7 +243,13 @@ class OptimizerService:
         t0 = time.perf_counter()
         base = self.config.base
         draft = str(TINY_DRAFT) if (TINY_DRAFT / "config.json").exists() else ""
-        space = SearchSpace.default(base, self.config.memory_budget_bytes, self.config.knobs,
+        knobs = self.config.knobs
+        if self._pool is None:  # NOTE: an engine we did not start cannot be restarted
+            knobs = tuple(k for k in knobs if k.name not in RESTART_FIELDS)
+            if len(knobs) < len(self.config.knobs):
+                logger.info("measure_url given: restart-only knobs %s left out of the search",
+                            RESTART_FIELDS)
+        space = SearchSpace.default(base, self.config.memory_budget_bytes, knobs,
                                     draft_model=draft)
         hw = HardwareConstants.measure()
         steps = StepTimeModel.fit(space.shape, hw)
@@ -283,13 +308,15 @@ class OptimizerService:
         samples, prompts = await loop.run_in_executor(None, self._samples, synth)
         fast, slow = (self._tier_for(t, profile) for t in (self.config.fast, self.config.slow))
         measurer = self.measurer = Measurer(engine, samples, (fast, slow), self._cpu_clock,
-                                            self._objective(profile))
+                                            self._objective(profile), self._pool)
         work = Workload(fast.concurrency, profile, self.config.sample.max_prompt_tokens,
                         self.config.sample.max_output_tokens)
         incumbent = self.live_config or self.config.base
         campaign = self.campaign = Campaign(cid, board, space, measurer, cost_model, work,
                                             incumbent, self.config.search)
-        reference = await reference_outputs(engine, incumbent, prompts, self.config.verify.max_tokens)
+        ref_engine = (await self._pool.get(incumbent))[0].client if self._pool else engine
+        reference = await reference_outputs(ref_engine, incumbent, prompts,
+                                            self.config.verify.max_tokens)
         self.state = "screening"
         await campaign.measure_incumbent()
         stop = asyncio.Event()
@@ -321,7 +348,9 @@ class OptimizerService:
         if self.config.objective == "auto":
             if 0 < profile.mean_concurrency < self.config.latency_bound_concurrency:
                 return "request"
-            return "cpu" if self._cpu_clock is not None else "wall"
+            if self.config.throughput_objective == "cpu" and self._cpu_clock is not None:
+                return "cpu"
+            return "wall"
         if self.config.objective == "cpu" and self._cpu_clock is None:
             raise OptimizerError("objective 'cpu' needs a measurement engine started by the "
                                  "optimizer (no measure_url)")
@@ -359,6 +388,8 @@ class OptimizerService:
         if not winner.gain.significant:
             return {**out, "status": "within_noise"}
         self.state = "verifying"
+        if self._pool is not None:  # NOTE: a restart-only winner is verified on its own engine
+            engine = (await self._pool.get(winner.config))[0].client
         report = await verify_candidate(engine, winner.config, prompts, reference,
                                         self.config.verify.max_tokens)
         await loop.run_in_executor(None, board.note, cid, "verifier", "verification",
@@ -374,11 +405,12 @@ class OptimizerService:
         url, backend = self.config.worker_url, self.config.worker_backend
         if url is None:
             return {"status": "verified"}
+        previous = self.live_config or self.config.base
+        restart = backend == "engine" and needs_restart(previous, winner.config)
         if not self.config.promotion.worth_switching(winner.gain.gain, backend,
-                                                     winner.measurement.reload_s):
+                                                     winner.measurement.reload_s, restart):
             return {"status": "not_worth_switching"}
         self.state = "promoting"
-        previous = self.live_config or self.config.base
         try:
             outcome = await promoter.promote(url, backend, winner.config, previous,
                                              winner.measurement.value)

@@ -8,7 +8,8 @@ that do not matter (no speculation -> depths 0 and default n-gram window)
 so that two points meaning the same config share one key on the board.
 
 Constraints beyond what EngineConfig checks itself:
-  - the KV cache fits the memory budget (bytes per token from the model shape);
+  - the KV cache fits the memory budget (bytes per token from the model shape; one
+    cache per engine-core process with data_parallel_size >= 1);
   - the KV cache holds at least one full sequence (max_model_len tokens);
   - one decode step of every sequence with full speculation fits the batch
     budget: max_num_batched_tokens >= max_num_seqs * (1 + spec_max_depth);
@@ -104,6 +105,12 @@ def thread_counts(num_cpus: int | None = None) -> tuple[int, ...]:
     return (0, *(1 << i for i in range(cpus.bit_length()) if 1 << i <= cpus))
 
 
+def dp_sizes(num_cpus: int | None = None) -> tuple[int, ...]:
+    """0 (the step loop in the HTTP process) then 2, 4, ... engine-core processes up to the cores."""
+    cpus = max(1, num_cpus or os.cpu_count() or 1)
+    return (0, *(1 << i for i in range(1, cpus.bit_length()) if 1 << i <= cpus))
+
+
 DEFAULT_KNOBS: tuple[Knob, ...] = (
     Knob("max_num_seqs", (1, 2, 4, 8, 16, 32)),
     Knob("max_num_batched_tokens", (64, 128, 256, 512, 1024, 2048)),
@@ -115,6 +122,10 @@ DEFAULT_KNOBS: tuple[Knob, ...] = (
     # NOTE: at low load one request's step is too small to keep many threads
     # busy, at high load batches are; which wins depends on the machine.
     Knob("num_threads", thread_counts()),
+    # NOTE: restart-only (engine.config.RESTART_FIELDS): measured on an engine of its
+    # own (optimizer.pool), the cold start priced into the search budget, promoted by
+    # blue-green; dropped from the space when the measurement engine is not ours.
+    Knob("data_parallel_size", dp_sizes()),
 )
 # NOTE: `execution` and `attention` are left out: the CPU engine runs one path
 # whatever they say, so searching them would only spend measurements on noise.
@@ -182,7 +193,9 @@ class SearchSpace:
     def violations(self, cfg: CompiledConfig) -> list[str]:
         e = cfg.engine
         out = []
-        kv_bytes = e.kv_cache_tokens * self.shape.kv_bytes_per_token(e.dtype)
+        # NOTE: each engine-core process (data_parallel_size) holds a KV cache of its own
+        kv_bytes = (max(1, e.data_parallel_size) * e.kv_cache_tokens
+                    * self.shape.kv_bytes_per_token(e.dtype))
         if kv_bytes > self.memory_budget_bytes:
             out.append(f"KV cache {kv_bytes} B exceeds the memory budget "
                        f"{self.memory_budget_bytes} B")

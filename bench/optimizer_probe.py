@@ -1,0 +1,186 @@
+"""Why the grid and the paired replay disagree, and what the busy traffic rewards: paired probes.
+
+Uses bench/optimizer.py's traffic (same seeds, samples and caps) and measures
+configs against the DEFAULT ``EngineConfig()`` in interleaved pairs
+(default, candidate, default, candidate, ...), each pair on the same sample:
+
+  grid    the grid's sample of B (4 requests, closed loop at concurrency 1)
+  open    B's open-loop sample (12 consecutive records at B's arrivals)
+  busy    A's sample (12 requests, closed loop at c=8): wall tokens/s
+
+Candidates that change a restart-only knob (``data_parallel_size``) run on a
+second engine process started with that value; both engines stay up and the
+pairs still alternate, so drift on the shared box hits both sides alike.
+
+    python bench/optimizer_probe.py --quiet conv --pairs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import logging
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import aiohttp  # noqa: E402
+
+from engine.config import TINY_TARGET, CompiledConfig  # noqa: E402
+from optimizer.engine_proc import EngineProcess  # noqa: E402
+from optimizer.measure import EngineClient, Measurer, Tier  # noqa: E402
+from optimizer.profile import read_trace_files, stratified_sample  # noqa: E402
+from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay  # noqa: E402
+from optimizer.verify import paired_gain  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("bench_optimizer", _HERE / "optimizer.py")
+assert _spec is not None and _spec.loader is not None
+bo = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bo)
+
+logger = logging.getLogger("bench.optimizer_probe")
+
+GRID_BEST = {"spec_method": "ngram", "spec_max_depth": 8, "spec_default_depth": 2,
+             "max_num_seqs": 8, "num_threads": 2}
+PROMOTED = {"spec_method": "ngram", "spec_max_depth": 4, "spec_default_depth": 2,
+            "max_num_seqs": 8, "num_threads": 2}
+
+
+def samples(args: argparse.Namespace, work: Path) -> dict[str, list[Any]]:
+    busy, quiet = bo.TRACES[args.quiet == "code"], bo.TRACES[args.quiet == "conv"]
+    recs_a = bo.azure_records(bo.DATA / busy[0], args.records, args.seed, busy[1],
+                              rate_rps=4.0, e2e_s=2.5, t0=1.7e9)
+    recs_b = bo.azure_records(bo.DATA / quiet[0], args.records, args.seed + 1, quiet[1],
+                              rate_rps=0.5, e2e_s=2.0, t0=1.7e9 + 3600)
+    synth = PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=args.seed)
+    for i, recs in enumerate((recs_a, recs_b)):
+        bo.attach_prompts(recs, Path(args.prompts), synth, args.max_prompt_tokens, args.seed + i)
+    bo.write_jsonl(work / "a.jsonl", recs_a)
+    bo.write_jsonl(work / "b.jsonl", recs_b)
+    cfg = SampleConfig(args.max_prompt_tokens, args.max_output_tokens)
+
+    def replay(path: Path, n: int, seed: int) -> list[Any]:
+        return build_replay(stratified_sample(read_trace_files([path]).records, n, seed), synth,
+                            cfg)
+
+    window_b = read_trace_files([work / "b.jsonl"]).records[: args.open_requests]
+    open_cfg = SampleConfig(args.max_prompt_tokens, args.max_output_tokens, time_scale=2.0)
+    return {"grid": replay(work / "b.jsonl", 4, 0),
+            "busy": replay(work / "a.jsonl", args.busy_requests, 1),
+            "open": build_replay(window_b, synth, open_cfg)}
+
+
+def tiers(args: argparse.Namespace) -> list[Tier]:
+    return [Tier("grid", None, 4, concurrency=1, warmup_requests=1),
+            Tier("open", None, 12, concurrency=8, open_loop=True, warmup_requests=1),
+            Tier("busy", None, args.busy_requests, concurrency=8)]
+KEYS = ("request_tokens_per_s", "wall_tokens_per_s", "ttft_p50_s", "tpot_p50_s", "in_flight")
+
+
+async def pair_runs(ma: Measurer, mb: Measurer, a: CompiledConfig, b: CompiledConfig, tier: str,
+                    pairs: int, key: str) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
+    for _ in range(pairs):
+        runs["a"].append((await ma.measure(a, tier, repeats=1)).details)
+        runs["b"].append((await mb.measure(b, tier, repeats=1)).details)
+    sa = [float(d[key]) for d in runs["a"]]
+    sb = [float(d[key]) for d in runs["b"]]
+    g = paired_gain(sb, sa, min_gain=0.0)
+    out = {"tier": tier, "objective": key, "ratio": 1 + g.gain, "noise": g.noise,
+           "significant": g.significant, "a": sa, "b": sb}
+    for k in KEYS:
+        va = [float(d[k] or 0.0) for d in runs["a"]]
+        vb = [float(d[k] or 0.0) for d in runs["b"]]
+        out[f"{k}_a"], out[f"{k}_b"] = statistics.fmean(va), statistics.fmean(vb)
+    return out
+
+
+def describe(name: str, s: list[Any]) -> str:
+    p = [r.prompt_tokens for r in s]
+    o = [r.max_tokens for r in s]
+    return (f"sample {name}: {len(s)} requests, prompt tokens mean {statistics.fmean(p):.0f} "
+            f"(max {max(p)}), output tokens mean {statistics.fmean(o):.1f} (max {max(o)})")
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench-optimizer-probe-"))
+    smp = samples(args, work)
+    for name, s in smp.items():
+        print(describe(name, s), flush=True)
+    base = bo.BASE
+    in_proc = EngineProcess(base, log_path=work / "engine0.log")
+    dp_cfg = base.with_engine(data_parallel_size=2)
+    dp = EngineProcess(dp_cfg, log_path=work / "engine-dp2.log")
+    out: dict[str, Any] = {"probes": []}
+    await in_proc.start()
+    await dp.start()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+            e0, e2 = EngineClient(in_proc.url, session), EngineClient(dp.url, session)
+            await e0.wait_ready()
+            await e2.wait_ready()
+            m0 = Measurer(e0, smp, tiers(args), None, "wall")
+            m2 = Measurer(e2, smp, tiers(args), None, "wall")
+            probes = [
+                ("grid-best vs default", "grid", GRID_BEST, m0, "request_tokens_per_s"),
+                ("grid-best vs default", "open", GRID_BEST, m0, "request_tokens_per_s"),
+                ("promoted vs default", "grid", PROMOTED, m0, "request_tokens_per_s"),
+                ("2 threads vs default", "busy", {"num_threads": 2}, m0, "wall_tokens_per_s"),
+                ("dp2 vs default", "busy", {}, m2, "wall_tokens_per_s"),
+                ("dp2+ngram k2/4 vs default", "busy",
+                 {"spec_method": "ngram", "spec_max_depth": 4, "spec_default_depth": 2}, m2,
+                 "wall_tokens_per_s"),
+            ]
+            for name, tier, changes, mb, key in probes:
+                if args.only and tier not in args.only:
+                    continue
+                cand = (dp_cfg if mb is m2 else base).with_engine(**changes)
+                r = await pair_runs(m0, mb, base, cand, tier, args.pairs, key)
+                r["name"] = name
+                out["probes"].append(r)
+                print(line(r), flush=True)
+    finally:
+        await in_proc.stop()
+        await dp.stop()
+    return out
+
+
+def line(r: dict[str, Any]) -> str:
+    return (f"{r['name']} on {r['tier']} ({r['objective']}): {r['ratio']:.3f}x (noise "
+            f"{r['noise']:.3f}, significant {r['significant']}); default/cand "
+            f"req-tok/s {r['request_tokens_per_s_a']:.1f}/{r['request_tokens_per_s_b']:.1f}, "
+            f"wall tok/s {r['wall_tokens_per_s_a']:.1f}/{r['wall_tokens_per_s_b']:.1f}, "
+            f"TTFT p50 {r['ttft_p50_s_a'] * 1e3:.0f}/{r['ttft_p50_s_b'] * 1e3:.0f} ms, "
+            f"TPOT p50 {r['tpot_p50_s_a'] * 1e3:.1f}/{r['tpot_p50_s_b'] * 1e3:.1f} ms, "
+            f"in flight {r['in_flight_a']:.2f}/{r['in_flight_b']:.2f}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quiet", choices=["code", "conv"], default="conv")
+    p.add_argument("--records", type=int, default=200)
+    p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--max-output-tokens", type=int, default=48)
+    p.add_argument("--open-requests", type=int, default=12)
+    p.add_argument("--busy-requests", type=int, default=12)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", default=str(bo.PROMPTS))
+    p.add_argument("--only", nargs="*", default=[], help="tiers to probe (grid, open, busy)")
+    p.add_argument("--out", default="")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args()
+    result = asyncio.run(main(args))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2, default=str))
