@@ -74,6 +74,11 @@ CATEGORY_DOMAIN = {
 }
 FIXED_DEPTHS = (0, 1, 2, 4, 6, 8)
 ADAPTIVE = "adaptive"
+# The policy without the engine's per-step feed: its step time fitted from per-request
+# client averages only (how the proxy learned before session 4); --client-fit adds it.
+ADAPTIVE_CLIENT = "adapt-cli"
+ADAPTIVE_MODES = (ADAPTIVE, ADAPTIVE_CLIENT)
+SCRAPE_INTERVAL_S = 1.0  # as the proxy's health.metrics_interval_s default
 # NOTE: "repetitive" is fixed before measuring, by a rule, not picked from this run's
 # results: the top half of the domains by n-gram acceptance measured in session 1
 # (bench/RESULTS.md: translation 0.69, qa 0.60, chat 0.50, extraction 0.49; then code 0.40,
@@ -236,29 +241,53 @@ async def send(session: aiohttp.ClientSession, url: str, prompt: Prompt, depth: 
 
 
 class Bench:
-    def __init__(self, url: str, pid: int, worker: str, policy: object, max_tokens: int,
-                 max_depth: int) -> None:
-        from specdec.policy import DepthPolicy
+    """The client side. ``policies`` maps an adaptive mode to its DepthPolicy; every policy
+    learns from every response (as the proxy does), and ADAPTIVE's also from the engine's
+    scraped per-step sums (specdec.step_feed), every SCRAPE_INTERVAL_S as the proxy's scrape
+    loop; ADAPTIVE_CLIENT's does not (the step time from client averages only)."""
 
-        assert isinstance(policy, DepthPolicy)
+    def __init__(self, url: str, pid: int, worker: str, policies: dict[str, object],
+                 max_tokens: int, max_depth: int) -> None:
+        from specdec.policy import DepthPolicy
+        from specdec.step_feed import StepFeed
+
+        assert all(isinstance(p, DepthPolicy) for p in policies.values())
         self.url = url
         self.pid = pid  # the engine's, for its CPU time
         self.worker = worker
-        self.policy = policy
+        self.policies: dict[str, DepthPolicy] = policies  # type: ignore[assignment]
+        self.feed = StepFeed(self.policies[ADAPTIVE]) if ADAPTIVE in policies else None
         self.max_tokens = max_tokens
         self.max_depth = max_depth
         self.in_flight = 0
         self.outcomes: list[Outcome] = []
 
+    @property
+    def policy(self) -> object:
+        return self.policies[ADAPTIVE]
+
     def _depth(self, mode: int | str, domain: str) -> int:
-        if mode == ADAPTIVE:
-            return self.policy.decide(self.worker, domain, self.in_flight, self.max_depth)
-        assert isinstance(mode, int)
+        if isinstance(mode, str):
+            return self.policies[mode].decide(self.worker, domain, self.in_flight,
+                                              self.max_depth)
         return mode
 
     def _learn(self, o: Outcome) -> None:
-        self.policy.observe_request(self.worker, o.domain, o.batch, o.depth, o.num_draft,
-                                    o.num_accepted, o.tokens, o.e2e_s - o.ttft_s)
+        for policy in self.policies.values():
+            policy.observe_request(self.worker, o.domain, o.batch, o.depth, o.num_draft,
+                                   o.num_accepted, o.tokens, o.e2e_s - o.ttft_s)
+
+    async def scrape(self, session: aiohttp.ClientSession) -> None:
+        if self.feed is None:
+            return
+        with contextlib.suppress(aiohttp.ClientError):
+            async with session.get(self.url + "/metrics") as r:
+                self.feed.on_metrics(self.worker, await r.text())
+
+    async def _scrape_loop(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.sleep(SCRAPE_INTERVAL_S)
+            await self.scrape(session)
 
     async def run(self, prompts: list[Prompt], mode: int | str, concurrency: int) -> RunStats:
         queue = list(reversed(prompts))
@@ -285,10 +314,17 @@ class Bench:
                     stats.num_accepted += o.num_accepted
                     stats.depths.append(depth)
 
+            scraper = asyncio.create_task(self._scrape_loop(session))
             t0, cpu0 = time.perf_counter(), process_cpu_s(self.pid)
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            try:
+                await asyncio.gather(*(worker() for _ in range(concurrency)))
+            finally:
+                scraper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await scraper
             stats.seconds = time.perf_counter() - t0
             stats.cpu_s = process_cpu_s(self.pid) - cpu0
+            await self.scrape(session)  # a proxy would get these at its next scrape
         return stats
 
 
@@ -310,10 +346,14 @@ def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -
 
     depths = sorted({0, *args.depths})
     priors = NGRAM_DOMAIN_PRIORS if method == "ngram" else ()
-    policy = DepthPolicy(PolicyConfig(max_depth=max(depths), domain_priors=priors))
-    modes: list[int | str] = [*depths, ADAPTIVE]
+    adaptive = [ADAPTIVE, *([ADAPTIVE_CLIENT] if args.client_fit else [])]
+    policies: dict[str, object] = {
+        m: DepthPolicy(PolicyConfig(max_depth=max(depths), domain_priors=priors))
+        for m in adaptive}
+    policy = policies[ADAPTIVE]
+    modes: list[int | str] = [*depths, *adaptive]
     with engine_process(method, max(depths), max(args.concurrency), args.device) as (url, pid):
-        bench = Bench(url, pid, method, policy, args.max_tokens, max(depths))
+        bench = Bench(url, pid, method, policies, args.max_tokens, max(depths))
         asyncio.run(bench.run(prompts[:2], 0, 2))  # warm-up
         for conc in args.concurrency:
             n = max(args.min_requests, args.requests_per_slot * conc)
@@ -349,7 +389,7 @@ def print_concurrency(method: str, conc: int, n: int, totals: dict[int | str, Ru
           f"(wall: tokens/s; cpu: tokens per engine CPU second)")
     print(f"  {'mode':>9} {'tok/s':>8} {'vs k=0':>7} {'vs best k':>9} {'tok/cpu-s':>9} "
           f"{'vs k=0':>7} {'vs best k':>9} {'accept':>7}  depths")
-    fixed = {m: t for m, t in totals.items() if m != ADAPTIVE and m != 0}
+    fixed = {m: t for m, t in totals.items() if m not in ADAPTIVE_MODES and m != 0}
     summary = []
     cells: dict[int | str, str] = {m: "" for m in totals}
     for basis in ("tokens_per_s", "tokens_per_cpu_s"):
@@ -360,16 +400,17 @@ def print_concurrency(method: str, conc: int, n: int, totals: dict[int | str, Ru
         best = rate(fixed[best_k]) or 1.0
         for mode, t in totals.items():
             cells[mode] += f" {rate(t):9.1f} {rate(t) / base:7.2f} {rate(t) / best:9.2f}"
-        summary.append(f"{basis.replace('tokens_per_', 'per ')}: best fixed k = {best_k}, "
-                       f"adaptive / best fixed = {rate(totals[ADAPTIVE]) / best:.3f}, "
-                       f"adaptive / k=0 = {rate(totals[ADAPTIVE]) / base:.3f}")
+        for mode in (m for m in ADAPTIVE_MODES if m in totals):
+            summary.append(f"{basis.replace('tokens_per_', 'per ')}: best fixed k = {best_k}, "
+                           f"{mode} / best fixed = {rate(totals[mode]) / best:.3f}, "
+                           f"{mode} / k=0 = {rate(totals[mode]) / base:.3f}")
     for mode, t in totals.items():
         acc = t.num_accepted / t.num_draft if t.num_draft else 0.0
         hist: dict[int, int] = defaultdict(int)
         for d in t.depths:
             hist[d] += 1
         depths = " ".join(f"{d}:{c}" for d, c in sorted(hist.items()))
-        label = f"k={mode}" if mode != ADAPTIVE else ADAPTIVE
+        label = f"k={mode}" if isinstance(mode, int) else mode
         print(f"  {label:>9}{cells[mode]} {acc:7.2f}  {depths}")
     for line in summary:
         print(f"  {line}")
@@ -394,7 +435,7 @@ def _print_domain_table(method: str, outcomes: list[Outcome], modes: list[int | 
     groups = {"repetitive": list(REPETITIVE_DOMAINS), "all": domains}
     print(f"\n[{method}] concurrency 1 per domain: speed-up over k=0 (tokens / {basis}); "
           f"* = repetitive (fixed rule, see REPETITIVE_DOMAINS)")
-    labels = [f"k={m}" if m != ADAPTIVE else "adapt" for m in modes if m != 0]
+    labels = [f"k={m}" if isinstance(m, int) else m[:6] for m in modes if m != 0]
     print(f"  {'domain':>14} {'k=0 tok/s':>9} " + " ".join(f"{lb:>6}" for lb in labels)
           + f" {'best k':>6} {'ad/best':>7}")
     for name, members in [*((d, [d]) for d in domains), *groups.items()]:
@@ -404,7 +445,7 @@ def _print_domain_table(method: str, outcomes: list[Outcome], modes: list[int | 
         base = rate(0)
         if not base:
             continue
-        fixed = {m: rate(m) for m in modes if m not in (0, ADAPTIVE)}
+        fixed = {m: rate(m) for m in modes if m != 0 and not isinstance(m, str)}
         best_k = max(fixed, key=lambda m: fixed[m])
         mark = "*" if name in REPETITIVE_DOMAINS else " "
         cells = " ".join(f"{rate(m) / base:6.2f}" for m in modes if m != 0)
@@ -426,9 +467,16 @@ def print_acceptance(method: str, bench: Bench, policy: object) -> None:
         if drafted:
             a = policy.acceptance(method, domain).mean
             print(f"  {domain:>13} {accepted / drafted:6.2f}  ({accepted}/{drafted})  a={a:.2f}")
-    coef = policy.step_time(method).coef
-    print(f"  step-time model t = {coef[0] * 1e3:.2f} + {coef[1] * 1e3:.3f}*b + "
-          f"{coef[2] * 1e3:.3f}*b*k + {coef[3] * 1e3:.3f}*k + {coef[4] * 1e3:.3f}*[k>0]  ms")
+    for mode, p in bench.policies.items():
+        model = p.step_time(method)
+        coef = model.coef
+        print(f"  {mode} step-time model t = {coef[0] * 1e3:.2f} + {coef[1] * 1e3:.3f}*b + "
+              f"{coef[2] * 1e3:.3f}*b*k + {coef[3] * 1e3:.3f}*k + {coef[4] * 1e3:.3f}*[k>0] ms"
+              f" ({model.num_fed_steps} engine steps, {model.num_samples} client samples)")
+        for b in (1, 4, 16):
+            cells = " ".join(f"k={k}:{model.predict(b, k) / model.predict(b, 0):.2f}"
+                             for k in (1, 2, 4, 8) if k <= bench.max_depth)
+            print(f"    batch {b:>2}: t(k) / t(0) {cells}")
 
 
 def print_mismatches(method: str, bench: Bench) -> None:
@@ -617,6 +665,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=Path, default=PROMPTS, help="Spec-Bench question.jsonl")
     parser.add_argument("--device", default="cpu", help="engine device (cpu, cuda)")
     parser.add_argument("--quick", action="store_true", help="one round, fewer requests")
+    parser.add_argument("--client-fit", action="store_true",
+                        help=f"also run the policy without the engine's step feed ({ADAPTIVE_CLIENT})")
     parser.add_argument("--micro", action="store_true", help="micro-costs only, no engine")
     parser.add_argument("--draft-confidence", nargs="+", type=float, default=None,
                         help="compare draft min_confidence cuts in-process (c=1), e.g. 0 0.3 0.5")

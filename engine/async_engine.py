@@ -201,6 +201,8 @@ class OutputRouter:
             m.generation_tokens.labels(**labels).inc(stats.num_generated)
         if stats.num_preempted:
             m.preemptions.labels(**labels).inc(stats.num_preempted)
+        if stats.decode_step is not None:
+            m.decode_steps.add(stats.decode_step)
         if stats.num_drafts:
             m.spec_drafts.labels(**labels).inc(stats.num_drafts)
             m.spec_draft_tokens.labels(**labels).inc(stats.num_draft_tokens)

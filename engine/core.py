@@ -30,6 +30,7 @@ from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import GenerationParams, Sequence
 from engine.tokenizer import TextTokenizer
 from specdec.base import Proposal, ProposalRequest, Proposer
+from specdec.step_feed import DecodeStep
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class StepStats:
     num_running: int = 0  # gauges after the step
     num_waiting: int = 0
     kv_usage: float = 0.0
+    decode_step: DecodeStep | None = None  # set when every scheduled sequence decoded
 
 
 class EngineCore:
@@ -189,6 +191,7 @@ class EngineCore:
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         self._ensure_threads()
+        t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
         stats = StepStats()
         plan = self.scheduler.schedule(self._propose())
@@ -198,23 +201,41 @@ class EngineCore:
                 self.proposer.release(seq.seq_id)
         if not plan.scheduled:
             return outputs, stats
+        depths = self._decode_depths(plan.scheduled)
         results = {id(r.item): r for r in self.runner.execute(plan.scheduled)}
         for item in plan.scheduled:
             out = self._postprocess(item, results.get(id(item)), stats)
             if out is not None:
                 outputs.append(out)
+        if depths is not None:
+            stats.decode_step = DecodeStep(len(depths), sum(depths), max(depths),
+                                           time.perf_counter() - t0)
         return outputs, stats
+
+    def _spec_depth(self, seq: Sequence) -> int:
+        """The speculative depth ``seq`` asks for this step (0 while prefilling)."""
+        if self.proposer is None or seq.params.spec_depth <= 0 or seq.is_prefilling:
+            return 0
+        return max(0, min(seq.params.spec_depth,
+                          seq.params.max_tokens - seq.num_output_tokens - 1,
+                          self.max_model_len - seq.num_tokens))
+
+    def _decode_depths(self, scheduled: list[ScheduledSeq]) -> list[int] | None:
+        """Each sequence's asked-for depth if the step is pure decode, else None.
+
+        NOTE: the depth asked for, not the drafts proposed: the policy's acceptance counts
+        a step with nothing proposed as a step with nothing accepted, so its step time
+        must be priced per depth asked for too (specdec.step_feed)."""
+        if not all(it.num_new == 1 and it.samples for it in scheduled):
+            return None
+        return [self._spec_depth(it.seq) for it in scheduled]
 
     def _propose(self) -> dict[int, Proposal]:
         if self.proposer is None:
             return {}
         reqs = []
         for seq in self.scheduler.running:
-            if seq.params.spec_depth <= 0 or seq.is_prefilling:
-                continue
-            depth = min(seq.params.spec_depth,
-                        seq.params.max_tokens - seq.num_output_tokens - 1,
-                        self.max_model_len - seq.num_tokens)
+            depth = self._spec_depth(seq)
             if depth > 0:
                 reqs.append(ProposalRequest(seq.seq_id, seq.token_ids, depth,
                                             seq.params.sampling, seq.num_prompt_tokens))

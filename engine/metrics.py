@@ -1,13 +1,23 @@
 """Prometheus metrics under vLLM's names, so the proxy scrapes engine and vLLM workers alike.
 
 One :class:`EngineMetrics` per app, on its own ``CollectorRegistry`` (no
-global registry: tests start several engines in one process).
+global registry: tests start several engines in one process). Beside vLLM's
+names, ``polyinfer:decode_step_fit_total`` carries the least-squares sums of
+the engine's pure decode steps, which the depth policy's step-time model reads
+(:mod:`specdec.step_feed`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from specdec.step_feed import METRIC as STEP_FIT_METRIC
+from specdec.step_feed import StepSums
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -56,6 +66,9 @@ class EngineMetrics:
                                              "Accepted speculative tokens by position.",
                                              ("position",))
 
+        self.decode_steps = StepSums()  # added to per pure decode step (engine.async_engine)
+        r.register(_StepFitCollector(model_name, self.decode_steps))
+
         for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens,
                        self.generation_tokens, self.preemptions, self.ttft, self.itl, self.tpot,
                        self.e2e, self.spec_drafts, self.spec_draft_tokens,
@@ -64,3 +77,20 @@ class EngineMetrics:
 
     def expose(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _StepFitCollector(Collector):
+    """Exports a :class:`StepSums` at scrape time (nothing to update per step but floats)."""
+
+    def __init__(self, model_name: str, sums: StepSums) -> None:
+        self.model_name = model_name
+        self.sums = sums
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            STEP_FIT_METRIC, "Weighted least-squares sums over pure decode steps (features "
+            "[1, batch, depth sum, depth max, any depth], weight 1/seconds^2); term 'steps' "
+            "counts them. See specdec.step_feed.", labels=["model_name", "term"])
+        for term, value in self.sums.samples():
+            family.add_metric([self.model_name, term], value)
+        yield family

@@ -45,8 +45,14 @@ _PRIOR_BATCHES = (1, 4, 16, 64)
 _PRIOR_DEPTHS = (0, 1, 2, 4, 8)
 
 
+def step_features(num_seqs: float, depth_sum: float,
+                  depth_max: float) -> tuple[float, float, float, float, float]:
+    """[1, batch, tokens of depth in the step, deepest k, any k > 0] of one decode step."""
+    return (1.0, num_seqs, depth_sum, depth_max, 1.0 if depth_max > 0 else 0.0)
+
+
 def _features(batch: float, k: float) -> tuple[float, float, float, float, float]:
-    return (1.0, batch, batch * k, k, 1.0 if k > 0 else 0.0)
+    return step_features(batch, batch * k, k)
 
 
 def _full_coefficients(coefficients: Sequence[float]) -> tuple[float, ...]:
@@ -85,6 +91,8 @@ class PolicyConfig:
     step_prior_s: tuple[float, ...] = (0.010, 0.0005, 0.0003, 0.0005)
     step_prior_weight: float = 4.0  # prior weight, in measured samples
     step_decay: float = 0.99  # weight kept by older samples at each new one
+    # Weight kept by older engine-reported decode steps at each new step (specdec.step_feed).
+    step_feed_decay: float = 0.999
 
     def __post_init__(self) -> None:
         checks = [
@@ -102,6 +110,7 @@ class PolicyConfig:
              "step_prior_s", "4 or 5 coefficients >= 0 with a positive intercept"),
             (self.step_prior_weight > 0, "step_prior_weight", "> 0"),
             (0.0 < self.step_decay <= 1.0, "step_decay", "in (0, 1]"),
+            (0.0 < self.step_feed_decay <= 1.0, "step_feed_decay", "in (0, 1]"),
         ]
         for ok, name, expected in checks:
             if not ok:
@@ -285,6 +294,13 @@ class StepTimeModel:
     NOTE: samples are weighted by 1 / t^2, i.e. the fit minimises relative error,
     so a 10 ms batch-1 step counts as much as a 200 ms batch-64 one (the policy
     compares ratios of step times at one batch size).
+
+    Two sources of samples: per-request averages as a client sees them
+    (:meth:`observe`) and the engine's own per-step sums (:meth:`observe_sums`,
+    see :mod:`specdec.step_feed`). NOTE: once a worker reports its steps, the
+    per-request averages are dropped and ignored: they mix prefill chunks, other
+    requests' depths and queueing into the step time, and measured far off the
+    steps themselves.
     """
 
     prior_xtx: np.ndarray  # [5, 5] prior pseudo-samples' X^T X (not decayed)
@@ -294,18 +310,21 @@ class StepTimeModel:
     xty: np.ndarray = field(default_factory=lambda: np.zeros(NUM_FEATURES))
     num_samples: int = 0
     coef: np.ndarray = field(default_factory=lambda: np.zeros(NUM_FEATURES))
+    feed_decay: float = 1.0  # per engine-reported step
+    num_fed_steps: int = 0  # engine-reported decode steps seen (0: client samples only)
 
     def __post_init__(self) -> None:
         self._solve()
 
     @classmethod
     def from_prior(cls, coefficients: tuple[float, ...], weight: float,
-                   decay: float = 1.0) -> StepTimeModel:
+                   decay: float = 1.0, feed_decay: float = 1.0) -> StepTimeModel:
         grid = [_features(b, k) for b in _PRIOR_BATCHES for k in _PRIOR_DEPTHS]
         x = np.array(grid)  # [G, 5]
         y = x @ np.array(_full_coefficients(coefficients))  # [G]
         w = weight / len(grid) / y**2  # [G] relative-error weights
-        return cls((x * w[:, None]).T @ x, (x * w[:, None]).T @ y, decay)
+        return cls((x * w[:, None]).T @ x, (x * w[:, None]).T @ y, decay,
+                   feed_decay=feed_decay)
 
     @classmethod
     def from_coefficients(cls, coefficients: tuple[float, ...]) -> StepTimeModel:
@@ -313,13 +332,30 @@ class StepTimeModel:
         return cls.from_prior(coefficients, weight=1e12)
 
     def observe(self, batch: int, k: int, step_s: float) -> None:
-        if not (step_s > 0.0 and math.isfinite(step_s)) or batch <= 0 or k < 0:
+        """One client-side sample: a request's mean step time at ``batch`` and depth ``k``."""
+        if self.num_fed_steps or not (step_s > 0.0 and math.isfinite(step_s)) or batch <= 0 \
+                or k < 0:
             return
         x = np.array(_features(batch, k))
         w = 1.0 / step_s**2
         self.xtx = self.decay * self.xtx + w * np.outer(x, x)
         self.xty = self.decay * self.xty + w * x * step_s
         self.num_samples += 1
+        self._solve()
+
+    def observe_sums(self, xtx: Sequence[Sequence[float]], xty: Sequence[float],
+                     num_steps: int) -> None:
+        """Engine-reported decode steps: their weighted sums X^T W X [5, 5], X^T W y [5]."""
+        a, b = np.asarray(xtx, dtype=float), np.asarray(xty, dtype=float)
+        if num_steps <= 0 or a.shape != (NUM_FEATURES, NUM_FEATURES) \
+                or b.shape != (NUM_FEATURES,) or not (np.isfinite(a).all() and np.isfinite(b).all()):
+            return
+        if not self.num_fed_steps:  # the engine's steps replace the client's averages
+            self.xtx, self.xty = np.zeros_like(self.xtx), np.zeros_like(self.xty)
+        keep = self.feed_decay ** num_steps
+        self.xtx = keep * self.xtx + a
+        self.xty = keep * self.xty + b
+        self.num_fed_steps += num_steps
         self._solve()
 
     def _solve(self) -> None:
@@ -371,7 +407,8 @@ class DepthPolicy:
         model = self._step_time.get(worker)
         if model is None:
             c = self.config
-            model = StepTimeModel.from_prior(c.step_prior_s, c.step_prior_weight, c.step_decay)
+            model = StepTimeModel.from_prior(c.step_prior_s, c.step_prior_weight, c.step_decay,
+                                             c.step_feed_decay)
             self._step_time[worker] = model
         return model
 
@@ -399,6 +436,11 @@ class DepthPolicy:
 
     def observe_step(self, worker: str, batch: int, k: int, step_s: float) -> None:
         self.step_time(worker).observe(batch, k, step_s)
+
+    def observe_step_sums(self, worker: str, xtx: Sequence[Sequence[float]],
+                          xty: Sequence[float], num_steps: int) -> None:
+        """The worker's own decode steps since the last report (:mod:`specdec.step_feed`)."""
+        self.step_time(worker).observe_sums(xtx, xty, num_steps)
 
     def observe_request(self, worker: str, domain: str, batch: int, depth: int, num_draft: int,
                         num_accepted: int, num_output_tokens: int, decode_s: float) -> None:

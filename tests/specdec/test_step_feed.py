@@ -1,0 +1,141 @@
+"""The engine's per-step feed into the policy's step-time model (specdec.step_feed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.metrics import EngineMetrics
+from specdec.policy import DepthPolicy, PolicyConfig, StepTimeModel, step_features
+from specdec.step_feed import DecodeStep, StepFeed, StepSums, parse_step_sums
+
+
+def _true_t(b: int, depth_sum: int, depth_max: int) -> float:
+    # 3 ms + 1 ms per sequence + 0.3 ms per token of depth + 0.75 ms once any k > 0
+    return 0.003 + 0.001 * b + 0.0003 * depth_sum + (0.00075 if depth_max else 0.0)
+
+
+def _steps() -> list[DecodeStep]:
+    return [DecodeStep(b, b * k, k, _true_t(b, b * k, k))
+            for b in (1, 2, 4, 8, 16) for k in (0, 1, 2, 4, 8)]
+
+
+def test_sums_are_the_weighted_normal_equations() -> None:
+    steps = _steps()
+    sums = StepSums()
+    for s in steps:
+        sums.add(s)
+    x = np.array([step_features(s.num_seqs, s.depth_sum, s.depth_max) for s in steps])
+    y = np.array([s.seconds for s in steps])
+    w = 1.0 / y**2
+    xtx, xty = sums.matrices()
+    np.testing.assert_allclose(xtx, (x * w[:, None]).T @ x, rtol=1e-12)
+    np.testing.assert_allclose(xty, (x * w[:, None]).T @ y, rtol=1e-12)
+    assert sums.num_steps == len(steps)
+
+
+def test_bad_steps_are_not_added() -> None:
+    sums = StepSums()
+    sums.add(DecodeStep(0, 0, 0, 0.01))
+    sums.add(DecodeStep(2, 0, 0, 0.0))
+    sums.add(DecodeStep(2, 0, 0, float("nan")))
+    assert sums.num_steps == 0 and not any(sums.values)
+
+
+def test_engine_exposition_round_trips_and_the_policy_recovers_the_step_time() -> None:
+    metrics = EngineMetrics("tiny")
+    for s in _steps() * 20:
+        metrics.decode_steps.add(s)
+    text = metrics.expose().decode()
+    parsed = parse_step_sums(text)
+    assert parsed is not None and parsed.num_steps == 500
+    np.testing.assert_allclose(parsed.values, metrics.decode_steps.values, rtol=1e-12)
+
+    policy = DepthPolicy(PolicyConfig(step_feed_decay=1.0))
+    assert StepFeed(policy).on_metrics("w", text) == 500
+    model = policy.step_time("w")
+    assert model.num_fed_steps == 500
+    # the prior (4 pseudo-samples against 500 steps) moves the fit by about 1%
+    np.testing.assert_allclose(model.coef, [0.003, 0.001, 0.0003, 0.0, 0.00075], rtol=0.02,
+                               atol=1e-6)
+    assert model.predict(16, 4) == pytest.approx(_true_t(16, 64, 4), rel=0.01)
+
+
+def test_feed_takes_only_new_steps_and_survives_a_restart() -> None:
+    metrics = EngineMetrics("tiny")
+    policy = DepthPolicy()
+    feed = StepFeed(policy)
+    assert feed.on_metrics("w", metrics.expose().decode()) == 0  # no steps yet
+    assert feed.on_metrics("w", "vllm:num_requests_running 1\n") == 0  # no feed at all
+    for s in _steps():
+        metrics.decode_steps.add(s)
+    assert feed.on_metrics("w", metrics.expose().decode()) == 25
+    assert feed.on_metrics("w", metrics.expose().decode()) == 0  # nothing new
+    metrics.decode_steps.add(DecodeStep(4, 8, 2, 0.01))
+    assert feed.on_metrics("w", metrics.expose().decode()) == 1
+    restarted = EngineMetrics("tiny")
+    for s in _steps()[:3]:
+        restarted.decode_steps.add(s)
+    assert feed.on_metrics("w", restarted.expose().decode()) == 3
+    assert policy.step_time("w").num_fed_steps == 29
+
+
+def test_parse_sums_label_sets_and_skips_garbage() -> None:
+    text = "\n".join([
+        '# TYPE polyinfer:decode_step_fit_total counter',
+        'polyinfer:decode_step_fit_total{model_name="a",term="steps"} 2.0',
+        'polyinfer:decode_step_fit_total{model_name="b",term="steps"} 3.0',
+        'polyinfer:decode_step_fit_total{model_name="a",term="xty_1"} 1.5',
+        'polyinfer:decode_step_fit_total{model_name="a",term="xty_9"} 7.0',  # unknown term
+        'polyinfer:decode_step_fit_total{model_name="a",term="xtx_0_0"} not-a-number',
+    ])
+    sums = parse_step_sums(text)
+    assert sums is not None and sums.num_steps == 5.0
+    _, xty = sums.matrices()
+    assert xty == [0.0, 1.5, 0.0, 0.0, 0.0]
+
+
+def test_engine_steps_replace_the_client_averages() -> None:
+    # Client averages that say depth is free (t flat in k) ...
+    model = StepTimeModel.from_prior((0.010, 0.0005, 0.0003, 0.0005), 4.0)
+    for _ in range(50):
+        for k in (0, 2, 4):
+            model.observe(16, k, 0.030)
+    assert model.predict(16, 4) / model.predict(16, 0) < 1.1
+    # ... then the engine reports 200 steps where each k at batch 16 costs 4.8 ms.
+    sums = StepSums()
+    for s in _steps() * 8:
+        sums.add(s)
+    xtx, xty = sums.matrices()
+    model.observe_sums(xtx, xty, int(sums.num_steps))
+    assert model.predict(16, 4) / model.predict(16, 0) == pytest.approx(
+        _true_t(16, 64, 4) / _true_t(16, 0, 0), rel=0.03)
+    model.observe(16, 4, 0.030)  # later client averages are ignored
+    assert model.num_samples == 150
+
+
+def test_feed_decay_forgets_old_steps() -> None:
+    model = StepTimeModel.from_prior((0.010, 0.0005, 0.0003, 0.0005), 4.0, feed_decay=0.99)
+
+    def feed(scale: float) -> None:
+        sums = StepSums()
+        for s in _steps() * 24:
+            sums.add(DecodeStep(s.num_seqs, s.depth_sum, s.depth_max, s.seconds * scale))
+        xtx, xty = sums.matrices()
+        model.observe_sums(xtx, xty, int(sums.num_steps))
+
+    feed(1.0)
+    # the machine got twice as slow: 600 steps at 0.99 leave 0.2% of the old weight (x4, as
+    # twice-as-slow steps weigh 1/4 in a relative-error fit)
+    feed(2.0)
+    assert model.predict(4, 2) == pytest.approx(2.0 * _true_t(4, 8, 2), rel=0.1)
+
+
+def test_observe_sums_rejects_malformed_input() -> None:
+    model = StepTimeModel.from_prior((0.010, 0.0005, 0.0003, 0.0005), 4.0)
+    before = model.coef.copy()
+    model.observe_sums([[1.0]], [1.0], 3)
+    model.observe_sums(np.full((5, 5), np.nan), np.zeros(5), 3)
+    model.observe_sums(np.eye(5), np.zeros(5), 0)
+    assert model.num_fed_steps == 0
+    np.testing.assert_array_equal(model.coef, before)
