@@ -368,6 +368,8 @@ def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -
                 for mode in modes if rnd % 2 == 0 else list(reversed(modes)):
                     _add(totals[mode], asyncio.run(bench.run(batch, mode, conc)))
             print_concurrency(method, conc, n, totals)
+            args.results.setdefault(method, {})[str(conc)] = {
+                "n": n, "totals": {str(m): dataclasses.asdict(t) for m, t in totals.items()}}
         if 1 in args.concurrency:
             print_domains(method, [o for o in bench.outcomes if o.concurrency == 1], modes)
         print_acceptance(method, bench, policy)
@@ -465,8 +467,11 @@ def print_acceptance(method: str, bench: Bench, policy: object) -> None:
           f"policy)")
     for domain, (drafted, accepted) in sorted(counts.items()):
         if drafted:
-            a = policy.acceptance(method, domain).mean
-            print(f"  {domain:>13} {accepted / drafted:6.2f}  ({accepted}/{drafted})  a={a:.2f}")
+            est = policy.acceptance(method, domain)
+            e = est.tokens_per_step(bench.max_depth, policy.config.prior_steps_per_depth)
+            cells = " ".join(f"{x:.2f}" for x in e[1:])
+            print(f"  {domain:>13} {accepted / drafted:6.2f}  ({accepted}/{drafted})  "
+                  f"a={est.mean:.2f}  E[tokens/step] k=1..: {cells}")
     for mode, p in bench.policies.items():
         model = p.step_time(method)
         coef = model.coef
@@ -650,6 +655,36 @@ def run_micro() -> None:
         print(f"  verify 16 seqs x k=4, vocab 8192, temperature {temperature}: {us:8.1f}")
 
 
+def print_combined(paths: list[Path]) -> None:
+    """Pool the totals of several runs (e.g. parallel instances on separate cores) per mode,
+    print the same tables, and each run's adaptive / best fixed beside the pooled one."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    pooled: dict[tuple[str, str], dict[int | str, RunStats]] = {}
+    per_run: dict[tuple[str, str], list[str]] = defaultdict(list)
+    num: dict[tuple[str, str], int] = defaultdict(int)  # requests per round, all runs
+    for run in runs:
+        for method, by_conc in run.items():
+            for conc, row in by_conc.items():
+                totals = {_mode(m): RunStats(**t) for m, t in row["totals"].items()}
+                fixed = [m for m in totals if isinstance(m, int) and m != 0]
+                best = max(totals[m].tokens_per_s for m in fixed)
+                per_run[(method, conc)].append(" ".join(
+                    f"{m}={totals[m].tokens_per_s / best:.3f}" for m in ADAPTIVE_MODES
+                    if m in totals))
+                num[(method, conc)] += row["n"]
+                into = pooled.setdefault((method, conc), {m: RunStats() for m in totals})
+                for m, t in totals.items():
+                    _add(into[m], t)
+    for (method, conc), totals in pooled.items():
+        print(f"\n{len(per_run[(method, conc)])} runs pooled")
+        print_concurrency(method, int(conc), num[(method, conc)], totals)
+        print(f"  per run, adaptive / best fixed (wall): {'; '.join(per_run[(method, conc)])}")
+
+
+def _mode(name: str) -> int | str:
+    return int(name) if name.lstrip("-").isdigit() else name
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", default=["ngram", "draft"])
@@ -672,7 +707,15 @@ def main() -> int:
                         help="compare draft min_confidence cuts in-process (c=1), e.g. 0 0.3 0.5")
     parser.add_argument("--step-costs", action="store_true",
                         help="target forward time per verify width k+1, and the draft's step")
+    parser.add_argument("--json-out", type=Path, default=None,
+                        help="also write the per-mode totals as JSON (for --combine)")
+    parser.add_argument("--combine", nargs="+", type=Path, default=None,
+                        help="pool the totals of --json-out files and print the tables")
     args = parser.parse_args()
+    args.results = {}
+    if args.combine:
+        print_combined(args.combine)
+        return 0
     if args.micro:
         run_micro()
         return 0
@@ -690,6 +733,8 @@ def main() -> int:
           f"device={args.device} cpus={os.cpu_count()}")
     for method in args.methods:
         bench_method(method, prompts, args)
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(args.results))
     return 0
 
 

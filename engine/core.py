@@ -201,14 +201,15 @@ class EngineCore:
                 self.proposer.release(seq.seq_id)
         if not plan.scheduled:
             return outputs, stats
-        depths = self._decode_depths(plan.scheduled)
+        decode = all(it.num_new == 1 and it.samples for it in plan.scheduled)
         results = {id(r.item): r for r in self.runner.execute(plan.scheduled)}
         for item in plan.scheduled:
             out = self._postprocess(item, results.get(id(item)), stats)
             if out is not None:
                 outputs.append(out)
-        if depths is not None:
-            stats.decode_step = DecodeStep(len(depths), sum(depths), max(depths),
+        if decode:  # NOTE: the whole step, so proposing and verifying are priced too
+            drafted = [len(it.drafts) for it in plan.scheduled]
+            stats.decode_step = DecodeStep(len(drafted), sum(drafted), max(drafted),
                                            time.perf_counter() - t0)
         return outputs, stats
 
@@ -219,16 +220,6 @@ class EngineCore:
         return max(0, min(seq.params.spec_depth,
                           seq.params.max_tokens - seq.num_output_tokens - 1,
                           self.max_model_len - seq.num_tokens))
-
-    def _decode_depths(self, scheduled: list[ScheduledSeq]) -> list[int] | None:
-        """Each sequence's asked-for depth if the step is pure decode, else None.
-
-        NOTE: the depth asked for, not the drafts proposed: the policy's acceptance counts
-        a step with nothing proposed as a step with nothing accepted, so its step time
-        must be priced per depth asked for too (specdec.step_feed)."""
-        if not all(it.num_new == 1 and it.samples for it in scheduled):
-            return None
-        return [self._spec_depth(it.seq) for it in scheduled]
 
     def _propose(self) -> dict[int, Proposal]:
         if self.proposer is None:

@@ -16,8 +16,11 @@ no k beats plain decoding by ``min_gain`` (high load, low acceptance)::
 
 - acceptance per (worker, domain): a Beta posterior updated from the reported
   ``(num_draft_tokens, num_accepted_tokens)`` counts (see :meth:`AcceptanceEstimate.observe`);
-- a step-time model per worker, ``t = w . [1, batch, batch*k, k, k > 0]`` seconds,
-  fitted online by least squares on measured ``(batch, k, step seconds)`` samples,
+- a step-time model per worker, ``t = w . [1, batch, batch*d(k), k, k > 0]`` seconds,
+  where ``d(k) <= k`` is the draft tokens a sequence verifies per step at depth k
+  (learned per domain with the acceptance: proposals are often shorter than k),
+  fitted online by least squares on measured ``(batch, k, step seconds)`` samples
+  (the engine's own steps, :mod:`specdec.step_feed`, or else per-request averages),
   anchored by a prior expressed as pseudo-samples. The last feature is the fixed
   cost of a verifying step: on the CPU a 2-token step costs ~1.35x a 1-token one
   while each further token adds only a few percent (``bench/specdec.py
@@ -45,14 +48,16 @@ _PRIOR_BATCHES = (1, 4, 16, 64)
 _PRIOR_DEPTHS = (0, 1, 2, 4, 8)
 
 
-def step_features(num_seqs: float, depth_sum: float,
-                  depth_max: float) -> tuple[float, float, float, float, float]:
-    """[1, batch, tokens of depth in the step, deepest k, any k > 0] of one decode step."""
-    return (1.0, num_seqs, depth_sum, depth_max, 1.0 if depth_max > 0 else 0.0)
+def step_features(num_seqs: float, num_drafted: float,
+                  max_drafted: float) -> tuple[float, float, float, float, float]:
+    """[1, batch, draft tokens verified in the step, the longest proposal, any proposal]."""
+    return (1.0, num_seqs, num_drafted, max_drafted, 1.0 if max_drafted > 0 else 0.0)
 
 
-def _features(batch: float, k: float) -> tuple[float, float, float, float, float]:
-    return step_features(batch, batch * k, k)
+def _features(batch: float, k: float,
+              drafted: float | None = None) -> tuple[float, float, float, float, float]:
+    """A step of ``batch`` sequences at depth k, each verifying ``drafted`` tokens (k if None)."""
+    return step_features(batch, batch * (k if drafted is None else drafted), k)
 
 
 def _full_coefficients(coefficients: Sequence[float]) -> tuple[float, ...]:
@@ -126,18 +131,22 @@ NGRAM_DOMAIN_PRIORS: tuple[tuple[str, float], ...] = (
 
 
 def choose_depth(acceptance: float, batch: int, step_time: StepTimeModel, max_depth: int,
-                 min_gain: float = 1.0, tokens_per_step: Sequence[float] | None = None) -> int:
+                 min_gain: float = 1.0, tokens_per_step: Sequence[float] | None = None,
+                 drafts_per_step: Sequence[float] | None = None) -> int:
     """The k in 0..max_depth maximising E[accepted + 1] / t(batch, k); 0 unless it pays.
 
     ``tokens_per_step[k]``, when given, replaces the geometric E for k (see
-    :meth:`AcceptanceEstimate.tokens_per_step`).
+    :meth:`AcceptanceEstimate.tokens_per_step`); ``drafts_per_step[k]`` the k draft tokens
+    a sequence is assumed to verify per step (:meth:`AcceptanceEstimate.drafts_per_step`).
     """
     base = 1.0 / step_time.predict(batch, 0)
     best_k, best = 0, base * min_gain
     for k in range(1, max_depth + 1):
         expected = (tokens_per_step[k] if tokens_per_step is not None and k < len(tokens_per_step)
                     else expected_tokens_per_step(acceptance, k))
-        goodput = expected / step_time.predict(batch, k)
+        drafted = (drafts_per_step[k] if drafts_per_step is not None and k < len(drafts_per_step)
+                   else None)
+        goodput = expected / step_time.predict(batch, k, drafted)
         if goodput > best:
             best_k, best = k, goodput
     return best_k
@@ -192,6 +201,7 @@ class AcceptanceEstimate:
     beta: float
     steps_at: dict[int, float] = field(default_factory=dict)  # depth -> decode steps seen
     tokens_at: dict[int, float] = field(default_factory=dict)  # depth -> tokens they produced
+    drafts_at: dict[int, float] = field(default_factory=dict)  # depth -> draft tokens verified
     _cache: dict[tuple[int, float], list[float]] = field(default_factory=dict, repr=False,
                                                          compare=False)
 
@@ -217,6 +227,20 @@ class AcceptanceEstimate:
         out = _between_measured(out, [k for k in range(max_depth + 1) if self.steps_at.get(k)])
         self._cache[(max_depth, prior_steps)] = out
         return out
+
+    def drafts_per_step(self, max_depth: int, prior_steps: float) -> list[float]:
+        """Draft tokens a step verifies at k = 0..max_depth: measured, shrunk toward k.
+
+        NOTE: a proposer often has fewer than k tokens to offer (an n-gram match runs out,
+        a draft stops when unsure), so a step at depth k verifies fewer rows than k, and
+        rows are what a step's time grows with. Unmeasured depths assume full proposals.
+        """
+        out = []
+        for k in range(max_depth + 1):
+            steps = self.steps_at.get(k, 0.0)
+            out.append((self.drafts_at.get(k, 0.0) + prior_steps * k) / (steps + prior_steps))
+        measured = [k for k in range(max_depth + 1) if self.steps_at.get(k)]
+        return [min(d, k) for k, d in enumerate(_between_measured(out, measured))]
 
     def observe(self, num_draft: int, num_accepted: int, depth: int, max_evidence: float,
                 num_steps: int | None = None) -> None:
@@ -252,24 +276,27 @@ class AcceptanceEstimate:
             self.alpha *= max_evidence / total
             self.beta *= max_evidence / total
         if depth > 0 and num_steps:
-            self._observe_steps(depth, num_steps, num_accepted, max_evidence)
+            self._observe_steps(depth, num_steps, num_accepted, max(num_draft, 0), max_evidence)
 
-    def _observe_steps(self, depth: int, num_steps: int, num_accepted: int,
+    def _observe_steps(self, depth: int, num_steps: int, num_accepted: int, num_draft: int,
                        max_evidence: float) -> None:
         steps = self.steps_at.get(depth, 0.0) + num_steps
         tokens = self.tokens_at.get(depth, 0.0) + num_steps + num_accepted
+        drafts = self.drafts_at.get(depth, 0.0) + num_draft
         if steps > max_evidence:
             tokens *= max_evidence / steps
+            drafts *= max_evidence / steps
             steps = max_evidence
         self.steps_at[depth] = steps
         self.tokens_at[depth] = tokens
+        self.drafts_at[depth] = drafts
 
 
 def _between_measured(expected: list[float], measured: list[int]) -> list[float]:
     """Keep each unmeasured depth's E between those of the measured depths around it.
 
     NOTE: a proposal at depth k is a prefix of the proposal the same context gives at
-    any deeper k, so E[tokens per step] never falls with k. The geometric prior does
+    any deeper k, so E[tokens per step] (and the draft tokens verified) never falls with k. The geometric prior does
     not know that n-gram acceptance comes in whole runs: it saturates early, and put
     depths 5-7 (never measured) above a measured 8 or 16 that did better, so the policy
     picked them. Measured depths are kept as measured.
@@ -289,7 +316,8 @@ def _between_measured(expected: list[float], measured: list[int]) -> list[float]
 
 @dataclass
 class StepTimeModel:
-    """t(batch, k) = w . [1, batch, batch*k, k, k > 0] seconds, least squares over decayed samples.
+    """t(batch, k) = w . [1, batch, batch*d, k, k > 0] seconds (d draft tokens verified per
+    sequence, k when not known), least squares over decayed samples.
 
     NOTE: samples are weighted by 1 / t^2, i.e. the fit minimises relative error,
     so a 10 ms batch-1 step counts as much as a 200 ms batch-64 one (the policy
@@ -331,12 +359,13 @@ class StepTimeModel:
         """A fixed model (a prior so heavy that samples barely move it); for tests and docs."""
         return cls.from_prior(coefficients, weight=1e12)
 
-    def observe(self, batch: int, k: int, step_s: float) -> None:
-        """One client-side sample: a request's mean step time at ``batch`` and depth ``k``."""
+    def observe(self, batch: int, k: int, step_s: float, drafted: float | None = None) -> None:
+        """One client-side sample: a request's mean step time at ``batch`` and depth ``k``
+        (``drafted`` draft tokens verified per step, k if None)."""
         if self.num_fed_steps or not (step_s > 0.0 and math.isfinite(step_s)) or batch <= 0 \
                 or k < 0:
             return
-        x = np.array(_features(batch, k))
+        x = np.array(_features(batch, k, drafted))
         w = 1.0 / step_s**2
         self.xtx = self.decay * self.xtx + w * np.outer(x, x)
         self.xty = self.decay * self.xty + w * x * step_s
@@ -380,9 +409,13 @@ class StepTimeModel:
         self.coef = coef
         self._w = tuple(float(c) for c in coef)
 
-    def predict(self, batch: float, k: float) -> float:
+    def predict(self, batch: float, k: float, drafted: float | None = None) -> float:
+        """Seconds for a step of ``batch`` sequences at depth k, each verifying ``drafted``
+        draft tokens (k when None: full proposals)."""
         w0, wb, wbk, wk, w_spec = self._w
-        return max(w0 + wb * batch + wbk * batch * k + wk * k + (w_spec if k > 0 else 0.0), 1e-6)
+        rows = k if drafted is None else drafted
+        return max(w0 + wb * batch + wbk * batch * rows + wk * k + (w_spec if k > 0 else 0.0),
+                   1e-6)
 
 
 class DepthPolicy:
@@ -417,25 +450,30 @@ class DepthPolicy:
         c = self.config
         cap = c.max_depth if max_depth is None else min(max_depth, c.max_depth)
         est = self.acceptance(worker, domain)
-        expected = est.tokens_per_step(cap, c.prior_steps_per_depth)
+        steps = c.prior_steps_per_depth
+        expected = est.tokens_per_step(cap, steps)
+        drafted = est.drafts_per_step(cap, steps)
         mix = self._mix.setdefault(worker, {})
         if c.share_depth_under_load and batch > 1:
-            others = [(w, self.acceptance(worker, d).tokens_per_step(cap, c.prior_steps_per_depth))
-                      for d, w in mix.items()]
-            expected = batch_tokens_per_step(expected, others, batch)
+            ests = [(w, self.acceptance(worker, d)) for d, w in mix.items()]
+            expected = batch_tokens_per_step(
+                expected, [(w, e.tokens_per_step(cap, steps)) for w, e in ests], batch)
+            drafted = batch_tokens_per_step(
+                drafted, [(w, e.drafts_per_step(cap, steps)) for w, e in ests], batch)
         for d in mix:
             mix[d] *= c.mix_decay
         mix[domain] = mix.get(domain, 0.0) + 1.0
         return choose_depth(est.mean, max(batch, 1), self.step_time(worker), cap, c.min_gain,
-                            expected)
+                            expected, drafted)
 
     def observe_acceptance(self, worker: str, domain: str, num_draft: int, num_accepted: int,
                            depth: int = 0, num_steps: int | None = None) -> None:
         self.acceptance(worker, domain).observe(num_draft, num_accepted, depth,
                                                 self.config.max_evidence, num_steps)
 
-    def observe_step(self, worker: str, batch: int, k: int, step_s: float) -> None:
-        self.step_time(worker).observe(batch, k, step_s)
+    def observe_step(self, worker: str, batch: int, k: int, step_s: float,
+                     drafted: float | None = None) -> None:
+        self.step_time(worker).observe(batch, k, step_s, drafted)
 
     def observe_step_sums(self, worker: str, xtx: Sequence[Sequence[float]],
                           xty: Sequence[float], num_steps: int) -> None:
@@ -454,4 +492,5 @@ class DepthPolicy:
         if depth > 0 and steps > 0:
             self.observe_acceptance(worker, domain, num_draft, num_accepted, depth, steps)
         if steps > 0 and decode_s > 0:
-            self.observe_step(worker, batch, depth, decode_s / steps)
+            self.observe_step(worker, batch, depth, decode_s / steps,
+                              max(num_draft, 0) / steps if depth > 0 else None)

@@ -10,13 +10,13 @@ exports them as counters on ``/metrics``; whoever scrapes the worker (the proxy'
 scrape loop, the bench) diffs two scrapes and hands the window to
 :meth:`specdec.policy.DepthPolicy.observe_step_sums`::
 
-    engine step  -> DecodeStep(num_seqs, depth_sum, depth_max, seconds)
+    engine step  -> DecodeStep(num_seqs, num_drafted, max_drafted, seconds)
                  -> StepSums.add (engine side, a few float adds per step)
     /metrics     -> polyinfer:decode_step_fit_total{term="xtx_0_1"} ...
     scrape       -> StepFeed.on_metrics(worker, text) -> policy.observe_step_sums
 
 Features are the policy's (:func:`specdec.policy.step_features`): ``[1, batch,
-sum of k, max k, any k > 0]``; each step is weighted by ``1 / seconds^2``, as the
+draft tokens verified, the longest proposal, any proposal]``; each step is weighted by ``1 / seconds^2``, as the
 policy's own samples (relative error). The sums are exact: the policy fits the
 same coefficients as if it had seen every step, at 21 numbers per scrape.
 """
@@ -40,8 +40,8 @@ class DecodeStep:
     """One engine step in which every scheduled sequence decoded (no prefill chunk)."""
 
     num_seqs: int  # sequences in the step
-    depth_sum: int  # speculative depth they asked for, summed (tokens)
-    depth_max: int  # the deepest of them
+    num_drafted: int  # draft tokens verified, all sequences together
+    max_drafted: int  # the longest proposal
     seconds: float  # the whole step: propose, schedule, forward, verify, postprocess
 
 
@@ -64,7 +64,7 @@ class StepSums:
     def add(self, step: DecodeStep) -> None:
         if not (step.seconds > 0.0 and math.isfinite(step.seconds)) or step.num_seqs <= 0:
             return
-        x = step_features(step.num_seqs, step.depth_sum, step.depth_max)
+        x = step_features(step.num_seqs, step.num_drafted, step.max_drafted)
         w = 1.0 / (step.seconds * step.seconds)
         v = self.values
         for n, (_, i, j) in enumerate(TERMS):

@@ -269,3 +269,40 @@ def test_domain_priors_replace_the_global_prior_for_unseen_domains() -> None:
     assert policy.acceptance("w", "unknown-domain").mean == pytest.approx(0.5)
     # with the default step-time prior, a = .69 speculates deeper than a = .17, before any data
     assert policy.decide("w", "translation", 1, 6) > policy.decide("w", "rag", 1, 6)
+
+
+def test_short_proposals_make_a_deep_k_cheap() -> None:
+    # t(1, k) = 0.010 + 0.002 * draft tokens verified; measured tokens per step (bursty)
+    model = _model(0.010, 0.0, 0.002, 0.0)
+    tokens = [1.0, 1.4, 1.8, 1.9, 2.0, 2.1, 2.2, 2.3, 2.5]
+    # full proposals: k=2 1.8/.014 = 128.6, k=4 2.0/.018 = 111.1, k=8 2.5/.026 = 96.2 -> 2
+    assert choose_depth(0.5, 1, model, 8, tokens_per_step=tokens) == 2
+    # proposals run short: k=2 1.8/.013 = 138.5, k=7 2.3/.015 = 153.3, k=8 2.5/.0152 = 164.5
+    drafts = [0.0, 1.0, 1.5, 1.8, 2.0, 2.2, 2.4, 2.5, 2.6]
+    assert choose_depth(0.5, 1, model, 8, tokens_per_step=tokens, drafts_per_step=drafts) == 8
+
+
+def test_drafts_per_step_are_learned_per_depth_and_stay_monotone() -> None:
+    est = AcceptanceEstimate(4.0, 4.0)
+    # 10 requests at depth 8, 40 steps each, 2 draft tokens verified per step
+    for _ in range(10):
+        est.observe(80, 20, depth=8, max_evidence=1e6, num_steps=40)
+    drafts = est.drafts_per_step(8, prior_steps=50.0)
+    assert drafts[0] == 0.0
+    assert drafts[8] == pytest.approx((800 + 50 * 8) / (400 + 50))  # 2.667
+    # unmeasured depths: full proposals (k) as a prior, but never above the measured k=8
+    assert drafts[1] == 1.0 and drafts[2] == 2.0
+    assert drafts[4] == pytest.approx(drafts[8])
+    assert drafts == sorted(drafts)
+
+
+def test_observe_request_prices_client_samples_by_draft_tokens() -> None:
+    # Two requests at batch 1: depth 8 verifying 1 draft token a step takes what depth 1 does.
+    policy = DepthPolicy(PolicyConfig(step_prior_weight=1e-6))
+    for _ in range(30):
+        policy.observe_request("w", "code", 1, 0, 0, 0, 41, 0.40)  # 40 steps of 10 ms
+        policy.observe_request("w", "code", 1, 8, 40, 20, 61, 0.48)  # 40 steps, 1 drafted each
+        policy.observe_request("w", "code", 1, 2, 80, 20, 61, 0.56)  # 40 steps, 2 drafted each
+    model = policy.step_time("w")
+    assert model.predict(1, 8, drafted=1.0) == pytest.approx(0.012, rel=0.02)
+    assert model.predict(1, 2, drafted=2.0) == pytest.approx(0.014, rel=0.02)

@@ -10,9 +10,9 @@ from specdec.policy import DepthPolicy, PolicyConfig, StepTimeModel, step_featur
 from specdec.step_feed import DecodeStep, StepFeed, StepSums, parse_step_sums
 
 
-def _true_t(b: int, depth_sum: int, depth_max: int) -> float:
-    # 3 ms + 1 ms per sequence + 0.3 ms per token of depth + 0.75 ms once any k > 0
-    return 0.003 + 0.001 * b + 0.0003 * depth_sum + (0.00075 if depth_max else 0.0)
+def _true_t(b: int, num_drafted: int, max_drafted: int) -> float:
+    # 3 ms + 1 ms per sequence + 0.3 ms per draft token + 0.75 ms once anything is proposed
+    return 0.003 + 0.001 * b + 0.0003 * num_drafted + (0.00075 if max_drafted else 0.0)
 
 
 def _steps() -> list[DecodeStep]:
@@ -25,7 +25,7 @@ def test_sums_are_the_weighted_normal_equations() -> None:
     sums = StepSums()
     for s in steps:
         sums.add(s)
-    x = np.array([step_features(s.num_seqs, s.depth_sum, s.depth_max) for s in steps])
+    x = np.array([step_features(s.num_seqs, s.num_drafted, s.max_drafted) for s in steps])
     y = np.array([s.seconds for s in steps])
     w = 1.0 / y**2
     xtx, xty = sums.matrices()
@@ -120,7 +120,7 @@ def test_feed_decay_forgets_old_steps() -> None:
     def feed(scale: float) -> None:
         sums = StepSums()
         for s in _steps() * 24:
-            sums.add(DecodeStep(s.num_seqs, s.depth_sum, s.depth_max, s.seconds * scale))
+            sums.add(DecodeStep(s.num_seqs, s.num_drafted, s.max_drafted, s.seconds * scale))
         xtx, xty = sums.matrices()
         model.observe_sums(xtx, xty, int(sums.num_steps))
 
