@@ -248,9 +248,11 @@ class Measurer:
         missing = [t.name for t in tiers if not samples.get(t.name)]
         if missing:
             raise MeasurementError(f"no replay sample for tier(s) {missing}")
-        if objective not in OBJECTIVES or (objective == "cpu" and cpu_seconds is None):
+        if objective not in OBJECTIVES or (objective == "cpu" and cpu_seconds is None
+                                           and pool is None):
             raise MeasurementError(f"objective: expected one of {OBJECTIVES} ('cpu' needs the "
-                                   f"engine's CPU clock), got {objective!r}")
+                                   f"engine's CPU clock or a pool of engines with one), got "
+                                   f"{objective!r}")
         self.engine = engine
         self.pool = pool  # engines for candidates a hot reload cannot reach
         self._running: CompiledConfig | None = None  # what `engine` serves (no pool)
