@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import dataclasses
 import datetime
 import json
 import os
@@ -60,10 +61,12 @@ from typing import Any, Literal
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import aiohttp
+import orjson
 import yaml
 from aiohttp import web
 
 from engine.config import TINY_TARGET, CompiledConfig, DeclaredFit, EngineConfig
+from loadgen.client import StreamingClient, make_session
 from loadgen.config import (
     ArrivalConfig,
     ClientConfig,
@@ -74,8 +77,9 @@ from loadgen.config import (
     TraceConfig,
 )
 from loadgen.metrics import meets_slo
-from loadgen.replay import replay
+from loadgen.replay import prepare, resolve_target
 from loadgen.request import RequestResult, TraceRequest
+from loadgen.runner import Runner
 from proxy.app import create_app, default_estimator
 from proxy.config import HealthConfig, ProxyConfig, RoutingConfig, SpeculationConfig, WorkerSpec
 from proxy.config import TraceConfig as ProxyTraceConfig
@@ -84,34 +88,59 @@ from proxy.supervisor import free_port
 from router.corpus import SPEC_BENCH_MAP
 
 ROOT = Path(__file__).resolve().parents[1]
-BULK_DOMAINS = ("summarization", "rag")
-INTERACTIVE_DOMAINS = ("chat", "code", "math", "qa", "translation", "extraction")
+# Domain classes: what this hardware rewards per shape (bench/RESULTS.md, specdec runs:
+# n-gram gives 1.7-3.2x at low batch on translation/code/extraction, 1.2-1.5x on chat/qa).
+CLASSES: dict[str, tuple[str, ...]] = {
+    "repetitive": ("translation", "code", "extraction"),
+    "conversational": ("chat", "math", "qa"),
+    "long": ("summarization", "rag"),
+}
+CLASS_OF = {d: c for c, ds in CLASSES.items() for d in ds}
 POLICIES: dict[str, Literal["policy", "adaptive"]] = {"round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive"}
 MAX_MODEL_LEN = 2048
+# NOTE: greedy decoding, as Spec-Bench and bench/specdec.py measure: the traces carry no
+# sampling parameters, and the engine's default (temperature 1, as OpenAI's) makes the
+# tiny model's n-gram acceptance near zero (session 3: adaptive depth 0 for 83-97%).
+TEMPERATURE = 0.0
+# NOTE: fixed SLOs, seconds, per class: (TTFT, TPOT). Chosen once, from the calibration run
+# recorded in bench/RESULTS.md ("Routing policies, session 4"), by the session-3 rule
+# (TTFT <= 10x / TPOT <= 2.5x the best unloaded latency of the class on any worker; long
+# prompts 5x / 5x), then written here so every run and every policy is judged by the same
+# numbers. --slo-seconds overrides them; --calibrate prints what the rule gives on a machine.
+DEFAULT_SLOS: dict[str, tuple[float, float]] = {
+    "repetitive": (0.25, 0.0040),
+    "conversational": (0.25, 0.0100),
+    "long": (1.0, 0.025),
+}
+SLO_RULE = {"repetitive": (10.0, 2.5), "conversational": (10.0, 2.5), "long": (5.0, 5.0)}
 
 
-def fleet_configs(bulk_cores: int, device: str) -> dict[str, CompiledConfig]:
-    """The compiled configs (see the module docstring); the probe measures their fit."""
+def fleet_configs(long_cores: int, device: str) -> dict[str, CompiledConfig]:
+    """The compiled configs (see the module docstring); ``--fit-only`` measures their fit."""
     model = str(TINY_TARGET)
-    interactive = CompiledConfig(model=model, engine=EngineConfig(
-        max_num_seqs=8, max_num_batched_tokens=128, spec_method="ngram", spec_max_depth=8,
-        spec_default_depth=2, max_model_len=MAX_MODEL_LEN, num_threads=1, device=device),
-        fit=DeclaredFit(domains=INTERACTIVE_DOMAINS, prompt_tokens=(0, 600)))
+    spec = CompiledConfig(model=model, engine=EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=256, spec_method="ngram", spec_max_depth=8,
+        spec_default_depth=4, max_model_len=MAX_MODEL_LEN, num_threads=1, device=device),
+        fit=DeclaredFit(domains=CLASSES["repetitive"], prompt_tokens=(0, 600)))
+    batch = CompiledConfig(model=model, engine=EngineConfig(
+        max_num_seqs=16, max_num_batched_tokens=256, max_model_len=MAX_MODEL_LEN,
+        num_threads=1, device=device),
+        fit=DeclaredFit(domains=CLASSES["conversational"], prompt_tokens=(0, 600)))
     # NOTE: engine-core processes, one thread each: a long prompt's prefill is one
     # sequence, which lanes cannot split, so more cores for prefill means more cores.
-    bulk = CompiledConfig(model=model, engine=EngineConfig(
-        max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN,
-        data_parallel_size=bulk_cores, device=device), fit=DeclaredFit(domains=BULK_DOMAINS))
-    return {"interactive-1": interactive, "interactive-2": interactive, "bulk": bulk}
+    long = CompiledConfig(model=model, engine=EngineConfig(
+        max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN,
+        data_parallel_size=long_cores, device=device), fit=DeclaredFit(domains=CLASSES["long"]))
+    return {"spec": spec, "batch": batch, "long": long}
 
 
 def domain_class(domain: str | None) -> str:
-    return "bulk" if domain in BULK_DOMAINS else "interactive"
+    return CLASS_OF.get(domain or "", "conversational")
 
 
 @dataclass(frozen=True)
 class Slos:
-    """Per domain class (interactive / bulk): TTFT and TPOT limits, seconds."""
+    """Per domain class: TTFT and TPOT limits, seconds."""
 
     ttft_s: dict[str, float]
     tpot_s: dict[str, float]
@@ -121,15 +150,15 @@ class Slos:
         return SloConfig(ttft_s=self.ttft_s[c], tpot_s=self.tpot_s[c])
 
     def routing(self, policy: str) -> RoutingConfig:
-        """Per-domain SLO tables for the proxy: '*' = interactive, bulk domains listed."""
+        """Per-domain SLO tables for the proxy ('*' = conversational)."""
         def table(limits: dict[str, float]) -> dict[str, float]:
-            return {"*": limits["interactive"], **{d: limits["bulk"] for d in BULK_DOMAINS}}
+            return {"*": limits["conversational"], **{d: limits[c] for d, c in CLASS_OF.items()}}
         return RoutingConfig(policy=policy, slo_ttft_s=table(self.ttft_s),
                              slo_tpot_s=table(self.tpot_s))
 
     def describe(self) -> str:
         return "; ".join(f"{c}: TTFT <= {self.ttft_s[c]:.3f} s, TPOT <= {self.tpot_s[c] * 1e3:.1f} ms"
-                         for c in ("interactive", "bulk"))
+                         for c in CLASSES)
 
 
 # --- fleets ------------------------------------------------------------------------------------
@@ -204,51 +233,83 @@ def build_workload(data: Path, num: int, rate: float, seed: int) -> list[TraceRe
 
 async def probe_one(s: aiohttp.ClientSession, url: str, text: str, max_tokens: int
                     ) -> tuple[float, float]:
-    """(TTFT, TPOT) of one streamed request, seconds, at the worker's default depth."""
+    """(TTFT, TPOT) of one streamed request, seconds, at the worker's default depth. TPOT as
+    loadgen defines it: (e2e - TTFT) / (completion_tokens - 1), tokens from the usage (a
+    speculating worker sends several tokens in one chunk)."""
     body = {"model": TINY_TARGET.name, "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+            "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": TEMPERATURE, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    first, last, num = 0.0, 0.0, 0
+    first, num = 0.0, max_tokens
     async with s.post(f"{url}/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.content:
             if not line.startswith(b"data: {"):
                 continue
-            choices = json.loads(line[6:]).get("choices") or [{}]
+            event = json.loads(line[6:])
+            choices = event.get("choices") or [{}]
             if choices[0].get("delta", {}).get("content"):
-                last = time.perf_counter()
-                first = first or last
-                num += 1
-    return first - t0, (last - first) / max(num - 1, 1)
+                first = first or time.perf_counter()
+            num = (event.get("usage") or {}).get("completion_tokens", num)
+    end = time.perf_counter()
+    return first - t0, (end - first) / max(num - 1, 1)
 
 
-async def probe(urls: dict[str, str], data: Path, num: int, max_tokens: int
-                ) -> dict[str, dict[str, tuple[float, float]]]:
-    """Median unloaded (TTFT, TPOT) per worker and domain class, one request at a time."""
+def class_prompts(data: Path, num: int) -> dict[str, list[str]]:
+    """``num`` prompts per class, domains mixed (fixed shuffle, not the workload's)."""
     prompts = load_prompts(data)
-    picks = {c: [t for t, d in prompts if domain_class(d) == c][:num]
-             for c in ("interactive", "bulk")}
-    out: dict[str, dict[str, tuple[float, float]]] = {}
-    async with aiohttp.ClientSession() as s:
-        for name, url in urls.items():
-            await probe_one(s, url, "warm up", 8)
-            out[name] = {}
-            for c, texts in picks.items():
-                res = [await probe_one(s, url, t, max_tokens) for t in texts]
-                out[name][c] = (statistics.median(r[0] for r in res),
-                                statistics.median(r[1] for r in res))
+    random.Random(7).shuffle(prompts)
+    return {c: [t for t, d in prompts if domain_class(d) == c][:num] for c in CLASSES}
+
+
+async def probe_worker(s: aiohttp.ClientSession, url: str, picks: dict[str, list[str]],
+                       concurrency: int, max_tokens: int) -> dict[str, tuple[float, float]]:
+    """Median (TTFT, TPOT) per class, ``concurrency`` requests of the class at a time."""
+    await probe_one(s, url, "warm up", 8)
+    out = {}
+    for c, texts in picks.items():
+        res: list[tuple[float, float]] = []
+        for i in range(0, len(texts) - concurrency + 1, concurrency):
+            res += await asyncio.gather(*(probe_one(s, url, t, max_tokens)
+                                          for t in texts[i:i + concurrency]))
+        out[c] = (statistics.median(r[0] for r in res), statistics.median(r[1] for r in res))
     return out
 
 
-def slos_from(args: argparse.Namespace, ref: dict[str, dict[str, tuple[float, float]]]) -> Slos:
-    """Given seconds win; else scale x the best worker's unloaded latency for the class."""
+async def probe(urls: dict[str, str], data: Path, num: int, max_tokens: int, concurrency: int
+                ) -> dict[str, dict[str, tuple[float, float]]]:
+    """Median (TTFT, TPOT) per worker and class at the worker's default depth: ``num``
+    rounds of ``concurrency`` requests of one class (1 = unloaded). The workers are
+    probed at the same time (each has its own cores)."""
+    picks = class_prompts(data, num * concurrency)
+    async with aiohttp.ClientSession() as s:
+        res = await asyncio.gather(*(probe_worker(s, url, picks, concurrency, max_tokens)
+                                     for url in urls.values()))
+    return dict(zip(urls, res, strict=True))
+
+
+def print_fit(label: str, ref: dict[str, dict[str, tuple[float, float]]]) -> None:
+    print(f"fit ({label}): worker | " + " | ".join(f"{c} TTFT s / TPOT ms" for c in CLASSES))
+    for w, by in ref.items():
+        print(f"  {w:<6} | " + " | ".join(f"{by[c][0]:.3f} / {by[c][1] * 1e3:.1f}"
+                                         for c in CLASSES), flush=True)
+    best = {c: min(ref, key=lambda w: ref[w][c][0] + 48 * ref[w][c][1]) for c in CLASSES}
+    print(f"  best per class (TTFT + 48 x TPOT): {best}", flush=True)
+
+
+def slos_from(args: argparse.Namespace, ref: dict[str, dict[str, tuple[float, float]]] | None
+              ) -> Slos:
+    """--slo-seconds, else --calibrate's rule on the unloaded probe, else DEFAULT_SLOS."""
     ttft, tpot = {}, {}
-    for c, (s_ttft, s_tpot) in (("interactive", args.slo_scale[:2]), ("bulk", args.slo_scale[2:])):
-        best_ttft = min(r[c][0] for r in ref.values())
-        best_tpot = min(r[c][1] for r in ref.values())
-        given = args.slo_seconds
-        ttft[c] = given[0 if c == "interactive" else 2] if given else s_ttft * best_ttft
-        tpot[c] = given[1 if c == "interactive" else 3] if given else s_tpot * best_tpot
+    for i, c in enumerate(CLASSES):
+        if args.slo_seconds:
+            ttft[c], tpot[c] = args.slo_seconds[2 * i], args.slo_seconds[2 * i + 1]
+        elif args.calibrate and ref is not None:
+            k_ttft, k_tpot = SLO_RULE[c]
+            ttft[c] = k_ttft * min(r[c][0] for r in ref.values())
+            tpot[c] = k_tpot * min(r[c][1] for r in ref.values())
+        else:
+            ttft[c], tpot[c] = DEFAULT_SLOS[c]
     return Slos(ttft, tpot)
 
 
@@ -280,10 +341,22 @@ async def run_policy(name: str, spec_mode: Literal["policy", "adaptive"], policy
                                  min_output_tokens=8, max_model_len=MAX_MODEL_LEN),
             slo=SloConfig(ttft_s=None, tpot_s=None),  # scored per domain below
             output=OutputConfig(quiet=True, label=name), tokenizer=str(TINY_TARGET))
-        result = await replay(cfg, records)
+        result = await replay_greedy(cfg, records)
     finally:
         await runner.cleanup()
-    return score(name, result.results, records, slos)
+    return score(name, result, records, slos)
+
+
+async def replay_greedy(cfg: ReplayConfig, records: list[TraceRequest]) -> list[RequestResult]:
+    """loadgen's replay (loadgen.replay.replay) with ``temperature`` set in every body."""
+    async with make_session(cfg.client) as session:
+        model, tokenizer = await resolve_target(session, cfg)
+        prep = await asyncio.to_thread(prepare, cfg, model, tokenizer, records)
+        reqs = [dataclasses.replace(r, body=orjson.dumps(
+            {**orjson.loads(r.body), "temperature": TEMPERATURE})) for r in prep.requests]
+        runner = Runner(StreamingClient(cfg.client, session), cfg.client.max_concurrency,
+                        cfg.arrivals.duration_s, cfg.output.quiet)
+        return (await runner.run(reqs)).results
 
 
 def score(name: str, results: list[RequestResult], records: list[TraceRequest], slos: Slos
@@ -360,43 +433,58 @@ async def replay_all(policies: dict[str, Any], fleets: dict[str, dict[str, str]]
     return dict(zip(args.policies, runs, strict=True))
 
 
+def rate_summary(rate: float, rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Where requests went over all rounds of a rate: policy -> worker/class -> [sent, good]."""
+    out: dict[str, Any] = {}
+    for name, runs in rounds.items():
+        cells: dict[str, list[int]] = {}
+        for run in runs:
+            for r in run["requests"]:
+                cell = cells.setdefault(f"{r['worker'] or 'none'}/{domain_class(r['domain'])}",
+                                        [0, 0])
+                cell[0] += 1
+                cell[1] += r["good"]
+        out[name] = dict(sorted(cells.items()))
+        print(f"placement {rate:g} {name:<18} " + ", ".join(
+            f"{k} {n}({g})" for k, (n, g) in sorted(cells.items())), flush=True)
+    return out
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     # NOTE: one policy object per name for the whole run: the adaptive policy keeps what
     # it learned (warm-up included), as a long-running proxy would.
     policies = {name: build_policy(name, seed=args.seed) for name in args.policies}
-    configs = fleet_configs(args.bulk_cores, args.device)
+    configs = fleet_configs(args.long_cores, args.device)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     fleets = {name: start_workers(configs, args.log_dir, name) for name in args.policies}
-    out: dict[str, Any] = {"rates": {}}
+    out: dict[str, Any] = {"rates": {}, "placement": {}, "depths": {}}
     try:
         for fleet_urls, _ in fleets.values():
             await wait_healthy(fleet_urls)
         urls = {n: f[0] for n, f in fleets.items()}
-        ref = await probe(urls[args.policies[0]], args.data, args.probe_requests, args.max_output)
+        first = urls[args.policies[0]]
+        ref = await probe(first, args.data, args.probe_requests, args.max_output, 1)
+        print_fit("unloaded, 1 request at a time", ref)
+        out["probe"] = ref
+        if args.fit_concurrency > 1:
+            loaded = await probe(first, args.data, args.probe_requests, args.max_output,
+                                 args.fit_concurrency)
+            print_fit(f"loaded, {args.fit_concurrency} requests of a class at a time", loaded)
+            out["probe_loaded"] = loaded
         slos = slos_from(args, ref)
-        out["probe"], out["slos"] = ref, {"ttft_s": slos.ttft_s, "tpot_s": slos.tpot_s}
-        for w, by in ref.items():
-            print(f"probe {w:<12} " + "  ".join(f"{c}: TTFT {v[0]:.3f} s TPOT {v[1] * 1e3:.1f} ms"
-                                                 for c, v in by.items()), flush=True)
-        print(f"SLOs (fixed from here on): {slos.describe()}", flush=True)
+        out["slos"] = {"ttft_s": slos.ttft_s, "tpot_s": slos.tpot_s}
+        print(f"SLOs ({'--calibrate rule' if args.calibrate else 'fixed'}): {slos.describe()}",
+              flush=True)
+        if args.fit_only:
+            return out
         if args.warmup > 0:
             rate = args.warmup_rate or args.rates[0]
             records = build_workload(args.data, int(rate * args.warmup), rate, args.seed + 1000)
             warm = await replay_all(policies, urls, configs, records, slos, args)
-            out["warmup"] = warm
             for s in warm.values():
                 print(f"warm-up {rate:g} " + fmt_row(s), flush=True)
         for rate in args.rates:
-            rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in args.policies}
-            for r in range(args.rounds):
-                records = build_workload(args.data, int(rate * args.duration), rate,
-                                         args.seed + r)
-                for name, s in (await replay_all(policies, urls, configs, records, slos,
-                                                 args)).items():
-                    rounds[name].append(s)
-                    print(f"rate {rate:g} round {r + 1} " + fmt_row(s), flush=True)
-            out["rates"][str(rate)] = rounds
-            print("ratio so far: " + ratio_line(rate, rounds), flush=True)
+            await run_rate(rate, policies, urls, configs, slos, args, out)
     finally:
         procs = [p for _, ps in fleets.values() for p in ps]
         for p in procs:
@@ -406,6 +494,28 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     adaptive: Any = policies.get("adaptive")
     out["adaptive_stats"] = adaptive.stats() if adaptive is not None else {}
     return out
+
+
+async def run_rate(rate: float, policies: dict[str, Any], urls: dict[str, dict[str, str]],
+                   configs: dict[str, CompiledConfig], slos: Slos, args: argparse.Namespace,
+                   out: dict[str, Any]) -> None:
+    """``--rounds`` fresh schedules at ``rate``, all policies at once; results into ``out``."""
+    adaptive: Any = policies.get("adaptive")
+    depths_before = dict(adaptive.depths) if adaptive is not None else {}
+    rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in args.policies}
+    for r in range(args.rounds):
+        records = build_workload(args.data, int(rate * args.duration), rate, args.seed + r)
+        for name, s in (await replay_all(policies, urls, configs, records, slos, args)).items():
+            rounds[name].append(s)
+            print(f"rate {rate:g} round {r + 1} " + fmt_row(s), flush=True)
+        print("ratio so far: " + ratio_line(rate, rounds), flush=True)
+    out["rates"][str(rate)] = {n: [{k: v for k, v in s.items() if k != "requests"} for s in runs]
+                               for n, runs in rounds.items()}
+    out["placement"][str(rate)] = rate_summary(rate, rounds)
+    if adaptive is not None:
+        depths = {k: v - depths_before.get(k, 0) for k, v in sorted(adaptive.depths.items())}
+        out["depths"][str(rate)] = {str(k): v for k, v in depths.items() if v}
+        print(f"adaptive depths sent at rate {rate:g}: {out['depths'][str(rate)]}", flush=True)
 
 
 def main() -> None:
@@ -420,15 +530,20 @@ def main() -> None:
     ap.add_argument("--warmup-rate", type=float, default=0.0, help="req/s (0: the first rate)")
     ap.add_argument("--output-scale", type=float, default=0.25)
     ap.add_argument("--max-output", type=int, default=96)
-    ap.add_argument("--slo-scale", type=float, nargs=4, default=[10.0, 2.5, 5.0, 5.0],
-                    metavar=("I_TTFT", "I_TPOT", "B_TTFT", "B_TPOT"),
-                    help="SLO = scale x best unloaded latency, interactive then bulk class")
-    ap.add_argument("--slo-seconds", type=float, nargs=4,
-                    metavar=("I_TTFT", "I_TPOT", "B_TTFT", "B_TPOT"),
-                    help="fixed SLOs in seconds instead of --slo-scale")
-    ap.add_argument("--probe-requests", type=int, default=5, help="per worker and class")
-    ap.add_argument("--bulk-cores", type=int, default=2,
-                    help="engine-core processes (one thread each) of the bulk worker")
+    ap.add_argument("--slo-seconds", type=float, nargs=6,
+                    metavar=("R_TTFT", "R_TPOT", "C_TTFT", "C_TPOT", "L_TTFT", "L_TPOT"),
+                    help="SLOs in seconds per class (repetitive, conversational, long) instead "
+                         "of the fixed defaults")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="SLOs by the rule (SLO_RULE x best unloaded latency of the class) "
+                         "from this run's probe instead of the fixed defaults")
+    ap.add_argument("--fit-only", action="store_true",
+                    help="measure the fleet's fit (unloaded and loaded) and the SLOs, then stop")
+    ap.add_argument("--fit-concurrency", type=int, default=4,
+                    help="requests of one class at a time for the loaded fit (1: skip)")
+    ap.add_argument("--probe-requests", type=int, default=4, help="rounds per worker and class")
+    ap.add_argument("--long-cores", type=int, default=2,
+                    help="engine-core processes (one thread each) of the long-prompt worker")
     ap.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES),
                     help="a subset for debugging (the ratios need all three)")
     ap.add_argument("--seed", type=int, default=0)
@@ -440,13 +555,20 @@ def main() -> None:
     args.rates = sorted(args.rates)
     if min(args.rates) <= 0 or args.duration <= 0 or args.rounds <= 0 or args.warmup < 0:
         ap.error("rates, --duration and --rounds must be positive, --warmup >= 0")
-    configs = fleet_configs(args.bulk_cores, args.device)
+    if args.fit_concurrency < 1 or args.probe_requests < 1:
+        ap.error("--fit-concurrency and --probe-requests must be >= 1")
+    configs = fleet_configs(args.long_cores, args.device)
     print(f"rates {args.rates} req/s x {args.duration:g} s, {args.rounds} rounds each, warm-up "
           f"{args.warmup:g} s; workers: " + "; ".join(
               f"{n}: {c.engine.max_num_seqs} seqs, {c.engine.max_num_batched_tokens}-token "
-              f"prefill, spec={c.engine.spec_method}, {max(c.engine.data_parallel_size, 1)} core(s), fit "
+              f"prefill, spec={c.engine.spec_method}(default k={c.engine.spec_default_depth}), "
+              f"{max(c.engine.data_parallel_size, 1)} core(s), fit "
               f"{','.join(c.fit.domains)}" for n, c in configs.items()), flush=True)
     out = asyncio.run(main_async(args))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1, default=str))
+    if args.fit_only:
+        return
     print("rate   | goodput (req/s meeting the SLO, median of rounds) RR / LO / adaptive "
           "| adaptive/RR median (min-max) | adaptive/LO median (min-max)")
     for rate, rounds in out["rates"].items():
@@ -454,8 +576,6 @@ def main() -> None:
     stats = out["adaptive_stats"]
     print("adaptive decisions (whole run):",
           json.dumps({k: stats.get(k) for k in ("reasons", "decisions", "depths")}))
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1, default=str))
 
 
 if __name__ == "__main__":
