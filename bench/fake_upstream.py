@@ -87,9 +87,12 @@ def main() -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9100)
     p.add_argument("--chunks", type=int, default=16)
+    p.add_argument("--reuse-port", action="store_true",
+                   help="SO_REUSEPORT: several processes serve one port")
     args = p.parse_args()
     web.run_app(FakeFastUpstream(args.chunks).app(), host=args.host, port=args.port,
-                access_log=None, print=None, loop=_new_loop())
+                access_log=None, print=None, loop=_new_loop(),
+                reuse_port=args.reuse_port or None)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:

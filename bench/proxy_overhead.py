@@ -15,7 +15,7 @@ CPU seconds per request (from /proc/<pid>/stat, user + system).
     python bench/proxy_overhead.py --prompts unique              # every prompt different
     python bench/proxy_overhead.py --baseline-src /tmp/base     # + polyinfer from another tree
     python bench/proxy_overhead.py --rounds 3                   # 3 sweeps, CPU ratios per round
-    python bench/proxy_overhead.py --loadgen URL RATE SECONDS PROMPTS   # (internal) one load run
+    python bench/proxy_overhead.py --loadgen URL RATE SECONDS PROMPTS DATA OFFSET  # (internal)
 
 Prompts (--prompts): ``fixed`` sends one short prompt every time (what the
 earlier runs measured; the proxy's shape cache then always hits), ``real``
@@ -51,17 +51,18 @@ NUM_WARMUP = 50  # requests sent before the timed schedule (connections opened, 
 PY = sys.executable
 BODY = {"model": "fake-fast", "stream": True, "max_tokens": 16,
         "messages": [{"role": "user", "content": "Say hello in sixteen short words, please."}]}
-SPEC_BENCH = REPO.parent / "shared" / "data" / "prompts" / "spec_bench_questions.jsonl"
+DATA = REPO.parent / "shared" / "data"  # --data: prompts/spec_bench_questions.jsonl
 PROMPT_MODES = ("fixed", "real", "shared", "unique")
 
 
-def payloads(mode: str, n: int) -> list[bytes]:
+def payloads(mode: str, n: int, data: Path = DATA) -> list[bytes]:
     """``n`` request bodies (serialised before the timed schedule starts)."""
     if mode == "fixed":
         return [json.dumps(BODY).encode()] * n
-    if not SPEC_BENCH.is_file():
-        raise SystemExit(f"--prompts {mode} needs {SPEC_BENCH}")
-    with open(SPEC_BENCH) as f:
+    spec_bench = data / "prompts" / "spec_bench_questions.jsonl"
+    if not spec_bench.is_file():
+        raise SystemExit(f"--prompts {mode} needs {spec_bench}")
+    with open(spec_bench) as f:
         texts = [json.loads(line)["turns"][0] for line in f if line.strip()]
     out = []
     for i in range(n):
@@ -92,12 +93,15 @@ async def _one(session, url: str, payload: bytes, out: list) -> None:  # type: i
     out.append((ttft, time.perf_counter() - t0, status))
 
 
-async def _load(url: str, rate: float, seconds: float, prompts: str) -> dict:
+async def _load(url: str, rate: float, seconds: float, prompts: str, data: Path,
+                offset: int = 0) -> dict:
+    """One load process's raw samples (``offset``: its first request number, so that
+    parallel load processes send different prompts)."""
     import aiohttp
     n = int(rate * seconds)
     out: list = []
     lags = []
-    bodies = payloads(prompts, n + NUM_WARMUP)
+    bodies = payloads(prompts, offset + n + NUM_WARMUP, data)[offset:]
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=conn,
                                      timeout=aiohttp.ClientTimeout(total=30)) as s:
@@ -114,30 +118,44 @@ async def _load(url: str, rate: float, seconds: float, prompts: str) -> dict:
             tasks.append(asyncio.create_task(_one(s, url, bodies[i], out)))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
-    ok = [(t, e) for t, e, st in out if st == 200 and t is not None]
-    shed = sum(1 for _, _, st in out if st in (429, 503))
-    errors = len(out) - len(ok) - shed
-    ttft = np.array([t for t, _ in ok]) * 1e3
-    e2e = np.array([e for _, e in ok]) * 1e3
+    return {"sent": n, "num_total": n + NUM_WARMUP, "wall_s": wall,
+            "lag_ms": [round(x * 1e3, 4) for x in lags],
+            "samples": [(None if t is None else round(t * 1e3, 4),
+                         None if e is None else round(e * 1e3, 4), st) for t, e, st in out]}
+
+
+def summarize(parts: list[dict]) -> dict:
+    """The load processes' samples together: counts, achieved rate, percentiles (ms)."""
+    samples = [s for p in parts for s in p["samples"]]
+    wall = max(p["wall_s"] for p in parts)
+    ok = [(t, e) for t, e, st in samples if st == 200 and t is not None]
+    shed = sum(1 for _, _, st in samples if st in (429, 503))
+    ttft = np.array([t for t, _ in ok])
+    e2e = np.array([e for _, e in ok])
 
     def pct(a: np.ndarray, q: float) -> float | None:
         return float(np.percentile(a, q)) if len(a) else None
-    return {"sent": n, "ok": len(ok), "errors": errors, "shed": shed, "wall_s": wall,
-            "num_total": n + NUM_WARMUP,  # every request the proxy handled, warm-up included
+    sent = sum(p["sent"] for p in parts)
+    return {"sent": sent, "ok": len(ok), "errors": len(samples) - len(ok) - shed, "shed": shed,
+            "wall_s": wall,
+            "num_total": sum(p["num_total"] for p in parts),  # warm-up included
             "achieved_rps": len(ok) / wall,
             "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
             "e2e_p50_ms": pct(e2e, 50), "e2e_p99_ms": pct(e2e, 99),
-            "send_lag_p99_ms": float(np.percentile(np.array(lags) * 1e3, 99))}
+            "send_lag_p99_ms": float(np.percentile(
+                np.array([x for p in parts for x in p["lag_ms"]]), 99))}
 
 
-def loadgen_main(url: str, rate: float, seconds: float, prompts: str) -> None:
+def loadgen_main(url: str, rate: float, seconds: float, prompts: str, data: str,
+                 offset: int) -> None:
     loop: asyncio.AbstractEventLoop
     try:
         import uvloop
         loop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
-    print(json.dumps(loop.run_until_complete(_load(url, rate, seconds, prompts))))
+    print(json.dumps(loop.run_until_complete(
+        _load(url, rate, seconds, prompts, Path(data), offset))))
 
 
 # -- orchestration ---------------------------------------------------------------------------
@@ -232,8 +250,8 @@ traces: {{dir: "{workdir / 'traces'}"}}
                   f"http://127.0.0.1:{port}/v1/chat/completions", proc)
 
 
-def find_vllm_router() -> str | None:
-    for cand in (shutil.which("vllm-router"), "/tmp/vr-venv/bin/vllm-router"):
+def find_vllm_router(explicit: str | None = None) -> str | None:
+    for cand in (explicit, shutil.which("vllm-router"), "/tmp/vr-venv/bin/vllm-router"):
         if cand and Path(cand).exists():
             return cand
     return None
@@ -241,8 +259,10 @@ def find_vllm_router() -> str | None:
 
 def start_vllm_router(binary: str, upstream: str, workdir: Path, core: int | None) -> Target:
     port = free_port()
+    # NOTE: its Prometheus exporter takes a fixed port unless told: two runs would collide
     proc = subprocess.Popen(pinned([binary, "--worker-urls", upstream, "--port", str(port),
-                                    "--host", "127.0.0.1", "--policy", "round_robin"], core),
+                                    "--host", "127.0.0.1", "--policy", "round_robin",
+                                    "--prometheus-port", str(free_port())], core),
                             cwd=workdir, stdout=open(workdir / "vllm-router.log", "w"),
                             stderr=subprocess.STDOUT)
     wait_up(proc, f"http://127.0.0.1:{port}/health")
@@ -274,17 +294,49 @@ litellm_settings: {{telemetry: false}}
                   max_rate=200)
 
 
-def run_load(url: str, rate: float, seconds: float, prompts: str, core: int | None) -> dict:
-    out = subprocess.run(pinned([PY, __file__, "--loadgen", url, str(rate), str(seconds),
-                                 prompts], core),
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+@dataclass(frozen=True)
+class Layout:
+    """Which cores run what: each proxy on ``proxy``, the upstream and load processes on
+    their own cores when there are enough (None = not pinned)."""
+
+    proxy: int | None = None
+    upstream: tuple[int | None, ...] = (None,)
+    loadgen: tuple[int | None, ...] = (None,)
+
+    @classmethod
+    def plan(cls, ncpu: int, upstream_procs: int, loadgen_procs: int, pin: bool) -> Layout:
+        if not pin or ncpu < 2:
+            return cls(None, (None,) * upstream_procs, (None,) * loadgen_procs)
+        if ncpu < 2 + upstream_procs + loadgen_procs:
+            # the 2-core dev box: the proxy on core 0, everything else on core 1
+            return cls(0, (1,) * upstream_procs, (1,) * loadgen_procs)
+        # NOTE: core 0 left to the system (interrupts, the bench itself); the proxy on 1
+        others = list(range(2, ncpu))
+        return cls(1, tuple(others[:upstream_procs]),
+                   tuple(others[upstream_procs:upstream_procs + loadgen_procs]))
 
 
-def measure(target: Target, rate: float, seconds: float, prompts: str,
-            core: int | None) -> dict:
+def run_load(url: str, rate: float, seconds: float, prompts: str, data: Path,
+             cores: tuple[int | None, ...]) -> dict:
+    """``rate`` split over one load process per core in ``cores``, run together."""
+    n = len(cores)
+    procs = [subprocess.Popen(pinned([PY, __file__, "--loadgen", url, str(rate / n),
+                                      str(seconds), prompts, str(data),
+                                      str(i * int(rate * seconds / n + NUM_WARMUP))], core),
+                              stdout=subprocess.PIPE, text=True)
+             for i, core in enumerate(cores)]
+    parts = []
+    for proc in procs:
+        out, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"load process failed ({proc.returncode})")
+        parts.append(json.loads(out.strip().splitlines()[-1]))
+    return summarize(parts)
+
+
+def measure(target: Target, rate: float, args: argparse.Namespace, layout: Layout) -> dict:
     before = cpu_seconds(target.proc.pid) if target.proc else 0.0
-    res = run_load(target.url, rate, seconds, prompts, core)
+    res = run_load(target.url, rate, args.duration, args.prompts, args.data, layout.loadgen)
     if target.proc:
         res["cpu_ms_per_req"] = (cpu_seconds(target.proc.pid) - before) * 1e3 / res["num_total"]
     return res
@@ -330,7 +382,7 @@ def sustained(rows: list[tuple[str, float, dict, dict]], name: str) -> float | N
 
 
 def sweep(targets: list[Target], args: argparse.Namespace,
-          core: int | None) -> list[tuple[str, float, dict, dict]]:
+          layout: Layout) -> list[tuple[str, float, dict, dict]]:
     """Every target at every rate, targets one after another at each rate."""
     rows = []
     for rate in args.rates:
@@ -338,7 +390,7 @@ def sweep(targets: list[Target], args: argparse.Namespace,
         for t in targets:
             if rate > t.max_rate:
                 continue
-            r = measure(t, rate, args.duration, args.prompts, core)
+            r = measure(t, rate, args, layout)
             direct = r if t.name == "direct" else direct
             assert direct is not None
             rows.append((t.name, rate, r, direct))
@@ -360,51 +412,78 @@ def print_ratio_summary(rounds: list[list[tuple[str, float, dict, dict]]],
                       + f"  | median {float(np.median(got)):.2f}")
 
 
+def start_upstreams(args: argparse.Namespace, layout: Layout) -> tuple[str, list[subprocess.Popen]]:
+    """FakeFastUpstream processes sharing one port (SO_REUSEPORT when more than one)."""
+    port = free_port()
+    cmd = [PY, str(REPO / "bench" / "fake_upstream.py"), "--port", str(port),
+           "--chunks", str(args.chunks)] + (["--reuse-port"] if len(layout.upstream) > 1 else [])
+    procs = [subprocess.Popen(pinned(cmd, core), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for core in layout.upstream]
+    return f"http://127.0.0.1:{port}", procs
+
+
+def start_targets(up_url: str, args: argparse.Namespace, workdir: Path,
+                  core: int | None) -> list[Target]:
+    targets = [Target("direct", f"{up_url}/v1/chat/completions", None)]
+    for estimator in args.shape_estimators:
+        targets.append(start_polyinfer(up_url, workdir, core, estimator))
+    if args.baseline_src:
+        targets.append(start_polyinfer(up_url, workdir, core, "classifier",
+                                       args.baseline_src.resolve()))
+    binary = find_vllm_router(args.vllm_router)
+    if binary:
+        try:
+            targets.append(start_vllm_router(binary, up_url, workdir, core))
+        except RuntimeError as e:
+            print(f"# vllm-router did not start: {e}")
+    else:
+        print("# vllm-router not installed: not compared")
+    litellm = find_litellm() if not args.skip_litellm else None
+    if litellm:
+        try:
+            targets.append(start_litellm(litellm, up_url, workdir, core))
+        except RuntimeError as e:
+            print(f"# litellm did not start: {e}")
+    else:
+        print("# litellm not installed (or --skip-litellm): not compared")
+    return targets
+
+
+def print_doubling(rows: list[tuple[str, float, dict, dict]], names: list[str]) -> None:
+    """Goodput when the offered rate doubles (flat or rising = no collapse past capacity)."""
+    rates = sorted({rate for _, rate, _, _ in rows})
+    pairs = [(r, 2 * r) for r in rates if 2 * r in rates]
+    for name in names:
+        good = {rate: r["achieved_rps"] for n, rate, r, _ in rows if n == name}
+        for lo, hi in pairs:
+            if lo in good and hi in good:
+                print(f"# {name}: offered {lo:.0f} -> {hi:.0f} req/s: goodput {good[lo]:.0f} -> "
+                      f"{good[hi]:.0f} ({good[hi] / max(good[lo], 1e-9):.2f}x)")
+
+
 def orchestrate(args: argparse.Namespace) -> None:
-    ncpu = os.cpu_count() or 1
-    proxy_core, other_core = (0, 1) if ncpu >= 2 and not args.no_pin else (None, None)
+    layout = Layout.plan(os.cpu_count() or 1, args.upstream_procs, args.loadgen_procs,
+                         not args.no_pin)
+    print(f"# cores: proxy {layout.proxy}, upstream {list(layout.upstream)}, "
+          f"load {list(layout.loadgen)} (of {os.cpu_count()})", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="proxy-bench-"))
-    up_port = free_port()
-    upstream = subprocess.Popen(pinned([PY, str(REPO / "bench" / "fake_upstream.py"), "--port",
-                                        str(up_port), "--chunks", str(args.chunks)], other_core),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    up_url = f"http://127.0.0.1:{up_port}"
+    up_url, upstreams = start_upstreams(args, layout)
     targets: list[Target] = []
     try:
         wait_http(f"{up_url}/health")
-        targets.append(Target("direct", f"{up_url}/v1/chat/completions", None))
-        for estimator in args.shape_estimators:
-            targets.append(start_polyinfer(up_url, workdir, proxy_core, estimator))
-        if args.baseline_src:
-            targets.append(start_polyinfer(up_url, workdir, proxy_core, "classifier",
-                                           args.baseline_src.resolve()))
-        binary = find_vllm_router()
-        if binary:
-            try:
-                targets.append(start_vllm_router(binary, up_url, workdir, proxy_core))
-            except RuntimeError as e:
-                print(f"# vllm-router did not start: {e}")
-        else:
-            print("# vllm-router not installed: not compared")
-        litellm = find_litellm() if not args.skip_litellm else None
-        if litellm:
-            try:
-                targets.append(start_litellm(litellm, up_url, workdir, proxy_core))
-            except RuntimeError as e:
-                print(f"# litellm did not start: {e}")
-        else:
-            print("# litellm not installed (or --skip-litellm): not compared")
+        targets = start_targets(up_url, args, workdir, layout.proxy)
         rounds = []
         for i in range(args.rounds):
-            rows = sweep(targets, args, other_core)
+            rows = sweep(targets, args, layout)
             rounds.append(rows)
             print(f"# round {i + 1}/{args.rounds}: FakeFastUpstream, {args.chunks} chunks/stream, "
                   f"{args.duration:.0f} s per point, prompts {args.prompts}; proxy pinned to core "
-                  f"{proxy_core}; times in ms", flush=True)
+                  f"{layout.proxy}; times in ms", flush=True)
             print_table(rows)
             for t in targets[1:]:
                 print(f"# {t.name}: highest sustained rate tested = "
                       f"{sustained(rows, t.name)} req/s")
+            print_doubling(rows, [t.name for t in targets])
         if args.rounds > 1:
             print_ratio_summary(rounds, [t.name for t in targets if t.proc is not None])
         (workdir / "results.json").write_text(json.dumps(rounds, indent=1))
@@ -414,13 +493,15 @@ def orchestrate(args: argparse.Namespace) -> None:
             if t.proc is not None:
                 t.proc.terminate()
                 t.proc.wait(timeout=30)
-        upstream.terminate()
-        upstream.wait(timeout=10)
+        for up in upstreams:
+            up.terminate()
+            up.wait(timeout=10)
 
 
 def main() -> None:
-    if len(sys.argv) == 6 and sys.argv[1] == "--loadgen":
-        loadgen_main(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), sys.argv[5])
+    if len(sys.argv) == 8 and sys.argv[1] == "--loadgen":
+        loadgen_main(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), sys.argv[5],
+                     sys.argv[6], int(sys.argv[7]))
         return
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -430,6 +511,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat the whole sweep this many times with the same processes")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
+    p.add_argument("--upstream-procs", type=int, default=1,
+                   help="FakeFastUpstream processes (one port, SO_REUSEPORT), each on its core")
+    p.add_argument("--loadgen-procs", type=int, default=1,
+                   help="load processes sharing each rate, each on its own core")
+    p.add_argument("--vllm-router", default=None, metavar="CMD",
+                   help="the vllm-router executable (default: PATH, /tmp/vr-venv/bin)")
+    p.add_argument("--data", type=Path, default=DATA,
+                   help="data dir with prompts/spec_bench_questions.jsonl (--prompts real...)")
     p.add_argument("--skip-litellm", action="store_true")
     p.add_argument("--baseline-src", type=Path, default=None,
                    help="also run polyinfer (classifier) from this source tree, e.g. "

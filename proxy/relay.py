@@ -19,7 +19,6 @@ import asyncio
 import itertools
 import logging
 import os
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -344,7 +343,7 @@ class Relay:
                             upstream: UpstreamResponse, strip_usage: bool) -> None:
         content = upstream
         try:
-            first = await content.read_chunk()
+            first = await content.read_available()
         except UPSTREAM_ERRORS as e:
             worker.breaker.record_failure()
             raise _Retryable(f"{worker.name}: {type(e).__name__}: {e}") from e
@@ -384,8 +383,9 @@ class Relay:
             cut = _last_event_end(buf)
             if cut > 3:
                 out, tail = (buf, b"") if cut == len(buf) else (buf[:cut], buf[cut:])
-                if _USAGE.search(out) is not None:
-                    out = _scan_usage_events(out, rec, strip_usage)
+                pos = _find_usage(out, 0)
+                if pos != -1:
+                    out = _scan_usage_events(out, rec, strip_usage, pos)
                 if rec.ttft_s is None and out:
                     rec.ttft_s = time.perf_counter() - rec.t0
                 if not tail and out.endswith(_DONE_EVENTS):
@@ -400,13 +400,13 @@ class Relay:
                     await _write_client(ex, out)
             else:
                 tail = buf
-            chunk = await content.read_chunk()
+            chunk = await content.read_available()
         if tail:
             await _write_client(ex, tail)
 
 
 _DONE_EVENTS = (b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n")
-_USAGE = re.compile(rb'"usage": ?\{')  # a usage object (not "usage": null)
+_USAGE_KEY = b'"usage":'  # followed by "{" or " {": a usage object (not "usage": null)
 
 
 def _last_event_end(buf: bytes) -> int:
@@ -454,15 +454,18 @@ def _take_usage(usage: Any, rec: RequestRecord) -> None:
         rec.spec_accepted_tokens = int(spec.get("num_accepted_tokens") or 0)
 
 
-def _scan_usage_events(out: bytes, rec: RequestRecord, strip: bool) -> bytes:
-    """Read usage from the events in ``out``; drop the usage-only event when ``strip``.
+def _scan_usage_events(out: bytes, rec: RequestRecord, strip: bool,
+                       pos: int | None = None) -> bytes:
+    """Read usage from the events in ``out`` (whole events; ``pos``: where the first usage
+    object is, when the caller has found it); drop the usage-only event when ``strip``.
 
     NOTE: only the events that carry a usage object are located and parsed (OpenAI-style
     streams put ``"usage": null`` in every chunk; splitting and re-joining every event of
     every read cost more than the rest of the pump).
     """
-    sep = b"\r\n\r\n" if b"\r\n\r\n" in out else b"\n\n"
-    pos = _find_usage(out, 0)
+    sep = b"\r\n\r\n" if out.endswith(b"\r\n\r\n") else b"\n\n"
+    if pos is None:
+        pos = _find_usage(out, 0)
     while pos != -1:
         begin = out.rfind(sep, 0, pos)
         begin = 0 if begin == -1 else begin + len(sep)
@@ -479,9 +482,18 @@ def _scan_usage_events(out: bytes, rec: RequestRecord, strip: bool) -> bytes:
 
 
 def _find_usage(out: bytes, start: int) -> int:
-    """Position of the first usage object at or after ``start``; -1 when none."""
-    m = _USAGE.search(out, start)
-    return -1 if m is None else m.start()
+    """Position of the first usage object at or after ``start``; -1 when none.
+
+    NOTE: bytes.find, not a regex: 2.0 vs 3.4 us over a read of 16 events + usage.
+    """
+    find = out.find
+    i = find(_USAGE_KEY, start)
+    while i != -1:
+        value = i + len(_USAGE_KEY)
+        if out.startswith(b"{", value) or out.startswith(b" {", value):
+            return i
+        i = find(_USAGE_KEY, value)
+    return -1
 
 
 def _event_json(event: bytes) -> dict[str, Any] | None:

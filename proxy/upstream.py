@@ -48,10 +48,13 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None  # the read-timeout watchdog, if armed
         self._timeout_s = 0.0
         self._last_progress = 0.0  # loop time of the last data or of the current wait's start
+        # NOTE: one parser for the connection's life: llhttp starts the next message after
+        # a complete one (only a complete, keep-alive, error-free response is pooled).
+        self.parser = httptools.HttpResponseParser(self)
+        self.chunks: deque[bytes] = deque()
         self._reset()
 
     def _reset(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.content_type = b""
         self._header_name = b""
@@ -59,7 +62,7 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self.keep_alive = False
         self.error: Exception | None = None
-        self.chunks: deque[bytes] = deque()
+        self.chunks.clear()
         self.buffered = 0
         self.paused = False
         self.waiter: asyncio.Future[None] | None = None
@@ -192,6 +195,25 @@ class UpstreamResponse:
             if conn.error is not None:
                 raise conn.error
             await conn.wait(self._read_timeout_s)
+
+    async def read_available(self) -> bytes:
+        """Every body byte that has arrived and is unread, as one block (waiting for the
+        first if none has); b"" at the end of the response.
+
+        NOTE: never waits for more than the first bytes, so a stream is relayed as it
+        arrives; what one socket read brought (several HTTP chunks, several SSE events)
+        goes on in one client write instead of one write per upstream chunk.
+        """
+        conn = self._conn
+        if len(conn.chunks) < 2:
+            return await self.read_chunk()
+        data = b"".join(conn.chunks)
+        conn.chunks.clear()
+        conn.buffered = 0
+        if conn.paused and conn.transport:
+            conn.paused = False
+            conn.transport.resume_reading()
+        return data
 
     async def read_all(self) -> bytes:
         parts = []

@@ -196,3 +196,50 @@ async def test_read_timeout_counts_from_the_last_data() -> None:
         client.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_read_available_joins_what_arrived_and_the_parser_serves_the_next_response(
+) -> None:
+    """Several HTTP chunks already received come back as one block (one client write in
+    the relay); blocks still arriving come back as they arrive; the connection's parser
+    then reads the next response (chunked, then Content-Length) on the same connection."""
+    release_tail = asyncio.Event()
+
+    async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n"
+                         b"3\r\nab\n\r\n3\r\ncd\n\r\n3\r\nef\n\r\n")
+            await release_tail.wait()
+            writer.write(b"3\r\ngh\n\r\n0\r\n\r\n")
+            await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+
+    server = await asyncio.start_server(worker, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    client = UpstreamClient(connect_timeout_s=2, read_timeout_s=2)
+    try:
+        for _ in range(2):
+            release_tail.clear()
+            r = await client.post(url, "/x", b"{}", "id")
+            while len(r._conn.chunks) < 3:  # all three chunks of the first write are in
+                await asyncio.sleep(0.005)
+            assert await r.read_available() == b"ab\ncd\nef\n"
+            release_tail.set()
+            assert await r.read_available() == b"gh\n"  # waits for it, returns it alone
+            assert await r.read_available() == b""
+            r.release()
+        r = await client.post(url, "/x", b"{}", "id")
+        assert r.status == 200 and await r.read_all() == b"ok"
+        r.release()
+        (pool,) = client._pools.values()
+        assert len(pool.idle) == 1, "one connection, one parser, three responses"
+    finally:
+        client.close()
+        server.close()
+        await server.wait_closed()
