@@ -495,7 +495,7 @@ async def _gain_step(args: argparse.Namespace, out: dict[str, Any], gain_engine:
         # the pool (started once); the pairs still alternate default, found, default, ...
         pool = EnginePool(session, max_engines=2, log_dir=gain_engine.log_path.parent
                           if gain_engine.log_path else None)
-        pool.adopt(BASE, engine, gain_engine)
+        await pool.adopt(BASE, engine, gain_engine)
         measurer = Measurer(engine, samples, tiers, gain_engine.cpu_seconds, "wall", pool)
         out["gain"] = {}
         try:
@@ -509,7 +509,7 @@ async def _gain_step(args: argparse.Namespace, out: dict[str, Any], gain_engine:
                 out["gain"]["b_vs_a_on_b"] = await paired(measurer, found["a"], found["b"],
                                                           "open_b", args.pairs, "request")
         finally:
-            pool.adopt(BASE, engine)  # NOTE: the caller stops gain_engine itself
+            await pool.adopt(BASE, engine)  # NOTE: the caller stops gain_engine itself
             await pool.close()
 
 

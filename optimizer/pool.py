@@ -69,9 +69,11 @@ class EnginePool:
         self.num_starts = 0
         self.start_seconds = 0.0
 
-    def adopt(self, cfg: CompiledConfig, client: EngineClient,
-              process: EngineProcess | None = None) -> None:
+    async def adopt(self, cfg: CompiledConfig, client: EngineClient,
+                    process: EngineProcess | None = None) -> None:
         """Register an engine that is already running ``cfg``'s restart class."""
+        if not client.model:  # NOTE: completions name the served model, learnt here
+            await client.wait_ready()
         self._engines[restart_class(cfg)] = EngineHandle(client, process)
 
     async def get(self, cfg: CompiledConfig) -> tuple[EngineHandle, float]:

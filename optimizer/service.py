@@ -181,7 +181,8 @@ class OptimizerService:
                 self.timings["cold_start_s"] = await engine_proc.start()
                 engine_url = engine_proc.url
                 self._pool = EnginePool(session, self.config.max_measure_engines)
-                self._pool.adopt(self.config.base, EngineClient(engine_url, session), engine_proc)
+                await self._pool.adopt(self.config.base, EngineClient(engine_url, session),
+                                       engine_proc)
             self._cpu_clock = engine_proc.cpu_seconds if engine_proc is not None else None
             await self._run(session, engine_url)
         except asyncio.CancelledError:

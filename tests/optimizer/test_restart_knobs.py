@@ -126,9 +126,9 @@ async def test_cpu_objective_needs_a_clock_on_the_measuring_engine(
     url, _ = engines
     async with aiohttp.ClientSession() as s:
         client = EngineClient(url, s)
-        await client.wait_ready()
         pool = EnginePool(s)
-        pool.adopt(BASE, client)
+        await pool.adopt(BASE, client)
+        assert client.model == "tiny-target"  # learnt on adoption: completions name it
         m = Measurer(client, {"fast": replay_sample(1)},
                      [Tier("fast", None, 1, concurrency=1, warmup_requests=0)],
                      cpu_seconds=lambda: 0.0, objective="cpu", pool=pool)
