@@ -63,7 +63,7 @@ class StepStats:
     num_running: int = 0  # gauges after the step
     num_waiting: int = 0
     kv_usage: float = 0.0
-    decode_step: DecodeStep | None = None  # set when every scheduled sequence decoded
+    decode_step: DecodeStep | None = None  # set when any scheduled sequence decoded
 
 
 class EngineCore:
@@ -201,16 +201,17 @@ class EngineCore:
                 self.proposer.release(seq.seq_id)
         if not plan.scheduled:
             return outputs, stats
-        decode = all(it.num_new == 1 and it.samples for it in plan.scheduled)
+        decoding = [it for it in plan.scheduled if it.num_new == 1 and it.samples]
+        num_prefill = sum(it.num_new for it in plan.scheduled if it.seq.is_prefilling)
         results = {id(r.item): r for r in self.runner.execute(plan.scheduled)}
         for item in plan.scheduled:
             out = self._postprocess(item, results.get(id(item)), stats)
             if out is not None:
                 outputs.append(out)
-        if decode:  # NOTE: the whole step, so proposing and verifying are priced too
-            drafted = [len(it.drafts) for it in plan.scheduled]
+        if decoding:  # NOTE: the whole step, so proposing and verifying are priced too
+            drafted = [len(it.drafts) for it in decoding]
             stats.decode_step = DecodeStep(len(drafted), sum(drafted), max(drafted),
-                                           time.perf_counter() - t0)
+                                           time.perf_counter() - t0, num_prefill)
         return outputs, stats
 
     def _spec_depth(self, seq: Sequence) -> int:

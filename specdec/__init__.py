@@ -8,6 +8,7 @@ Modules (one concept each):
 - ``sampling`` the one sampler plain and speculative decoding share (``process_logits``, ``sample``)
 - ``verify``   batched lossless verification, a different k per sequence
 - ``policy``   the depth policy: k per request from learned acceptance, batch size, step time
+- ``step_feed`` the engine's per-step timing (least-squares sums on ``/metrics``) into the policy
 - ``schedule`` a batch-size -> k schedule for vLLM workers, fitted with the policy's models
 - ``triton_accept`` the accept scan of verification as a Triton kernel (CUDA)
 - ``errors``   the exceptions, with their tree
@@ -15,5 +16,6 @@ Modules (one concept each):
 The engine's step loop (``engine.core`` / ``engine.runner``) calls
 ``proposer.propose -> forward(k_i + 1 rows each) -> verify -> proposer.commit``;
 the proxy (or any client) calls ``DepthPolicy.decide`` per request and feeds
-it the ``usage.spec_decode`` counts that responses report.
+it the ``usage.spec_decode`` counts that responses report, and the engine's
+decode-step sums it scrapes from ``/metrics`` (``StepFeed.on_metrics``).
 """

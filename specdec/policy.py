@@ -42,27 +42,31 @@ from specdec.errors import ProposerConfigError
 
 logger = logging.getLogger(__name__)
 
-NUM_FEATURES = 5
+NUM_FEATURES = 6
+Features = tuple[float, float, float, float, float, float]
 # Pseudo-samples of the prior step-time model sit on this grid.
 _PRIOR_BATCHES = (1, 4, 16, 64)
 _PRIOR_DEPTHS = (0, 1, 2, 4, 8)
+_PRIOR_PREFILL = (0, 256)  # prompt tokens sharing the step
 
 
-def step_features(num_seqs: float, num_drafted: float,
-                  max_drafted: float) -> tuple[float, float, float, float, float]:
-    """[1, batch, draft tokens verified in the step, the longest proposal, any proposal]."""
-    return (1.0, num_seqs, num_drafted, max_drafted, 1.0 if max_drafted > 0 else 0.0)
+def step_features(num_seqs: float, num_drafted: float, max_drafted: float,
+                  num_prefill: float = 0.0) -> Features:
+    """[1, decoding sequences, draft tokens verified, the longest proposal, any proposal,
+    prompt tokens of prefill chunks in the same step]."""
+    return (1.0, num_seqs, num_drafted, max_drafted, 1.0 if max_drafted > 0 else 0.0,
+            num_prefill)
 
 
-def _features(batch: float, k: float,
-              drafted: float | None = None) -> tuple[float, float, float, float, float]:
+def _features(batch: float, k: float, drafted: float | None = None,
+              prefill: float = 0.0) -> Features:
     """A step of ``batch`` sequences at depth k, each verifying ``drafted`` tokens (k if None)."""
-    return step_features(batch, batch * (k if drafted is None else drafted), k)
+    return step_features(batch, batch * (k if drafted is None else drafted), k, prefill)
 
 
 def _full_coefficients(coefficients: Sequence[float]) -> tuple[float, ...]:
-    """4 coefficients (no fixed speculation cost) or all 5."""
-    return (*coefficients, 0.0) if len(coefficients) == NUM_FEATURES - 1 else tuple(coefficients)
+    """4, 5 or 6 coefficients; the missing ones (fixed speculation cost, prefill) are 0."""
+    return (*coefficients, *[0.0] * (NUM_FEATURES - len(coefficients)))
 
 
 def expected_tokens_per_step(acceptance: float, k: int) -> float:
@@ -92,8 +96,8 @@ class PolicyConfig:
     share_depth_under_load: bool = True
     mix_decay: float = 0.98
     # Prior step time in seconds, coefficients of [1, batch, batch*k, k] and optionally
-    # [k > 0] (the fixed cost of verifying; 0 when left out).
-    step_prior_s: tuple[float, ...] = (0.010, 0.0005, 0.0003, 0.0005)
+    # [k > 0] (the fixed cost of verifying) and prefill tokens in the step (0 when left out).
+    step_prior_s: tuple[float, ...] = (0.010, 0.0005, 0.0003, 0.0005, 0.0, 0.0002)
     step_prior_weight: float = 4.0  # prior weight, in measured samples
     step_decay: float = 0.99  # weight kept by older samples at each new one
     # Weight kept by older engine-reported decode steps at each new step (specdec.step_feed).
@@ -110,9 +114,9 @@ class PolicyConfig:
             (self.max_evidence > self.prior_strength, "max_evidence", "> prior_strength"),
             (self.prior_steps_per_depth > 0, "prior_steps_per_depth", "> 0"),
             (0.0 < self.mix_decay <= 1.0, "mix_decay", "in (0, 1]"),
-            (len(self.step_prior_s) in (NUM_FEATURES - 1, NUM_FEATURES)
+            (len(self.step_prior_s) in (4, 5, NUM_FEATURES)
              and self.step_prior_s[0] > 0 and all(c >= 0 for c in self.step_prior_s),
-             "step_prior_s", "4 or 5 coefficients >= 0 with a positive intercept"),
+             "step_prior_s", "4 to 6 coefficients >= 0 with a positive intercept"),
             (self.step_prior_weight > 0, "step_prior_weight", "> 0"),
             (0.0 < self.step_decay <= 1.0, "step_decay", "in (0, 1]"),
             (0.0 < self.step_feed_decay <= 1.0, "step_feed_decay", "in (0, 1]"),
@@ -296,10 +300,10 @@ def _between_measured(expected: list[float], measured: list[int]) -> list[float]
     """Keep each unmeasured depth's E between those of the measured depths around it.
 
     NOTE: a proposal at depth k is a prefix of the proposal the same context gives at
-    any deeper k, so E[tokens per step] (and the draft tokens verified) never falls with k. The geometric prior does
-    not know that n-gram acceptance comes in whole runs: it saturates early, and put
-    depths 5-7 (never measured) above a measured 8 or 16 that did better, so the policy
-    picked them. Measured depths are kept as measured.
+    any deeper k, so E[tokens per step] (and the draft tokens verified) never falls with
+    k. The geometric prior does not know that n-gram acceptance comes in whole runs: it
+    saturates early, and put depths 5-7 (never measured) above a measured 8 or 16 that
+    did better, so the policy picked them. Measured depths are kept as measured.
     """
     out = list(expected)
     for k in range(len(out)):
@@ -331,8 +335,8 @@ class StepTimeModel:
     steps themselves.
     """
 
-    prior_xtx: np.ndarray  # [5, 5] prior pseudo-samples' X^T X (not decayed)
-    prior_xty: np.ndarray  # [5]
+    prior_xtx: np.ndarray  # [6, 6] prior pseudo-samples' X^T X (not decayed)
+    prior_xty: np.ndarray  # [6]
     decay: float = 1.0
     xtx: np.ndarray = field(default_factory=lambda: np.zeros((NUM_FEATURES, NUM_FEATURES)))
     xty: np.ndarray = field(default_factory=lambda: np.zeros(NUM_FEATURES))
@@ -341,14 +345,25 @@ class StepTimeModel:
     feed_decay: float = 1.0  # per engine-reported step
     num_fed_steps: int = 0  # engine-reported decode steps seen (0: client samples only)
 
+    # decayed like the sums: prompt tokens that shared the engine's decode steps, and steps
+    prefill_tokens: float = 0.0
+    prefill_steps: float = 0.0
+
     def __post_init__(self) -> None:
         self._solve()
+
+    @property
+    def mean_prefill(self) -> float:
+        """Prompt tokens an engine decode step shares with prefill chunks, on average (0
+        until the engine reports its steps)."""
+        return self.prefill_tokens / self.prefill_steps if self.prefill_steps else 0.0
 
     @classmethod
     def from_prior(cls, coefficients: tuple[float, ...], weight: float,
                    decay: float = 1.0, feed_decay: float = 1.0) -> StepTimeModel:
-        grid = [_features(b, k) for b in _PRIOR_BATCHES for k in _PRIOR_DEPTHS]
-        x = np.array(grid)  # [G, 5]
+        grid = [_features(b, k, None, p) for b in _PRIOR_BATCHES for k in _PRIOR_DEPTHS
+                for p in _PRIOR_PREFILL]
+        x = np.array(grid)  # [G, 6]
         y = x @ np.array(_full_coefficients(coefficients))  # [G]
         w = weight / len(grid) / y**2  # [G] relative-error weights
         return cls((x * w[:, None]).T @ x, (x * w[:, None]).T @ y, decay,
@@ -373,8 +388,9 @@ class StepTimeModel:
         self._solve()
 
     def observe_sums(self, xtx: Sequence[Sequence[float]], xty: Sequence[float],
-                     num_steps: int) -> None:
-        """Engine-reported decode steps: their weighted sums X^T W X [5, 5], X^T W y [5]."""
+                     num_steps: int, num_prefill: float = 0.0) -> None:
+        """Engine-reported decode steps: their weighted sums X^T W X [6, 6], X^T W y [6], and
+        the prompt tokens of prefill chunks that shared those steps (unweighted)."""
         a, b = np.asarray(xtx, dtype=float), np.asarray(xty, dtype=float)
         if num_steps <= 0 or a.shape != (NUM_FEATURES, NUM_FEATURES) \
                 or b.shape != (NUM_FEATURES,) or not (np.isfinite(a).all() and np.isfinite(b).all()):
@@ -384,6 +400,8 @@ class StepTimeModel:
         keep = self.feed_decay ** num_steps
         self.xtx = keep * self.xtx + a
         self.xty = keep * self.xty + b
+        self.prefill_tokens = keep * self.prefill_tokens + max(num_prefill, 0.0)
+        self.prefill_steps = keep * self.prefill_steps + num_steps
         self.num_fed_steps += num_steps
         self._solve()
 
@@ -409,13 +427,20 @@ class StepTimeModel:
         self.coef = coef
         self._w = tuple(float(c) for c in coef)
 
-    def predict(self, batch: float, k: float, drafted: float | None = None) -> float:
+    def predict(self, batch: float, k: float, drafted: float | None = None,
+                prefill: float | None = None) -> float:
         """Seconds for a step of ``batch`` sequences at depth k, each verifying ``drafted``
-        draft tokens (k when None: full proposals)."""
-        w0, wb, wbk, wk, w_spec = self._w
+        draft tokens (k when None: full proposals), beside ``prefill`` prompt tokens (the
+        engine's recent mean when None).
+
+        NOTE: under load most decode rows ride in steps with a prefill chunk (up to the
+        engine's token budget), where draft rows add little to a long step; priced against
+        pure decode steps alone, depth looked 5x dearer than it was at concurrency 16."""
+        w0, wb, wbk, wk, w_spec, w_pre = self._w
         rows = k if drafted is None else drafted
-        return max(w0 + wb * batch + wbk * batch * rows + wk * k + (w_spec if k > 0 else 0.0),
-                   1e-6)
+        pre = self.mean_prefill if prefill is None else prefill
+        return max(w0 + wb * batch + wbk * batch * rows + wk * k + (w_spec if k > 0 else 0.0)
+                   + w_pre * pre, 1e-6)
 
 
 class DepthPolicy:
@@ -476,9 +501,9 @@ class DepthPolicy:
         self.step_time(worker).observe(batch, k, step_s, drafted)
 
     def observe_step_sums(self, worker: str, xtx: Sequence[Sequence[float]],
-                          xty: Sequence[float], num_steps: int) -> None:
+                          xty: Sequence[float], num_steps: int, num_prefill: float = 0.0) -> None:
         """The worker's own decode steps since the last report (:mod:`specdec.step_feed`)."""
-        self.step_time(worker).observe_sums(xtx, xty, num_steps)
+        self.step_time(worker).observe_sums(xtx, xty, num_steps, num_prefill)
 
     def observe_request(self, worker: str, domain: str, batch: int, depth: int, num_draft: int,
                         num_accepted: int, num_output_tokens: int, decode_s: float) -> None:

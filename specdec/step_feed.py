@@ -5,7 +5,7 @@ takes when each asks for ``k`` speculative tokens. A client only sees per-reques
 averages, which blur prefill chunks, other requests' depths and queueing into one
 number (session 3 measured that such a fit priced a token of depth at batch 16 at
 ~7% of a step against ~30% measured). The engine knows each step exactly, so it
-keeps the least-squares sufficient statistics of its pure decode steps and
+keeps the least-squares sufficient statistics of its decode steps and
 exports them as counters on ``/metrics``; whoever scrapes the worker (the proxy's
 scrape loop, the bench) diffs two scrapes and hands the window to
 :meth:`specdec.policy.DepthPolicy.observe_step_sums`::
@@ -15,8 +15,11 @@ scrape loop, the bench) diffs two scrapes and hands the window to
     /metrics     -> polyinfer:decode_step_fit_total{term="xtx_0_1"} ...
     scrape       -> StepFeed.on_metrics(worker, text) -> policy.observe_step_sums
 
-Features are the policy's (:func:`specdec.policy.step_features`): ``[1, batch,
-draft tokens verified, the longest proposal, any proposal]``; each step is weighted by ``1 / seconds^2``, as the
+Every step with at least one decoding sequence is reported, prefill chunks beside
+them included: under load most decode rows share a step with a prompt chunk, where
+draft rows cost little against the step. Features are the policy's
+(:func:`specdec.policy.step_features`): ``[1, decoding sequences, draft tokens
+verified, the longest proposal, any proposal, prompt tokens]``; each step is weighted by ``1 / seconds^2``, as the
 policy's own samples (relative error). The sums are exact: the policy fits the
 same coefficients as if it had seen every step, at 21 numbers per scrape.
 """
@@ -33,16 +36,18 @@ logger = logging.getLogger(__name__)
 
 METRIC = "polyinfer:decode_step_fit"  # a counter family; exposed as METRIC + "_total"
 STEPS_TERM = "steps"  # the label value of the step count
+PREFILL_TERM = "prefill_tokens"  # prompt tokens that shared those steps (unweighted)
 
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """One engine step in which every scheduled sequence decoded (no prefill chunk)."""
+    """One engine step in which at least one sequence decoded."""
 
-    num_seqs: int  # sequences in the step
+    num_seqs: int  # sequences decoding in the step
     num_drafted: int  # draft tokens verified, all sequences together
     max_drafted: int  # the longest proposal
     seconds: float  # the whole step: propose, schedule, forward, verify, postprocess
+    num_prefill: int = 0  # prompt tokens of prefill chunks in the same step
 
 
 def _terms() -> list[tuple[str, int, int]]:
@@ -60,20 +65,22 @@ class StepSums:
 
     values: list[float] = field(default_factory=lambda: [0.0] * len(TERMS))
     num_steps: float = 0.0
+    num_prefill: float = 0.0  # prompt tokens in those steps, unweighted
 
     def add(self, step: DecodeStep) -> None:
         if not (step.seconds > 0.0 and math.isfinite(step.seconds)) or step.num_seqs <= 0:
             return
-        x = step_features(step.num_seqs, step.num_drafted, step.max_drafted)
+        x = step_features(step.num_seqs, step.num_drafted, step.max_drafted, step.num_prefill)
         w = 1.0 / (step.seconds * step.seconds)
         v = self.values
         for n, (_, i, j) in enumerate(TERMS):
             v[n] += w * x[i] * (x[j] if j >= 0 else step.seconds)
         self.num_steps += 1
+        self.num_prefill += step.num_prefill
 
     def minus(self, older: StepSums) -> StepSums:
         return StepSums([a - b for a, b in zip(self.values, older.values, strict=True)],
-                        self.num_steps - older.num_steps)
+                        self.num_steps - older.num_steps, self.num_prefill - older.num_prefill)
 
     def matrices(self) -> tuple[list[list[float]], list[float]]:
         """(X^T W X as a full symmetric [5][5], X^T W y [5])."""
@@ -88,7 +95,7 @@ class StepSums:
 
     def samples(self) -> list[tuple[str, float]]:
         """(term label, value) for the exporter, the step count first."""
-        return [(STEPS_TERM, self.num_steps),
+        return [(STEPS_TERM, self.num_steps), (PREFILL_TERM, self.num_prefill),
                 *((label, v) for (label, _, _), v in zip(TERMS, self.values, strict=True))]
 
 
@@ -109,6 +116,8 @@ def parse_step_sums(text: str) -> StepSums | None:
         if term == STEPS_TERM:
             sums.num_steps += value
             found = True
+        elif term == PREFILL_TERM:
+            sums.num_prefill += value
         elif term in index:
             sums.values[index[term]] += value
     return sums if found else None
@@ -145,7 +154,8 @@ class StepFeed:
         if window.num_steps <= 0:
             return 0
         xtx, xty = window.matrices()
-        self.policy.observe_step_sums(worker, xtx, xty, int(window.num_steps))
+        self.policy.observe_step_sums(worker, xtx, xty, int(window.num_steps),
+                                      window.num_prefill)
         return int(window.num_steps)
 
     def forget(self, worker: str) -> None:

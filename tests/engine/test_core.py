@@ -103,27 +103,32 @@ def test_speculation_proposes_and_accepts_on_repetitive_text(core: EngineCore) -
     assert 0 <= last.num_accepted_tokens <= last.num_draft_tokens
 
 
-def test_pure_decode_steps_report_their_shape_and_time(core: EngineCore,
-                                                       prompt_ids: list[list[int]]) -> None:
-    """StepStats.decode_step (the depth policy's step-time feed): set on steps where every
-    sequence decodes, with the draft tokens that step verified; None on prefill steps."""
+def test_decode_steps_report_their_shape_prefill_and_time(core: EngineCore,
+                                                          prompt_ids: list[list[int]]) -> None:
+    """StepStats.decode_step (the depth policy's step-time feed): set on steps where any
+    sequence decodes, with the draft tokens verified and the prompt tokens of prefill
+    chunks beside them; None on a step that only prefills."""
     ids = core.tokenizer.encode(chat_text("Repeat: a b c d e f g a b c d e f g a b c d e f g"))
     core.add_request("feed-a", ids, greedy(depth=4, max_tokens=30))
     core.add_request("feed-b", prompt_ids[0], greedy(depth=0, max_tokens=30))
-    first = True
     seen = []
-    while core.has_work:
+    for i in range(200):
+        if i == 5:  # a third prompt joins: its prefill chunk shares a step with two decodes
+            core.add_request("feed-c", prompt_ids[1], greedy(depth=0, max_tokens=30))
+        if not core.has_work:
+            break
         _, stats = core.step()
-        if first:  # both prompts prefill in the first step
+        if i == 0:  # both prompts prefill in the first step: nothing decodes
             assert stats.decode_step is None
-            first = False
         elif stats.decode_step is not None:
             seen.append((stats.decode_step, stats.num_draft_tokens))
-    assert seen
+    assert seen and not core.has_work
     for step, num_draft in seen:
-        assert 1 <= step.num_seqs <= 2 and step.seconds > 0.0
+        assert 1 <= step.num_seqs <= 3 and step.seconds > 0.0
         assert step.num_drafted == num_draft and 0 <= step.max_drafted <= 4
     assert any(step.num_seqs == 2 and step.num_drafted > 0 for step, _ in seen)
+    mixed = [step for step, _ in seen if step.num_prefill]
+    assert mixed and mixed[0].num_seqs == 2 and 0 < mixed[0].num_prefill <= 256
 
 
 def test_seeded_sampling_is_reproducible_alone_or_batched(core: EngineCore,

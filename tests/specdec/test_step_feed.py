@@ -10,14 +10,16 @@ from specdec.policy import DepthPolicy, PolicyConfig, StepTimeModel, step_featur
 from specdec.step_feed import DecodeStep, StepFeed, StepSums, parse_step_sums
 
 
-def _true_t(b: int, num_drafted: int, max_drafted: int) -> float:
+def _true_t(b: int, num_drafted: int, max_drafted: int, num_prefill: int = 0) -> float:
     # 3 ms + 1 ms per sequence + 0.3 ms per draft token + 0.75 ms once anything is proposed
-    return 0.003 + 0.001 * b + 0.0003 * num_drafted + (0.00075 if max_drafted else 0.0)
+    # + 0.1 ms per prompt token of a prefill chunk in the same step
+    return (0.003 + 0.001 * b + 0.0003 * num_drafted + (0.00075 if max_drafted else 0.0)
+            + 0.0001 * num_prefill)
 
 
 def _steps() -> list[DecodeStep]:
-    return [DecodeStep(b, b * k, k, _true_t(b, b * k, k))
-            for b in (1, 2, 4, 8, 16) for k in (0, 1, 2, 4, 8)]
+    return [DecodeStep(b, b * k, k, _true_t(b, b * k, k, p), p)
+            for b in (1, 2, 4, 8, 16) for k in (0, 1, 2, 4, 8) for p in (0, 0, 0, 512)]
 
 
 def test_sums_are_the_weighted_normal_equations() -> None:
@@ -25,13 +27,15 @@ def test_sums_are_the_weighted_normal_equations() -> None:
     sums = StepSums()
     for s in steps:
         sums.add(s)
-    x = np.array([step_features(s.num_seqs, s.num_drafted, s.max_drafted) for s in steps])
+    x = np.array([step_features(s.num_seqs, s.num_drafted, s.max_drafted, s.num_prefill)
+                  for s in steps])
     y = np.array([s.seconds for s in steps])
     w = 1.0 / y**2
     xtx, xty = sums.matrices()
     np.testing.assert_allclose(xtx, (x * w[:, None]).T @ x, rtol=1e-12)
     np.testing.assert_allclose(xty, (x * w[:, None]).T @ y, rtol=1e-12)
     assert sums.num_steps == len(steps)
+    assert sums.num_prefill == 512 * len(steps) / 4
 
 
 def test_bad_steps_are_not_added() -> None:
@@ -44,21 +48,23 @@ def test_bad_steps_are_not_added() -> None:
 
 def test_engine_exposition_round_trips_and_the_policy_recovers_the_step_time() -> None:
     metrics = EngineMetrics("tiny")
-    for s in _steps() * 20:
+    for s in _steps() * 5:
         metrics.decode_steps.add(s)
     text = metrics.expose().decode()
     parsed = parse_step_sums(text)
-    assert parsed is not None and parsed.num_steps == 500
+    assert parsed is not None and parsed.num_steps == 500 and parsed.num_prefill == 125 * 512
     np.testing.assert_allclose(parsed.values, metrics.decode_steps.values, rtol=1e-12)
 
     policy = DepthPolicy(PolicyConfig(step_feed_decay=1.0))
     assert StepFeed(policy).on_metrics("w", text) == 500
     model = policy.step_time("w")
-    assert model.num_fed_steps == 500
+    assert model.num_fed_steps == 500 and model.mean_prefill == 128.0
     # the prior (4 pseudo-samples against 500 steps) moves the fit by about 1%
-    np.testing.assert_allclose(model.coef, [0.003, 0.001, 0.0003, 0.0, 0.00075], rtol=0.02,
-                               atol=1e-6)
-    assert model.predict(16, 4) == pytest.approx(_true_t(16, 64, 4), rel=0.01)
+    np.testing.assert_allclose(model.coef, [0.003, 0.001, 0.0003, 0.0, 0.00075, 0.0001],
+                               rtol=0.02, atol=1e-6)
+    assert model.predict(16, 4, prefill=0) == pytest.approx(_true_t(16, 64, 4), rel=0.01)
+    # by default a step is priced beside the mean prefill its decode steps shared
+    assert model.predict(16, 4) == pytest.approx(_true_t(16, 64, 4, 128), rel=0.01)
 
 
 def test_feed_takes_only_new_steps_and_survives_a_restart() -> None:
@@ -69,7 +75,7 @@ def test_feed_takes_only_new_steps_and_survives_a_restart() -> None:
     assert feed.on_metrics("w", "vllm:num_requests_running 1\n") == 0  # no feed at all
     for s in _steps():
         metrics.decode_steps.add(s)
-    assert feed.on_metrics("w", metrics.expose().decode()) == 25
+    assert feed.on_metrics("w", metrics.expose().decode()) == 100
     assert feed.on_metrics("w", metrics.expose().decode()) == 0  # nothing new
     metrics.decode_steps.add(DecodeStep(4, 8, 2, 0.01))
     assert feed.on_metrics("w", metrics.expose().decode()) == 1
@@ -77,7 +83,7 @@ def test_feed_takes_only_new_steps_and_survives_a_restart() -> None:
     for s in _steps()[:3]:
         restarted.decode_steps.add(s)
     assert feed.on_metrics("w", restarted.expose().decode()) == 3
-    assert policy.step_time("w").num_fed_steps == 29
+    assert policy.step_time("w").num_fed_steps == 104
 
 
 def test_parse_sums_label_sets_and_skips_garbage() -> None:
@@ -86,13 +92,14 @@ def test_parse_sums_label_sets_and_skips_garbage() -> None:
         'polyinfer:decode_step_fit_total{model_name="a",term="steps"} 2.0',
         'polyinfer:decode_step_fit_total{model_name="b",term="steps"} 3.0',
         'polyinfer:decode_step_fit_total{model_name="a",term="xty_1"} 1.5',
+        'polyinfer:decode_step_fit_total{model_name="b",term="prefill_tokens"} 64.0',
         'polyinfer:decode_step_fit_total{model_name="a",term="xty_9"} 7.0',  # unknown term
         'polyinfer:decode_step_fit_total{model_name="a",term="xtx_0_0"} not-a-number',
     ])
     sums = parse_step_sums(text)
-    assert sums is not None and sums.num_steps == 5.0
+    assert sums is not None and sums.num_steps == 5.0 and sums.num_prefill == 64.0
     _, xty = sums.matrices()
-    assert xty == [0.0, 1.5, 0.0, 0.0, 0.0]
+    assert xty == [0.0, 1.5, 0.0, 0.0, 0.0, 0.0]
 
 
 def test_engine_steps_replace_the_client_averages() -> None:
@@ -104,12 +111,12 @@ def test_engine_steps_replace_the_client_averages() -> None:
     assert model.predict(16, 4) / model.predict(16, 0) < 1.1
     # ... then the engine reports 200 steps where each k at batch 16 costs 4.8 ms.
     sums = StepSums()
-    for s in _steps() * 8:
+    for s in _steps() * 2:
         sums.add(s)
     xtx, xty = sums.matrices()
-    model.observe_sums(xtx, xty, int(sums.num_steps))
+    model.observe_sums(xtx, xty, int(sums.num_steps), sums.num_prefill)
     assert model.predict(16, 4) / model.predict(16, 0) == pytest.approx(
-        _true_t(16, 64, 4) / _true_t(16, 0, 0), rel=0.03)
+        _true_t(16, 64, 4, 128) / _true_t(16, 0, 0, 128), rel=0.03)
     model.observe(16, 4, 0.030)  # later client averages are ignored
     assert model.num_samples == 150
 
@@ -119,8 +126,9 @@ def test_feed_decay_forgets_old_steps() -> None:
 
     def feed(scale: float) -> None:
         sums = StepSums()
-        for s in _steps() * 24:
-            sums.add(DecodeStep(s.num_seqs, s.num_drafted, s.max_drafted, s.seconds * scale))
+        for s in _steps() * 6:
+            sums.add(DecodeStep(s.num_seqs, s.num_drafted, s.max_drafted, s.seconds * scale,
+                                s.num_prefill))
         xtx, xty = sums.matrices()
         model.observe_sums(xtx, xty, int(sums.num_steps))
 
@@ -128,14 +136,14 @@ def test_feed_decay_forgets_old_steps() -> None:
     # the machine got twice as slow: 600 steps at 0.99 leave 0.2% of the old weight (x4, as
     # twice-as-slow steps weigh 1/4 in a relative-error fit)
     feed(2.0)
-    assert model.predict(4, 2) == pytest.approx(2.0 * _true_t(4, 8, 2), rel=0.1)
+    assert model.predict(4, 2, prefill=0) == pytest.approx(2.0 * _true_t(4, 8, 2), rel=0.1)
 
 
 def test_observe_sums_rejects_malformed_input() -> None:
     model = StepTimeModel.from_prior((0.010, 0.0005, 0.0003, 0.0005), 4.0)
     before = model.coef.copy()
     model.observe_sums([[1.0]], [1.0], 3)
-    model.observe_sums(np.full((5, 5), np.nan), np.zeros(5), 3)
-    model.observe_sums(np.eye(5), np.zeros(5), 0)
+    model.observe_sums(np.full((6, 6), np.nan), np.zeros(6), 3)
+    model.observe_sums(np.eye(6), np.zeros(6), 0)
     assert model.num_fed_steps == 0
     np.testing.assert_array_equal(model.coef, before)
