@@ -41,10 +41,7 @@ rises above the next-best worker's and traffic spreads
 Every decision's reason is counted (``stats()``, for the proxy's /stats):
 ``only`` (one candidate), ``fit`` (the cheapest worker even unloaded),
 ``load`` (a different worker than the unloaded favourite, because of load),
-``slo`` (the unloaded favourite would miss the SLO), ``reserve`` (best fit: of
-the workers predicted to meet the SLO with margin, the one this shape gains
-least from, so the fastest stays free for shapes that meet their SLO nowhere
-else; ``reserve_margin``, ``reserve_slack``), ``affinity``, ``explore``.
+``slo`` (the unloaded favourite would miss the SLO), ``affinity``, ``explore``.
 """
 
 from __future__ import annotations
@@ -82,12 +79,6 @@ class AdaptiveConfig:
     # with interference: also price the slower steps a request's joining a batch causes
     # the requests running there (capacity-aware spill before the batch cap is reached)
     crowding: bool = True
-    # best fit among workers predicted to meet the request's SLO with this margin (<= margin
-    # x each limit) and within (1 + reserve_slack) x the cheapest cost: the one the shape
-    # gains least from (highest unloaded cost), so faster ones stay free for shapes that
-    # meet their SLO nowhere else; reserve_slack 0 turns it off
-    reserve_margin: float = 0.8
-    reserve_slack: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore_prob < 1.0:
@@ -96,8 +87,6 @@ class AdaptiveConfig:
             raise ValueError("affinity_slack and slo_penalty must be >= 0")
         if not 0.5 < self.forgetting <= 1.0:
             raise ValueError(f"forgetting: expected (0.5, 1], got {self.forgetting}")
-        if not 0 < self.reserve_margin <= 1 or self.reserve_slack < 0:
-            raise ValueError("reserve_margin must be in (0, 1], reserve_slack >= 0")
         if self.max_pending <= 0:
             raise ValueError("max_pending must be > 0")
 
@@ -263,36 +252,9 @@ class AdaptivePolicy:
         if aff is not None:
             return aff, "affinity"
         favourite = min(cands, key=lambda c: c.unloaded_cost_s)
-        spare = self._reserve(shape, cands, best)
-        if spare is not None:
-            return spare, "reserve"
         if best.name == favourite.name:
             return best, "fit"
         return best, ("slo" if not favourite.meets_slo and best.meets_slo else "load")
-
-    def _reserve(self, shape: RequestShape, cands: list[Candidate],
-                 best: Candidate) -> Candidate | None:
-        """Best fit: of the workers that meet the request's SLO with margin, the one it
-        gains least from, unless that is ``best`` anyway (None then).
-
-        NOTE: greedy cheapest-first lets a shape that meets its SLO anywhere (a long prompt
-        with a loose SLO) take the slots of the one worker where another shape meets its
-        SLO at all (speculation for repetitive text); goodput is lost there, not in the
-        request's own latency. Bounded by ``reserve_slack`` x the cheapest cost, which
-        includes the harm to requests already running (crowding, prefill).
-        """
-        cfg = self.config
-        if cfg.reserve_slack <= 0 or not (shape.slo_ttft_s or shape.slo_tpot_s):
-            return None
-        m = cfg.reserve_margin
-        feasible = [c for c in cands if not c.saturated
-                    and c.cost_s <= (1.0 + cfg.reserve_slack) * best.cost_s
-                    and (not shape.slo_ttft_s or c.ttft_s <= m * shape.slo_ttft_s)
-                    and (not shape.slo_tpot_s or c.tpot_s <= m * shape.slo_tpot_s)]
-        if len(feasible) < 2:
-            return None
-        pick = max(feasible, key=lambda c: c.unloaded_cost_s)
-        return None if pick.name == best.name else pick
 
     def _affinity(self, shape: RequestShape, cands: list[Candidate],
                   best: Candidate) -> Candidate | None:

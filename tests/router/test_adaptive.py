@@ -191,31 +191,3 @@ def test_profile_survives_equal_config_copies_and_resets_on_a_new_config() -> No
     assert p.profile(same).num_samples("code", 100) == 5  # an equal copy: kept
     retuned = WorkerView("small", "http://s", "engine", SMALL.with_engine(max_num_seqs=8))
     assert p.profile(retuned).num_samples("code", 100) == 0  # optimizer reload: relearn
-
-
-@pytest.mark.parametrize("slack", [1.0, 0.0])
-def test_reserve_leaves_the_fast_worker_to_the_shape_that_needs_it(slack: float) -> None:
-    p, ws = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, reserve_slack=slack)), views()
-    teach(p, ws, "small", "code", 0.004)  # speculation: code only meets a tight TPOT here
-    teach(p, ws, "big", "code", 0.012)
-    teach(p, ws, "small", "summarization", 0.010)
-    teach(p, ws, "big", "summarization", 0.014)
-    loose = shape("summarization", slo_ttft_s=2.0, slo_tpot_s=0.05)
-    tight = shape("code", slo_ttft_s=2.0, slo_tpot_s=0.006)
-    assert p.choose(shape("summarization"), ws).worker == "small"  # no SLO: cheapest
-    # both meet the loose SLO with margin; small is cheaper, big is what it gains least from
-    d = p.choose(loose, ws)
-    assert (d.worker, d.reason) == (("big", "reserve") if slack else ("small", "fit"))
-    assert p.choose(tight, ws).worker == "small"  # only small meets it
-
-
-def test_reserve_never_picks_a_worker_that_would_miss_or_is_far_costlier() -> None:
-    p, ws = AdaptivePolicy(NO_EXPLORE), views()
-    teach(p, ws, "small", "summarization", 0.010)
-    teach(p, ws, "big", "summarization", 0.040)  # meets 0.05 but not with the 0.8 margin
-    d = p.choose(shape("summarization", slo_tpot_s=0.05), ws)
-    assert (d.worker, d.reason) == ("small", "fit")
-    d = p.choose(shape("summarization", slo_tpot_s=1.0), ws)  # 4x the cost: past the slack
-    assert (d.worker, d.reason) == ("small", "fit")
-    with pytest.raises(ValueError):
-        AdaptiveConfig(reserve_margin=0.0)
