@@ -2,41 +2,44 @@
 """Routing policies side by side on heterogeneous engine workers and mixed real traffic.
 
 Fleet (one per policy, identical): three built-in engine workers on the
-bundled tiny model whose compiled configs differ in what a CPU rewards:
+bundled tiny model whose compiled configs differ in what a CPU rewards per
+request shape (``--fit-only`` measures it, unloaded and loaded):
 
-- ``interactive-1``, ``interactive-2``: 8 sequences, 128-token prefill chunks
-  (a long prompt never stalls the decodes for long), n-gram speculation (max
-  depth 8, default 2), one thread; declared for the short-prompt domains;
-- ``bulk``: 32 sequences per core, 2,048-token prefill chunks (a whole long
-  prompt in one step), no speculation, ``--bulk-cores`` engine-core processes
-  (default 2); declared for the long-prompt domains (summarization, rag).
+- ``spec``: n-gram speculation (max depth 8, default 4 for the baselines),
+  4 sequences, 256-token prefill chunks, one core; declared for the
+  repetitive domains (translation, code, extraction: n-gram 1.7-3.2x at low
+  batch), prompts < 600 tokens;
+- ``batch``: 16 sequences, 256-token chunks, no speculation, one core;
+  declared for the conversational domains (chat, math, qa);
+- ``long``: 16 sequences per core, 2,048-token chunks (a whole long prompt in
+  one step), no speculation, ``--long-cores`` engine-core processes (default
+  2); declared for the long-prompt domains (summarization, rag).
 
 Workload: real prompts (Spec-Bench questions, all 13 categories, and GSM8K
 problems) as chat requests, with arrival times and output lengths taken from
 the Azure LLM 2023 conversation trace (time-scaled to the rate; outputs scaled
-by ``--output-scale`` and clipped), replayed with loadgen's Python API.
+by ``--output-scale`` and clipped), replayed with loadgen's Python API, greedy
+(temperature 0, as Spec-Bench and bench/specdec.py measure).
 
-SLOs, per domain, stated before any measured replay: the interactive domains
-(chat, code, math, qa, translation, extraction) get a tight TTFT and TPOT, the
-bulk domains (summarization, rag) a loose one. Unless given in seconds, each is
-a stated multiple (``--slo-scale``) of the best unloaded latency measured by a
-probe at the start of the run (sequential requests, no other load): the usual
-"SLO scale x unloaded latency" method, so the same command means the same
-tightness on a faster or slower machine. Every proxy is configured with these
-SLOs (routing.slo_ttft_s / slo_tpot_s); only the adaptive policy uses them.
-Every policy is scored against the same SLOs, by the trace's own domain label.
+SLOs: fixed per domain class, in seconds (``DEFAULT_SLOS``), the same for
+every policy and every run; chosen once from a calibration run by a stated
+rule (``SLO_RULE`` x the best unloaded latency of the class on any worker;
+``--calibrate`` prints what the rule gives on a machine and uses it). Every
+proxy is configured with them (routing.slo_ttft_s / slo_tpot_s); only the
+adaptive policy uses them. Every policy is scored by the trace's domain label.
 
-Order of a run: start three fleets -> probe -> one unscored warm-up replay per
-policy (same schedule, all at once) so the adaptive policy's profiles are
-learned -> for each rate, ``--rounds`` measured rounds, each a fresh schedule
-(own seed) replayed by all three policies at the same time. Printed: goodput
-per round, its ratio to each baseline per round (median, min-max), TTFT/TPOT
-percentiles, SLO attainment per (worker, domain class) and where requests went.
+Order of a run: start three fleets -> probe (unloaded, then ``--fit-concurrency``
+requests of a class at a time) -> one unscored warm-up replay per policy
+(same schedule, all at once) -> for each rate, ``--rounds`` measured rounds,
+each a fresh schedule (seed + round) replayed by all three policies at the
+same time. Printed: goodput per round, its ratio to each baseline (median,
+min-max), TTFT/TPOT percentiles, where requests went per (worker, domain
+class) with how many met the SLO, and the adaptive policy's depths per rate.
 
-    python bench/routing.py --rates 4 8 12 --duration 25 --rounds 3 --warmup 40
+    python bench/routing.py --rates 12 14 --duration 15 --rounds 5 --warmup 20 --seed 100
 
 Needs ~13 free cores (three fleets of 1 + 1 + 2 cores, plus this process): the
-session-3 runs used the lent H200 machine's 16 CPU cores (bench/RESULTS.md).
+session-3 and -4 runs used the lent H200 machine's 16 CPU cores (bench/RESULTS.md).
 """
 
 from __future__ import annotations
