@@ -273,7 +273,9 @@ async def paired(measurer: Measurer, a: CompiledConfig, b: CompiledConfig, tier:
     out: dict[str, Any] = {"objective": objective, "ratio": 1 + g.gain, "noise": g.noise,
                            "significant": g.significant,
                            "a": statistics.fmean(series("a", main)),
-                           "b": statistics.fmean(series("b", main))}
+                           "b": statistics.fmean(series("b", main)),
+                           "pair_ratios": [b / a if a > 0 else 0.0 for a, b in
+                                           zip(series("a", main), series("b", main), strict=True)]}
     for name, key in METRICS.items():
         out[f"{name}_ratio"] = statistics.fmean(series("b", key)) / max(
             1e-9, statistics.fmean(series("a", key)))
@@ -576,7 +578,8 @@ def report(out: dict[str, Any]) -> str:
                      f"{g['noise']:.3f}, significant {g['significant']}); per-request tok/s "
                      f"{g['request_ratio']:.3f}x, tok/cpu-s {g['cpu_ratio']:.3f}x, tok/wall-s "
                      f"{g['wall_ratio']:.3f}x, TPOT p50 {g['tpot_p50_ratio']:.3f}x; default's "
-                     f"replay had {g['in_flight_a']:.2f} requests in flight")
+                     f"replay had {g['in_flight_a']:.2f} requests in flight; pairs "
+                     f"{' '.join(f'{r:.2f}' for r in g.get('pair_ratios', []))}")
     rl = sorted(out["reload_s"])
     cold = out["cold_start_s"]
     lines.append(f"hot reload p50 {statistics.median(rl):.3f} s, max {max(rl):.3f} s; cold start "
@@ -595,7 +598,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fast tier: first N layers only (0 = full model; a truncated model "
                         "writes other text, so it misjudges n-gram speculation)")
     p.add_argument("--fast-requests", type=int, default=4)
-    p.add_argument("--slow-requests", type=int, default=12)
+    p.add_argument("--slow-requests", type=int, default=24,
+                   help="A's closed-loop sample (c=8; 12 left a tail that made pairs noisy)")
     p.add_argument("--open-requests", type=int, default=12,
                    help="consecutive B records replayed open loop for the gain")
     p.add_argument("--b-time-scale", type=float, default=2.0,
@@ -606,7 +610,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--a-objective", choices=["wall", "cpu"], default="wall",
                    help="busy traffic A's objective: wall tok/s (closed loop at its concurrency) "
                         "or tok per engine CPU second (sessions 1-3)")
-    p.add_argument("--budget", type=int, default=10, help="fast-tier experiments per campaign")
+    p.add_argument("--budget", type=int, default=20,
+                   help="fast-tier experiments per campaign (an engine start for a "
+                        "data_parallel_size candidate is charged ~8 of them)")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--max-output-tokens", type=int, default=48)
     p.add_argument("--search-seeds", type=int, default=10)

@@ -8,11 +8,12 @@ configs against the DEFAULT ``EngineConfig()`` in interleaved pairs
   open    B's open-loop sample (12 consecutive records at B's arrivals)
   busy    A's sample (12 requests, closed loop at c=8): wall tokens/s
 
-Candidates that change a restart-only knob (``data_parallel_size``) run on a
-second engine process started with that value; both engines stay up and the
-pairs still alternate, so drift on the shared box hits both sides alike.
+Candidates that change a restart-only knob (``data_parallel_size``) run on an
+engine process started with that value (optimizer.pool); all engines stay up
+and the pairs still alternate, so drift on the shared box hits both sides alike.
 
     python bench/optimizer_probe.py --quiet conv --pairs 5
+    python bench/optimizer_probe.py --quiet code --probes dp1@open dp2@open found@open
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import aiohttp  # noqa: E402
 from engine.config import TINY_TARGET, CompiledConfig  # noqa: E402
 from optimizer.engine_proc import EngineProcess  # noqa: E402
 from optimizer.measure import EngineClient, Measurer, Tier  # noqa: E402
+from optimizer.pool import EnginePool  # noqa: E402
 from optimizer.profile import read_trace_files, stratified_sample  # noqa: E402
 from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay  # noqa: E402
 from optimizer.verify import paired_gain  # noqa: E402
@@ -109,46 +111,54 @@ def describe(name: str, s: list[Any]) -> str:
             f"(max {max(p)}), output tokens mean {statistics.fmean(o):.1f} (max {max(o)})")
 
 
+FOUND = {"data_parallel_size": 2, "spec_method": "ngram", "spec_max_depth": 4,
+         "spec_default_depth": 2, "max_num_seqs": 8, "num_threads": 2}
+PROBES = {  # name -> (tier, engine changes, objective)
+    "grid-best": ("grid", GRID_BEST, "request_tokens_per_s"),
+    "grid-best@open": ("open", GRID_BEST, "request_tokens_per_s"),
+    "promoted": ("grid", PROMOTED, "request_tokens_per_s"),
+    "threads2": ("busy", {"num_threads": 2}, "wall_tokens_per_s"),
+    "dp2": ("busy", {"data_parallel_size": 2}, "wall_tokens_per_s"),
+    "dp2+ngram": ("busy", {"data_parallel_size": 2, "spec_method": "ngram", "spec_max_depth": 4,
+                           "spec_default_depth": 2}, "wall_tokens_per_s"),
+    "found@busy": ("busy", FOUND, "wall_tokens_per_s"),
+    # low load: what moves per-request tok/s (a process of its own, threads, speculation)
+    "dp1@open": ("open", {"data_parallel_size": 1}, "request_tokens_per_s"),
+    "dp2@open": ("open", {"data_parallel_size": 2}, "request_tokens_per_s"),
+    "threads2@open": ("open", {"num_threads": 2}, "request_tokens_per_s"),
+    "dp1+threads2@open": ("open", {"data_parallel_size": 1, "num_threads": 2},
+                          "request_tokens_per_s"),
+    "found@open": ("open", FOUND, "request_tokens_per_s"),
+}
+DEFAULT_PROBES = ("grid-best", "grid-best@open", "promoted", "threads2", "dp2", "dp2+ngram")
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-optimizer-probe-"))
     smp = samples(args, work)
     for name, s in smp.items():
         print(describe(name, s), flush=True)
     base = bo.BASE
-    in_proc = EngineProcess(base, log_path=work / "engine0.log")
-    dp_cfg = base.with_engine(data_parallel_size=2)
-    dp = EngineProcess(dp_cfg, log_path=work / "engine-dp2.log")
+    first = EngineProcess(base, log_path=work / "engine0.log")
     out: dict[str, Any] = {"probes": []}
-    await in_proc.start()
-    await dp.start()
+    await first.start()
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
-            e0, e2 = EngineClient(in_proc.url, session), EngineClient(dp.url, session)
-            await e0.wait_ready()
-            await e2.wait_ready()
-            m0 = Measurer(e0, smp, tiers(args), None, "wall")
-            m2 = Measurer(e2, smp, tiers(args), None, "wall")
-            probes = [
-                ("grid-best vs default", "grid", GRID_BEST, m0, "request_tokens_per_s"),
-                ("grid-best vs default", "open", GRID_BEST, m0, "request_tokens_per_s"),
-                ("promoted vs default", "grid", PROMOTED, m0, "request_tokens_per_s"),
-                ("2 threads vs default", "busy", {"num_threads": 2}, m0, "wall_tokens_per_s"),
-                ("dp2 vs default", "busy", {}, m2, "wall_tokens_per_s"),
-                ("dp2+ngram k2/4 vs default", "busy",
-                 {"spec_method": "ngram", "spec_max_depth": 4, "spec_default_depth": 2}, m2,
-                 "wall_tokens_per_s"),
-            ]
-            for name, tier, changes, mb, key in probes:
-                if args.only and tier not in args.only:
-                    continue
-                cand = (dp_cfg if mb is m2 else base).with_engine(**changes)
-                r = await pair_runs(m0, mb, base, cand, tier, args.pairs, key)
+            # NOTE: one engine per data_parallel_size, all kept up: pairs alternate engines
+            pool = EnginePool(session, max_engines=4, log_dir=work)
+            await pool.adopt(base, EngineClient(first.url, session), first)
+            m = Measurer(EngineClient(first.url, session), smp, tiers(args), None, "wall", pool)
+            for name in args.probes or DEFAULT_PROBES:
+                tier, changes, key = PROBES[name]
+                r = await pair_runs(m, m, base, base.with_engine(**changes), tier, args.pairs,
+                                    key)
                 r["name"] = name
                 out["probes"].append(r)
                 print(line(r), flush=True)
+            await pool.adopt(base, EngineClient(first.url, session))  # NOTE: stopped below
+            await pool.close()
     finally:
-        await in_proc.stop()
-        await dp.stop()
+        await first.stop()
     return out
 
 
@@ -173,7 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--busy-requests", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts", default=str(bo.PROMPTS))
-    p.add_argument("--only", nargs="*", default=[], help="tiers to probe (grid, open, busy)")
+    p.add_argument("--probes", nargs="*", default=[], choices=sorted(PROBES),
+                   help=f"which probes (default: {' '.join(DEFAULT_PROBES)})")
     p.add_argument("--out", default="")
     return p.parse_args(argv)
 

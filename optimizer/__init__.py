@@ -8,9 +8,11 @@
     costmodel.py    measured hardware constants -> roofline -> fitted step times -> tokens/s
     pruner.py       cost-model pruning of clearly-worse candidates, with an audit sample
     measure.py      hot-reload + replay on a persistent engine; fast and slow tiers
+    pool.py         engines per restart class (data_parallel_size): restart-only knobs
     campaign.py     one traffic profile's search: screen, then confirm finalists in pairs
     verify.py       greedy-output identity, KV-cache contamination, gain beyond noise
-    promote.py      hot reload (engine) or blue-green (vLLM) to the live worker, rollback watch
+    promote.py      hot reload (engine) or blue-green (vLLM; engine restart-only changes) to
+                    the live worker, rollback watch
     service.py      OptimizerService: run() / snapshot() / observe()
     join.py         more agents from another process, through the board file
     bridge.py       adapters for a running proxy (pool config sink, blue-green)
