@@ -200,8 +200,13 @@ class LimitsConfig:
     read_timeout_s: float = 600.0  # no byte from the worker for this long = failure
     drain_timeout_s: float = 30.0  # SIGTERM: wait this long for in-flight requests
     # Shed (429) while the event loop runs this late: the proxy's own CPU is saturated,
-    # and admitting more would only queue them. 0 = off.
+    # and admitting more would only queue them. 0 = off (both loop rules).
     max_loop_lag_s: float = 0.25
+    # ...and while its thread is on the CPU at least max_loop_busy of the time and the
+    # loop runs busy_loop_lag_s late: saturated by its own work, not by a noisy neighbour
+    # (whose CPU steal shows as lag only). 0 = this rule off.
+    busy_loop_lag_s: float = 0.05
+    max_loop_busy: float = 0.9
 
     def __post_init__(self) -> None:
         for name in ("max_in_flight", "max_body_bytes", "max_attempts"):
@@ -210,6 +215,10 @@ class LimitsConfig:
             _check(getattr(self, name) > 0, f"limits.{name}", "> 0", getattr(self, name))
         _check(self.retry_after_s >= 0, "limits.retry_after_s", ">= 0", self.retry_after_s)
         _check(self.max_loop_lag_s >= 0, "limits.max_loop_lag_s", ">= 0", self.max_loop_lag_s)
+        _check(self.busy_loop_lag_s >= 0, "limits.busy_loop_lag_s", ">= 0",
+               self.busy_loop_lag_s)
+        _check(0 < self.max_loop_busy <= 1, "limits.max_loop_busy", "in (0, 1]",
+               self.max_loop_busy)
 
 
 @dataclass(frozen=True)

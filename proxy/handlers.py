@@ -88,6 +88,7 @@ async def stats(request: web.Request) -> web.Response:
     relay = app[keys.RELAY]
     doc = app[keys.STATS].snapshot(app[keys.POOL], relay.policy.name)
     doc["loop_lag_ms"] = relay.loop_lag_s * 1e3
+    doc["loop_busy"] = relay.loop_busy
     doc["traces"] = {"written": app[keys.TRACES].num_written,
                      "dropped": app[keys.TRACES].num_dropped}
     for service in app[keys.OPTIMIZER]:

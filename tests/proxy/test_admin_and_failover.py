@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -97,6 +98,46 @@ def test_sheds_while_the_event_loop_lags(engines: list[EngineProcess], tmp_path)
         assert r.status_code == 429 and "saturated" in r.json()["error"]["message"]
         assert r.headers["Retry-After"] == "1"
         assert h.get("/stats").json()["loop_lag_ms"] > 0
+
+
+def test_sheds_when_its_own_work_saturates_the_loop_not_when_only_late(  # type: ignore[no-untyped-def]
+        engines: list[EngineProcess], tmp_path) -> None:
+    # The lag limit is out of reach: only the busy rule can shed here.
+    config = external_config(engines, tmp_path, limits={
+        "max_loop_lag_s": 30, "busy_loop_lag_s": 0.005, "max_loop_busy": 0.3})
+    stop = threading.Event()
+
+    def block_loop(burn: bool) -> None:
+        """20 ms per loop iteration on the loop's thread: on the CPU, or asleep (the
+        lag a noisy neighbour's CPU steal causes, with nothing of its own to do)."""
+        t = time.thread_time() if burn else time.perf_counter()
+        while burn and time.thread_time() - t < 0.02:
+            pass
+        if not burn:
+            time.sleep(0.02)
+        if not stop.is_set():
+            p.loop.call_soon(block_loop, burn)
+
+    with ProxyThread(config) as p, httpx.Client(base_url=p.url, timeout=30) as h:
+        relay = p.app[keys.RELAY]
+        p.loop.call_soon_threadsafe(block_loop, False)
+        assert eventually(lambda: relay.loop_lag_s > 0.01)
+        assert relay.loop_busy < 0.3
+        assert h.post("/v1/chat/completions", json=CHAT).status_code == 200, "late, not busy"
+        stop.set()
+        time.sleep(0.2)
+        stop.clear()
+        p.loop.call_soon_threadsafe(block_loop, True)
+        try:
+            assert eventually(lambda: relay.loop_busy > 0.3 and relay.loop_lag_s > 0.005)
+            r = h.post("/v1/chat/completions", json=CHAT)
+            assert r.status_code == 429 and "busy" in r.json()["error"]["message"]
+            assert r.headers["Retry-After"] == "1"
+        finally:
+            stop.set()
+        assert eventually(lambda: relay.loop_busy < 0.3)
+        assert h.post("/v1/chat/completions", json=CHAT).status_code == 200
+        assert 0 <= h.get("/stats").json()["loop_busy"] < 0.3
 
 
 def test_retry_on_another_worker_and_breaker(engines: list[EngineProcess], tmp_path) -> None:  # type: ignore[no-untyped-def]
