@@ -491,8 +491,9 @@ def print_acceptance(method: str, bench: Bench, policy: object) -> None:
         model = p.step_time(method)
         coef = model.coef
         print(f"  {mode} step-time model t = {coef[0] * 1e3:.2f} + {coef[1] * 1e3:.3f}*b + "
-              f"{coef[2] * 1e3:.3f}*b*k + {coef[3] * 1e3:.3f}*k + {coef[4] * 1e3:.3f}*[k>0] ms"
-              f" ({model.num_fed_steps} engine steps, {model.num_samples} client samples)")
+              f"{coef[2] * 1e3:.3f}*b*d + {coef[3] * 1e3:.3f}*k + {coef[4] * 1e3:.3f}*[k>0] + "
+              f"{coef[5] * 1e3:.4f}*prefill ms, mean prefill {model.mean_prefill:.0f} tokens "
+              f"({model.num_fed_steps} engine steps, {model.num_samples} client samples)")
         for b in (1, 4, 16):
             cells = " ".join(f"k={k}:{model.predict(b, k) / model.predict(b, 0):.2f}"
                              for k in (1, 2, 4, 8) if k <= bench.max_depth)
