@@ -403,7 +403,7 @@ class Relay:
                 pos = _find_usage(out, 0)
                 if pos != -1:
                     out = _scan_usage_events(out, rec, strip_usage, pos)
-                if rec.ttft_s is None and out:
+                if rec.ttft_s is None and _carries_output(out):
                     rec.ttft_s = time.perf_counter() - rec.t0
                 if not tail and out.endswith(_DONE_EVENTS):
                     # NOTE: the stream's last event: send it with the chunked-encoding
@@ -423,6 +423,30 @@ class Relay:
 
 
 _DONE_EVENTS = (b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n")
+# Keys whose value, when it is a non-empty string (or list), is generated output: a chat
+# delta's text or reasoning, a completion's text, a tool call.
+_OUTPUT_KEYS = (b'"content":', b'"text":', b'"reasoning_content":', b'"tool_calls":')
+
+
+def _carries_output(events: bytes) -> bool:
+    """Whether ``events`` (whole SSE events) carry a generated token.
+
+    TTFT is the time to the first token, not to the first event: a chat stream opens
+    with a role-only chunk (``"content":""``) sent before prefill, so timing that event
+    would hide prefill and queueing from the traces and the router's TTFT model. A key
+    inside a JSON string is escaped (``\\"content\\":``), so it cannot match here.
+    """
+    for key in _OUTPUT_KEYS:
+        pos = events.find(key)
+        while pos != -1:
+            i = pos + len(key)
+            while events[i:i + 1] == b" ":
+                i += 1
+            value = events[i:i + 2]
+            if value[:1] == b'"' and value != b'""' or value[:1] == b"[" and value != b"[]":
+                return True
+            pos = events.find(key, i)
+    return False
 _USAGE_KEY = b'"usage":'  # followed by "{" or " {": a usage object (not "usage": null)
 
 
