@@ -28,6 +28,7 @@ from proxy.relay import Relay
 from proxy.routing import build_policy
 from proxy.shape import HeuristicShapeEstimator, ShapeEstimator
 from proxy.stats import Stats
+from proxy.step_times import StepTimeFeeds
 from proxy.traces import TraceWriter
 from proxy.upstream import UpstreamClient
 from proxy.vllm_acceptance import ScrapedAcceptance
@@ -58,6 +59,7 @@ def create_app(config: ProxyConfig, *, estimator: ShapeEstimator | None = None,
     app[keys.OPTIMIZER] = []
     acceptance = ScrapedAcceptance(stats, relay.depth_policy)  # vLLM: scraped spec counters
     pool.on_scrape.append(acceptance.on_scrape)
+    pool.on_scrape.append(StepTimeFeeds(relay).on_scrape)  # engine: per-step timings
     relay.on_finish.append(acceptance.on_finish)
     app.cleanup_ctx.extend([_traces_ctx, _client_ctx, _pool_ctx, _lag_ctx, optimizer_ctx])
     handlers.add_routes(app)

@@ -93,7 +93,8 @@ class WorkerPool:
         self.health = health
         self.run_dir = run_dir
         self.workers: dict[str, Worker] = {}
-        self.on_scrape: list[Callable[[Worker], None]] = []  # called after each scrape
+        # called after each scrape with the worker and its /metrics text
+        self.on_scrape: list[Callable[[Worker, str], None]] = []
         self._session: aiohttp.ClientSession | None = None
 
     # -- membership ---------------------------------------------------------------------
@@ -236,7 +237,7 @@ class WorkerPool:
         worker.scraped_draft_tokens = values.get("scraped_draft_tokens", 0.0)
         worker.scraped_accepted_tokens = values.get("scraped_accepted_tokens", 0.0)
         for hook in self.on_scrape:
-            hook(worker)
+            hook(worker, text)
 
     async def probe_loop(self) -> None:
         while True:

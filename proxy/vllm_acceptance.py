@@ -55,8 +55,9 @@ class ScrapedAcceptance:
                 rec.spec_draft_tokens:
             self._tokens[rec.worker][rec.domain or "none"] += rec.completion_tokens
 
-    def on_scrape(self, worker: Worker) -> None:
-        """Split the counters' growth since the last scrape over the window's domains."""
+    def on_scrape(self, worker: Worker, _text: str) -> None:
+        """Split the counters' growth since the last scrape over the window's domains
+        (read from the worker's parsed counters; the text is not needed)."""
         if worker.backend not in SCRAPED_BACKENDS:
             return
         try:

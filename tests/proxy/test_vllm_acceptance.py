@@ -36,7 +36,7 @@ def _finish(acc: ScrapedAcceptance, worker: str, domain: str, tokens: int,
 
 def _scrape(acc: ScrapedAcceptance, w: Worker, draft: float, accepted: float) -> None:
     w.scraped_draft_tokens, w.scraped_accepted_tokens = draft, accepted
-    acc.on_scrape(w)
+    acc.on_scrape(w, "")
 
 
 def test_deltas_split_by_output_tokens_per_domain():
