@@ -6,13 +6,16 @@ bundled model (loopback HTTP): a few seconds of start-up.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from pathlib import Path
 
 import aiohttp
 import pytest
 
 from engine.config import TINY_TARGET, CompiledConfig, needs_restart
-from optimizer.campaign import experiment_cost
+from optimizer.board import Board
+from optimizer.campaign import SearchConfig, experiment_cost
 from optimizer.engine_proc import tree_cpu_seconds
 from optimizer.errors import MeasurementError, OptimizerError, PromotionError, ReloadRejected
 from optimizer.measure import EngineClient, Measurement, Measurer, Tier
@@ -22,6 +25,7 @@ from optimizer.promote import Promoter, PromotionConfig
 from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
 from optimizer.service import OptimizerConfig, OptimizerService
 from optimizer.space import Knob, SearchSpace, dp_sizes
+from optimizer.verify import VerifyConfig
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -161,3 +165,31 @@ def test_dp_sizes_and_the_kv_budget_counts_every_core() -> None:
         OptimizerConfig(max_measure_engines=0)
     with pytest.raises(OptimizerError, match="throughput_objective"):
         OptimizerConfig(throughput_objective="request")
+
+
+async def test_service_measures_a_restart_only_candidate_on_an_engine_it_starts(
+        tmp_path: Path) -> None:
+    """The service's own engine plus a dp=2 engine from its pool; the restart is priced."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({
+        "ts": 100.0 + i, "domain": "code", "prompt_tokens": 40, "max_tokens": 8,
+        "completion_tokens": 8, "status": "ok", "e2e_s": 0.5}) + "\n" for i in range(12)))
+    cfg = OptimizerConfig(
+        base=BASE, traces=(str(trace),), board_path=str(tmp_path / "board.sqlite"),
+        knobs=(Knob("data_parallel_size", (0, 2)),), agents=("evolution",),
+        fast=Tier("fast", None, 2, concurrency=2, warmup_requests=0),
+        slow=Tier("slow", None, 2, repeats=2, concurrency=2, warmup_requests=0),
+        sample=SampleConfig(max_prompt_tokens=48, max_output_tokens=8),
+        search=SearchConfig(fast_budget=2, finalists=1, idle_timeout_s=15),
+        verify=VerifyConfig(num_prompts=2, max_tokens=4), min_records=10, once=True)
+    service = OptimizerService(cfg)
+    await asyncio.wait_for(service.run(), 240)
+    (entry,) = service.history
+    results = Board(cfg.board_path).results(entry["campaign"], "fast")
+    by_dp = {json.loads(r.key)["data_parallel_size"]: r for r in results}
+    assert set(by_dp) == {0, 2}
+    assert by_dp[2].details["restart_s"] > 0 and by_dp[0].details["restart_s"] == 0
+    assert by_dp[2].seconds > by_dp[2].details["restart_s"]
+    campaign = service.campaign.snapshot()  # type: ignore[union-attr]
+    # the incumbent costs 1; the dp=2 candidate its seconds over its seconds without the start
+    assert campaign["budget_used"] > campaign["fast_experiments"] == 2
