@@ -15,6 +15,9 @@ CPU seconds per request (from /proc/<pid>/stat, user + system).
     python bench/proxy_overhead.py --prompts unique              # every prompt different
     python bench/proxy_overhead.py --baseline-src /tmp/base     # + polyinfer from another tree
     python bench/proxy_overhead.py --rounds 3                   # 3 sweeps, CPU ratios per round
+    # a many-core machine: 4 upstream processes, the load from 6 processes, each on its core
+    python bench/proxy_overhead.py --upstream-procs 4 --loadgen-procs 6 --rates 1000 2000 4000 \
+        --vllm-router /path/to/vllm-router --data .devdata
     python bench/proxy_overhead.py --loadgen URL RATE SECONDS PROMPTS DATA OFFSET  # (internal)
 
 Prompts (--prompts): ``fixed`` sends one short prompt every time (what the
@@ -25,8 +28,10 @@ cycles through the 480 Spec-Bench prompts in ../shared/data (repeats after
 would), ``unique`` puts the request number first (nothing repeats: every
 shape cache misses).
 
-The proxy is pinned to one core (taskset) when there are at least two, and
-the upstream + load generator share the others.
+The proxy is pinned to one core (taskset) when there are at least two. With
+enough cores (2 + upstream + load processes) it gets core 1 and every upstream
+and load process a core of its own from core 2 on; otherwise the upstream and
+load processes share core 1 (the 2-core dev box).
 """
 
 from __future__ import annotations

@@ -243,3 +243,45 @@ async def test_read_available_joins_what_arrived_and_the_parser_serves_the_next_
         client.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_read_available_drains_a_paused_connection_and_resumes_it() -> None:
+    """Past _MAX_BUFFERED unread bytes the connection stops reading from the worker;
+    taking everything buffered at once starts it again, and nothing is lost."""
+    from proxy.upstream import _MAX_BUFFERED
+
+    piece = b"x" * 4096 + b"\n"
+    total = (2 * _MAX_BUFFERED) // len(piece) + 1
+
+    async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        for _ in range(total):
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    server = await asyncio.start_server(worker, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    client = UpstreamClient(connect_timeout_s=2, read_timeout_s=5)
+    try:
+        r = await client.post(url, "/x", b"{}", "id")
+        conn = r._conn
+        for _ in range(500):  # let the worker fill the client's buffer until it pauses
+            if conn.paused:
+                break
+            await asyncio.sleep(0.01)
+        assert conn.paused and conn.buffered > _MAX_BUFFERED
+        received = await r.read_available()
+        assert len(received) > _MAX_BUFFERED and not conn.paused and conn.buffered == 0
+        while block := await r.read_available():
+            received += block
+        assert received == piece * total
+        r.release()
+    finally:
+        client.close()
+        server.close()
+        await server.wait_closed()
