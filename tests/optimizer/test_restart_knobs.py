@@ -6,6 +6,7 @@ bundled model (loopback HTTP): a few seconds of start-up.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from pathlib import Path
@@ -16,11 +17,12 @@ import pytest
 from engine.config import TINY_TARGET, CompiledConfig, needs_restart
 from optimizer.board import Board
 from optimizer.campaign import SearchConfig, experiment_cost
+from optimizer.cli import add_arguments, build_config
 from optimizer.engine_proc import tree_cpu_seconds
 from optimizer.errors import MeasurementError, OptimizerError, PromotionError, ReloadRejected
 from optimizer.measure import EngineClient, Measurement, Measurer, Tier
 from optimizer.pool import EnginePool, restart_class
-from optimizer.profile import TraceRecord
+from optimizer.profile import TraceRecord, build_profile
 from optimizer.promote import Promoter, PromotionConfig
 from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
 from optimizer.service import OptimizerConfig, OptimizerService
@@ -193,3 +195,20 @@ async def test_service_measures_a_restart_only_candidate_on_an_engine_it_starts(
     campaign = service.campaign.snapshot()  # type: ignore[union-attr]
     # the incumbent costs 1; the dp=2 candidate its seconds over its seconds without the start
     assert campaign["budget_used"] > campaign["fast_experiments"] == 2
+
+
+def test_cli_throughput_objective_reaches_the_service() -> None:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert build_config(p.parse_args([])).throughput_objective == "wall"
+    cfg = build_config(p.parse_args(["--throughput-objective", "cpu"]))
+    assert cfg.throughput_objective == "cpu"
+    service = OptimizerService(cfg)
+    service._cpu_clock = lambda: 0.0  # as when the service started its measurement engine
+    busy = [TraceRecord(i / 4.0, "chat", 100, completion_tokens=32, e2e_s=2.5) for i in range(40)]
+    assert service._objective(build_profile(busy)) == "cpu"
+    service = OptimizerService(build_config(p.parse_args([])))
+    service._cpu_clock = lambda: 0.0
+    assert service._objective(build_profile(busy)) == "wall"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--throughput-objective", "request"])
