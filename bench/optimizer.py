@@ -87,7 +87,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import aiohttp  # noqa: E402
 
 from engine.config import TINY_TARGET, CompiledConfig  # noqa: E402
-from optimizer.agents.base import BoardView  # noqa: E402
+from optimizer.agents.base import Agent, BoardView  # noqa: E402
 from optimizer.agents.bayes import BayesAgent  # noqa: E402
 from optimizer.agents.costagent import CostModelAgent  # noqa: E402
 from optimizer.agents.evolution import EvolutionAgent  # noqa: E402
@@ -234,8 +234,8 @@ def tabular_search(space: SearchSpace, table: dict[str, float], budget: int, see
     if strategy == "random":
         keys = sorted(table)
         return max(random.Random(seed).sample(keys, budget), key=lambda k: table[k])
-    agents = [CostModelAgent(space, predict, seed=seed + 2, pool_size=300),
-              BayesAgent(space, seed=seed), EvolutionAgent(space, seed=seed + 1)]
+    agents: list[Agent] = [CostModelAgent(space, predict, seed=seed + 2, pool_size=300),
+                           BayesAgent(space, seed=seed), EvolutionAgent(space, seed=seed + 1)]
     measured: dict[str, float] = {}
     turn = 0
     while len(measured) < budget:

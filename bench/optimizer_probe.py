@@ -113,7 +113,7 @@ def describe(name: str, s: list[Any]) -> str:
 
 FOUND = {"data_parallel_size": 2, "spec_method": "ngram", "spec_max_depth": 4,
          "spec_default_depth": 2, "max_num_seqs": 8, "num_threads": 2}
-PROBES = {  # name -> (tier, engine changes, objective)
+PROBES: dict[str, tuple[str, dict[str, Any], str]] = {  # name -> (tier, changes, objective)
     "grid-best": ("grid", GRID_BEST, "request_tokens_per_s"),
     "grid-best@open": ("open", GRID_BEST, "request_tokens_per_s"),
     "promoted": ("grid", PROMOTED, "request_tokens_per_s"),
