@@ -36,6 +36,15 @@ Session-2 runs (bench/RESULTS.md), each under 10 minutes on the 2-core box:
 Session 3 (bench/RESULTS.md "Speculative decoding (session 3)"): the same n-gram
 commands under ``flock /tmp/polyinfer-bench.lock nice -n 5``, plus ``--step-costs``
 (now with k=16 and an "early reject" row per batch size).
+
+Session 4 ("Speculative decoding (session 4)"): the adaptive mode also learns step time
+from the engine's scraped per-step sums (specdec.step_feed), ``--client-fit`` runs the
+previous policy beside it; under load, ``--rounds 6`` (rotated ABBA)::
+
+    python bench/specdec.py --methods ngram --concurrency 4 16 --rounds 6 --client-fit
+    # parallel instances pinned to their own cores, then pooled:
+    taskset -c 2,3 python bench/specdec.py ... --seed 0 --json-out r0.json   # (and so on)
+    python bench/specdec.py --combine r*.json
 """
 
 from __future__ import annotations
