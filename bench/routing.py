@@ -1,19 +1,24 @@
 # ruff: noqa: E402
 """Routing policies side by side on heterogeneous engine workers and mixed real traffic.
 
-Fleet (one per policy, identical): three built-in engine workers on the
-bundled tiny model whose compiled configs differ in what a CPU rewards per
-request shape (``--fit-only`` measures it, unloaded and loaded):
+Fleet (one per policy, identical; ``--fleet``): three built-in engine workers on
+the bundled tiny model whose compiled configs differ in what a CPU rewards per
+request shape (``--fit-only`` measures it, unloaded and loaded). ``equal`` (the
+default): every worker one core, so the configs differ and the resources do not
+-- the only thing a router can learn is which config fits which shape (session
+4's fleet gave ``long`` two cores; under load it was the best place for every
+shape, and least-outstanding, which sends more to a faster worker, already got
+the gain):
 
 - ``spec``: n-gram speculation (max depth 8, default 4 for the baselines),
   4 sequences, 256-token prefill chunks, one core; declared for the
   repetitive domains (translation, code, extraction: n-gram 1.7-3.2x at low
   batch), prompts < 600 tokens;
-- ``batch``: 16 sequences, 256-token chunks, no speculation, one core;
-  declared for the conversational domains (chat, math, qa);
-- ``long``: 16 sequences per core, 2,048-token chunks (a whole long prompt in
-  one step), no speculation, ``--long-cores`` engine-core processes (default
-  2); declared for the long-prompt domains (summarization, rag).
+- ``batch``: 32 sequences (16 in ``fast-long``), 256-token chunks, no
+  speculation, one core; declared for the conversational domains (chat, math, qa);
+- ``long``: 16 sequences, 2,048-token chunks (a whole long prompt in one step),
+  no speculation, one core (``fast-long``: ``--long-cores`` engine-core
+  processes, default 2); declared for the long-prompt domains (summarization, rag).
 
 Workload: real prompts (Spec-Bench questions, all 13 categories, and GSM8K
 problems) as chat requests, with arrival times and output lengths taken from
@@ -36,10 +41,11 @@ same time. Printed: goodput per round, its ratio to each baseline (median,
 min-max), TTFT/TPOT percentiles, where requests went per (worker, domain
 class) with how many met the SLO, and the adaptive policy's depths per rate.
 
-    python bench/routing.py --rates 12 14 --duration 15 --rounds 5 --warmup 20 --seed 100
+    python bench/routing.py --rates 8 10 --duration 15 --rounds 5 --warmup 20 --seed 100
 
-Needs ~13 free cores (three fleets of 1 + 1 + 2 cores, plus this process): the
-session-3 and -4 runs used the lent H200 machine's 16 CPU cores (bench/RESULTS.md).
+Needs ~10 free cores (three fleets of three one-core workers, plus this process;
+``fast-long``: ~13): the session-3 and -4 runs used the lent H200 machine's 16 CPU
+cores (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -121,19 +127,30 @@ DEFAULT_SLOS: dict[str, tuple[float, float]] = {
 SLO_RULE = {"repetitive": (10.0, 2.5), "conversational": (10.0, 2.5), "long": (5.0, 5.0)}
 
 
-def fleet_configs(long_cores: int, device: str) -> dict[str, CompiledConfig]:
-    """The compiled configs (see the module docstring); ``--fit-only`` measures their fit."""
+FLEETS = ("equal", "fast-long")
+
+
+def fleet_configs(fleet: str, long_cores: int, device: str) -> dict[str, CompiledConfig]:
+    """The compiled configs (see the module docstring); ``--fit-only`` measures their fit.
+    ``equal``: one core each, so the only thing a router can learn is which config fits
+    which shape; ``fast-long``: session 4's fleet, ``long`` on ``long_cores`` cores."""
     model = str(TINY_TARGET)
     spec = CompiledConfig(model=model, engine=EngineConfig(
         max_num_seqs=4, max_num_batched_tokens=256, spec_method="ngram", spec_max_depth=8,
         spec_default_depth=4, max_model_len=MAX_MODEL_LEN, num_threads=1, device=device),
         fit=DeclaredFit(domains=CLASSES["repetitive"], prompt_tokens=(0, 600)))
     batch = CompiledConfig(model=model, engine=EngineConfig(
-        max_num_seqs=16, max_num_batched_tokens=256, max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=32 if fleet == "equal" else 16, max_num_batched_tokens=256,
+        max_model_len=MAX_MODEL_LEN,
         num_threads=1, device=device),
         fit=DeclaredFit(domains=CLASSES["conversational"], prompt_tokens=(0, 600)))
     # NOTE: engine-core processes, one thread each: a long prompt's prefill is one
     # sequence, which lanes cannot split, so more cores for prefill means more cores.
+    if fleet == "equal":
+        long = CompiledConfig(model=model, engine=EngineConfig(
+            max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN,
+            num_threads=1, device=device), fit=DeclaredFit(domains=CLASSES["long"]))
+        return {"spec": spec, "batch": batch, "long": long}
     long = CompiledConfig(model=model, engine=EngineConfig(
         max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN,
         data_parallel_size=long_cores, device=device), fit=DeclaredFit(domains=CLASSES["long"]))
@@ -462,7 +479,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     # NOTE: one policy object per name for the whole run: the adaptive policy keeps what
     # it learned (warm-up included), as a long-running proxy would.
     policies = {name: build_policy(name, seed=args.seed) for name in args.policies}
-    configs = fleet_configs(args.long_cores, args.device)
+    configs = fleet_configs(args.fleet, args.long_cores, args.device)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     fleets = {name: start_workers(configs, args.log_dir, name) for name in args.policies}
     out: dict[str, Any] = {"rates": {}, "placement": {}, "depths": {}}
@@ -550,8 +567,12 @@ def main() -> None:
     ap.add_argument("--fit-concurrency", type=int, default=4,
                     help="requests of one class at a time for the loaded fit (1: skip)")
     ap.add_argument("--probe-requests", type=int, default=4, help="rounds per worker and class")
+    ap.add_argument("--fleet", choices=FLEETS, default="equal",
+                    help="equal: every worker one core (configs differ, resources do not); "
+                         "fast-long: session 4's fleet, the long worker on --long-cores cores")
     ap.add_argument("--long-cores", type=int, default=2,
-                    help="engine-core processes (one thread each) of the long-prompt worker")
+                    help="fast-long fleet: engine-core processes (one thread each) of the "
+                         "long-prompt worker")
     ap.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES),
                     help="a subset for debugging (the ratios need all three)")
     ap.add_argument("--seed", type=int, default=0)
@@ -565,7 +586,7 @@ def main() -> None:
         ap.error("rates, --duration and --rounds must be positive, --warmup >= 0")
     if args.fit_concurrency < 1 or args.probe_requests < 1:
         ap.error("--fit-concurrency and --probe-requests must be >= 1")
-    configs = fleet_configs(args.long_cores, args.device)
+    configs = fleet_configs(args.fleet, args.long_cores, args.device)
     print(f"rates {args.rates} req/s x {args.duration:g} s, {args.rounds} rounds each, warm-up "
           f"{args.warmup:g} s; workers: " + "; ".join(
               f"{n}: {c.engine.max_num_seqs} seqs, {c.engine.max_num_batched_tokens}-token "
