@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint import ModelSpec, load_weights
-from engine.config import CompiledConfig, EngineConfig
+from engine.config import RESTART_FIELDS, CompiledConfig, EngineConfig
 from engine.cuda_graph import CudaGraphDecoder
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthError, ReloadError
@@ -120,8 +120,9 @@ class EngineCore:
         if Path(config.model).resolve() != Path(self.config.model).resolve():
             raise ReloadError(f"reload cannot change the model ({self.config.model} -> "
                               f"{config.model}); start a new engine")
-        if config.engine.device != self.config.engine.device:
-            raise ReloadError("reload cannot change engine.device")
+        for name in RESTART_FIELDS:  # device, data_parallel_size: fixed at start-up
+            if getattr(config.engine, name) != getattr(self.config.engine, name):
+                raise ReloadError(f"reload cannot change engine.{name}; start a new engine")
         seqs = self.scheduler.drain()
         if self.proposer is not None:
             for seq in seqs:

@@ -8,7 +8,7 @@ import pytest
 
 from engine.config import CompiledConfig, EngineConfig
 from engine.core import EngineCore
-from engine.errors import ContextLengthError
+from engine.errors import ContextLengthError, ReloadError
 from engine.loader import load_core
 from engine.sequence import GenerationParams
 from specdec.sampling import SamplingParams
@@ -202,6 +202,22 @@ def test_reload_requeues_in_flight_requests_without_loss(core: EngineCore,
     for i in range(8):
         assert out[f"r{i}"] == alone[i]
     core.reload(old)
+
+
+@pytest.mark.parametrize("change", [{"data_parallel_size": 2}, {"device": "meta"}])
+def test_reload_refuses_restart_only_fields_and_keeps_serving(
+        core: EngineCore, prompt_ids: list[list[int]], alone: list[list[int]],
+        change: dict[str, object]) -> None:
+    old = core.config
+    with pytest.raises(ReloadError, match=f"engine.{next(iter(change))}"):
+        core.reload(old.with_engine(**change))
+    assert core.config == old  # /admin/config keeps reporting what runs
+    core.add_request("after", prompt_ids[0], greedy())
+    out: list[int] = []
+    while core.has_work:
+        for o in core.step()[0]:
+            out.extend(o.new_token_ids)
+    assert out == alone[0]
 
 
 def test_abort_frees_blocks(core: EngineCore, prompt_ids: list[list[int]]) -> None:
