@@ -435,22 +435,18 @@ def start_targets(up_url: str, args: argparse.Namespace, workdir: Path,
     if args.baseline_src:
         targets.append(start_polyinfer(up_url, workdir, core, "classifier",
                                        args.baseline_src.resolve()))
-    binary = find_vllm_router(args.vllm_router)
-    if binary:
+    peers = (("vllm-router", find_vllm_router(args.vllm_router), start_vllm_router,
+              "not installed"),
+             ("litellm", None if args.skip_litellm else find_litellm(), start_litellm,
+              "not installed (or --skip-litellm)"))
+    for name, binary, start, missing in peers:
+        if not binary:
+            print(f"# {name} {missing}: not compared")
+            continue
         try:
-            targets.append(start_vllm_router(binary, up_url, workdir, core))
+            targets.append(start(binary, up_url, workdir, core))
         except RuntimeError as e:
-            print(f"# vllm-router did not start: {e}")
-    else:
-        print("# vllm-router not installed: not compared")
-    litellm = find_litellm() if not args.skip_litellm else None
-    if litellm:
-        try:
-            targets.append(start_litellm(litellm, up_url, workdir, core))
-        except RuntimeError as e:
-            print(f"# litellm did not start: {e}")
-    else:
-        print("# litellm not installed (or --skip-litellm): not compared")
+            print(f"# {name} did not start: {e}")
     return targets
 
 
