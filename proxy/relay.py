@@ -423,6 +423,7 @@ class Relay:
 
 
 _DONE_EVENTS = (b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n")
+_USAGE_KEY = b'"usage":'  # followed by "{" or " {": a usage object (not "usage": null)
 # Keys whose value, when it is a non-empty string (or list), is generated output: a chat
 # delta's text or reasoning, a completion's text, a tool call.
 _OUTPUT_KEYS = (b'"content":', b'"text":', b'"reasoning_content":', b'"tool_calls":')
@@ -447,7 +448,6 @@ def _carries_output(events: bytes) -> bool:
                 return True
             pos = events.find(key, i)
     return False
-_USAGE_KEY = b'"usage":'  # followed by "{" or " {": a usage object (not "usage": null)
 
 
 def _last_event_end(buf: bytes) -> int:
