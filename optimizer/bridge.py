@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from engine.config import CompiledConfig
 from optimizer.errors import PromotionError
+from optimizer.promote import Switched
 
 if TYPE_CHECKING:
     from proxy.bluegreen import BlueGreen as ProxyBlueGreen
@@ -56,7 +57,7 @@ class PoolBlueGreen:
         self.blue_green = blue_green
         self.pool = pool
 
-    async def replace(self, worker_url: str, config: CompiledConfig) -> float:
+    async def replace(self, worker_url: str, config: CompiledConfig) -> Switched:
         from proxy.bluegreen import ReplacementError, ReplaceRequest
 
         name = _name_for(self.pool, worker_url)
@@ -64,4 +65,4 @@ class PoolBlueGreen:
             report = await self.blue_green.replace(name, ReplaceRequest(config=config))
         except ReplacementError as e:
             raise PromotionError(f"blue-green replacement of {name} failed: {e}") from e
-        return report.total_s
+        return Switched(report.total_s, report.new_url)

@@ -78,7 +78,7 @@ class BlueGreen(Protocol):
     restart-only field.
     """
 
-    async def replace(self, worker_url: str, config: CompiledConfig) -> float:
+    async def replace(self, worker_url: str, config: CompiledConfig) -> Switched:
         ...
 
 
@@ -114,12 +114,21 @@ def window_tpot(a: LiveSample, b: LiveSample) -> tuple[float | None, int]:
 
 
 @dataclass(frozen=True)
+class Switched:
+    """A config switch: seconds it took, and the URL that serves the worker afterwards."""
+
+    seconds: float
+    worker_url: str
+
+
+@dataclass(frozen=True)
 class PromotionOutcome:
     status: str  # "promoted" | "rolled_back" | "refused"
     switch_s: float  # reload (or replacement) seconds
     tpot_before_s: float | None
     tpot_after_s: float | None
     reason: str = ""
+    worker_url: str = ""  # the live worker's URL afterwards (a blue-green switch moves it)
 
 
 class Promoter:
@@ -131,10 +140,11 @@ class Promoter:
         self.blue_green = blue_green
 
     async def switch(self, worker_url: str, backend: str, cfg: CompiledConfig,
-                     restart: bool = False) -> float:
+                     restart: bool = False) -> Switched:
         if backend == "engine" and not restart:
-            return await EngineClient(worker_url, self.session).reload(
+            seconds = await EngineClient(worker_url, self.session).reload(
                 cfg.with_engine(measure_num_layers=None))
+            return Switched(seconds, worker_url)
         if self.blue_green is None:
             what = "an engine worker changing a restart-only field" if restart else \
                 f"a {backend} worker"
@@ -153,21 +163,23 @@ class Promoter:
         before_a = await scrape(self.session, worker_url)
         await asyncio.sleep(self.config.watch_s)
         before_b = await scrape(self.session, worker_url)
-        switch_s = await self.switch(worker_url, backend, winner, restart)
-        after_a = await scrape(self.session, worker_url)
+        switched = await self.switch(worker_url, backend, winner, restart)
+        live = switched.worker_url  # NOTE: a blue-green switch serves from a new server
+        after_a = await scrape(self.session, live)
         await asyncio.sleep(self.config.watch_s)
-        after_b = await scrape(self.session, worker_url)
+        after_b = await scrape(self.session, live)
         tpot_before, n_before = window_tpot(before_a, before_b)
         tpot_after, n_after = window_tpot(after_a, after_b)
         if self._regressed(tpot_before, n_before, tpot_after, n_after):
-            await self.switch(worker_url, backend, previous, restart)
-            return PromotionOutcome("rolled_back", switch_s, tpot_before, tpot_after,
-                                    f"live TPOT {tpot_after:.4f}s vs {tpot_before:.4f}s before")
+            back = await self.switch(live, backend, previous, restart)
+            return PromotionOutcome("rolled_back", switched.seconds, tpot_before, tpot_after,
+                                    f"live TPOT {tpot_after:.4f}s vs {tpot_before:.4f}s before",
+                                    back.worker_url)
         for sink in self.sinks:
-            sink.config_promoted(worker_url, winner, tokens_per_s)
+            sink.config_promoted(live, winner, tokens_per_s)
         judged = n_before >= self.config.min_requests and n_after >= self.config.min_requests
-        return PromotionOutcome("promoted", switch_s, tpot_before, tpot_after,
-                                "" if judged else "too little live traffic to judge")
+        return PromotionOutcome("promoted", switched.seconds, tpot_before, tpot_after,
+                                "" if judged else "too little live traffic to judge", live)
 
     def _regressed(self, before: float | None, n_before: int, after: float | None,
                    n_after: int) -> bool:

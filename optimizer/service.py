@@ -155,6 +155,8 @@ class OptimizerService:
         self.timings: dict[str, float] = {}
         self.last_error: str | None = None
         self.live_config: CompiledConfig | None = None
+        # the live worker's URL: config.worker_url until a blue-green switch moves it
+        self.worker_url = config.worker_url
         self.hardware: dict[str, float] = {}
         self._cpu_clock: Callable[[], float] | None = None
         self._pool: EnginePool | None = None  # set when this service starts its engines
@@ -265,9 +267,9 @@ class OptimizerService:
         return space, CostModel(space, steps, draft_shape), synth
 
     async def _live_config(self, session: aiohttp.ClientSession) -> CompiledConfig:
-        if self.config.worker_url and self.config.worker_backend == "engine":
+        if self.worker_url and self.config.worker_backend == "engine":
             try:
-                return await EngineClient(self.config.worker_url, session).config()
+                return await EngineClient(self.worker_url, session).config()
             except (OptimizerError, aiohttp.ClientError, OSError) as e:
                 logger.warning("cannot read the live worker's config (%s); using the base", e)
         return self.config.base
@@ -403,7 +405,7 @@ class OptimizerService:
 
     async def _promote(self, winner: Confirmed, promoter: Promoter, board: Board,
                        cid: str) -> dict[str, Any]:
-        url, backend = self.config.worker_url, self.config.worker_backend
+        url, backend = self.worker_url, self.config.worker_backend
         if url is None:
             return {"status": "verified"}
         previous = self.live_config or self.config.base
@@ -420,6 +422,7 @@ class OptimizerService:
             return {"status": "promotion_failed", "error": str(e)[:300]}
         if outcome.status == "promoted":
             self.live_config = winner.config
+        self.worker_url = outcome.worker_url or url
         self.timings["last_switch_s"] = outcome.switch_s
         details = {"switch_s": outcome.switch_s, "tpot_before_s": outcome.tpot_before_s,
                    "tpot_after_s": outcome.tpot_after_s, "reason": outcome.reason}
