@@ -66,7 +66,8 @@ def test_short_request_avoids_a_worker_busy_prefilling(interference: bool) -> No
     clock = Clock()
     p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, interference=interference), clock=clock)
     ws = pair()
-    assert p.choose(long_prompt(), ws[:1]).worker == "a"  # a 1,800-token prefill on "a"
+    held = [long_prompt()]  # the proxy keeps each shape until its outcome (id() is the key)
+    assert p.choose(held[0], ws[:1]).worker == "a"  # a 1,800-token prefill on "a"
     clock.now = 0.05
     # same load on both views: only the prefill in progress tells them apart
     assert p.choose(short(slo_tpot_s=0.03), ws).worker == ("b" if interference else "a")
@@ -77,9 +78,13 @@ def test_long_prompt_avoids_tight_slo_decoders(interference: bool) -> None:
     clock = Clock()
     p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, interference=interference), clock=clock)
     ws = pair()
+    # NOTE: the shapes are held, as the proxy holds them until their outcome: the policy
+    # keys its in-flight records by id(shape), and a freed shape's id can be reused
+    held = []
     for _ in range(4):  # tight-TPOT requests decoding on "a", loose ones on "b"
-        p.choose(short(slo_tpot_s=0.025), ws[:1])
-        p.choose(short(slo_tpot_s=1.0), ws[1:])
+        held += [short(slo_tpot_s=0.025), short(slo_tpot_s=1.0)]
+        p.choose(held[-2], ws[:1])
+        p.choose(held[-1], ws[1:])
     clock.now = 0.5  # all past their first token
     d = p.choose(long_prompt(slo_ttft_s=5.0, slo_tpot_s=1.0), ws)
     assert d.worker == ("b" if interference else "a")
@@ -114,9 +119,11 @@ def test_crowding_spills_before_the_batch_cap(crowding: bool) -> None:
     clock = Clock()
     p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, crowding=crowding), clock=clock)
     ws = pair()
+    held = []  # kept until the end, as the proxy keeps them (see above)
     for _ in range(4):
-        p.choose(no_prefill(slo_tpot_s=0.0245), ws[:1])
-        p.choose(no_prefill(slo_tpot_s=1.0), ws[1:])
+        held += [no_prefill(slo_tpot_s=0.0245), no_prefill(slo_tpot_s=1.0)]
+        p.choose(held[-2], ws[:1])
+        p.choose(held[-1], ws[1:])
     clock.now = 0.1
     a, b = (p.candidate(no_prefill(), w) for w in ws)
     assert not a.saturated and a.queue < 8  # well below the batch cap
