@@ -151,7 +151,12 @@ def needs_restart(running: CompiledConfig, target: CompiledConfig) -> bool:
         return True
     if target.backend != "engine":
         return running != target
-    return any(getattr(running.engine, f) != getattr(target.engine, f) for f in RESTART_FIELDS)
+    return bool(restart_fields_changed(running.engine, target.engine))
+
+
+def restart_fields_changed(running: EngineConfig, target: EngineConfig) -> list[str]:
+    """The :data:`RESTART_FIELDS` whose values differ: what a hot reload must refuse."""
+    return [f for f in RESTART_FIELDS if getattr(running, f) != getattr(target, f)]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint import ModelSpec, load_weights
-from engine.config import RESTART_FIELDS, CompiledConfig, EngineConfig
+from engine.config import CompiledConfig, EngineConfig, restart_fields_changed
 from engine.cuda_graph import CudaGraphDecoder
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthError, ReloadError
@@ -120,9 +120,10 @@ class EngineCore:
         if Path(config.model).resolve() != Path(self.config.model).resolve():
             raise ReloadError(f"reload cannot change the model ({self.config.model} -> "
                               f"{config.model}); start a new engine")
-        for name in RESTART_FIELDS:  # device, data_parallel_size: fixed at start-up
-            if getattr(config.engine, name) != getattr(self.config.engine, name):
-                raise ReloadError(f"reload cannot change engine.{name}; start a new engine")
+        changed = restart_fields_changed(self.config.engine, config.engine)
+        if changed:
+            raise ReloadError(f"reload cannot change engine.{changed[0]} (restart-only); "
+                              "start a new engine")
         seqs = self.scheduler.drain()
         if self.proposer is not None:
             for seq in seqs:

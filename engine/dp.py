@@ -24,7 +24,7 @@ from typing import Any
 from engine import core_proc
 from engine.async_engine import OutputRouter
 from engine.checkpoint import read_spec
-from engine.config import CompiledConfig
+from engine.config import CompiledConfig, restart_fields_changed
 from engine.core import RequestOutput
 from engine.errors import EngineError, EngineUnavailableError, ReloadError
 from engine.metrics import EngineMetrics
@@ -152,8 +152,10 @@ class DataParallelEngine:
 
     async def reload(self, config: CompiledConfig) -> float:
         """Reload every live core (between their steps); returns the slowest swap's seconds."""
-        if config.engine.data_parallel_size != self._config.engine.data_parallel_size:
-            raise ReloadError("reload cannot change engine.data_parallel_size; start a new engine")
+        changed = restart_fields_changed(self._config.engine, config.engine)
+        if changed:
+            raise ReloadError(f"reload cannot change engine.{changed[0]} (restart-only); "
+                              "start a new engine")
         alive = [c for c in self._cores if c.alive]
         if not alive:
             raise EngineUnavailableError("no engine core process is running")

@@ -22,8 +22,8 @@ Restart-only knobs (``engine.config.RESTART_FIELDS``, e.g. ``data_parallel_size`
 cannot be hot-reloaded: with an :class:`optimizer.pool.EnginePool` the measurer
 runs such a candidate on an engine started with it, and the cold start it
 paid is part of the experiment's seconds (``Measurement.restart_s``); without
-a pool such a candidate is refused (ReloadRejected) instead of measured as
-something it is not.
+a pool the engine's reload refuses such a candidate (ReloadRejected) instead of
+it being measured as something it is not.
 
 Two tiers: the fast tier reloads with ``engine.measure_num_layers`` set (the
 first N layers only: wrong outputs, step times that track the full model)
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import orjson
 
-from engine.config import RESTART_FIELDS, CompiledConfig, needs_restart
+from engine.config import CompiledConfig
 from loadgen.client import StreamingClient
 from loadgen.config import ClientConfig
 from loadgen.request import PreparedRequest
@@ -255,7 +255,6 @@ class Measurer:
                                    f"{objective!r}")
         self.engine = engine
         self.pool = pool  # engines for candidates a hot reload cannot reach
-        self._running: CompiledConfig | None = None  # what `engine` serves (no pool)
         self.samples = samples
         self.cpu_seconds = cpu_seconds
         self.objective = objective
@@ -312,13 +311,8 @@ class Measurer:
             handle, start_s = await self.pool.get(cfg)
             clock = handle.process.cpu_seconds if handle.process is not None else None
             return handle.client, clock, start_s
-        if self._running is None:
-            # NOTE: an in-process engine would take a data_parallel_size change by reload
-            # without acting on it; ask once what it serves, so such a candidate is refused.
-            self._running = await self.engine.config()
-        if needs_restart(self._running, cfg):
-            raise ReloadRejected(f"{', '.join(RESTART_FIELDS)}, backend and model need an engine "
-                                 "restart, and this measurer has no engine pool")
+        # NOTE: without a pool a restart-only change goes to the engine's reload, which
+        # refuses it (HTTP 400 -> ReloadRejected) before touching what it serves.
         return self.engine, self.cpu_seconds, 0.0
 
     def experiments_per_hour(self) -> dict[str, float]:
