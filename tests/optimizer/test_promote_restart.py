@@ -8,7 +8,6 @@ The promotion then watches, and tells the sinks about, the new server, not the o
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import aiohttp
@@ -22,25 +21,20 @@ from proxy.config import (
     HealthConfig,
     LaunchSpec,
     LimitsConfig,
-    ServerConfig,
-    TraceConfig,
+    ProxyConfig,
     default_config,
 )
-from tests.proxy.servers import ProxyThread
+from tests.proxy.servers import ProxyThread, launched_config
 
 MODEL = "tiny-target"
 
 
-def _one_launched_worker(tmp: Path):  # type: ignore[no-untyped-def]
-    base = default_config()
-    worker = next((w for w in base.workers if w.config.engine.spec_method == "none"),
-                  base.workers[0])
-    worker = dataclasses.replace(worker, launch=LaunchSpec(startup_timeout_s=240.0))
-    return dataclasses.replace(
-        base, server=ServerConfig(port=0), run_dir=str(tmp / "run"), workers=(worker,),
-        traces=TraceConfig(dir=str(tmp / "traces"), flush_interval_s=0.1),
-        limits=LimitsConfig(max_loop_lag_s=0, drain_timeout_s=30.0),
-        health=HealthConfig(interval_s=0.3, metrics_interval_s=0.5))
+def _one_launched_worker(tmp: Path) -> ProxyConfig:
+    workers = default_config().workers
+    worker = next((w for w in workers if w.config.engine.spec_method == "none"), workers[0])
+    return launched_config(tmp, LaunchSpec(startup_timeout_s=240.0),
+                           LimitsConfig(max_loop_lag_s=0, drain_timeout_s=30.0),
+                           HealthConfig(interval_s=0.3, metrics_interval_s=0.5), (worker,))
 
 
 @pytest.mark.timeout(400)

@@ -18,7 +18,16 @@ from typing import Any
 
 import uvloop
 
-from proxy.config import ProxyConfig, WorkerSpec, default_config
+from proxy.config import (
+    HealthConfig,
+    LaunchSpec,
+    LimitsConfig,
+    ProxyConfig,
+    ServerConfig,
+    TraceConfig,
+    WorkerSpec,
+    default_config,
+)
 from proxy.server import ProxyServer
 from proxy.supervisor import engine_command, free_port
 
@@ -89,6 +98,18 @@ def external_config(engines: list[EngineProcess], tmp: Path, **sections: Any) ->
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     return ProxyConfig.from_dict(data)
+
+
+def launched_config(tmp: Path, launch: LaunchSpec, limits: LimitsConfig, health: HealthConfig,
+                    workers: tuple[WorkerSpec, ...] | None = None) -> ProxyConfig:
+    """The embedded default with its workers (or ``workers``) launched and supervised by
+    the proxy: any port, run dir and traces under ``tmp``."""
+    base = default_config()
+    return dataclasses.replace(
+        base, server=ServerConfig(port=0), run_dir=str(tmp / "run"),
+        workers=tuple(dataclasses.replace(w, launch=launch) for w in workers or base.workers),
+        traces=TraceConfig(dir=str(tmp / "traces"), flush_interval_s=0.1),
+        limits=limits, health=health)
 
 
 class ProxyThread:

@@ -4,7 +4,6 @@ client disconnects, and SIGTERM draining. All on real engine workers."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 import subprocess
@@ -23,9 +22,7 @@ from proxy.config import (
     HealthConfig,
     LaunchSpec,
     LimitsConfig,
-    ServerConfig,
-    TraceConfig,
-    default_config,
+    ProxyConfig,
 )
 from proxy.pool import parse_metrics
 from proxy.supervisor import free_port
@@ -33,6 +30,7 @@ from tests.proxy.servers import (
     EngineProcess,
     ProxyThread,
     eventually,
+    launched_config,
     read_traces,
     wait_healthy,
 )
@@ -41,16 +39,12 @@ MODEL = "tiny-target"
 LONG = {"ignore_eos": True}
 
 
-def _embedded_default(tmp: Path):  # type: ignore[no-untyped-def]
-    base = default_config()
-    launch = LaunchSpec(restart_backoff_s=0.5, max_backoff_s=2.0)
-    return dataclasses.replace(
-        base, server=ServerConfig(port=0), run_dir=str(tmp / "run"),
-        workers=tuple(dataclasses.replace(w, launch=launch) for w in base.workers),
-        traces=TraceConfig(dir=str(tmp / "traces"), flush_interval_s=0.1),
-        limits=LimitsConfig(max_loop_lag_s=0),
-        health=HealthConfig(interval_s=0.3, metrics_interval_s=0.5, breaker_failures=1,
-                            breaker_cooldown_s=1.0))
+def _embedded_default(tmp: Path) -> ProxyConfig:
+    return launched_config(
+        tmp, LaunchSpec(restart_backoff_s=0.5, max_backoff_s=2.0),
+        LimitsConfig(max_loop_lag_s=0),
+        HealthConfig(interval_s=0.3, metrics_interval_s=0.5, breaker_failures=1,
+                     breaker_cooldown_s=1.0))
 
 
 @pytest.mark.timeout(400)
