@@ -38,6 +38,7 @@ class RequestRecord:
     completion_tokens: int | None = None
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
     ttft_s: float | None = None
     e2e_s: float | None = None
     batch_size: int | None = None  # worker's scraped running requests when sent
@@ -64,7 +65,8 @@ class RequestRecord:
             completion_tokens=self.completion_tokens or 0, ttft_s=self.ttft_s,
             tpot_s=self.tpot_s, e2e_s=self.e2e_s, spec_depth=self.spec_depth,
             spec_draft_tokens=self.spec_draft_tokens,
-            spec_accepted_tokens=self.spec_accepted_tokens, batch_size=self.batch_size)
+            spec_accepted_tokens=self.spec_accepted_tokens, batch_size=self.batch_size,
+            extra={} if self.cached_tokens is None else {"cached_tokens": self.cached_tokens})
 
     def to_trace(self) -> dict[str, Any]:
         shape = self.shape

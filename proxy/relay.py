@@ -493,6 +493,9 @@ def _take_usage(usage: Any, rec: RequestRecord) -> None:
     if isinstance(spec, dict):
         rec.spec_draft_tokens = int(spec.get("num_draft_tokens") or 0)
         rec.spec_accepted_tokens = int(spec.get("num_accepted_tokens") or 0)
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        rec.cached_tokens = details["cached_tokens"]  # the router learns its cache hits
 
 
 def _scan_usage_events(out: bytes, rec: RequestRecord, strip: bool,

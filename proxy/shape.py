@@ -106,7 +106,7 @@ class HeuristicShapeEstimator:
             max_tokens=max_tokens,
             predicted_output_tokens=max_tokens if max_tokens is not None else 256,
             stream=body.get("stream") is True,
-            prefix_hashes=prefix_hashes(text),
+            prefix_hashes=prefix_hashes(text), prefix_block_tokens=float(BLOCK_TOKENS),
             speculative_depth=depth if isinstance(depth, int) else None,
         )
 

@@ -8,6 +8,15 @@ current load, with the speculative depth the depth policy
     cost = (TTFT + predicted_output_tokens * TPOT + saturation wait + prefill ahead)
            x SLO penalty  +  interference
 
+TTFT's prefill part counts only the prompt tokens the worker would have to
+compute: the prompt less the leading blocks its prefix cache is expected to
+hold (:mod:`router.affinity`: a model of each worker's cache from where
+prompts were sent, sized by its KV cache, scaled by the hit ratio the worker
+reports in ``usage.prompt_tokens_details.cached_tokens``). So prefix affinity
+is part of the cost, not a rule: a worker that holds a request's prefix is
+cheaper by the prefill it saves, and stops being chosen when its load costs
+more than that.
+
 The SLO penalty grows with the predicted relative miss of the request's
 TTFT/TPOT SLO. ``prefill ahead`` is the prefill still to run on the worker for
 prompts routed there earlier (it stalls this request's decode steps), and
@@ -18,12 +27,8 @@ workers full of tight-SLO decodes, and a short one away from a worker busy
 prefilling, without any rule about domains. Profiles that have no samples yet
 predict their config's prior scaled by what the other workers measured
 against theirs (:mod:`router.calibration`). The lowest cost wins, except that
-
-- a worker that already holds the request's prefix blocks (prefix affinity)
-  wins if its cost is within ``affinity_slack`` of the best, it is not
-  saturated and it keeps a prefix cache (not the built-in engine);
-- with probability ``explore_prob`` a random unsaturated worker is tried, so
-  every profile keeps getting fresh samples.
+with probability ``explore_prob`` a random unsaturated worker is tried, so
+every profile keeps getting fresh samples.
 
 Load enters three times, which is what keeps it from herding: the profiles'
 TTFT depends on the batch and TPOT on the batch size; a worker past its batch
@@ -36,12 +41,17 @@ the capacity-aware spill: a worker that is best for each request alone is
 still the wrong place for the next one once the requests already there would
 be pushed past their SLOs. So when one domain's favourite saturates, its cost
 rises above the next-best worker's and traffic spreads
-(tests/router/test_adaptive.py, tests/router/test_adaptive_sim.py).
+(tests/router/test_adaptive.py, tests/router/test_adaptive_sim.py). The same
+holds for a hot prefix: its worker's saving is one prefill, its load grows with
+every request sent there, and once another worker has been sent the prefix it
+saves the same.
 
 Every decision's reason is counted (``stats()``, for the proxy's /stats):
 ``only`` (one candidate), ``fit`` (the cheapest worker even unloaded),
 ``load`` (a different worker than the unloaded favourite, because of load),
-``slo`` (the unloaded favourite would miss the SLO), ``affinity``, ``explore``.
+``slo`` (the unloaded favourite would miss the SLO), ``affinity`` (the
+cheapest worker only because of its cached prefix: another would win without
+the prefix caches), ``explore``.
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.affinity import PrefixAffinity
+from router.affinity import PrefixCacheModel
 from router.base import RequestOutcome, RequestShape, RouteDecision, WorkerView
 from router.calibration import Calibration
 from router.inflight import Flight, InFlight
@@ -67,8 +77,12 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class AdaptiveConfig:
     explore_prob: float = 0.03  # chance of routing to a random unsaturated worker
-    affinity_slack: float = 0.5  # affinity wins within (1 + slack) x the best cost
-    affinity_capacity: int = 65536  # prefix-block hashes remembered
+    # prefix caches (router.affinity): the modelled cache size of a worker whose config
+    # does not give one (vLLM: its KV cache on the GPU), tokens; the tokens per prefix
+    # block when the shape does not say; the weight of each realised hit in a worker's ratio
+    prefix_cache_tokens: int = 1 << 20
+    prefix_block_tokens: float = 64.0
+    hit_alpha: float = 0.1
     slo_penalty: float = 4.0  # cost multiplier per unit of relative SLO miss
     forgetting: float = 0.98  # RLS forgetting factor of the latency profiles
     prior: PriorConfig = field(default_factory=PriorConfig)
@@ -83,8 +97,12 @@ class AdaptiveConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore_prob < 1.0:
             raise ValueError(f"explore_prob: expected [0, 1), got {self.explore_prob}")
-        if self.affinity_slack < 0 or self.slo_penalty < 0:
-            raise ValueError("affinity_slack and slo_penalty must be >= 0")
+        if self.slo_penalty < 0:
+            raise ValueError(f"slo_penalty: expected >= 0, got {self.slo_penalty}")
+        if self.prefix_cache_tokens < 0 or self.prefix_block_tokens <= 0:
+            raise ValueError("prefix_cache_tokens must be >= 0 and prefix_block_tokens > 0")
+        if not 0.0 < self.hit_alpha <= 1.0:
+            raise ValueError(f"hit_alpha: expected (0, 1], got {self.hit_alpha}")
         if not 0.5 < self.forgetting <= 1.0:
             raise ValueError(f"forgetting: expected (0.5, 1], got {self.forgetting}")
         if self.max_pending <= 0:
@@ -105,9 +123,20 @@ class Candidate:
     meets_slo: bool
     ttft_s: float = 0.0  # predicted, with the slot wait
     tpot_s: float = 0.0  # predicted, with the prefills ahead
-    prefill_s: float = 0.0  # this prompt's prefill compute on the worker
-    caches_prefixes: bool = False  # prefix affinity can pay off (not the built-in engine)
+    prefill_s: float = 0.0  # this prompt's prefill compute on the worker (uncached part)
     wait_s: float = 0.0  # predicted wait for a batch slot, in ttft_s
+    model_cached_tokens: float = 0.0  # prompt tokens the cache model says the worker holds
+    cached_tokens: float = 0.0  # the same x the worker's realised hit ratio: what TTFT counts
+    saved_s: float = 0.0  # what the cached prefix takes off cost_s (0 without one)
+
+
+def caches_prefixes(view: WorkerView) -> bool:
+    """Whether the worker keeps prompt prefixes cached across requests: the built-in engine
+    when its config turns automatic prefix caching on (the default), vLLM always (automatic
+    prefix caching is its default); an external server's cache is unknown: no."""
+    if view.backend == "engine":
+        return bool(getattr(view.config.engine, "enable_prefix_caching", False))
+    return view.backend == "vllm"
 
 
 def load_of(view: WorkerView) -> int:
@@ -125,7 +154,7 @@ class AdaptivePolicy:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or AdaptiveConfig()
         self.depth_policy = depth_policy if depth_policy is not None else DepthPolicy()
-        self.affinity = PrefixAffinity(self.config.affinity_capacity)
+        self.prefix_cache = PrefixCacheModel(self.config.hit_alpha)
         self._rng = random.Random(seed)
         self._profiles: dict[str, WorkerProfile] = {}
         # NOTE: one calibration for the whole fleet: what one worker measured against its
@@ -142,7 +171,7 @@ class AdaptivePolicy:
     def choose(self, shape: RequestShape, workers: Sequence[WorkerView]) -> RouteDecision:
         cands = [self.candidate(shape, w) for w in workers]
         pick, reason = self._pick(shape, cands)
-        self._remember(shape, pick)
+        self._remember(shape, pick, workers[cands.index(pick)])
         self.reasons[reason] += 1
         self.decisions[pick.name] += 1
         if pick.depth is not None:
@@ -174,10 +203,16 @@ class AdaptivePolicy:
         batch = min(queue + 1, cap)
         depth = self._depth(shape, view, batch)
         d = depth or 0
-        pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d)
-        idle = prof.predict(shape.domain, shape.prompt_tokens, 0, 1, d)
+        model_cached = self._model_cached_tokens(shape, view)
+        cached = model_cached * self.prefix_cache.hit_ratio(view.name)
+        pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d, cached)
+        idle = prof.predict(shape.domain, shape.prompt_tokens, 0, 1, d, cached)
         prefill_s = idle.prefill_s
         cost = self._cost(shape, pred)
+        saved_s = 0.0
+        if cached > 0:
+            full = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d)
+            saved_s = max(full.ttft_s - pred.ttft_s, 0.0)
         now = self.clock()
         # past capacity the request waits for a slot: until enough of those ahead finish
         wait = self._inflight.slot_wait_s(view.name, now, queue + 1 - cap, cap, cost)
@@ -190,7 +225,25 @@ class AdaptivePolicy:
         penalty, meets = self._slo(shape, ttft_s, tpot_s)
         return Candidate(view.name, (cost + wait + ahead) * penalty + harm,
                          self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
-                         ttft_s, tpot_s, prefill_s, view.backend != "engine", wait)
+                         ttft_s, tpot_s, prefill_s, wait, model_cached, cached, saved_s * penalty)
+
+    def _model_cached_tokens(self, shape: RequestShape, view: WorkerView) -> float:
+        """Prompt tokens in the leading prefix blocks the worker's modelled cache holds."""
+        if not shape.prefix_hashes or not caches_prefixes(view):
+            return 0.0
+        num_blocks = self.prefix_cache.matched_blocks(view.name, shape.prefix_hashes)
+        return min(num_blocks * self._block_tokens(shape), float(shape.prompt_tokens))
+
+    def _block_tokens(self, shape: RequestShape) -> float:
+        return shape.prefix_block_tokens or self.config.prefix_block_tokens
+
+    def cache_capacity_tokens(self, view: WorkerView) -> float:
+        """The worker's modelled prefix-cache size: its KV cache (per engine core), else
+        ``prefix_cache_tokens``."""
+        if view.backend == "engine":
+            e = view.config.engine
+            return float(e.kv_cache_tokens * max(e.data_parallel_size, 1))
+        return float(self.config.prefix_cache_tokens)
 
     def _interference(self, worker: str, now: float, prefill_s: float, crowd_s: float,
                       cost_s: float) -> tuple[float, float]:
@@ -248,39 +301,26 @@ class AdaptivePolicy:
         open_ = [c for c in cands if not c.saturated]
         if open_ and self._rng.random() < self.config.explore_prob:
             return self._rng.choice(open_), "explore"
-        aff = self._affinity(shape, cands, best)
-        if aff is not None:
-            return aff, "affinity"
+        if best.saved_s > 0 and min(cands, key=lambda c: c.cost_s + c.saved_s) is not best:
+            return best, "affinity"
         favourite = min(cands, key=lambda c: c.unloaded_cost_s)
         if best.name == favourite.name:
             return best, "fit"
         return best, ("slo" if not favourite.meets_slo and best.meets_slo else "load")
 
-    def _affinity(self, shape: RequestShape, cands: list[Candidate],
-                  best: Candidate) -> Candidate | None:
-        if not shape.prefix_hashes:
-            return None
-        hit = self.affinity.lookup(shape.prefix_hashes)
-        if hit is None or hit[0] == best.name:
-            return None
-        cand = next((c for c in cands if c.name == hit[0]), None)
-        # NOTE: the built-in engine keeps no prefix cache, so affinity to it buys nothing
-        if cand is None or cand.saturated or not cand.caches_prefixes:
-            return None
-        return cand if cand.cost_s <= best.cost_s * (1.0 + self.config.affinity_slack) else None
-
     # --- learning --------------------------------------------------------------------------
 
-    def _remember(self, shape: RequestShape, pick: Candidate) -> None:
-        if shape.prefix_hashes:
-            self.affinity.record(shape.prefix_hashes, pick.name)
+    def _remember(self, shape: RequestShape, pick: Candidate, view: WorkerView) -> None:
+        if shape.prefix_hashes and caches_prefixes(view):
+            self.prefix_cache.record(pick.name, shape.prefix_hashes, self._block_tokens(shape),
+                                     self.cache_capacity_tokens(view))
         # NOTE: the proxy hands back the same RequestShape object in the outcome, so its
         # id() recovers the load this decision saw; entries are bounded and evicted FIFO.
         penalty, _ = self._slo(shape, pick.ttft_s, pick.tpot_s)
         self._inflight.add(id(shape), Flight(
             pick.name, pick.queue, pick.batch, pick.depth or 0, self.clock(), pick.ttft_s,
             pick.tpot_s, max(shape.predicted_output_tokens, 1), pick.prefill_s,
-            shape.slo_ttft_s, shape.slo_tpot_s, penalty, pick.wait_s))
+            shape.slo_ttft_s, shape.slo_tpot_s, penalty, pick.wait_s, pick.model_cached_tokens))
 
     def _observe(self, outcome: RequestOutcome) -> None:
         pending = self._inflight.pop(id(outcome.shape))
@@ -296,6 +336,7 @@ class AdaptivePolicy:
         batch = pending.batch if pending else max(1, outcome.batch_size or 1)
         depth = outcome.spec_depth if outcome.spec_depth is not None else (
             pending.depth if pending else 0)
+        cached = self._observe_cached(outcome, pending)
         ttft_s, tpot_s = outcome.ttft_s, outcome.tpot_s
         if ttft_s is not None and pending is not None and pending.wait_s > 0:
             # NOTE: the TTFT model prices the batch a request shares; the wait for a slot
@@ -305,15 +346,26 @@ class AdaptivePolicy:
         if ttft_s is None and outcome.e2e_s is not None and outcome.completion_tokens > 1:
             # NOTE: a non-streamed request shows only e2e; attribute the predicted TTFT
             # to its prefill and learn TPOT from the rest (TTFT itself stays unobserved).
-            pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, depth)
+            pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, depth, cached)
             decode_s = outcome.e2e_s - pred.ttft_s
             if decode_s <= 0:  # the TTFT prediction overshoots: split e2e by predicted shares
                 decode_pred = pred.tpot_s * (outcome.completion_tokens - 1)
                 total = pred.ttft_s + decode_pred
                 decode_s = outcome.e2e_s * (decode_pred / total if total > 0 else 0.5)
             tpot_s = decode_s / (outcome.completion_tokens - 1)
-        prof.observe(shape.domain, shape.prompt_tokens, queue, batch, depth, ttft_s, tpot_s)
+        prof.observe(shape.domain, shape.prompt_tokens, queue, batch, depth, ttft_s, tpot_s,
+                     cached)
         self._observe_depth(outcome, batch, depth)
+
+    def _observe_cached(self, outcome: RequestOutcome, pending: Flight | None) -> float:
+        """Prompt tokens the request found cached: as the worker reported them (then the
+        worker's hit ratio learns from it), else as predicted at the decision."""
+        predicted = pending.model_cached_tokens if pending is not None else 0.0
+        realised = outcome.extra.get("cached_tokens")
+        if realised is None:
+            return predicted * self.prefix_cache.hit_ratio(outcome.worker)
+        self.prefix_cache.observe_hit(outcome.worker, predicted, realised)
+        return realised
 
     def _observe_depth(self, outcome: RequestOutcome, batch: int, depth: int) -> None:
         if outcome.spec_draft_tokens <= 0 or outcome.ttft_s is None or outcome.e2e_s is None:
@@ -330,6 +382,6 @@ class AdaptivePolicy:
         return {"policy": self.name, "reasons": dict(self.reasons),
                 "decisions": dict(self.decisions),
                 "depths": {str(k): v for k, v in sorted(self.depths.items())},
-                "affinity_entries": len(self.affinity), "in_flight": len(self._inflight),
+                "prefix_cache": self.prefix_cache.snapshot(), "in_flight": len(self._inflight),
                 "calibration": self.calibration.snapshot(),
                 "profiles": {n: p.snapshot() for n, p in self._profiles.items()}}

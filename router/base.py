@@ -27,10 +27,13 @@ class RequestShape:
     max_tokens: int | None  # as requested; None when the client set none
     predicted_output_tokens: int  # max_tokens, or the learned per-domain prediction
     stream: bool = False
-    prefix_hashes: tuple[int, ...] = ()  # hashes of 512-token prompt blocks, in order
+    # chained hashes of the prompt's leading fixed-size blocks, in order (equal = shared
+    # prefix up to that block; the block size is the shape estimator's, TokenConfig.block_chars)
+    prefix_hashes: tuple[int, ...] = ()
     speculative_depth: int | None = None  # client-requested depth, if any
     slo_ttft_s: float | None = None  # per-request or per-domain SLO, seconds
     slo_tpot_s: float | None = None
+    prefix_block_tokens: float = 0.0  # prompt tokens per prefix block (0: unknown)
 
 
 @dataclass

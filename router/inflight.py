@@ -45,6 +45,7 @@ class Flight:
     slo_tpot_s: float | None = None
     penalty: float = 1.0  # the policy's SLO cost multiplier for these predictions
     wait_s: float = 0.0  # predicted wait for a batch slot, included in ttft_s
+    model_cached_tokens: float = 0.0  # prompt tokens the prefix-cache model said were cached
 
     @property
     def cost_s(self) -> float:

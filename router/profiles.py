@@ -3,6 +3,8 @@
 Two linear models per (worker, shape bucket):
 
 - TTFT (seconds) against ``[1, prompt_tokens / 1000, queue / 8]``, where
+  ``prompt_tokens`` are those the worker must prefill (the prompt less what its prefix
+  cache is expected to hold, :mod:`router.affinity`) and
   ``queue`` is the worker's load when the request was sent, up to its batch
   capacity (the requests it shares steps with; the wait for a slot past the
   capacity is the policy's, from what is ahead: :mod:`router.inflight`);
@@ -50,6 +52,12 @@ def ttft_key(prompt_tokens: int) -> str:
 def batch_capacity(config: CompiledConfig) -> int:
     """Sequences the worker runs at once: ``max_num_seqs`` per engine core."""
     return config.engine.max_num_seqs * max(config.engine.data_parallel_size, 1)
+
+
+def uncached(prompt_tokens: int, cached_tokens: float) -> int:
+    """Prompt tokens left to prefill when ``cached_tokens`` are found in the prefix cache;
+    at least one (an engine recomputes the last prompt token to sample the first output)."""
+    return max(prompt_tokens - int(cached_tokens), 1) if cached_tokens > 0 else prompt_tokens
 
 
 def prompt_band(prompt_tokens: int) -> int:
@@ -229,9 +237,12 @@ class WorkerProfile:
                        BayesianRLS(tpot, v, self._forgetting))
 
     def predict(self, domain: str, prompt_tokens: int, queue: float, batch: float,
-                depth: int) -> Prediction:
+                depth: int, cached_tokens: float = 0.0) -> Prediction:
+        """TTFT and TPOT; the prefill part of TTFT counts only the ``prompt_tokens`` not
+        among the ``cached_tokens`` the worker is expected to find in its prefix cache."""
         cap = batch_capacity(self.prior.config)
-        xt = ttft_features(prompt_tokens, min(queue, cap))
+        new_tokens = uncached(prompt_tokens, cached_tokens)
+        xt = ttft_features(new_tokens, min(queue, cap))
         xp = tpot_features(min(batch, cap), depth)
         bucket = self._buckets.get((domain, prompt_band(prompt_tokens)))
         if bucket is None:
@@ -248,14 +259,14 @@ class WorkerProfile:
         tpot = max(cp[0] + cp[1] * xp[1] + cp[2] * xp[2], 1e-5)
         prefill = max(ct[1] * xt[1], 0.0)
         if self._all.ttft.num_samples == 0:
-            c = self.calibration.factor(ttft_key(prompt_tokens))
+            c = self.calibration.factor(ttft_key(new_tokens))
             ttft, prefill = ttft * c, prefill * c
         if self._all.tpot.num_samples == 0:
             tpot *= self.calibration.factor(TPOT_KEY)
         return Prediction(ttft, tpot, n, prefill)
 
     def observe(self, domain: str, prompt_tokens: int, queue: float, batch: float, depth: int,
-                ttft_s: float | None, tpot_s: float | None) -> None:
+                ttft_s: float | None, tpot_s: float | None, cached_tokens: float = 0.0) -> None:
         has_ttft = ttft_s is not None and ttft_s >= 0 and math.isfinite(ttft_s)
         has_tpot = tpot_s is not None and tpot_s > 0 and math.isfinite(tpot_s)
         if has_tpot and self._all.tpot.num_samples == 0:
@@ -268,7 +279,8 @@ class WorkerProfile:
         if bucket is None:
             bucket = self._buckets[key] = self._bucket_init(domain, prompt_tokens)
         cap = batch_capacity(self.prior.config)
-        xt = ttft_features(prompt_tokens, min(queue, cap))
+        new_tokens = uncached(prompt_tokens, cached_tokens)
+        xt = ttft_features(new_tokens, min(queue, cap))
         xp = tpot_features(min(batch, cap), depth)
         f = self.prior.factor(domain, prompt_tokens)
         spec = self.prior.tpot_coef(domain)[0] / self.prior.tpot_coef("chat")[0]
@@ -276,8 +288,8 @@ class WorkerProfile:
             assert ttft_s is not None
             bucket.ttft.update(xt, ttft_s)
             self._all.ttft.update(xt, ttft_s / f)
-            self.calibration.observe(ttft_key(prompt_tokens), ttft_s,
-                                     self.prior.ttft_s(domain, prompt_tokens, min(queue, cap)))
+            self.calibration.observe(ttft_key(new_tokens), ttft_s,
+                                     self.prior.ttft_s(domain, new_tokens, min(queue, cap)))
         if has_tpot:
             assert tpot_s is not None
             bucket.tpot.update(xp, tpot_s)

@@ -38,10 +38,12 @@ from typing import Any
 from engine.config import DOMAINS
 from router.base import RequestOutcome, RequestShape
 from router.classifier import DomainClassifier
-from router.tokens import TokenConfig, TokenCounter, message_text, render_chat
+from router.tokens import TokenConfig, TokenCounter, message_text, render_chat, tokens_per_block
 
 logger = logging.getLogger(__name__)
 
+# (domain, prompt tokens, prefix-block hashes, prompt tokens per prefix block)
+TextShape = tuple[str, int, tuple[int, ...], float]
 # NOTE: priors only (rough typical answer lengths); replaced by each domain's
 # observed mean after a few requests.
 OUTPUT_PRIOR_TOKENS = {"code": 256, "math": 192, "chat": 256, "qa": 64, "summarization": 128,
@@ -125,19 +127,20 @@ class ShapeEstimator:
 
     def estimate(self, body: Mapping[str, Any], endpoint: str) -> RequestShape:
         rendered, classify_text = _prompt_texts(body, endpoint)
-        hashes: tuple[int, ...]
+        text_shape: TextShape
         if rendered is None:  # token ids: nothing to tokenize or hash
-            domain, num_tokens, hashes = self._classify(classify_text), _token_ids_len(body), ()
+            text_shape = (self._classify(classify_text), _token_ids_len(body), (), 0.0)
         elif len(rendered) + len(classify_text) <= self.config.cache_max_chars:
-            domain, num_tokens, hashes = self._cached_text_shape(rendered, classify_text)
+            text_shape = self._cached_text_shape(rendered, classify_text)
         else:
-            domain, num_tokens, hashes = self._text_shape(rendered, classify_text)
+            text_shape = self._text_shape(rendered, classify_text)
+        domain, num_tokens, hashes, block_tokens = text_shape
         max_tokens = _int_or_none(body.get("max_completion_tokens", body.get("max_tokens")))
         predicted = max_tokens if max_tokens is not None else self.output.predict(domain)
         return RequestShape(
             domain=domain, prompt_tokens=num_tokens, max_tokens=max_tokens,
             predicted_output_tokens=predicted, stream=body.get("stream") is True,
-            prefix_hashes=hashes,
+            prefix_hashes=hashes, prefix_block_tokens=block_tokens,
             speculative_depth=_int_or_none(body.get("speculative_depth")),
             slo_ttft_s=_float_or_none(body.get("slo_ttft_s")) or self.config.slo_ttft_s.get(domain),
             slo_tpot_s=_float_or_none(body.get("slo_tpot_s")) or self.config.slo_tpot_s.get(domain),
@@ -154,10 +157,13 @@ class ShapeEstimator:
                 "output_tokens": self.output.snapshot(),
                 "cache": {"hits": info.hits, "misses": info.misses, "entries": info.currsize}}
 
-    def _text_shape(self, rendered: str, classify_text: str) -> tuple[str, int, tuple[int, ...]]:
-        """(domain, prompt tokens, prefix hashes): everything that depends on the texts."""
-        return (self._classify(classify_text), self.counter.count(rendered).num_tokens,
-                self.counter.prefix_hashes(rendered) if rendered else ())
+    def _text_shape(self, rendered: str, classify_text: str) -> TextShape:
+        """Everything that depends on the texts."""
+        num_tokens = self.counter.count(rendered).num_tokens
+        hashes = self.counter.prefix_hashes(rendered) if rendered else ()
+        block_tokens = tokens_per_block(num_tokens, len(rendered),
+                                        self.config.tokens.block_chars) if hashes else 0.0
+        return self._classify(classify_text), num_tokens, hashes, block_tokens
 
     def _classify(self, text: str) -> str:
         if not text.strip():

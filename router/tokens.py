@@ -17,9 +17,16 @@ template, the earlier turns of a conversation) encode only what is new. The
 count is the same either way.
 
 Prefix hashes: blake2b over fixed blocks of ``block_chars`` bytes of the
-UTF-8 rendered prompt (about 512 tokens of English), chained so a block hash
-identifies the whole prefix up to it, for at most ``max_hash_blocks`` blocks.
-Equal prefixes give equal hashes in every process.
+UTF-8 rendered prompt, chained so a block hash identifies the whole prefix up
+to it, for at most ``max_hash_blocks`` blocks. Equal prefixes give equal
+hashes in every process. The router's prefix-cache model (:mod:`router.affinity`)
+counts a request's cached tokens in these blocks, so they should be small
+against the shared prefixes of the traffic (a system prompt, earlier turns)
+and large against the engine's 16-token KV blocks: the default, 256 bytes, is
+about 64 tokens of English. Bytes, not tokens: block edges need no full
+tokenisation (a long prompt's count is extrapolated from its head), and the
+tokens per block of a prompt come from its own count
+(:func:`tokens_per_block`).
 """
 
 from __future__ import annotations
@@ -32,10 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 
 CHUNK_CHARS = 256  # encode in word-aligned pieces of about this many characters
+# NOTE: below ~16 bytes a block is a few tokens (more hashing than the cache model can use:
+# the engine caches 16-token KV blocks); above 64 kB one block is most prompts (no sharing seen).
+MIN_BLOCK_CHARS, MAX_BLOCK_CHARS, MAX_HASH_BLOCKS = 16, 65536, 4096
 
 
 def _chunk_end(text: str, target: int) -> int | None:
@@ -52,22 +64,35 @@ def _chunk_end(text: str, target: int) -> int | None:
     return None
 
 
+def _check_int(value: object, key: str, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{key}: expected an integer in [{low}, {high}], got {value!r}")
+
+
 @dataclass(frozen=True)
 class TokenConfig:
     exact_max_chars: int = 1024  # encode the whole prompt up to this many characters
     sample_chars: int = 768  # otherwise encode this head and extrapolate
     chars_per_token: float = 4.0  # used without a tokenizer
-    block_chars: int = 2048  # prefix-hash block in UTF-8 bytes, ~512 tokens of English
-    max_hash_blocks: int = 32  # hash at most this many leading blocks (~16k tokens)
+    block_chars: int = 256  # prefix-hash block in UTF-8 bytes, ~64 tokens of English
+    max_hash_blocks: int = 128  # hash at most this many leading blocks (~8k tokens)
     chunk_cache_entries: int = 8192  # memoised chunk counts (0 = none); ~256 chars each
 
     def __post_init__(self) -> None:
         if self.chunk_cache_entries < 0:
-            raise ValueError("chunk_cache_entries must be >= 0")
+            raise ConfigError(f"chunk_cache_entries: expected >= 0, got {self.chunk_cache_entries!r}")
         if not 0 < self.sample_chars <= self.exact_max_chars:
-            raise ValueError("expected 0 < sample_chars <= exact_max_chars")
-        if self.chars_per_token <= 0 or self.block_chars <= 0 or self.max_hash_blocks < 0:
-            raise ValueError("chars_per_token and block_chars must be > 0, max_hash_blocks >= 0")
+            raise ConfigError("sample_chars: expected 0 < sample_chars <= exact_max_chars, got "
+                              f"{self.sample_chars!r} and {self.exact_max_chars!r}")
+        if self.chars_per_token <= 0:
+            raise ConfigError(f"chars_per_token: expected > 0, got {self.chars_per_token!r}")
+        _check_int(self.block_chars, "block_chars", MIN_BLOCK_CHARS, MAX_BLOCK_CHARS)
+        _check_int(self.max_hash_blocks, "max_hash_blocks", 0, MAX_HASH_BLOCKS)
+
+
+def tokens_per_block(num_tokens: int, num_chars: int, block_chars: int) -> float:
+    """Prompt tokens in one ``block_chars``-byte prefix block, from the prompt's own ratio."""
+    return block_chars * num_tokens / num_chars if num_chars > 0 else 0.0
 
 
 @dataclass(frozen=True)

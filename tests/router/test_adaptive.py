@@ -76,33 +76,6 @@ def test_scraped_queue_counts_as_load() -> None:
     assert d.worker == "big" and d.reason == "load"
 
 
-def test_prefix_affinity_keeps_a_prefix_on_its_worker_unless_overloaded() -> None:
-    p, ws = AdaptivePolicy(NO_EXPLORE), views()
-    for w in ws:  # vLLM workers keep a prefix cache
-        w.backend = "vllm"
-    teach(p, ws, "small", "chat", 0.020)
-    teach(p, ws, "big", "chat", 0.018)
-    s1 = shape("chat", prompt=2000, prefix_hashes=(11, 22, 33))
-    assert p.choose(s1, [ws[0]]).worker == "small"  # first seen on small
-    p.observe(RequestOutcome("small", s1, "ok", completion_tokens=100, ttft_s=0.4,
-                             tpot_s=0.02, e2e_s=2.4))  # done: no prefill of it left there
-    d = p.choose(shape("chat", prompt=2000, prefix_hashes=(11, 22, 44)), ws)
-    assert (d.worker, d.reason) == ("small", "affinity")
-    ws[0].outstanding_requests = 10  # saturated: affinity yields
-    assert p.choose(shape("chat", prompt=2000, prefix_hashes=(11, 22, 55)), ws).worker == "big"
-
-
-def test_no_prefix_affinity_to_engine_workers() -> None:
-    """The built-in engine has no prefix cache: a shared prefix is no reason to go there."""
-    p, ws = AdaptivePolicy(NO_EXPLORE), views()
-    teach(p, ws, "small", "chat", 0.020)
-    teach(p, ws, "big", "chat", 0.018)
-    assert p.choose(shape("chat", prompt=2000, prefix_hashes=(11, 22, 33)), [ws[0]]).worker \
-        == "small"
-    d = p.choose(shape("chat", prompt=2000, prefix_hashes=(11, 22, 44)), ws)
-    assert d.reason != "affinity"
-
-
 def test_slo_steers_away_from_a_worker_that_would_miss_it() -> None:
     p, ws = AdaptivePolicy(NO_EXPLORE), views()
     teach(p, ws, "small", "qa", tpot_s=0.010, ttft_s=1.0)  # fast tokens, slow first token

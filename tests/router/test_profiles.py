@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from engine.config import CompiledConfig, DeclaredFit
-from router.affinity import PrefixAffinity
 from router.profiles import (
     BayesianRLS,
     LatencyPrior,
@@ -79,16 +78,27 @@ def test_profile_ignores_bad_samples() -> None:
     assert prof.snapshot()["num_samples"] == 0
 
 
-def test_prefix_affinity_lru() -> None:
-    aff = PrefixAffinity(capacity=3)
-    aff.record((1, 2), "a")
-    aff.record((1, 2, 3), "b")
-    assert aff.lookup((1, 2, 3, 4)) == ("b", 3)
-    assert aff.lookup((9,)) is None
-    aff.record((7, 8), "c")  # evicts the oldest (hash 1)
-    assert len(aff) == 3 and aff.lookup((1,)) is None
-    aff.forget_worker("c")
-    assert aff.lookup((1, 2, 3, 7, 8)) == ("b", 3)
+def test_ttft_counts_only_the_uncached_prompt_tokens() -> None:
+    prof = WorkerProfile(LatencyPrior(CompiledConfig(), PriorConfig()))
+    full = prof.predict("rag", 1500, 0, 1, 0)
+    half = prof.predict("rag", 1500, 0, 1, 0, cached_tokens=750)
+    fresh = prof.predict("rag", 750, 0, 1, 0)
+    assert half.ttft_s < full.ttft_s and half.prefill_s == pytest.approx(full.prefill_s / 2)
+    assert half.ttft_s == pytest.approx(fresh.ttft_s)  # the same band's prior here
+    assert half.tpot_s == full.tpot_s  # decoding still attends over the whole prompt
+    # a cached prompt still prefills its last token
+    assert prof.predict("rag", 1500, 0, 1, 0, cached_tokens=5000).prefill_s > 0
+
+
+def test_observe_learns_ttft_against_the_uncached_tokens() -> None:
+    prof = WorkerProfile(LatencyPrior(CompiledConfig(), PriorConfig()))
+    for _ in range(60):  # prefill cost: 0.5 s per 1000 computed tokens + 0.02 s
+        prof.observe("rag", 2000, 0, 1, 0, ttft_s=0.02 + 0.5 * 1.0, tpot_s=0.01,
+                     cached_tokens=1000)
+        prof.observe("rag", 2000, 0, 1, 0, ttft_s=0.02 + 0.5 * 2.0, tpot_s=0.01)
+    assert prof.predict("rag", 2000, 0, 1, 0).ttft_s == pytest.approx(1.02, rel=0.05)
+    assert prof.predict("rag", 2000, 0, 1, 0, cached_tokens=1500).ttft_s == pytest.approx(
+        0.27, rel=0.1)
 
 
 def test_rls_bounds_an_outliers_pull_but_follows_a_real_shift() -> None:

@@ -97,15 +97,19 @@ def test_cache_hits_return_what_a_miss_computes() -> None:
     bodies = [{"messages": [{"role": "system", "content": "You are terse."},
                             {"role": "user", "content": f"Translate to French: item {i}"}]}
               for i in range(3)]
-    # a long assistant turn: rendered (not classified), over one 2,048-byte hash block
+    # a long assistant turn: rendered (not classified), over eight 256-byte hash blocks
     bodies.append({"messages": [{"role": "user", "content": "Summarize our chat."},
                                 {"role": "assistant", "content": "word " * 420}]})
     for _ in range(2):  # second round: every text is cached
         for body in bodies:
             assert cached.estimate(body, "/v1/chat/completions") == uncached.estimate(
                 body, "/v1/chat/completions")
-    assert len(cached.estimate(bodies[-1], "/v1/chat/completions").prefix_hashes) == 1
+    long_shape = cached.estimate(bodies[-1], "/v1/chat/completions")
+    assert len(long_shape.prefix_hashes) == 8
+    # tokens per block from the prompt's own ratio: 256 bytes x tokens / rendered chars
+    assert 0 < long_shape.prefix_block_tokens < 256
     assert cached.stats()["cache"] == {"hits": 5, "misses": 4, "entries": 4}
+    assert cached.estimate(bodies[0], "/v1/chat/completions").prefix_block_tokens == 0.0
     assert uncached.stats()["cache"]["entries"] == 0
 
 

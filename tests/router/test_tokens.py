@@ -8,8 +8,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from engine.config import TINY_TARGET
-from router.tokens import TokenConfig, TokenCounter, render_chat
+from engine.config import TINY_TARGET, ConfigError
+from router.tokens import TokenConfig, TokenCounter, render_chat, tokens_per_block
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,26 @@ def test_prefix_hashes_share_leading_blocks_only() -> None:
 def test_config_validation() -> None:
     with pytest.raises(ValueError):
         TokenConfig(exact_max_chars=100, sample_chars=200)
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"block_chars": 0}, "block_chars"), ({"block_chars": 8}, "block_chars"),
+    ({"block_chars": 1 << 20}, "block_chars"), ({"block_chars": 256.0}, "block_chars"),
+    ({"block_chars": True}, "block_chars"), ({"max_hash_blocks": -1}, "max_hash_blocks"),
+    ({"max_hash_blocks": 10_000}, "max_hash_blocks"), ({"chars_per_token": 0}, "chars_per_token"),
+])
+def test_bad_prefix_block_config_is_a_config_error_naming_the_key(
+        kwargs: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        TokenConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_default_prefix_blocks_are_about_64_tokens_and_tokens_per_block_uses_the_ratio() -> None:
+    c = TokenCounter(TokenConfig())
+    assert c.config.block_chars == 256
+    assert len(c.prefix_hashes("x" * 1000)) == 3
+    assert tokens_per_block(num_tokens=500, num_chars=2000, block_chars=256) == 64.0
+    assert tokens_per_block(num_tokens=0, num_chars=0, block_chars=256) == 0.0
 
 
 def test_chunked_counting_is_exact_on_real_prompts(counter: TokenCounter) -> None:
