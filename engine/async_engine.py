@@ -199,6 +199,10 @@ class OutputRouter:
             m.prompt_tokens.labels(**labels).inc(stats.num_prompt_tokens)
         if stats.num_generated:
             m.generation_tokens.labels(**labels).inc(stats.num_generated)
+        if stats.num_prefix_queries:
+            m.prefix_cache_queries.labels(**labels).inc(stats.num_prefix_queries)
+            m.prefix_cache_hits.labels(**labels).inc(stats.num_prefix_hits)
+            m.prompt_tokens_cached.labels(**labels).inc(stats.num_prefix_hits)
         if stats.num_preempted:
             m.preemptions.labels(**labels).inc(stats.num_preempted)
         if stats.decode_step is not None:

@@ -15,6 +15,7 @@ Example (YAML)::
       kv_cache_tokens: 16384
       spec_method: ngram
       spec_max_depth: 4
+      enable_prefix_caching: true   # vLLM's default: reuse K/V of shared prompt prefixes
     fit:
       domains: [code, extraction]
       prompt_tokens: [0, 512]
@@ -84,6 +85,11 @@ class EngineConfig:
     # processes (engine.dp), each with its own weights, KV cache (kv_cache_tokens each) and
     # step loop, one intra-op thread each when num_threads is 0. Not hot-reloadable.
     data_parallel_size: int = 0
+    # Automatic prefix caching (engine.kv_cache), on by default as in vLLM V1: a request
+    # reuses the cached K/V of the full 16-token blocks its prompt shares with earlier
+    # requests (its own history after preemption, a previous turn's prompt and answer).
+    # Hot-reloadable; every reload starts with an empty cache.
+    enable_prefix_caching: bool = True
     # NOTE: measurement only. Loading only the first N layers makes a fast,
     # wrong model whose step times track the full one; never serve it.
     measure_num_layers: int | None = None
@@ -123,6 +129,8 @@ class EngineConfig:
         _check(self.data_parallel_size == 0 or self.execution != "cuda_graph",
                "engine.data_parallel_size", "0 with execution 'cuda_graph'",
                self.data_parallel_size)
+        _check(isinstance(self.enable_prefix_caching, bool), "engine.enable_prefix_caching",
+               "true or false", self.enable_prefix_caching)
         _check(self.measure_num_layers is None or self.measure_num_layers > 0,
                "engine.measure_num_layers", "a positive integer or null", self.measure_num_layers)
 

@@ -49,11 +49,14 @@ class RequestOutput:
     num_output_tokens: int
     num_draft_tokens: int  # totals for the request so far
     num_accepted_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass
 class StepStats:
-    num_prompt_tokens: int = 0  # prompt tokens computed this step (first pass only)
+    num_prompt_tokens: int = 0  # prompt tokens computed or found cached this step
+    num_prefix_queries: int = 0  # prompt tokens of newly admitted requests looked up
+    num_prefix_hits: int = 0  # of which found in the prefix cache
     num_generated: int = 0
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -101,9 +104,10 @@ class EngineCore:
         self.proposer: Proposer | None = build_proposer(cfg, self.spec, self.weights)
         self._threads_for = None
         logger.info("engine built: dtype=%s kv=%d blocks x %d (%.1f MiB) max_num_seqs=%d "
-                    "budget=%d spec=%s/%d", cfg.dtype, cfg.num_kv_blocks, cfg.block_size,
-                    kv.num_bytes / 2**20, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                    cfg.spec_method, cfg.spec_max_depth)
+                    "budget=%d spec=%s/%d prefix_caching=%s", cfg.dtype, cfg.num_kv_blocks,
+                    cfg.block_size, kv.num_bytes / 2**20, cfg.max_num_seqs,
+                    cfg.max_num_batched_tokens, cfg.spec_method, cfg.spec_max_depth,
+                    cfg.enable_prefix_caching)
 
     def _layer_weights(self, cfg: EngineConfig) -> dict[str, torch.Tensor]:
         want = cfg.measure_num_layers or self.spec.num_layers
@@ -115,7 +119,12 @@ class EngineCore:
                 if not k.startswith("model.layers.") or int(k.split(".")[2]) < want}
 
     def reload(self, config: CompiledConfig) -> float:
-        """Apply a new compiled config without re-reading weights; returns seconds taken."""
+        """Apply a new compiled config without re-reading weights; returns seconds taken.
+
+        NOTE: ``_build`` makes a new KV cache and block allocator, so every reload
+        starts with an empty prefix cache: no K/V computed under the old dtype,
+        layers or attention kernel can be served under the new config.
+        """
         t0 = time.perf_counter()
         if Path(config.model).resolve() != Path(self.config.model).resolve():
             raise ReloadError(f"reload cannot change the model ({self.config.model} -> "
@@ -198,6 +207,9 @@ class EngineCore:
         stats = StepStats()
         plan = self.scheduler.schedule(self._propose())
         stats.num_preempted = len(plan.preempted)
+        stats.num_prefix_queries = plan.num_prefix_queries
+        stats.num_prefix_hits = plan.num_prefix_hits
+        stats.num_prompt_tokens = plan.num_prefix_hits  # vLLM counts cached prompt tokens too
         if self.proposer is not None:
             for seq in plan.preempted:
                 self.proposer.release(seq.seq_id)
@@ -244,8 +256,10 @@ class EngineCore:
             stats.num_prompt_tokens += min(item.num_new, seq.num_prompt_tokens - seq.num_computed)
         seq.num_computed += item.num_new
         if result is None:
+            self.scheduler.cache_blocks(seq)  # a prefill chunk that filled blocks
             return None
         seq.num_computed += result.num_accepted
+        self.scheduler.cache_blocks(seq)
         if item.drafts:
             self._count_spec(seq, len(item.drafts), result.num_accepted, stats)
         new = self._append(seq, result.tokens)
@@ -310,7 +324,7 @@ class EngineCore:
         return RequestOutput(seq.request_id, text, new_ids, seq.finish_reason is not None,
                              seq.finish_reason, seq.stop_reason, seq.num_prompt_tokens,
                              seq.num_output_tokens, seq.num_draft_tokens,
-                             seq.num_accepted_tokens)
+                             seq.num_accepted_tokens, seq.num_cached_tokens or 0)
 
     # -- introspection ----------------------------------------------------------------------
 

@@ -44,7 +44,14 @@ class EngineMetrics:
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
+        self.prompt_tokens = counter("vllm:prompt_tokens",
+                                     "Prompt tokens processed (computed or found cached).")
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
+                                            "Prompt tokens served from the prefix cache.")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in tokens (new requests).")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in tokens (new requests).")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.preemptions = counter("vllm:num_preemptions", "Sequences preempted.")
         self.finished = counter("vllm:request_success", "Finished requests.",
@@ -70,6 +77,8 @@ class EngineMetrics:
         r.register(_StepFitCollector(model_name, self.decode_steps))
 
         for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens,
+                       self.prompt_tokens_cached, self.prefix_cache_queries,
+                       self.prefix_cache_hits,
                        self.generation_tokens, self.preemptions, self.ttft, self.itl, self.tpot,
                        self.e2e, self.spec_drafts, self.spec_draft_tokens,
                        self.spec_accepted_tokens):

@@ -7,6 +7,16 @@ Then waiting sequences join while the token budget, ``max_num_seqs`` and free
 KV blocks allow. When a running sequence needs a block and none is free, the
 newest running sequence is preempted: its blocks are freed and it goes back to
 the front of the queue to be recomputed later. No request is ever dropped.
+
+With ``enable_prefix_caching`` a sequence admitted with nothing computed first
+takes the longest run of cached full blocks of its tokens (engine.kv_cache)
+and starts computing after them, always leaving at least its last token to
+compute (the step must produce logits). A block is registered in the cache
+only once committed tokens cover it entirely: after its prefill, after a
+decode fills it, and when the sequence is freed (finish, preemption, drain).
+NOTE: speculative decoding writes K/V for draft positions that may be
+rejected; those lie at or past ``num_computed``, which counts committed
+tokens only, so a registered block never holds a rejected draft's K/V.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_cache import BlockAllocator, blocks_needed
+from engine.kv_cache import BlockAllocator, blocks_needed, extend_block_hashes
 from engine.sequence import Sequence, Status
 from specdec.base import Proposal
 
@@ -46,6 +56,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_prefix_queries: int = 0  # tokens of first-time admissions looked up in the cache
+    num_prefix_hits: int = 0  # of which found cached
 
     @property
     def num_tokens(self) -> int:
@@ -141,18 +153,57 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        bs = self.config.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            q_len = min(seq.num_tokens - seq.num_computed, budget)
-            need = blocks_needed(seq.num_computed + q_len, self.config.block_size)
-            if not self.allocator.can_allocate(need - len(seq.block_table)):
+            hits = self._prefix_hits(seq)
+            start = seq.num_computed + len(hits) * bs
+            q_len = min(seq.num_tokens - start, budget)
+            num_fresh = blocks_needed(start + q_len, bs) - len(seq.block_table) - len(hits)
+            # NOTE: taking an unreferenced cached block removes it from the allocatable pool
+            if not self.allocator.can_allocate(num_fresh + self.allocator.num_evictable(hits)):
                 break
             self.waiting.popleft()
-            seq.block_table.extend(self.allocator.allocate(need - len(seq.block_table)))
+            self._take_hits(seq, hits, out)
+            seq.block_table.extend(self.allocator.allocate(num_fresh))
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, q_len, []))
             budget -= q_len
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks for the start of ``seq``, leaving at least one token to compute."""
+        if not self.config.enable_prefix_caching or seq.num_computed or seq.block_table:
+            return []
+        bs = self.config.block_size
+        extend_block_hashes(seq.block_hashes, seq.token_ids, bs)
+        return self.allocator.lookup(seq.block_hashes[:(seq.num_tokens - 1) // bs])
+
+    def _take_hits(self, seq: Sequence, hits: list[int], out: SchedulerOutput) -> None:
+        self.allocator.take(hits)
+        seq.block_table.extend(hits)
+        seq.num_cached_blocks = len(hits)
+        seq.num_computed += len(hits) * self.config.block_size
+        if seq.num_cached_tokens is None:  # first admission; a preempted one is not counted
+            seq.num_cached_tokens = seq.num_computed
+            if self.config.enable_prefix_caching:
+                out.num_prefix_queries += seq.num_tokens
+                out.num_prefix_hits += seq.num_computed
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of ``seq`` that committed tokens now cover entirely."""
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.config.block_size
+        # NOTE: num_computed can pass num_tokens for a step that stopped inside its accepted
+        # drafts; only positions of tokens the sequence kept have hashes.
+        num_full = min(seq.num_computed, seq.num_tokens) // bs
+        if num_full <= seq.num_cached_blocks:
+            return
+        extend_block_hashes(seq.block_hashes, seq.token_ids, bs)
+        for i in range(seq.num_cached_blocks, num_full):
+            self.allocator.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_cached_blocks = num_full
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -165,6 +216,9 @@ class Scheduler:
         logger.debug("preempted seq %d (%d tokens) for recompute", seq.seq_id, seq.num_tokens)
 
     def _free(self, seq: Sequence) -> None:
+        """Release the blocks of ``seq``; computed full ones stay findable in the cache."""
         if seq.block_table:
+            self.cache_blocks(seq)
             self.allocator.free(seq.block_table)
             seq.block_table = []
+        seq.num_cached_blocks = 0

@@ -46,6 +46,11 @@ class Sequence:
     num_draft_tokens: int = 0  # speculative tokens proposed so far
     num_accepted_tokens: int = 0  # of which accepted
     num_preemptions: int = 0
+    # prefix caching (engine.kv_cache): chain hashes of the full blocks of token_ids
+    # hashed so far, and how many leading blocks of block_table are in the cache
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens found cached at first admission
 
     @property
     def num_tokens(self) -> int:

@@ -134,7 +134,7 @@ async def _collect(outputs: AsyncIterator[RequestOutput], parsed: ParsedRequest,
         return _json({"error": {"message": "the engine failed while running this request",
                                 "type": "internal_error", "param": None, "code": None}}, 500)
     use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_draft_tokens,
-                last.num_accepted_tokens)
+                last.num_accepted_tokens, last.num_cached_tokens)
     return _json(completion_body(rid, model, parsed.chat, "".join(parts), last.finish_reason,
                                  last.stop_reason, use))
 
@@ -155,7 +155,8 @@ async def _stream(request: web.Request, outputs: AsyncIterator[RequestOutput],
                                              out.finish_reason, out.stop_reason))
                 if parsed.include_usage:
                     use = usage(out.num_prompt_tokens, out.num_output_tokens,
-                                out.num_draft_tokens, out.num_accepted_tokens)
+                                out.num_draft_tokens, out.num_accepted_tokens,
+                                out.num_cached_tokens)
                     await _send(resp, usage_chunk(rid, model, chat, created, use))
             elif out.text:
                 await _send(resp, chunk_body(rid, model, chat, created, out.text))

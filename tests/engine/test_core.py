@@ -108,6 +108,7 @@ def test_decode_steps_report_their_shape_prefill_and_time(core: EngineCore,
     """StepStats.decode_step (the depth policy's step-time feed): set on steps where any
     sequence decodes, with the draft tokens verified and the prompt tokens of prefill
     chunks beside them; None on a step that only prefills."""
+    core.reload(core.config)  # an empty prefix cache: a fully cached prompt would decode
     ids = core.tokenizer.encode(chat_text("Repeat: a b c d e f g a b c d e f g a b c d e f g"))
     core.add_request("feed-a", ids, greedy(depth=4, max_tokens=30))
     core.add_request("feed-b", prompt_ids[0], greedy(depth=0, max_tokens=30))

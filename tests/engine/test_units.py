@@ -61,7 +61,7 @@ def test_max_num_seqs_limits_admission() -> None:
 
 def test_full_cache_preempts_newest_and_requeues_it_first() -> None:
     cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_tokens=16,
-                       block_size=4)  # 4 blocks
+                       block_size=4, enable_prefix_caching=False)  # 4 blocks, full recompute
     s = Scheduler(cfg, BlockAllocator(cfg.num_kv_blocks))
     a, b = seq(0, 8), seq(1, 8)
     s.add(a)
