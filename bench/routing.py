@@ -86,9 +86,12 @@ from loadgen.config import (
     TraceConfig,
 )
 from loadgen.metrics import meets_slo
+from loadgen.readers import read_trace
 from loadgen.replay import prepare, resolve_target
 from loadgen.request import RequestResult, TraceRequest
 from loadgen.runner import Runner
+from loadgen.synth import PromptSynthesizer
+from loadgen.tokenizer import load_token_counter
 from proxy.app import create_app, default_estimator
 from proxy.config import HealthConfig, ProxyConfig, RoutingConfig, SpeculationConfig, WorkerSpec
 from proxy.config import TraceConfig as ProxyTraceConfig
@@ -124,7 +127,21 @@ DEFAULT_SLOS: dict[str, tuple[float, float]] = {
     "conversational": (0.24, 0.0090),
     "long": (1.0, 0.023),
 }
-SLO_RULE = {"repetitive": (10.0, 2.5), "conversational": (10.0, 2.5), "long": (5.0, 5.0)}
+SLO_RULE = {"repetitive": (10.0, 2.5), "conversational": (10.0, 2.5), "long": (5.0, 5.0),
+            "prefix": (5.0, 5.0)}
+# The shared-prefix workload (``--workload prefix-mix``): Mooncake requests, scored as their
+# own class. Its SLO has no fixed default: it is SLO_RULE["prefix"] x the best unloaded
+# (cold-cache, one request at a time) latency of a median-length prompt of the window on any
+# worker, from this run's probe (the rule is fixed, the probe sets the value, the same for
+# every policy); --prefix-slo overrides it.
+PREFIX = "prefix"
+MOONCAKE = "traces/mooncake_synthetic.jsonl"
+# NOTE: 512-token blocks -> 32-token blocks: the median prompt from request 2000 on becomes
+# ~810 tokens; prompts past the context are cut to their leading blocks (loadgen clips the
+# length, the synthesizer keeps the leading blocks), not dropped.
+MOONCAKE_PROMPT_SCALE = 1 / 16
+PROBE_BLOCK_ID = 10**7  # probe prompts use block ids the trace never does: a cold cache
+WORKLOADS = ("prefix-mix", "specbench")
 
 
 FLEETS = ("equal", "fast-long")
@@ -161,16 +178,25 @@ def domain_class(domain: str | None) -> str:
     return CLASS_OF.get(domain or "", "conversational")
 
 
+def record_class(record: TraceRequest) -> str:
+    """The class a request is scored in: Mooncake requests (prefix blocks) are their own."""
+    return PREFIX if record.hash_ids else domain_class(record.domain)
+
+
 @dataclass(frozen=True)
 class Slos:
-    """Per domain class: TTFT and TPOT limits, seconds."""
+    """Per class (the domain classes, and ``prefix`` with the shared-prefix workload): TTFT
+    and TPOT limits, seconds."""
 
     ttft_s: dict[str, float]
     tpot_s: dict[str, float]
 
-    def for_domain(self, domain: str | None) -> SloConfig:
-        c = domain_class(domain)
-        return SloConfig(ttft_s=self.ttft_s[c], tpot_s=self.tpot_s[c])
+    def for_class(self, cls: str) -> SloConfig:
+        return SloConfig(ttft_s=self.ttft_s[cls], tpot_s=self.tpot_s[cls])
+
+    def body_fields(self, cls: str) -> dict[str, float]:
+        """A request's own SLO fields (the proxy's per-domain tables cover only domains)."""
+        return {"slo_ttft_s": self.ttft_s[cls], "slo_tpot_s": self.tpot_s[cls]}
 
     def routing(self, policy: str) -> RoutingConfig:
         """Per-domain SLO tables for the proxy ('*' = conversational)."""
@@ -181,7 +207,7 @@ class Slos:
 
     def describe(self) -> str:
         return "; ".join(f"{c}: TTFT <= {self.ttft_s[c]:.3f} s, TPOT <= {self.tpot_s[c] * 1e3:.1f} ms"
-                         for c in CLASSES)
+                         for c in self.ttft_s)
 
 
 # --- fleets ------------------------------------------------------------------------------------
@@ -252,6 +278,98 @@ def build_workload(data: Path, num: int, rate: float, seed: int) -> list[TraceRe
             for i, row in enumerate(rows)]
 
 
+PREFIX_LINE = 10**6  # Mooncake requests' line numbers in a mixed schedule start here
+
+
+def load_mooncake(data: Path) -> list[TraceRequest]:
+    return list(read_trace(data / MOONCAKE, "mooncake"))
+
+
+def build_prefix_workload(data: Path, mooncake: list[TraceRequest], num: int, rate: float,
+                          seed: int, start: int, share: float, output_scale: float
+                          ) -> list[TraceRequest]:
+    """``num`` requests at ``rate`` req/s, merged by arrival time: a ``share`` of them are
+    Mooncake requests ``start``, ``start + 1``, ... (arrival gaps scaled to their share of
+    the rate; lengths and prefix blocks as recorded, prompts scaled at replay), the rest the
+    Spec-Bench workload (:func:`build_workload` with ``seed``) at the remaining rate, its
+    outputs scaled by ``output_scale`` here (the replay then scales no output: Mooncake's
+    are as recorded, clipped to --max-output)."""
+    num_prefix = round(num * share)
+    rows = mooncake[start:start + num_prefix]
+    if len(rows) < max(num_prefix, 2):
+        raise ValueError(f"the Mooncake trace has no {num_prefix} requests from {start}")
+    t0, t1 = rows[0].timestamp_s or 0.0, rows[-1].timestamp_s or 0.0
+    scale = (len(rows) / (rate * share)) / ((t1 - t0) or 1.0)
+    prefix = [dataclasses.replace(r, line=PREFIX_LINE + i,
+                                  timestamp_s=((r.timestamp_s or 0.0) - t0) * scale)
+              for i, r in enumerate(rows)]
+    spec = build_workload(data, num - num_prefix, rate * (1 - share), seed) \
+        if num > num_prefix else []
+    spec = [dataclasses.replace(r, output_tokens=round((r.output_tokens or 0) * output_scale))
+            for r in spec]
+    return sorted(prefix + spec, key=lambda r: r.timestamp_s or 0.0)
+
+
+def prefix_probe_texts(mooncake: list[TraceRequest], start: int, num: int, max_output: int,
+                       seed: int) -> list[str]:
+    """``num`` prompts of the median scaled length of the 200 Mooncake requests from
+    ``start``, each of its own block ids (which the trace never uses): cold-cache probes."""
+    limit = MAX_MODEL_LEN - max_output
+    lengths = sorted(min(round((r.prompt_tokens or 0) * MOONCAKE_PROMPT_SCALE), limit)
+                     for r in mooncake[start:start + 200])
+    median = max(lengths[len(lengths) // 2], 1)
+    block = max(round(512 * MOONCAKE_PROMPT_SCALE), 1)
+    synth = PromptSynthesizer(load_token_counter(TINY_TARGET), block, seed)
+    return [synth.prompt(median, PROBE_BLOCK_ID + i,
+                         tuple(PROBE_BLOCK_ID + 1000 * i + j for j in range(median // block)))
+            for i in range(num)]
+
+
+class Schedules:
+    """The run's schedules (``--workload``): ``specbench`` is session 4's; ``prefix-mix``
+    walks the Mooncake trace forward from ``--trace-start``: the warm-up takes the requests
+    just before it, each measured round the next unused ones, so every round is a fresh
+    window of the trace's real reuse and the workers' caches carry over from one round to
+    the next as they would in service (for every policy alike)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.prefix_mix = args.workload == "prefix-mix"
+        self.mooncake = load_mooncake(args.data) if self.prefix_mix else []
+        self.cursor = args.trace_start
+        self.window = (0, 0)  # the last round's Mooncake requests, trace indices [from, to)
+
+    def _build(self, rate: float, num: int, seed: int, start: int) -> list[TraceRequest]:
+        a = self.args
+        if not self.prefix_mix:
+            return build_workload(a.data, num, rate, seed)
+        return build_prefix_workload(a.data, self.mooncake, num, rate, seed, start,
+                                     a.prefix_share, a.output_scale)
+
+    def warmup(self, rate: float, num: int, seed: int) -> list[TraceRequest]:
+        start = max(self.args.trace_start - round(num * self.args.prefix_share), 0)
+        return self._build(rate, num, seed, start)
+
+    def round(self, rate: float, num: int, seed: int) -> list[TraceRequest]:
+        records = self._build(rate, num, seed, self.cursor)
+        start, self.cursor = self.cursor, self.cursor + sum(1 for r in records if r.hash_ids)
+        self.window = (start, self.cursor)
+        return records
+
+    def probe_prompts(self, num: int) -> dict[str, list[str]]:
+        if not self.prefix_mix:
+            return {}
+        return {PREFIX: prefix_probe_texts(self.mooncake, self.args.trace_start, num,
+                                           self.args.max_output, self.args.seed)}
+
+    def describe(self, records: list[TraceRequest]) -> str:
+        num_prefix = sum(1 for r in records if r.hash_ids)
+        if not num_prefix:
+            return f"{len(records)} Spec-Bench requests"
+        return (f"{len(records) - num_prefix} Spec-Bench + {num_prefix} Mooncake requests "
+                f"(trace requests {self.window[0]}-{self.window[1] - 1})")
+
+
 # --- probe: unloaded latency per (worker, domain class) ----------------------------------------
 
 async def probe_one(s: aiohttp.ClientSession, url: str, text: str, max_tokens: int
@@ -301,12 +419,13 @@ async def probe_worker(s: aiohttp.ClientSession, url: str, picks: dict[str, list
     return out
 
 
-async def probe(urls: dict[str, str], data: Path, num: int, max_tokens: int, concurrency: int
+async def probe(urls: dict[str, str], data: Path, num: int, max_tokens: int, concurrency: int,
+                extra: dict[str, list[str]] | None = None
                 ) -> dict[str, dict[str, tuple[float, float]]]:
     """Median (TTFT, TPOT) per worker and class at the worker's default depth: ``num``
     rounds of ``concurrency`` requests of one class (1 = unloaded). The workers are
-    probed at the same time (each has its own cores)."""
-    picks = class_prompts(data, num * concurrency)
+    probed at the same time (each has its own cores). ``extra``: more classes' prompts."""
+    picks = {**class_prompts(data, num * concurrency), **(extra or {})}
     async with aiohttp.ClientSession() as s:
         res = await asyncio.gather(*(probe_worker(s, url, picks, concurrency, max_tokens)
                                      for url in urls.values()))
@@ -314,11 +433,12 @@ async def probe(urls: dict[str, str], data: Path, num: int, max_tokens: int, con
 
 
 def print_fit(label: str, ref: dict[str, dict[str, tuple[float, float]]]) -> None:
-    print(f"fit ({label}): worker | " + " | ".join(f"{c} TTFT s / TPOT ms" for c in CLASSES))
+    classes = list(next(iter(ref.values())))
+    print(f"fit ({label}): worker | " + " | ".join(f"{c} TTFT s / TPOT ms" for c in classes))
     for w, by in ref.items():
         print(f"  {w:<6} | " + " | ".join(f"{by[c][0]:.3f} / {by[c][1] * 1e3:.1f}"
-                                         for c in CLASSES), flush=True)
-    best = {c: min(ref, key=lambda w: ref[w][c][0] + 48 * ref[w][c][1]) for c in CLASSES}
+                                         for c in classes), flush=True)
+    best = {c: min(ref, key=lambda w: ref[w][c][0] + 48 * ref[w][c][1]) for c in classes}
     print(f"  best per class (TTFT + 48 x TPOT): {best}", flush=True)
 
 
@@ -335,6 +455,13 @@ def slos_from(args: argparse.Namespace, ref: dict[str, dict[str, tuple[float, fl
             tpot[c] = k_tpot * min(r[c][1] for r in ref.values())
         else:
             ttft[c], tpot[c] = DEFAULT_SLOS[c]
+    if ref is not None and PREFIX in next(iter(ref.values())):
+        if args.prefix_slo:
+            ttft[PREFIX], tpot[PREFIX] = args.prefix_slo
+        else:  # the rule on this run's cold-cache probe (see SLO_RULE)
+            k_ttft, k_tpot = SLO_RULE[PREFIX]
+            ttft[PREFIX] = k_ttft * min(r[PREFIX][0] for r in ref.values())
+            tpot[PREFIX] = k_tpot * min(r[PREFIX][1] for r in ref.values())
     return Slos(ttft, tpot)
 
 
@@ -355,6 +482,10 @@ async def run_policy(name: str, spec_mode: Literal["policy", "adaptive"], policy
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
+    prefix_mix = args.workload == "prefix-mix"
+    # NOTE: the shared-prefix class has no domain: its requests carry their SLO in the body
+    # (an operator's per-request SLO); the other classes' come from the proxy's tables.
+    extra = {r.line: slos.body_fields(PREFIX) for r in records if record_class(r) == PREFIX}
     try:
         await asyncio.sleep(1.5)  # first health probe + metrics scrape
         cfg = ReplayConfig(
@@ -362,23 +493,51 @@ async def run_policy(name: str, spec_mode: Literal["policy", "adaptive"], policy
             client=ClientConfig(target=f"http://127.0.0.1:{port}", model=TINY_TARGET.name,
                                 stream=True, ignore_eos=True, timeout_s=300.0),
             arrivals=ArrivalConfig(mode="trace", seed=args.seed),
-            lengths=LengthConfig(output_scale=args.output_scale, max_output_tokens=args.max_output,
-                                 min_output_tokens=8, max_model_len=MAX_MODEL_LEN),
-            slo=SloConfig(ttft_s=None, tpot_s=None),  # scored per domain below
+            lengths=LengthConfig(
+                prompt_scale=MOONCAKE_PROMPT_SCALE if prefix_mix else 1.0,
+                output_scale=1.0 if prefix_mix else args.output_scale,
+                max_output_tokens=args.max_output, min_output_tokens=8,
+                max_model_len=MAX_MODEL_LEN),
+            slo=SloConfig(ttft_s=None, tpot_s=None),  # scored per class below
             output=OutputConfig(quiet=True, label=name), tokenizer=str(TINY_TARGET))
-        result = await replay_greedy(cfg, records)
+        before = await cache_counters(urls)
+        result = await replay_greedy(cfg, records, extra)
+        after = await cache_counters(urls)
     finally:
         await runner.cleanup()
-    return score(name, result, records, slos)
+    out = score(name, result, records, slos)
+    out["cache_queries"], out["cache_hits"] = (a - b for a, b in zip(after, before, strict=True))
+    return out
 
 
-async def replay_greedy(cfg: ReplayConfig, records: list[TraceRequest]) -> list[RequestResult]:
-    """loadgen's replay (loadgen.replay.replay) with ``temperature`` set in every body."""
+CACHE_METRICS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")  # counters, tokens
+
+
+async def cache_counters(urls: dict[str, str]) -> tuple[float, float]:
+    """(prefix-cache queries, hits) in tokens, summed over the fleet's workers' /metrics."""
+    totals = [0.0, 0.0]
+    async with aiohttp.ClientSession() as s:
+        for url in urls.values():
+            async with s.get(f"{url}/metrics") as r:
+                text = await r.text()
+            for line in text.splitlines():
+                name, _, value = line.partition(" ")
+                base = name.split("{", 1)[0].removesuffix("_total")
+                if base in CACHE_METRICS:
+                    totals[CACHE_METRICS.index(base)] += float(value.split()[0])
+    return totals[0], totals[1]
+
+
+async def replay_greedy(cfg: ReplayConfig, records: list[TraceRequest],
+                        extra: dict[int, dict[str, float]]) -> list[RequestResult]:
+    """loadgen's replay (loadgen.replay.replay) with ``temperature`` set in every body, and
+    ``extra`` fields in the bodies of the requests from those trace lines."""
     async with make_session(cfg.client) as session:
         model, tokenizer = await resolve_target(session, cfg)
         prep = await asyncio.to_thread(prepare, cfg, model, tokenizer, records)
         reqs = [dataclasses.replace(r, body=orjson.dumps(
-            {**orjson.loads(r.body), "temperature": TEMPERATURE})) for r in prep.requests]
+            {**orjson.loads(r.body), "temperature": TEMPERATURE, **extra.get(r.line, {})}))
+            for r in prep.requests]
         runner = Runner(StreamingClient(cfg.client, session), cfg.client.max_concurrency,
                         cfg.arrivals.duration_s, cfg.output.quiet)
         return (await runner.run(reqs)).results
@@ -386,16 +545,18 @@ async def replay_greedy(cfg: ReplayConfig, records: list[TraceRequest]) -> list[
 
 def score(name: str, results: list[RequestResult], records: list[TraceRequest], slos: Slos
           ) -> dict[str, Any]:
-    """Goodput over the schedule's span, by the trace's domain label, plus per-request rows."""
+    """Goodput over the schedule's span, by the trace's class (its domain label, or
+    ``prefix`` for Mooncake requests), plus per-request rows."""
     span_s = max((r.timestamp_s or 0.0) for r in records) or 1.0
-    by_line = {r.line: r.domain for r in records}
+    by_line = {r.line: r for r in records}
     rows: list[dict[str, Any]] = []
     for r in results:
-        domain = by_line.get(r.line)
-        rows.append({"ok": r.ok, "good": meets_slo(r, slos.for_domain(domain)),
+        rec = by_line[r.line]
+        cls = record_class(rec)
+        rows.append({"ok": r.ok, "good": meets_slo(r, slos.for_class(cls)),
                      "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "tokens": r.completion_tokens,
-                     "worker": r.worker, "domain": domain, "routed_domain": r.domain,
-                     "error": r.error})
+                     "worker": r.worker, "domain": rec.domain, "class": cls,
+                     "routed_domain": r.domain, "error": r.error})
     num_good = sum(1 for row in rows if row["good"])
     return {"policy": name, "num_requests": len(rows), "num_ok": sum(1 for r in results if r.ok),
             "num_good": num_good, "span_s": span_s, "goodput": num_good / span_s,
@@ -418,14 +579,21 @@ def fmt_row(s: dict[str, Any]) -> str:
     return (f"{s['policy']:<18} goodput {s['goodput']:5.2f} req/s ({s['num_good']:>3}/"
             f"{s['num_requests']} ok={s['num_ok']})  TTFT p50 {pct(ttft, .5):6.3f} p99 "
             f"{pct(ttft, .99):6.3f}  TPOT p50 {pct(tpot, .5) * 1e3:6.1f} ms p99 "
-            f"{pct(tpot, .99) * 1e3:6.1f} ms  [{placement(s)}]")
+            f"{pct(tpot, .99) * 1e3:6.1f} ms  prefix-cache hits {hit_rate([s]):5.1%}  "
+            f"[{placement(s)}]")
+
+
+def hit_rate(runs: list[dict[str, Any]]) -> float:
+    """Prompt tokens the workers found in their prefix caches / prompt tokens they looked up."""
+    queries = sum(r.get("cache_queries", 0.0) for r in runs)
+    return sum(r.get("cache_hits", 0.0) for r in runs) / queries if queries else float("nan")
 
 
 def placement(s: dict[str, Any]) -> str:
     """Where requests went: worker -> interactive-class / bulk-class counts (good in brackets)."""
     cells: dict[tuple[str, str], list[int]] = {}
     for r in s["requests"]:
-        key = (r["worker"] or "none", domain_class(r["domain"]))
+        key = (r["worker"] or "none", r["class"])
         cell = cells.setdefault(key, [0, 0])
         cell[0] += 1
         cell[1] += r["good"]
@@ -465,8 +633,7 @@ def rate_summary(rate: float, rounds: dict[str, list[dict[str, Any]]]) -> dict[s
         cells: dict[str, list[int]] = {}
         for run in runs:
             for r in run["requests"]:
-                cell = cells.setdefault(f"{r['worker'] or 'none'}/{domain_class(r['domain'])}",
-                                        [0, 0])
+                cell = cells.setdefault(f"{r['worker'] or 'none'}/{r['class']}", [0, 0])
                 cell[0] += 1
                 cell[1] += r["good"]
         out[name] = dict(sorted(cells.items()))
@@ -488,12 +655,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await wait_healthy(fleet_urls)
         urls = {n: f[0] for n, f in fleets.items()}
         first = urls[args.policies[0]]
-        ref = await probe(first, args.data, args.probe_requests, args.max_output, 1)
+        schedules = Schedules(args)
+        ref = await probe(first, args.data, args.probe_requests, args.max_output, 1,
+                          schedules.probe_prompts(args.probe_requests))
         print_fit("unloaded, 1 request at a time", ref)
         out["probe"] = ref
         if args.fit_concurrency > 1:
             loaded = await probe(first, args.data, args.probe_requests, args.max_output,
-                                 args.fit_concurrency)
+                                 args.fit_concurrency, schedules.probe_prompts(
+                                     args.probe_requests * args.fit_concurrency))
             print_fit(f"loaded, {args.fit_concurrency} requests of a class at a time", loaded)
             out["probe_loaded"] = loaded
         slos = slos_from(args, ref)
@@ -504,12 +674,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             return out
         if args.warmup > 0:
             rate = args.warmup_rate or args.rates[0]
-            records = build_workload(args.data, int(rate * args.warmup), rate, args.seed + 1000)
+            records = schedules.warmup(rate, int(rate * args.warmup), args.seed + 1000)
             warm = await replay_all(policies, urls, configs, records, slos, args)
             for s in warm.values():
                 print(f"warm-up {rate:g} " + fmt_row(s), flush=True)
         for rate in args.rates:
-            await run_rate(rate, policies, urls, configs, slos, args, out)
+            await run_rate(rate, policies, urls, configs, slos, schedules, args, out)
     finally:
         procs = [p for _, ps in fleets.values() for p in ps]
         for p in procs:
@@ -522,14 +692,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def run_rate(rate: float, policies: dict[str, Any], urls: dict[str, dict[str, str]],
-                   configs: dict[str, CompiledConfig], slos: Slos, args: argparse.Namespace,
-                   out: dict[str, Any]) -> None:
+                   configs: dict[str, CompiledConfig], slos: Slos, schedules: Schedules,
+                   args: argparse.Namespace, out: dict[str, Any]) -> None:
     """``--rounds`` fresh schedules at ``rate``, all policies at once; results into ``out``."""
     adaptive: Any = policies.get("adaptive")
     depths_before = dict(adaptive.depths) if adaptive is not None else {}
+    reasons_before = dict(adaptive.reasons) if adaptive is not None else {}
     rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in args.policies}
     for r in range(args.rounds):
-        records = build_workload(args.data, int(rate * args.duration), rate, args.seed + r)
+        records = schedules.round(rate, int(rate * args.duration), args.seed + r)
+        print(f"rate {rate:g} round {r + 1}: {schedules.describe(records)}", flush=True)
         for name, s in (await replay_all(policies, urls, configs, records, slos, args)).items():
             rounds[name].append(s)
             print(f"rate {rate:g} round {r + 1} " + fmt_row(s), flush=True)
@@ -537,10 +709,17 @@ async def run_rate(rate: float, policies: dict[str, Any], urls: dict[str, dict[s
     out["rates"][str(rate)] = {n: [{k: v for k, v in s.items() if k != "requests"} for s in runs]
                                for n, runs in rounds.items()}
     out["placement"][str(rate)] = rate_summary(rate, rounds)
+    out.setdefault("hit_rate", {})[str(rate)] = hits = {
+        n: hit_rate(runs) for n, runs in rounds.items()}
+    print(f"prefix-cache hit rate at rate {rate:g} (all rounds): " + ", ".join(
+        f"{n} {h:.1%}" for n, h in hits.items()), flush=True)
     if adaptive is not None:
         depths = {k: v - depths_before.get(k, 0) for k, v in sorted(adaptive.depths.items())}
         out["depths"][str(rate)] = {str(k): v for k, v in depths.items() if v}
         print(f"adaptive depths sent at rate {rate:g}: {out['depths'][str(rate)]}", flush=True)
+        reasons = {k: v - reasons_before.get(k, 0) for k, v in sorted(adaptive.reasons.items())}
+        out.setdefault("reasons", {})[str(rate)] = reasons = {k: v for k, v in reasons.items() if v}
+        print(f"adaptive decision reasons at rate {rate:g}: {reasons}", flush=True)
 
 
 def main() -> None:
@@ -567,6 +746,17 @@ def main() -> None:
     ap.add_argument("--fit-concurrency", type=int, default=4,
                     help="requests of one class at a time for the loaded fit (1: skip)")
     ap.add_argument("--probe-requests", type=int, default=4, help="rounds per worker and class")
+    ap.add_argument("--workload", choices=WORKLOADS, default="prefix-mix",
+                    help="prefix-mix: Mooncake shared-prefix requests (--prefix-share of them) "
+                         "mixed with the Spec-Bench workload; specbench: session 4's workload")
+    ap.add_argument("--trace-start", type=int, default=2000,
+                    help="prefix-mix: first measured Mooncake request (0-based); the warm-up "
+                         "takes the ones just before, each round the next unused ones")
+    ap.add_argument("--prefix-share", type=float, default=0.5,
+                    help="prefix-mix: share of the requests (and of the rate) from Mooncake")
+    ap.add_argument("--prefix-slo", type=float, nargs=2, metavar=("TTFT", "TPOT"),
+                    help="prefix-mix: the prefix class's SLO in seconds instead of the rule "
+                         "on this run's probe")
     ap.add_argument("--fleet", choices=FLEETS, default="equal",
                     help="equal: every worker one core (configs differ, resources do not); "
                          "fast-long: session 4's fleet, the long worker on --long-cores cores")
@@ -586,8 +776,13 @@ def main() -> None:
         ap.error("rates, --duration and --rounds must be positive, --warmup >= 0")
     if args.fit_concurrency < 1 or args.probe_requests < 1:
         ap.error("--fit-concurrency and --probe-requests must be >= 1")
+    if not 0 < args.prefix_share < 1 or args.trace_start < 0:
+        ap.error("--prefix-share must be in (0, 1) and --trace-start >= 0")
     configs = fleet_configs(args.fleet, args.long_cores, args.device)
-    print(f"rates {args.rates} req/s x {args.duration:g} s, {args.rounds} rounds each, warm-up "
+    print(f"workload {args.workload}" + (
+        f" ({args.prefix_share:.0%} Mooncake from request {args.trace_start}, prompts x"
+        f"{MOONCAKE_PROMPT_SCALE:g})" if args.workload == "prefix-mix" else "") + "; "
+          f"rates {args.rates} req/s x {args.duration:g} s, {args.rounds} rounds each, warm-up "
           f"{args.warmup:g} s; workers: " + "; ".join(
               f"{n}: {c.engine.max_num_seqs} seqs, {c.engine.max_num_batched_tokens}-token "
               f"prefill, spec={c.engine.spec_method}(default k={c.engine.spec_default_depth}), "

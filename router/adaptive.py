@@ -135,7 +135,7 @@ def caches_prefixes(view: WorkerView) -> bool:
     when its config turns automatic prefix caching on (the default), vLLM always (automatic
     prefix caching is its default); an external server's cache is unknown: no."""
     if view.backend == "engine":
-        return bool(getattr(view.config.engine, "enable_prefix_caching", False))
+        return view.config.engine.enable_prefix_caching
     return view.backend == "vllm"
 
 

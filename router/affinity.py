@@ -133,4 +133,6 @@ class PrefixCacheModel:
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         return {w: {"blocks": len(c), "tokens": round(c.num_tokens),
-                    "hit_ratio": round(self.hit_ratio(w), 3)} for w, c in self._caches.items()}
+                    "hit_ratio": round(self.hit_ratio(w), 3),
+                    "hits_observed": self._hits[w].num_observed if w in self._hits else 0}
+                for w, c in self._caches.items()}

@@ -100,3 +100,29 @@ async def test_requests_are_classified_routed_and_learned_from(stack) -> None:
     assert sum(p["num_samples"] for p in policy.stats()["profiles"].values()) == 6
     learned = estimator.stats()["output_tokens"]
     assert learned["translation"]["num_observed"] == 2 and learned["code"]["num_observed"] == 2
+
+
+async def test_a_shared_prefix_goes_back_to_its_worker_and_its_hits_are_learned(stack) -> None:
+    """Both engines cache prefixes (the default): the requests sharing a ~600-token prefix
+    stay where the first one went, and the engine's reported cached tokens
+    (usage.prompt_tokens_details, relayed by the proxy) reach the policy's hit ratio."""
+    url, policy, _ = stack
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    shared = " ".join(f"Section {i}: the committee reviewed the budget." for i in range(60))
+    workers = []
+    for question in ("What was reviewed?", "Who reviewed it?", "Which sections?"):
+        stream = await client.chat.completions.with_raw_response.create(
+            model="tiny-target", max_tokens=4, stream=True,
+            messages=[{"role": "user", "content": f"{shared}\n\n{question}"}])
+        workers.append(stream.headers["x-polyinfer-worker"])
+        async for _ in stream.parse():
+            pass
+        for _ in range(300):  # the outcome is reported after the response completes
+            if policy.stats()["in_flight"] == 0:
+                break
+            await asyncio.sleep(0.1)
+    assert workers[1] == workers[0] and workers[2] == workers[0]
+    modelled = policy.stats()["prefix_cache"]
+    assert list(modelled) == [workers[0]] and modelled[workers[0]]["blocks"] >= 8
+    # the engine found what the model predicted for the second and third requests
+    assert modelled[workers[0]]["hits_observed"] == 2 and modelled[workers[0]]["hit_ratio"] > 0.5
