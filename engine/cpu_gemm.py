@@ -3,9 +3,9 @@
 At a few rows per step a projection only streams its weight matrix once, so
 its cost is the weight bytes and the instruction overhead, not the FLOPs. The
 bundled checkpoints are bfloat16 on disk: keeping that copy (every value is
-exact, nothing is rounded) halves the bytes, and this C kernel widens eight
-weights to float32 with two AVX2 instructions and accumulates in float32 with
-several independent FMA chains. On the 2-core box it runs the tiny target's 33
+exact, nothing is rounded) halves the bytes, and this C kernel widens sixteen
+weights to float32 with one load, a shift and an AND, and accumulates in float32
+with several independent FMA chains, two FMAs per broadcast of the input. On the 2-core box it runs the tiny target's 33
 projections of one step 5-7x faster than oneDNN float32 at 1 row, 2x at 8-9,
 1.4x at 16-24 and 1.2-1.4x at 32 (``bench/engine_step.py``); past ``SMALL_ROWS``
 rows (prefill chunks) oneDNN's packed float32 GEMM takes over.
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "POLYINFER_CPU_GEMM"  # "0" keeps oneDNN for every row count
 SMALL_ROWS = 32  # rows up to which the kernel beats oneDNN's packed float32 GEMM here
-COLUMNS = 8  # output columns per kernel block (one AVX2 register)
+COLUMNS = 16  # output columns per kernel block (two AVX2 registers)
 # NOTE: the row count oneDNN blocks its packed layout for; 8, 32 and 128 measured the
 # same within noise for 1-512 rows on the 2-core box.
 ONEDNN_BATCH_HINT = 32
@@ -42,61 +42,75 @@ SOURCE = r"""
 #include <immintrin.h>
 #define INLINE static inline __attribute__((always_inline))
 
-/* Eight bfloat16 weights -> eight float32 (a bfloat16 is the top half of a float32). */
-INLINE __m256 widen8(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-/* y[r, 0:8] = x[r, :] . W[0:8, :] + bias, MR rows; w8 = the block's weights as [K][8].
-   U accumulators per row over interleaved k keep at least 8 FMA chains in flight. */
-INLINE void block(const float *x, int64_t xs, int64_t K, const uint16_t *w8, float *y,
+/* y[r, 0:16] = x[r, :] . W[0:16, :] + bias, MR rows. w holds the block as [K][8] pairs of
+   bfloat16: the low half of pair j is column j, the high half column 8 + j. A bfloat16 is
+   the top half of a float32, so one shift (low) and one AND (high) widen 16 weights, and
+   every broadcast of x feeds two FMAs. U accumulators per row and column half over
+   interleaved k keep at least 8 FMA chains in flight. */
+INLINE void block(const float *x, int64_t xs, int64_t K, const uint32_t *w, float *y,
                   int64_t ys, const float *bias, const int MR, const int U) {
-    __m256 acc[12][8];
+    __m256 lo[6][4], hi[6][4];
+    const __m256i top = _mm256_set1_epi32((int)0xFFFF0000u);
     for (int r = 0; r < MR; r++)
-        for (int u = 0; u < U; u++) acc[r][u] = _mm256_setzero_ps();
+        for (int u = 0; u < U; u++) {
+            lo[r][u] = _mm256_setzero_ps();
+            hi[r][u] = _mm256_setzero_ps();
+        }
     int64_t k = 0;
     for (; k + U <= K; k += U)
         for (int u = 0; u < U; u++) {
-            __m256 w = widen8(w8 + (k + u) * 8);
-            for (int r = 0; r < MR; r++)
-                acc[r][u] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + k + u), w,
-                                            acc[r][u]);
+            __m256i p = _mm256_loadu_si256((const __m256i *)(w + (k + u) * 8));
+            __m256 wl = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+            __m256 wh = _mm256_castsi256_ps(_mm256_and_si256(p, top));
+            for (int r = 0; r < MR; r++) {
+                __m256 xb = _mm256_broadcast_ss(x + r * xs + k + u);
+                lo[r][u] = _mm256_fmadd_ps(xb, wl, lo[r][u]);
+                hi[r][u] = _mm256_fmadd_ps(xb, wh, hi[r][u]);
+            }
         }
     for (; k < K; k++) {
-        __m256 w = widen8(w8 + k * 8);
-        for (int r = 0; r < MR; r++)
-            acc[r][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + k), w, acc[r][0]);
+        __m256i p = _mm256_loadu_si256((const __m256i *)(w + k * 8));
+        __m256 wl = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+        __m256 wh = _mm256_castsi256_ps(_mm256_and_si256(p, top));
+        for (int r = 0; r < MR; r++) {
+            __m256 xb = _mm256_broadcast_ss(x + r * xs + k);
+            lo[r][0] = _mm256_fmadd_ps(xb, wl, lo[r][0]);
+            hi[r][0] = _mm256_fmadd_ps(xb, wh, hi[r][0]);
+        }
     }
-    __m256 b = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    __m256 bl = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    __m256 bh = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
     for (int r = 0; r < MR; r++) {
-        __m256 s = acc[r][0];
-        for (int u = 1; u < U; u++) s = _mm256_add_ps(s, acc[r][u]);
-        _mm256_storeu_ps(y + r * ys, _mm256_add_ps(s, b));
+        __m256 sl = lo[r][0], sh = hi[r][0];
+        for (int u = 1; u < U; u++) {
+            sl = _mm256_add_ps(sl, lo[r][u]);
+            sh = _mm256_add_ps(sh, hi[r][u]);
+        }
+        _mm256_storeu_ps(y + r * ys, _mm256_add_ps(sl, bl));
+        _mm256_storeu_ps(y + r * ys + 8, _mm256_add_ps(sh, bh));
     }
 }
 
-#define MAX_MR 12  /* rows per block: 12 accumulators + a weight + a broadcast in 16 registers */
-#define ROWS(R, U) case R: block(xr, xs, K, w8, yr, ys, bb, R, U); break;
+#define MAX_MR 6  /* rows per block: 12 accumulators + 2 weights + a broadcast in 16 registers */
+#define ROWS(R, U) case R: block(xr, xs, K, w, yr, ys, bb, R, U); break;
 
 /* y [M, N] (row stride ys) = x [M, K] (row stride xs) @ W.T + bias; W packed as
-   [N / 8][K][8] bfloat16. Every column block is read from memory once; row blocks
-   (at most MAX_MR rows each) after the first find it in L1. Returns 1 if N is not a
-   multiple of 8. */
-int linear_bf16w(const float *x, int64_t xs, int64_t M, int64_t K, const uint16_t *packed,
+   [N / 16][K][8] pairs of bfloat16 (see block). Every column block is read from memory
+   once; row blocks (at most MAX_MR rows each) after the first find it in L1. Returns 1 if
+   N is not a multiple of 16. */
+int linear_bf16w(const float *x, int64_t xs, int64_t M, int64_t K, const uint32_t *packed,
                  int64_t N, const float *bias, float *y, int64_t ys) {
-    if (N % 8) return 1;
-    for (int64_t nb = 0; nb < N / 8; nb++) {
-        const uint16_t *w8 = packed + nb * K * 8;
-        const float *bb = bias ? bias + nb * 8 : 0;
-        int64_t blocks = (M + MAX_MR - 1) / MAX_MR;  /* balanced: 17 rows = 9 + 8, not 12 + 5 */
+    if (N % 16) return 1;
+    for (int64_t nb = 0; nb < N / 16; nb++) {
+        const uint32_t *w = packed + nb * K * 8;
+        const float *bb = bias ? bias + nb * 16 : 0;
+        int64_t blocks = (M + MAX_MR - 1) / MAX_MR;  /* balanced: 9 rows = 5 + 4, not 6 + 3 */
         for (int64_t b = 0, m0 = 0; b < blocks; b++) {
             int64_t left = blocks - b, rows = (M - m0 + left - 1) / left;
             const float *xr = x + m0 * xs;
-            float *yr = y + m0 * ys + nb * 8;
+            float *yr = y + m0 * ys + nb * 16;
             switch (rows) {
-                ROWS(1, 8) ROWS(2, 4) ROWS(3, 3) ROWS(4, 2) ROWS(5, 1) ROWS(6, 1)
-                ROWS(7, 1) ROWS(8, 1) ROWS(9, 1) ROWS(10, 1) ROWS(11, 1) ROWS(12, 1)
+                ROWS(1, 4) ROWS(2, 2) ROWS(3, 2) ROWS(4, 1) ROWS(5, 1) ROWS(6, 1)
             }
             m0 += rows;
         }
@@ -135,7 +149,8 @@ class CpuProjection:
     """One float32 weight ``[n, k]``, packed for oneDNN and (when exact) for the kernel."""
 
     onednn: torch.Tensor
-    bf16: torch.Tensor | None  # [n / 8, k, 8] as int16 bit patterns, or None
+    # [n / 16, k, 8, 2] int16 bit patterns: [b, k, j] = (column 16b + j, 16b + 8 + j)
+    bf16: torch.Tensor | None
     n: int
     k: int
     kernel: CpuGemm | None
@@ -147,8 +162,8 @@ class CpuProjection:
         if kernel is not None and n % COLUMNS == 0:
             half = w.to(torch.bfloat16)
             if torch.equal(half.float(), w):  # exact: the kernel computes the same products
-                bf16 = (half.view(n // COLUMNS, COLUMNS, k).transpose(1, 2).contiguous()
-                        .view(torch.int16))
+                bf16 = (half.view(torch.int16).view(n // COLUMNS, 2, COLUMNS // 2, k)
+                        .permute(0, 3, 2, 1).contiguous())
         onednn = torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_BATCH_HINT)
         return cls(onednn, bf16, n, k, kernel if bf16 is not None else None)
 
