@@ -749,7 +749,7 @@ def main() -> None:
     ap.add_argument("--workload", choices=WORKLOADS, default="prefix-mix",
                     help="prefix-mix: Mooncake shared-prefix requests (--prefix-share of them) "
                          "mixed with the Spec-Bench workload; specbench: session 4's workload")
-    ap.add_argument("--trace-start", type=int, default=2000,
+    ap.add_argument("--trace-start", type=int, default=3000,
                     help="prefix-mix: first measured Mooncake request (0-based); the warm-up "
                          "takes the ones just before, each round the next unused ones")
     ap.add_argument("--prefix-share", type=float, default=0.5,

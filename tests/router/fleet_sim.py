@@ -8,13 +8,17 @@ seconds of prefill before its first token, then emits one token per
 off on that domain). With ``chunk`` set, prefill shares the steps instead
 (chunked prefill, as the engine does): each step carries up to ``chunk`` prompt
 tokens, which add ``prefill_s`` each to that step's time, so a long prompt slows
-every decode on its worker. Policies see WorkerView snapshots and get
-RequestOutcomes, exactly as in the proxy.
+every decode on its worker. With ``cache_tokens`` set the worker keeps a prefix
+cache of that many tokens (LRU over the requests' prefix blocks, as the engine's
+automatic prefix caching): a request admitted there prefills only the prompt past
+its leading cached blocks and reports the rest as ``cached_tokens``. Policies see
+WorkerView snapshots and get RequestOutcomes, exactly as in the proxy.
 """
 
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from engine.config import CompiledConfig
@@ -30,8 +34,31 @@ class SimWorker:
     prefill_s: float  # per prompt token
     factor: dict[str, float] = field(default_factory=dict)
     chunk: int | None = None  # prompt tokens per step (chunked prefill); None: prefill apart
+    cache_tokens: int = 0  # prefix-cache capacity, tokens (0: no prefix cache)
     running: list[dict] = field(default_factory=list)
     waiting: list[dict] = field(default_factory=list)
+    cache: OrderedDict[int, float] = field(default_factory=OrderedDict)  # block -> tokens
+    num_prompt_tokens: int = 0
+    num_cached_tokens: float = 0.0
+
+    def admit(self, shape: RequestShape) -> float:
+        """Prompt tokens found in the prefix cache; the request's blocks become cached."""
+        if not self.cache_tokens:
+            return 0.0
+        cached = 0.0
+        for h in shape.prefix_hashes:
+            if h not in self.cache:
+                break
+            cached += shape.prefix_block_tokens
+        for h in shape.prefix_hashes:
+            self.cache.pop(h, None)
+            self.cache[h] = shape.prefix_block_tokens
+        while sum(self.cache.values()) > self.cache_tokens:
+            self.cache.popitem(last=False)
+        cached = min(cached, shape.prompt_tokens - 1.0)
+        self.num_prompt_tokens += shape.prompt_tokens
+        self.num_cached_tokens += cached
+        return cached
 
     def view(self) -> WorkerView:
         return WorkerView(self.name, f"sim://{self.name}", "engine", self.config,
@@ -79,7 +106,8 @@ def _route(policy: RoutingPolicy, workers: list[SimWorker], t: float, shape: Req
 def _advance(w: SimWorker, now: float, dt: float) -> list[dict]:
     while w.waiting and len(w.running) < w.config.engine.max_num_seqs:
         req = w.waiting.pop(0)
-        req["left_prefill"] = req["shape"].prompt_tokens * w.prefill_s
+        req["cached"] = w.admit(req["shape"])
+        req["left_prefill"] = (req["shape"].prompt_tokens - req["cached"]) * w.prefill_s
         w.running.append(req)
     if w.chunk is not None:
         return _advance_chunked(w, now, dt)
@@ -115,7 +143,7 @@ def _advance_chunked(w: SimWorker, now: float, dt: float) -> list[dict]:
     for req in filling:  # the step's prompt tokens go to the oldest prefills first
         # NOTE: the share is fixed by the prompt's full length, so a prompt that fits in
         # one step's budget finishes in one step (no geometric tail as it shrinks)
-        take[id(req)] = min(budget, float(req["shape"].prompt_tokens))
+        take[id(req)] = min(budget, float(req["shape"].prompt_tokens - req["cached"]))
         budget -= take[id(req)]
     step = w.base_s + w.per_seq_s * len(w.running) + w.prefill_s * (w.chunk - budget)
     done = []
@@ -137,9 +165,10 @@ def _report(policy: RoutingPolicy, w: SimWorker, req: dict, slo_ttft_s: float,
     n = shape.predicted_output_tokens
     ttft = req["first"] - req["arrival"]
     tpot = (req["end"] - req["first"]) / max(n - 1, 1)
+    extra = {"cached_tokens": req["cached"]} if w.cache_tokens else {}
     policy.observe(RequestOutcome(w.name, shape, "ok", completion_tokens=n, ttft_s=ttft,
                                   tpot_s=tpot, e2e_s=req["end"] - req["arrival"],
-                                  spec_depth=req["depth"], batch_size=req["batch"]))
+                                  spec_depth=req["depth"], batch_size=req["batch"], extra=extra))
     return ttft <= (shape.slo_ttft_s or slo_ttft_s) and tpot <= (shape.slo_tpot_s or slo_tpot_s)
 
 
