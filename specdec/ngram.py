@@ -23,6 +23,26 @@ So a proposal from a match shorter than ``max_n`` is capped at
 ``weak_match_depth`` tokens, while a full-length match may use the whole depth
 the request allows (which is what makes depths of 8-16 pay).
 
+NOTE: the caps by match length (``context_depth_caps``, ``pool_depth_caps``) keep a
+draft token only where it is accepted often enough to pay for its verification
+row. On the 2-core CPU box a verified row costs ~0.1-0.14 of a one-row step and
+speculation runs at ~1.5-2 tokens per step-time, so a token pays when P(accepted)
+exceeds ~0.2. Measured on the bundled pair's greedy outputs of 80 Spec-Bench
+prompts held out from the benchmark's selections (every output position, depth 16,
+``min_n=1, max_n=4``), P(the first i drafted tokens are accepted) for i = 1..6:
+
+    context, 1-token match: .33 .21 .13 .09 .07 .06   -> cap 2
+    context, 2-token match: .57 .36 .24 .18 .15 .14   -> cap 3
+    context, 3-token match: .60 .40 .30 .25 .22 .18   -> weak_match_depth (4)
+    context, 4-token match: .88 .80 .73 .68 .64 .61   (.42 at 16) -> no cap
+    pool,    1-token match: .11 .04 .02 ...            -> 0 (no proposal)
+    pool,    2-token match: .33 .09 .05 ...            -> 1
+    pool,    3-token match: .34 .18 .10 ...            -> 1
+    pool,    4-token match: .58 .36 .24 .18 .14 .11   -> 3
+
+Replayed step by step over those outputs under that cost model, the caps gave
+5-8% more tokens per unit of step time on the repetitive domains at depths 8-16.
+
 The proposer also keeps the outputs of the requests it served before
 (:mod:`specdec.pool`) and proposes from them when the context's own match is
 shorter than one found there: the bundled model's answers to different prompts
@@ -69,6 +89,10 @@ class NgramConfig:
     weak_match_depth: int | None = 4
     # Outputs of finished requests kept for cross-request lookup (specdec.pool); 0 = off.
     pool_tokens: int = 16384
+    # Caps by match length (entry m - 1 caps a match of m tokens; longer ones: no cap from
+    # here), for matches in the context and in the pool; see the NOTE in the module docstring.
+    context_depth_caps: tuple[int, ...] = (2, 3)
+    pool_depth_caps: tuple[int, ...] = (0, 1, 1, 3)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
@@ -82,18 +106,23 @@ class NgramConfig:
         if self.window <= self.max_n:
             raise ProposerConfigError(
                 f"ngram: window must exceed max_n ({self.max_n}), got {self.window}")
+        for name in ("context_depth_caps", "pool_depth_caps"):
+            caps = getattr(self, name)
+            if not all(isinstance(c, int) and c >= 0 for c in caps):
+                raise ProposerConfigError(f"ngram: {name} must be ints >= 0, got {caps!r}")
 
 
 def find_ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int,
-                        periodic: bool = False, weak_match_depth: int | None = None
-                        ) -> np.ndarray:
+                        periodic: bool = False, weak_match_depth: int | None = None,
+                        depth_caps: Sequence[int] = ()) -> np.ndarray:
     """The up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix.
 
     ``tokens`` is a 1-D integer array (the search window). Returns an empty array
     when no suffix of length ``min_n`` or more occurs earlier. With ``periodic``,
     a continuation shorter than ``k`` (it reaches the end of ``tokens``) repeats
     cyclically up to ``k`` tokens. A match shorter than ``max_n`` proposes at most
-    ``weak_match_depth`` tokens.
+    ``weak_match_depth`` tokens, and a match of ``m <= len(depth_caps)`` tokens at most
+    ``depth_caps[m - 1]``.
 
     >>> find_ngram_proposal(np.array([1, 2, 3, 4, 1, 2, 3]), 1, 3, 2).tolist()
     [4, 1]
@@ -121,6 +150,8 @@ def find_ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int,
     j = int(ends - 1 - np.argmax(match_len[::-1] == best))  # latest end with the longest match
     if weak_match_depth is not None and best < max_n:
         k = min(k, weak_match_depth)
+    if best <= len(depth_caps):
+        k = min(k, depth_caps[best - 1])
     follow = tokens[j + 1 : j + 1 + k]
     if periodic and follow.shape[0] < k:
         # NOTE: the occurrence ends P = length - 1 - j tokens before the suffix does, so the
@@ -157,10 +188,11 @@ class _SuffixIndex:
             for m in range(self.min_n, min(self.max_n, j + 1) + 1):
                 self.latest[m][tuple(tokens[j - m + 1 : j + 1])] = j
 
-    def lookup(self, k: int, window: int, periodic: bool,
-               weak_match_depth: int | None) -> tuple[int, list[int]]:
+    def lookup(self, k: int, window: int, periodic: bool, weak_match_depth: int | None,
+               depth_caps: Sequence[int] = ()) -> tuple[int, list[int]]:
         """(match length, proposal): the proposal is what :func:`find_ngram_proposal` returns
-        for the last ``window`` tokens; (0, []) without a match."""
+        for the last ``window`` tokens, cut to ``depth_caps[m - 1]`` tokens for a match of
+        ``m < len(depth_caps)`` tokens; (0, []) without a match."""
         tokens = self.tokens
         length = len(tokens)
         lowest = max(0, length - window)  # first position inside the window
@@ -174,6 +206,8 @@ class _SuffixIndex:
             return 0, []
         if weak_match_depth is not None and m < self.max_n:
             k = min(k, weak_match_depth)
+        if m <= len(depth_caps):
+            k = min(k, depth_caps[m - 1])
         follow = tokens[j + 1 : j + 1 + k]
         if periodic and len(follow) < k:
             period = length - 1 - j  # the context repeats with this period: continue it
@@ -213,10 +247,10 @@ class NgramProposer:
             state = self._indexes[request.seq_id] = self._new_state(request)
         state.index.sync(request.token_ids)
         length, tokens = state.index.lookup(request.depth, c.window, c.periodic,
-                                            c.weak_match_depth)
+                                            c.weak_match_depth, c.context_depth_caps)
         if self.pool is not None and length < c.max_n:
             pooled = self.pool.lookup(state.index.tokens, state.prompt_key, length,
-                                      request.depth, c.weak_match_depth)
+                                      request.depth, c.weak_match_depth, c.pool_depth_caps)
             tokens = pooled or tokens
         return Proposal(request.seq_id, tokens)
 

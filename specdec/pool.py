@@ -70,10 +70,11 @@ class OutputPool:
             self._rebuild()
 
     def lookup(self, context: Sequence[int], prompt_key: int | None, longer_than: int, k: int,
-               weak_match_depth: int | None) -> list[int]:
+               weak_match_depth: int | None, depth_caps: Sequence[int] = ()) -> list[int]:
         """Up to ``k`` tokens that followed the longest suffix of ``context`` found in the pool,
         if that suffix is longer than ``longer_than`` tokens; [] otherwise. A match shorter
-        than ``max_n`` proposes at most ``weak_match_depth`` tokens (as the context search)."""
+        than ``max_n`` proposes at most ``weak_match_depth`` tokens (as the context search),
+        and a match of ``m <= len(depth_caps)`` tokens at most ``depth_caps[m - 1]``."""
         lowest = max(longer_than + 1, self.min_n)
         for m in range(min(self.max_n, len(context)), lowest - 1, -1):
             for entry_id, end in self._index[m].get(tuple(context[len(context) - m:]), ()):
@@ -82,6 +83,8 @@ class OutputPool:
                     continue
                 depth = k if m == self.max_n or weak_match_depth is None else min(
                     k, weak_match_depth)
+                if m <= len(depth_caps):
+                    depth = min(depth, depth_caps[m - 1])
                 return entry.tokens[end + 1:end + 1 + depth]
         return []
 

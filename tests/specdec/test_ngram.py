@@ -11,11 +11,13 @@ from specdec.base import ProposalRequest
 from specdec.errors import ProposerConfigError
 from specdec.ngram import NgramConfig, NgramProposer, find_ngram_proposal
 
+CAPS = NgramConfig().context_depth_caps  # the proposer's default caps by match length
+
 
 def _find(tokens: list[int], min_n: int, max_n: int, k: int, periodic: bool = False,
-          weak: int | None = None) -> list[int]:
+          weak: int | None = None, caps: tuple[int, ...] = ()) -> list[int]:
     return find_ngram_proposal(np.array(tokens, dtype=np.int64), min_n, max_n, k,
-                               periodic, weak).tolist()
+                               periodic, weak, caps).tolist()
 
 
 @pytest.mark.parametrize(
@@ -63,8 +65,8 @@ def test_find_ngram_periodic(tokens: list[int], k: int, expected: list[int]) -> 
     assert _find(tokens, 1, 3, k) == expected[: len(_reference(tokens, 1, 3, k))]
 
 
-def _reference(tokens: list[int], min_n: int, max_n: int, k: int,
-               periodic: bool = False, weak: int | None = None) -> list[int]:
+def _reference(tokens: list[int], min_n: int, max_n: int, k: int, periodic: bool = False,
+               weak: int | None = None, caps: tuple[int, ...] = ()) -> list[int]:
     """Plain-Python spec: longest n from max_n down, latest earlier start."""
     if k <= 0:
         return []
@@ -75,6 +77,8 @@ def _reference(tokens: list[int], min_n: int, max_n: int, k: int,
             if tokens[start : start + n] == suffix:
                 if weak is not None and n < max_n:
                     k = min(k, weak)
+                if n <= len(caps):
+                    k = min(k, caps[n - 1])
                 follow = tokens[start + n :]
                 if not periodic:
                     return follow[:k]
@@ -121,7 +125,7 @@ def test_proposer_incremental_equals_fresh() -> None:
         tokens.append(int(rng.integers(0, 5)))
         got = kept.propose([ProposalRequest(7, tokens, 4)])[0]
         fresh = NgramProposer(NgramConfig(min_n=1, max_n=3)).propose([ProposalRequest(7, tokens, 4)])
-        assert got.tokens == fresh[0].tokens == _reference(tokens, 1, 3, 4, True, 4), step
+        assert got.tokens == fresh[0].tokens == _reference(tokens, 1, 3, 4, True, 4, CAPS), step
         assert got.seq_id == 7 and got.probs is None
 
 
@@ -153,7 +157,7 @@ def test_index_equals_the_reference_search(chunks: list[list[int]], min_n: int, 
             tokens = tokens[: len(tokens) // 2]
         tokens = tokens + chunk
         got = proposer.propose([ProposalRequest(3, tokens, k)])[0].tokens
-        assert got == _find(tokens[-window:], min_n, max_n, k, True, weak), (step, tokens)
+        assert got == _find(tokens[-window:], min_n, max_n, k, True, weak, CAPS), (step, tokens)
 
 
 def test_proposer_batch_depths_and_release() -> None:
@@ -165,8 +169,9 @@ def test_proposer_batch_depths_and_release() -> None:
         ProposalRequest(4, [1, 2, 1, 2], 0),
     ])
     assert [p.seq_id for p in out] == [1, 2, 3, 4]
-    # seq 2: only [8, 9] follows the earlier 9; periodic continuation adds the 8
-    assert [p.tokens for p in out] == [[3, 4, 1], [8, 9, 8], [], []]
+    # seq 2: only [8, 9] follows the earlier 9 (periodic continuation would add the 8), and
+    # a 1-token match proposes at most context_depth_caps[0] = 2 tokens
+    assert [p.tokens for p in out] == [[3, 4, 1], [8, 9], [], []]
     proposer.commit(1, 2)
     assert proposer.num_tracked == 3  # depth 0 keeps no state
     for seq_id in (1, 2, 3, 4):
@@ -201,3 +206,21 @@ def test_long_context_buffer_grows() -> None:
 def test_config_rejects_bad_values(kwargs: dict[str, int]) -> None:
     with pytest.raises(ProposerConfigError):
         NgramConfig(**kwargs)
+
+
+def test_context_depth_caps_by_match_length() -> None:
+    proposer = NgramProposer(NgramConfig(min_n=1, max_n=4, pool_tokens=0))  # caps (2, 3)
+    one = [1, 2, 3, 4, 5, 6, 1]  # [1] occurred: a 1-token match
+    two = [9, 1, 2, 3, 4, 5, 6, 8, 1, 2]  # [1, 2]: 2 tokens
+    full = [7, 1, 2, 3, 4, 5, 6, 8, 9, 0, 7, 1, 2, 3]  # [7, 1, 2, 3]: max_n, uncapped
+    assert proposer.propose([ProposalRequest(1, one, 8)])[0].tokens == [2, 3]
+    assert proposer.propose([ProposalRequest(2, two, 8)])[0].tokens == [3, 4, 5]
+    assert proposer.propose([ProposalRequest(3, full, 8)])[0].tokens == [4, 5, 6, 8, 9, 0, 7, 1]
+
+
+@pytest.mark.parametrize("caps", [(-1,), (2, -3)])
+def test_config_rejects_negative_depth_caps(caps: tuple[int, ...]) -> None:
+    with pytest.raises(ProposerConfigError, match="depth_caps"):
+        NgramConfig(context_depth_caps=caps)
+    with pytest.raises(ProposerConfigError, match="depth_caps"):
+        NgramConfig(pool_depth_caps=caps)

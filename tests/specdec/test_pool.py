@@ -79,3 +79,26 @@ def test_pool_off_and_bad_size() -> None:
     assert proposer.pool is None
     with pytest.raises(ProposerConfigError):
         NgramConfig(pool_tokens=-1)
+
+
+def test_depth_caps_by_match_length() -> None:
+    pool = OutputPool(100, 1, 4)
+    pool.add(1, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
+    caps = NgramConfig().pool_depth_caps  # (0, 1, 1, 3)
+    assert pool.lookup([0, 0, 0, 5], 2, 0, 8, None, caps) == []  # 1 token: cap 0
+    assert pool.lookup([0, 0, 5, 6], 2, 0, 8, None, caps) == [7]  # 2 tokens: cap 1
+    assert pool.lookup([0, 5, 6, 7], 2, 0, 8, None, caps) == [8]  # 3 tokens: cap 1
+    assert pool.lookup([5, 6, 7, 8], 2, 0, 8, None, caps) == [9, 10, 11]  # 4 tokens: cap 3
+    assert pool.lookup([5, 6, 7, 8], 2, 0, 2, None, caps) == [9, 10]  # never above k
+    assert pool.lookup([5, 6, 7, 8], 2, 0, 8, None) == [9, 10, 11, 12, 13, 14, 5, 6][:6]
+
+
+def test_proposer_falls_back_to_its_context_when_the_pool_cap_is_zero() -> None:
+    proposer = NgramProposer(NgramConfig())  # pool caps (0, 1, 1, 3)
+    proposer.propose([ProposalRequest(1, [50, 1, 2, 3, 4, 5], 4, num_prompt_tokens=1)])
+    proposer.release(1)  # the pool now holds [1, 2, 3, 4, 5]
+    # the context has no match for 3; the pool's 1-token match is capped at 0 tokens
+    assert proposer.propose([ProposalRequest(2, [60, 3], 4, num_prompt_tokens=1)])[0].tokens == []
+    # the context matches [2] (1 token: [9, 1], cap 2); the pool's longer [1, 2] wins, cap 1
+    assert proposer.propose([ProposalRequest(3, [61, 2, 9, 1, 2], 4,
+                                             num_prompt_tokens=1)])[0].tokens == [3]
