@@ -18,7 +18,7 @@ import pytest
 import torch
 from aiohttp.test_utils import TestServer
 
-from engine.config import CompiledConfig, EngineConfig
+from engine.config import CompiledConfig, ConfigError, EngineConfig
 from engine.core import EngineCore, RequestOutput
 from engine.kv_cache import ROOT_HASH, BlockAllocator, extend_block_hashes, hash_block
 from engine.loader import load_core
@@ -96,6 +96,13 @@ def test_chain_hash_names_the_whole_prefix() -> None:
     assert other[1] != h[1]
     extend_block_hashes(h, list(range(12)), 4)  # incremental: only the new full block
     assert len(h) == 3 and h[2] == hash_block(h[1], [8, 9, 10, 11])
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_enable_prefix_caching_must_be_a_boolean(value: object) -> None:
+    with pytest.raises(ConfigError, match="engine.enable_prefix_caching"):
+        CompiledConfig.from_dict({"engine": {"enable_prefix_caching": value}})
+    assert EngineConfig().enable_prefix_caching  # on by default, as in vLLM V1
 
 
 # -- the scheduler ----------------------------------------------------------------------------
