@@ -502,7 +502,9 @@ def print_acceptance(method: str, bench: Bench, policy: object) -> None:
         print(f"  {mode} step-time model t = {coef[0] * 1e3:.2f} + {coef[1] * 1e3:.3f}*b + "
               f"{coef[2] * 1e3:.3f}*b*d + {coef[3] * 1e3:.3f}*k + {coef[4] * 1e3:.3f}*[k>0] + "
               f"{coef[5] * 1e3:.4f}*prefill ms, mean prefill {model.mean_prefill:.0f} tokens "
-              f"({model.num_fed_steps} engine steps, {model.num_samples} client samples)")
+              f"({model.num_fed_steps} engine steps, {model.num_samples} client samples); "
+              f"clients wait {model.overhead(1) * 1e3:.2f} / {model.overhead(4) * 1e3:.2f} / "
+              f"{model.overhead(16) * 1e3:.2f} ms more per step at batch 1 / 4 / 16")
         for b in (1, 4, 16):
             cells = " ".join(f"k={k}:{model.predict(b, k) / model.predict(b, 0):.2f}"
                              for k in (1, 2, 4, 8) if k <= bench.max_depth)

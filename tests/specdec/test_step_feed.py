@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from engine.metrics import EngineMetrics
-from specdec.policy import DepthPolicy, PolicyConfig, StepTimeModel, step_features
+from specdec.policy import (
+    DepthPolicy,
+    PolicyConfig,
+    StepTimeModel,
+    choose_depth,
+    step_features,
+)
 from specdec.step_feed import DecodeStep, StepFeed, StepSums, parse_step_sums
 
 
@@ -117,7 +123,7 @@ def test_engine_steps_replace_the_client_averages() -> None:
     model.observe_sums(xtx, xty, int(sums.num_steps), sums.num_prefill)
     assert model.predict(16, 4) / model.predict(16, 0) == pytest.approx(
         _true_t(16, 64, 4, 128) / _true_t(16, 0, 0, 128), rel=0.03)
-    model.observe(16, 4, 0.030)  # later client averages are ignored
+    model.observe(16, 4, 0.030)  # later client averages no longer enter the fit
     assert model.num_samples == 150
 
 
@@ -147,3 +153,30 @@ def test_observe_sums_rejects_malformed_input() -> None:
     model.observe_sums(np.eye(6), np.zeros(6), 0)
     assert model.num_fed_steps == 0
     np.testing.assert_array_equal(model.coef, before)
+
+
+def test_the_clients_wait_beyond_the_engine_step_favours_a_deeper_k() -> None:
+    model = StepTimeModel.from_prior((0.010, 0.0005, 0.0003, 0.0005), 4.0)
+    sums = StepSums()
+    for s in _steps() * 2:
+        if not s.num_prefill:  # pure decode steps: predictions carry no prefill share
+            sums.add(s)
+    xtx, xty = sums.matrices()
+    model.observe_sums(xtx, xty, int(sums.num_steps), sums.num_prefill)
+    # batch 1: t(k) = 4 ms + 0.3 ms per draft token + 0.75 ms if k > 0; depth 8 measured
+    # better than 3..7 (an n-gram run accepted whole)
+    tokens = [1.0, 1.5, 2.2, 2.25, 2.25, 2.25, 2.25, 2.25, 2.8]
+    assert model.overhead(1) == 0.0
+    # E / t: k=2 2.2 / 5.35 ms = 0.411 per ms, k=3 0.398, k=8 2.8 / 7.15 = 0.392
+    assert choose_depth(0.5, 1, model, 8, tokens_per_step=tokens) == 2
+    for _ in range(10):  # clients see 3 ms more per step than the engine's steps take
+        for k in (0, 2, 8):
+            model.observe(1, k, _true_t(1, k, k) + 0.003, float(k))
+    assert model.overhead(1) == pytest.approx(0.003, rel=0.05)
+    assert model.overhead(2) == model.overhead(1)  # the nearest measured batch size
+    assert model.num_samples == 0  # the fit itself is still the engine's
+    # with 3 ms per step more: k=2 2.2 / 8.35 = 0.263, k=3 0.260, k=8 2.8 / 10.15 = 0.276
+    assert choose_depth(0.5, 1, model, 8, tokens_per_step=tokens) == 8
+    for _ in range(100):  # a residual below zero (noise) never makes steps cheaper
+        model.observe(16, 0, _true_t(16, 0, 0) * 0.5)
+    assert model.overhead(16) == 0.0 and model.overhead(1) > 0.0
