@@ -306,3 +306,19 @@ def test_observe_request_prices_client_samples_by_draft_tokens() -> None:
     model = policy.step_time("w")
     assert model.predict(1, 8, drafted=1.0) == pytest.approx(0.012, rel=0.02)
     assert model.predict(1, 2, drafted=2.0) == pytest.approx(0.014, rel=0.02)
+
+
+def test_a_depth_measured_high_on_few_steps_is_pooled_with_better_measured_ones() -> None:
+    est = AcceptanceEstimate(6.0, 4.0)  # a = .6
+    # k = 8: 2,000 steps at 2.64 tokens; k = 5: one lucky request, 50 steps at 3.07
+    est.steps_at, est.tokens_at = {5: 50.0, 8: 2000.0}, {5: 153.5, 8: 5280.0}
+    out = est.tokens_per_step(8, prior_steps=50.0)
+    geo = [expected_tokens_per_step(0.6, k) for k in range(9)]
+    shrunk5 = (153.5 + 50 * geo[5]) / 100  # 2.7267
+    shrunk8 = (5280.0 + 50 * geo[8]) / 2050  # 2.6360
+    pooled = (100 * shrunk5 + 2050 * shrunk8) / 2150  # 2.6402: weighted by evidence
+    assert shrunk5 > shrunk8
+    assert out[5] == pytest.approx(pooled) and out[8] == pytest.approx(pooled)
+    assert out[6] == pytest.approx(pooled) and out[7] == pytest.approx(pooled)  # in between
+    assert out[4] == pytest.approx(min(geo[4], pooled))  # unmeasured: at most k = 5's
+    assert out == sorted(out)
