@@ -20,11 +20,23 @@ the gain):
   no speculation, one core (``fast-long``: ``--long-cores`` engine-core
   processes, default 2); declared for the long-prompt domains (summarization, rag).
 
-Workload: real prompts (Spec-Bench questions, all 13 categories, and GSM8K
-problems) as chat requests, with arrival times and output lengths taken from
-the Azure LLM 2023 conversation trace (time-scaled to the rate; outputs scaled
-by ``--output-scale`` and clipped), replayed with loadgen's Python API, greedy
-(temperature 0, as Spec-Bench and bench/specdec.py measure).
+Every worker keeps the engine's default KV cache (32,768 tokens) with automatic
+prefix caching on (the engine's default): a worker feature, so every policy gets it.
+
+Workload (``--workload``): ``specbench`` (session 4's): real prompts (Spec-Bench
+questions, all 13 categories, and GSM8K problems) as chat requests, with arrival
+times and output lengths taken from the Azure LLM 2023 conversation trace
+(time-scaled to the rate; outputs scaled by ``--output-scale`` and clipped),
+replayed with loadgen's Python API, greedy (temperature 0, as Spec-Bench and
+bench/specdec.py measure). ``prefix-mix`` (the default): ``--prefix-share`` of the
+requests (and of the rate) are Mooncake requests with shared prefixes (lengths and
+``hash_ids`` as recorded; prompts scaled by 1/16, so 512-token blocks become 32-token
+blocks, and cut to their leading blocks to fit the context; outputs as recorded,
+clipped to ``--max-output``), walking the trace forward from ``--trace-start``
+(default 3000, its second half, where reuse is the trace's steady state: the warm-up
+takes the requests just before, each round the next unused ones); the rest is the
+``specbench`` workload at the remaining rate. Mooncake requests are scored as their
+own class, ``prefix``, and carry its SLO in their bodies.
 
 SLOs: fixed per domain class, in seconds (``DEFAULT_SLOS``), the same for
 every policy and every run; chosen once from a calibration run by a stated
@@ -32,16 +44,23 @@ rule (``SLO_RULE`` x the best unloaded latency of the class on any worker;
 ``--calibrate`` prints what the rule gives on a machine and uses it). Every
 proxy is configured with them (routing.slo_ttft_s / slo_tpot_s); only the
 adaptive policy uses them. Every policy is scored by the trace's domain label.
+The ``prefix`` class's SLO is set by a rule fixed before any measurement
+(``SLO_RULE["prefix"]``: 5x TTFT and 5x TPOT of the best unloaded, cold-cache,
+one-request probe of a median-length prompt of the window on any worker), from the
+run's own probe, so it is the same for every policy; ``--prefix-slo`` overrides it.
 
 Order of a run: start three fleets -> probe (unloaded, then ``--fit-concurrency``
 requests of a class at a time) -> one unscored warm-up replay per policy
 (same schedule, all at once) -> for each rate, ``--rounds`` measured rounds,
 each a fresh schedule (seed + round) replayed by all three policies at the
 same time. Printed: goodput per round, its ratio to each baseline (median,
-min-max), TTFT/TPOT percentiles, where requests went per (worker, domain
-class) with how many met the SLO, and the adaptive policy's depths per rate.
+min-max), TTFT/TPOT percentiles, the fleet's prefix-cache hit rate (prompt tokens
+found cached / looked up, from the workers' vllm:prefix_cache_* counters), where
+requests went per (worker, class) with how many met the SLO, and the adaptive
+policy's depths and decision reasons per rate.
 
-    python bench/routing.py --rates 8 10 --duration 15 --rounds 5 --warmup 20 --seed 100
+    python bench/routing.py --data .devdata --rates 4 6 8 --duration 20 --rounds 3 --warmup 20 --seed 100
+    python bench/routing.py --data .devdata --workload specbench --rates 7 9 --duration 15 --rounds 3 --warmup 20 --seed 100
 
 Needs ~10 free cores (three fleets of three one-core workers, plus this process;
 ``fast-long``: ~13): the session-3 and -4 runs used the lent H200 machine's 16 CPU
