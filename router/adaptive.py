@@ -57,6 +57,7 @@ the prefix caches), ``explore``.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -190,7 +191,10 @@ class AdaptivePolicy:
         prof = self._profiles.get(view.name)
         if prof is None or (prof.prior.config is not view.config
                             and prof.prior.config != view.config):
-            # NOTE: a new compiled config (optimizer reload) restarts the worker's profile.
+            # NOTE: a new compiled config (optimizer reload) restarts the worker's profile,
+            # and its prefix cache: the engine empties its cache on every reload.
+            if prof is not None:
+                self.prefix_cache.forget_worker(view.name)
             prof = WorkerProfile(LatencyPrior(view.config, self.config.prior),
                                  self.config.forgetting, self.calibration)
             self._profiles[view.name] = prof
@@ -362,7 +366,7 @@ class AdaptivePolicy:
         worker's hit ratio learns from it), else as predicted at the decision."""
         predicted = pending.model_cached_tokens if pending is not None else 0.0
         realised = outcome.extra.get("cached_tokens")
-        if realised is None:
+        if realised is None or not math.isfinite(realised) or realised < 0:
             return predicted * self.prefix_cache.hit_ratio(outcome.worker)
         self.prefix_cache.observe_hit(outcome.worker, predicted, realised)
         return realised

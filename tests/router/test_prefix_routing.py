@@ -45,7 +45,7 @@ def taught(config: CompiledConfig = CACHING) -> tuple[AdaptivePolicy, list[Worke
     return p, ws
 
 
-def finish(p: AdaptivePolicy, s: RequestShape, worker: str, cached: int | None = None) -> None:
+def finish(p: AdaptivePolicy, s: RequestShape, worker: str, cached: float | None = None) -> None:
     """Report ``s`` done (its TPOT only: these tests teach TTFT in ``teach``)."""
     extra = {} if cached is None else {"cached_tokens": float(cached)}
     p.observe(RequestOutcome(worker, s, "ok", completion_tokens=20, tpot_s=0.01, extra=extra))
@@ -150,3 +150,22 @@ def test_prefix_config_validation() -> None:
         AdaptiveConfig(prefix_block_tokens=0)
     with pytest.raises(ValueError, match="hit_alpha"):
         AdaptiveConfig(hit_alpha=1.5)
+
+
+def test_a_reloaded_worker_starts_with_an_empty_modelled_cache() -> None:
+    p, ws = taught()
+    first = shape((1, 2, 3, 4))
+    p.choose(first, [ws[0]])
+    finish(p, first, "a")
+    assert p.candidate(shape((1, 2, 3, 4, 5)), ws[0]).model_cached_tokens == 400.0
+    ws[0].config = CACHING.with_engine(max_num_seqs=12)  # the optimizer reloaded it
+    assert p.candidate(shape((1, 2, 3, 4, 5)), ws[0]).model_cached_tokens == 0.0
+
+
+def test_a_bad_reported_cached_count_is_ignored() -> None:
+    p, ws = taught()
+    for bad in (float("nan"), -5.0):
+        s = shape((1, 2, 3))
+        p.choose(s, [ws[0]])
+        finish(p, s, "a", cached=bad)
+    assert p.prefix_cache.hit_ratio("a") == 1.0
