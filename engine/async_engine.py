@@ -61,7 +61,12 @@ class Reload:
     done: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
 
 
-Command = Add | Abort | Reload
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    done: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
+
+
+Command = Add | Abort | Reload | ResetPrefixCache
 Post = Callable[[list[RequestOutput], StepStats | None], None]
 
 
@@ -105,6 +110,8 @@ class StepLoop:
                 self.post([aborted_output(cmd.request_id)], None)
         elif isinstance(cmd, Abort):
             self.core.abort(cmd.request_id)
+        elif isinstance(cmd, ResetPrefixCache):
+            cmd.done.set_result(self.core.reset_prefix_cache())
         else:
             try:
                 cmd.done.set_result(self.core.reload(cmd.config))
@@ -272,6 +279,12 @@ class AsyncEngine:
         seconds = await asyncio.wrap_future(cmd.done)
         self._config = config
         return seconds
+
+    async def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache between two steps; returns the cached blocks dropped."""
+        cmd = ResetPrefixCache()
+        self._inbox.put(cmd)
+        return await asyncio.wrap_future(cmd.done)
 
     @property
     def config(self) -> CompiledConfig:

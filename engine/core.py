@@ -159,6 +159,12 @@ class EngineCore:
             else:
                 self.scheduler.add(seq)
 
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache (requests keep running); returns the blocks it named."""
+        num_dropped = self.allocator.reset()
+        logger.info("prefix cache reset: %d cached blocks dropped", num_dropped)
+        return num_dropped
+
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_ids: list[int],

@@ -7,9 +7,10 @@ pickled message. The child exits when the parent says ``stop`` or its pipe
 closes (the parent died), so it never outlives the HTTP process.
 
 Parent -> child: ``("add", request_id, prompt_ids, params)``, ``("abort", request_id)``,
-``("reload", token, config)``, ``("stop",)``.
+``("reload", token, config)``, ``("reset_prefix_cache", token)``, ``("stop",)``.
 Child -> parent: ``("ready", pid)``, ``("out", outputs, stats)``,
-``("reloaded", token, seconds, error)``, ``("failed", message)`` (start-up failed).
+``("reloaded", token, seconds, error)``, ``("prefix_cache_reset", token, num_blocks)``,
+``("failed", message)`` (start-up failed).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.async_engine import Abort, Add, Command, Reload
+from engine.async_engine import Abort, Add, Command, Reload, ResetPrefixCache
 from engine.config import CompiledConfig
 from engine.core import RequestOutput, StepStats
 
@@ -67,6 +68,13 @@ def _reload_command(sender: _Sender, token: int, config: CompiledConfig) -> Relo
     return Reload(child_config(config), done)
 
 
+def _reset_command(sender: _Sender, token: int) -> ResetPrefixCache:
+    cmd = ResetPrefixCache()
+    cmd.done.add_done_callback(
+        lambda fut: sender.send(("prefix_cache_reset", token, fut.result())))
+    return cmd
+
+
 def _read(conn: Connection, inbox: queue.SimpleQueue[Command | None], sender: _Sender) -> None:
     while True:
         try:
@@ -80,6 +88,8 @@ def _read(conn: Connection, inbox: queue.SimpleQueue[Command | None], sender: _S
             inbox.put(Abort(msg[1]))
         elif kind == "reload":
             inbox.put(_reload_command(sender, msg[1], msg[2]))
+        elif kind == "reset_prefix_cache":
+            inbox.put(_reset_command(sender, msg[1]))
         else:
             inbox.put(None)
             return

@@ -46,6 +46,7 @@ class _Core:
     requests: set[str] = field(default_factory=set)
     num_sent: int = 0
     reloads: dict[int, asyncio.Future[float]] = field(default_factory=dict)
+    resets: dict[int, asyncio.Future[int]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -171,6 +172,20 @@ class DataParallelEngine:
         self.last_reload_s = list(seconds)
         return max(seconds)
 
+    async def reset_prefix_cache(self) -> int:
+        """Empty every live core's prefix cache; returns the cached blocks dropped in all."""
+        alive = [c for c in self._cores if c.alive]
+        if not alive:
+            raise EngineUnavailableError("no engine core process is running")
+        loop = asyncio.get_running_loop()
+        waits = []
+        for core in alive:
+            token = next(self._tokens)
+            core.resets[token] = loop.create_future()
+            waits.append(core.resets[token])
+            self._send(core, ("reset_prefix_cache", token))
+        return sum(await asyncio.gather(*waits))
+
     @property
     def config(self) -> CompiledConfig:
         return self._config
@@ -211,6 +226,10 @@ class DataParallelEngine:
                     fut.set_result(msg[2])
                 else:
                     fut.set_exception(ReloadError(f"{core.name}: {msg[3]}"))
+        elif msg[0] == "prefix_cache_reset":
+            done = core.resets.pop(msg[1], None)
+            if done is not None and not done.done():
+                done.set_result(msg[2])
 
     def _lost(self, core: _Core) -> None:
         if not core.alive:
@@ -223,4 +242,8 @@ class DataParallelEngine:
             if not fut.done():
                 fut.set_exception(EngineUnavailableError(f"{core.name} died during reload"))
         core.reloads.clear()
+        for done in core.resets.values():
+            if not done.done():
+                done.set_exception(EngineUnavailableError(f"{core.name} died during a reset"))
+        core.resets.clear()
         self._router.forget_source(core.index)

@@ -151,6 +151,19 @@ class BlockAllocator:
         self._hash_of[block] = block_hash
         self._block_of[block_hash] = block
 
+    def reset(self) -> int:
+        """Forget every cached hash (parked blocks become free); returns how many.
+
+        Safe while sequences run: a referenced block only loses its name, so it is
+        not found again and goes to the free list when released.
+        """
+        num_dropped = len(self._hash_of)
+        self._free.extend(sorted(self._evictable, reverse=True))
+        self._evictable.clear()
+        self._hash_of.clear()
+        self._block_of.clear()
+        return num_dropped
+
     def _evict(self) -> int:
         block = next(iter(self._evictable))
         del self._evictable[block]

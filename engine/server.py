@@ -2,7 +2,8 @@
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or one
 JSON body), ``/v1/models``, ``/health``, ``/metrics`` (vLLM metric names),
-``GET /admin/config``, ``POST /admin/reload``. The model is loaded once at
+``GET /admin/config``, ``POST /admin/reload``, ``POST /reset_prefix_cache``
+(vLLM's path: empties the prefix cache, e.g. between benchmark runs). The model is loaded once at
 start-up in a ``cleanup_ctx`` (off the event loop); the step loop runs in the
 background for the app's lifetime.
 """
@@ -223,6 +224,14 @@ async def handle_reload(request: web.Request) -> web.Response:
     return _json(body)
 
 
+async def handle_reset_prefix_cache(request: web.Request) -> web.Response:
+    try:
+        num_blocks = await request.app[STATE].engine.reset_prefix_cache()
+    except RequestError as e:
+        return _error(e)
+    return _json({"status": "ok", "num_blocks_dropped": num_blocks})
+
+
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     loop = asyncio.get_running_loop()
@@ -249,6 +258,7 @@ def create_app(config: CompiledConfig) -> web.Application:
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/admin/config", handle_get_config)
     app.router.add_post("/admin/reload", handle_reload)
+    app.router.add_post("/reset_prefix_cache", handle_reset_prefix_cache)
     return app
 
 

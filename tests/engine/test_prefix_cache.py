@@ -86,6 +86,18 @@ def test_register_keeps_the_first_block_of_a_hash() -> None:
     assert a.lookup([b"same"]) == [x] and a.lookup([b"other"]) == [] and a.num_cached == 1
 
 
+def test_reset_forgets_every_hash_but_keeps_references() -> None:
+    a = BlockAllocator(4)
+    x, y, z = a.allocate(3)
+    for block, h in ((x, b"x"), (y, b"y"), (z, b"z")):
+        a.register(block, h)
+    a.free([x, y])  # parked; z still referenced by a running sequence
+    assert a.reset() == 3 and a.num_cached == 0 and a.lookup([b"x"]) == []
+    assert a.num_free == 3 and not a.can_allocate(4)  # z is not handed out
+    a.free([z])
+    assert a.num_free == 4 and sorted(a.allocate(4)) == [0, 1, 2, 3]
+
+
 def test_chain_hash_names_the_whole_prefix() -> None:
     h: list[bytes] = []
     extend_block_hashes(h, list(range(10)), 4)
@@ -410,16 +422,26 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+async def cached_tokens(client: openai.AsyncOpenAI, ids: list[int]) -> int | None:
+    r = await client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0.0)
+    assert r.usage is not None and r.usage.prompt_tokens_details is not None
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+async def reset(base_url: str) -> int:
+    async with aiohttp.ClientSession() as s, s.post(base_url + "/reset_prefix_cache") as r:
+        assert r.status == 200
+        body = await r.json()
+    return int(body["num_blocks_dropped"])
+
+
 async def usage_and_metrics(base_url: str, ids: list[int],
-                            num_requests: int) -> tuple[list[int], int | None, dict[str, float]]:
-    """Send ``ids`` ``num_requests`` times one by one, then once streamed."""
+                            num_requests: int) -> tuple[list[int | None], int | None,
+                                                        dict[str, float]]:
+    """Send ``ids`` ``num_requests`` times one by one, then once streamed; then reset the
+    cache and send it once more, which must find nothing cached."""
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
-    cached = []
-    for _ in range(num_requests):
-        r = await client.completions.create(model="tiny", prompt=ids, max_tokens=4,
-                                            temperature=0.0)
-        assert r.usage is not None and r.usage.prompt_tokens_details is not None
-        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    cached = [await cached_tokens(client, ids) for _ in range(num_requests)]
     stream = await client.completions.create(model="tiny", prompt=ids, max_tokens=4,
                                              temperature=0.0, stream=True,
                                              stream_options={"include_usage": True})
@@ -428,6 +450,8 @@ async def usage_and_metrics(base_url: str, ids: list[int],
         if chunk.usage is not None:
             assert chunk.usage.prompt_tokens_details is not None
             streamed = chunk.usage.prompt_tokens_details.cached_tokens
+    assert await reset(base_url) > 0
+    assert await cached_tokens(client, ids) == 0
     await client.close()
     async with aiohttp.ClientSession() as s, s.get(base_url + "/metrics") as resp:
         return cached, streamed, parse_metrics(await resp.text())
@@ -440,9 +464,9 @@ async def test_usage_reports_cached_tokens_and_metrics_count_them(tiny_model_dir
         base = str(server.make_url("")).rstrip("/")
         cached, streamed, m = await usage_and_metrics(base, ids, 2)
     assert cached == [0, 96] and streamed == 96
-    assert m["vllm:prefix_cache_queries_total"] == 300
+    assert m["vllm:prefix_cache_queries_total"] == 400
     assert m["vllm:prefix_cache_hits_total"] == m["vllm:prompt_tokens_cached_total"] == 192
-    assert m["vllm:prompt_tokens_total"] == 300  # computed and cached, as vLLM counts
+    assert m["vllm:prompt_tokens_total"] == 400  # computed and cached, as vLLM counts
 
 
 def test_data_parallel_cores_cache_separately_and_metrics_add_up(tiny_model_dir: Path,
@@ -457,7 +481,7 @@ def test_data_parallel_cores_cache_separately_and_metrics_add_up(tiny_model_dir:
     finally:
         proc.stop()
     # one request at a time alternates between the two cores: each misses once
-    assert cached == [0, 0, 96, 96] and streamed == 96
-    assert m["vllm:prefix_cache_queries_total"] == 500
+    assert cached == [0, 0, 96, 96] and streamed == 96  # the reset reached the next core too
+    assert m["vllm:prefix_cache_queries_total"] == 600
     assert m["vllm:prefix_cache_hits_total"] == 3 * 96
-    assert m["vllm:prompt_tokens_total"] == 500
+    assert m["vllm:prompt_tokens_total"] == 600
