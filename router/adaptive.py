@@ -171,7 +171,7 @@ class AdaptivePolicy:
 
     def choose(self, shape: RequestShape, workers: Sequence[WorkerView]) -> RouteDecision:
         cands = [self.candidate(shape, w) for w in workers]
-        pick, reason = self._pick(shape, cands)
+        pick, reason = self._pick(cands)
         self._remember(shape, pick, workers[cands.index(pick)])
         self.reasons[reason] += 1
         self.decisions[pick.name] += 1
@@ -298,7 +298,7 @@ class AdaptivePolicy:
             return min(shape.speculative_depth, e.spec_max_depth)
         return self.depth_policy.decide(view.name, shape.domain, batch, e.spec_max_depth)
 
-    def _pick(self, shape: RequestShape, cands: list[Candidate]) -> tuple[Candidate, str]:
+    def _pick(self, cands: list[Candidate]) -> tuple[Candidate, str]:
         if len(cands) == 1:
             return cands[0], "only"
         best = min(cands, key=lambda c: c.cost_s)
