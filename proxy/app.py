@@ -79,9 +79,12 @@ def default_estimator(config: ProxyConfig) -> ShapeEstimator:
     try:
         from router.shape import ShapeConfig
         from router.shape import ShapeEstimator as ClassifierShapeEstimator
-        slo = ShapeConfig(slo_ttft_s=config.routing.slo_by_domain("slo_ttft_s"),
-                          slo_tpot_s=config.routing.slo_by_domain("slo_tpot_s"))
-        return ClassifierShapeEstimator.load(tokenizer_dir, config=slo)
+        from router.tokens import TokenConfig
+        shape_config = ShapeConfig(
+            tokens=TokenConfig(block_chars=config.routing.prefix_block_chars),
+            slo_ttft_s=config.routing.slo_by_domain("slo_ttft_s"),
+            slo_tpot_s=config.routing.slo_by_domain("slo_tpot_s"))
+        return ClassifierShapeEstimator.load(tokenizer_dir, config=shape_config)
     except Exception as e:  # a broken artefact must not stop the proxy from serving
         logger.warning("router shape estimator unavailable (%s); using the heuristic one", e)
         return HeuristicShapeEstimator()

@@ -38,6 +38,7 @@ from engine.config import (
     load_mapping,
 )
 from proxy.routing import POLICIES, is_policy_name
+from router.tokens import MAX_BLOCK_CHARS, MIN_BLOCK_CHARS
 
 
 def _check(cond: bool, key: str, expected: str, got: Any) -> None:
@@ -118,8 +119,17 @@ class RoutingConfig:
     # body fields win. Only the classifier shape estimator carries it into decisions.
     slo_ttft_s: dict[str, float] = field(default_factory=dict)
     slo_tpot_s: dict[str, float] = field(default_factory=dict)
+    # Prefix-hash block of the classifier shape estimator, in UTF-8 bytes of the rendered
+    # prompt (~4 per token of English): the unit in which the adaptive policy models the
+    # workers' prefix caches (router.affinity); prompts sharing fewer bytes share no block.
+    prefix_block_chars: int = 256
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.prefix_block_chars, int)
+               and not isinstance(self.prefix_block_chars, bool)
+               and MIN_BLOCK_CHARS <= self.prefix_block_chars <= MAX_BLOCK_CHARS,
+               "routing.prefix_block_chars",
+               f"an integer in [{MIN_BLOCK_CHARS}, {MAX_BLOCK_CHARS}]", self.prefix_block_chars)
         _check(is_policy_name(self.policy), "routing.policy",
                f"one of {sorted(POLICIES)} or 'module:Class'", self.policy)
         _check(self.shape_estimator in ("classifier", "heuristic"), "routing.shape_estimator",

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.config import TINY_TARGET
+from engine.config import TINY_TARGET, ConfigError
 from router.base import RequestOutcome, RequestShape
 from router.shape import ShapeConfig, ShapeEstimator
 
@@ -128,3 +128,18 @@ def test_cache_is_bounded_and_skips_long_prompts() -> None:
 def test_cache_config_is_checked() -> None:
     with pytest.raises(ValueError, match="cache_entries"):
         ShapeConfig(cache_entries=-1)
+
+
+def test_the_proxy_config_sets_the_prefix_block_and_refuses_bad_ones() -> None:
+    import dataclasses
+
+    from proxy.app import default_estimator
+    from proxy.config import ProxyConfig, RoutingConfig, default_config
+
+    base = default_config()
+    config = dataclasses.replace(base, routing=RoutingConfig(prefix_block_chars=512))
+    est = default_estimator(config)
+    assert isinstance(est, ShapeEstimator) and est.counter.config.block_chars == 512
+    for bad in (8, 1 << 20, "256", True):
+        with pytest.raises(ConfigError, match="routing.prefix_block_chars"):
+            ProxyConfig.from_dict({"routing": {"prefix_block_chars": bad}})
