@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.affinity import HitRatio, PrefixCacheModel
 
@@ -60,3 +62,19 @@ def test_hit_ratio_tracks_realised_over_predicted_tokens() -> None:
 def test_bad_hit_alpha_is_refused() -> None:
     with pytest.raises(ValueError, match="hit_alpha"):
         PrefixCacheModel(hit_alpha=0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 30), max_size=12), st.integers(1, 200)),
+                max_size=40), st.integers(0, 2000))
+def test_the_modelled_cache_never_exceeds_its_capacity(
+        requests: list[tuple[list[int], int]], capacity: int) -> None:
+    cache = PrefixCacheModel()
+    for blocks, tokens in requests:
+        cache.record("w", blocks, tokens, capacity)
+        snap = cache.snapshot().get("w")
+        if snap is not None:
+            assert snap["tokens"] <= capacity
+        # what was just recorded is the most recent: its tail survives as long as it fits
+        matched = cache.matched_blocks("w", blocks)
+        assert 0 <= matched <= len(blocks)
