@@ -1,10 +1,14 @@
 """What automatic prefix caching buys one built-in engine: caching on vs off, same run.
 
-The workload is a window of the Mooncake trace (``traces/mooncake_synthetic.jsonl``),
-whose ``hash_ids`` name shared 512-token prefix blocks. Each hash id becomes a
-fixed run of ``--block-tokens`` pseudo-random token ids (seeded by the id), so
-requests that share hash ids share exactly that token prefix; prompts are capped
-to fit the tiny model's context. Requests go in trace order through a closed
+``--workload mooncake`` (default) is a window of the Mooncake trace
+(``traces/mooncake_synthetic.jsonl``), whose ``hash_ids`` name shared 512-token
+prefix blocks. Each hash id becomes a fixed run of ``--block-tokens``
+pseudo-random token ids (seeded by the id), so requests that share hash ids
+share exactly that token prefix; prompts are capped to fit the tiny model's
+context. ``--workload sessions`` is multi-turn chat: Spec-Bench questions with
+their follow-up turns (padded to ``--turns`` with "Please continue."), each
+turn's prompt being the whole conversation so far (prompts, answers) in the
+model's chat format. Requests (sessions, turn after turn) go through a closed
 loop of ``--concurrency`` streams (``/v1/completions``, greedy, ``ignore_eos``),
 first to an engine with ``enable_prefix_caching: true``, then to an identical
 one with ``false`` (the order alternates per round), each started fresh here.
@@ -14,6 +18,7 @@ prompt tokens served from the cache (``usage.prompt_tokens_details``), and the
 on/off ratios; plus whether the greedy outputs of the two sides are identical.
 
     python bench/prefix_cache.py --offset 3850 --requests 128 --concurrency 4 --rounds 2
+    python bench/prefix_cache.py --workload sessions --requests 24 --turns 4 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -46,8 +51,15 @@ FIRST_ID = 10  # keep clear of the special tokens
 
 @dataclass(frozen=True)
 class Request:
-    prompt: list[int]
+    """One request, or the turns of one chat session (user texts, answered in order)."""
+
+    prompt: list[int] | None
     max_tokens: int
+    turns: tuple[str, ...] = ()
+
+
+def chat_turn(user: str) -> str:
+    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
 @dataclass
@@ -57,7 +69,7 @@ class Side:
     num_output: int = 0
     num_prompt: int = 0
     num_cached: int = 0
-    outputs: list[str] = field(default_factory=list)
+    outputs: list[list[str]] = field(default_factory=list)  # per request, per turn
 
 
 def block_tokens(hash_id: int, n: int) -> list[int]:
@@ -83,6 +95,16 @@ def load_requests(path: Path, offset: int, count: int, tokens_per_block: int,
     return requests, hit / max(total, 1)
 
 
+def load_sessions(path: Path, count: int, turns: int, max_tokens: int) -> list[Request]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = [r for r in rows if len(r["turns"]) > 1][:count]  # the MT-bench ones: 2 turns
+    out = []
+    for r in rows:
+        user = list(r["turns"][:turns]) + ["Please continue."] * (turns - len(r["turns"]))
+        out.append(Request(None, max_tokens, tuple(user)))
+    return out
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:  # type: ignore[type-arg]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -96,8 +118,10 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:  # t
     raise TimeoutError(url)
 
 
-async def one(s: aiohttp.ClientSession, url: str, req: Request, side: Side, index: int) -> None:
-    body = {"model": "bench", "prompt": req.prompt, "max_tokens": req.max_tokens,
+async def one(s: aiohttp.ClientSession, url: str, prompt: list[int] | str, max_tokens: int,
+              side: Side) -> str:
+    """Stream one completion; records its TTFT and usage; returns its text."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
@@ -119,11 +143,22 @@ async def one(s: aiohttp.ClientSession, url: str, req: Request, side: Side, inde
                 first = first if first is not None else time.perf_counter()
                 text.append(chunk["choices"][0]["text"])
     side.ttft_s.append((first or time.perf_counter()) - t0)
-    side.outputs[index] = "".join(text)
+    return "".join(text)
+
+
+async def run_request(s: aiohttp.ClientSession, url: str, req: Request, side: Side) -> list[str]:
+    if req.prompt is not None:
+        return [await one(s, url, req.prompt, req.max_tokens, side)]
+    history, answers = "", []
+    for user in req.turns:  # NOTE: the conversation so far is the next turn's prefix
+        history += chat_turn(user)
+        answers.append(await one(s, url, history, req.max_tokens, side))
+        history += answers[-1] + "<|im_end|>\n"
+    return answers
 
 
 async def closed_loop(url: str, requests: list[Request], concurrency: int) -> Side:
-    side = Side(outputs=[""] * len(requests))
+    side = Side(outputs=[[] for _ in requests])
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(requests)):
         queue.put_nowait(i)
@@ -133,7 +168,7 @@ async def closed_loop(url: str, requests: list[Request], concurrency: int) -> Si
         async def worker() -> None:
             while not queue.empty():
                 i = queue.get_nowait()
-                await one(s, url, requests[i], side, i)
+                side.outputs[i] = await run_request(s, url, requests[i], side)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -186,9 +221,11 @@ def report(name: str, sides: list[Side]) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    p.add_argument("--workload", choices=("mooncake", "sessions"), default="mooncake")
+    p.add_argument("--turns", type=int, default=4, help="turns per session (sessions)")
     p.add_argument("--model", default=str(TINY_TARGET))
     p.add_argument("--offset", type=int, default=3850, help="first trace row of the window")
-    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--requests", type=int, default=128, help="requests, or sessions")
     p.add_argument("--block-tokens", type=int, default=32,
                    help="tokens per trace hash block (512 in the trace; scaled to fit)")
     p.add_argument("--max-tokens", type=int, default=32, help="cap on each output length")
@@ -201,13 +238,19 @@ def main() -> None:
     p.add_argument("--port", type=int, default=18761)
     args = p.parse_args()
 
-    trace = Path(args.data) / "traces" / "mooncake_synthetic.jsonl"
-    requests, ideal = load_requests(trace, args.offset, args.requests, args.block_tokens,
-                                    args.max_model_len, args.max_tokens)
-    lengths = [len(r.prompt) for r in requests]
-    print(f"{len(requests)} requests (trace rows {args.offset}..), prompt tokens median "
-          f"{statistics.median(lengths):.0f} max {max(lengths)}; prefix hit rate with an "
-          f"unbounded cache {100 * ideal:.1f}%; concurrency {args.concurrency}", flush=True)
+    if args.workload == "sessions":
+        requests = load_sessions(Path(args.data) / "prompts" / "spec_bench_questions.jsonl",
+                                 args.requests, args.turns, args.max_tokens)
+        print(f"{len(requests)} chat sessions x {args.turns} turns, {args.max_tokens} output "
+              f"tokens a turn; concurrency {args.concurrency}", flush=True)
+    else:
+        trace = Path(args.data) / "traces" / "mooncake_synthetic.jsonl"
+        requests, ideal = load_requests(trace, args.offset, args.requests, args.block_tokens,
+                                        args.max_model_len, args.max_tokens)
+        lengths = [len(r.prompt or ()) for r in requests]
+        print(f"{len(requests)} requests (trace rows {args.offset}..), prompt tokens median "
+              f"{statistics.median(lengths):.0f} max {max(lengths)}; prefix hit rate with an "
+              f"unbounded cache {100 * ideal:.1f}%; concurrency {args.concurrency}", flush=True)
     sides: dict[bool, list[Side]] = {True: [], False: []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
