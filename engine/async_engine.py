@@ -111,7 +111,10 @@ class StepLoop:
         elif isinstance(cmd, Abort):
             self.core.abort(cmd.request_id)
         elif isinstance(cmd, ResetPrefixCache):
-            cmd.done.set_result(self.core.reset_prefix_cache())
+            try:
+                cmd.done.set_result(self.core.reset_prefix_cache())
+            except Exception as e:  # never leave the caller waiting
+                cmd.done.set_exception(e)
         else:
             try:
                 cmd.done.set_result(self.core.reload(cmd.config))

@@ -233,7 +233,8 @@ def _message(m: Any, i: int) -> dict[str, str]:
 def usage(num_prompt: int, num_output: int, num_draft: int, num_accepted: int,
           num_cached: int = 0) -> dict[str, Any]:
     """OpenAI usage; ``prompt_tokens_details.cached_tokens`` = prompt tokens the prefix cache
-    served (as vLLM reports it), ``spec_decode`` = this engine's speculation counts."""
+    served (always present, 0 with caching off; vLLM sends it with
+    ``--enable-prompt-tokens-details``), ``spec_decode`` = this engine's speculation counts."""
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output,
             "total_tokens": num_prompt + num_output,
             "prompt_tokens_details": {"cached_tokens": num_cached},
