@@ -24,6 +24,7 @@ over depth 0 per domain, the repetitive domains marked (rule: REPETITIVE_DOMAINS
     python bench/specdec.py --micro             # proposer / policy / verify micro-costs only
     python bench/specdec.py --step-costs        # forward ms per verify width k + 1 (no engine)
     python bench/specdec.py --draft-confidence 0 0.2 0.4   # draft cut A/B, in-process, c=1
+    python bench/specdec.py --caps-ab --depths 8 16 --max-tokens 128 --per-domain 3  # n-gram caps
 
 Session-2 runs (bench/RESULTS.md), each under 10 minutes on the 2-core box:
 
@@ -179,9 +180,12 @@ def process_cpu_s(pid: int) -> float:
 @contextlib.contextmanager
 def engine_process(method: str, max_depth: int, max_num_seqs: int,
                    device: str = "cpu") -> Iterator[tuple[str, int]]:
+    # NOTE: every mode replays the same prompts on one engine, so with prefix caching (on by
+    # default since 61aa9c5) whichever mode runs a prompt first pays its prefill and the
+    # others hit the cache: a confound that has nothing to do with depth. Off here.
     engine: dict[str, object] = {"max_num_seqs": max_num_seqs, "kv_cache_tokens": 32768,
                                  "spec_method": method, "spec_max_depth": max_depth,
-                                 "device": device}
+                                 "device": device, "enable_prefix_caching": False}
     if method == "draft":
         engine["draft_model"] = str(REPO / "models" / "tiny-draft")
     config = {"backend": "engine", "model": str(REPO / "models" / "tiny-target"),
@@ -463,7 +467,11 @@ def _print_domain_table(method: str, outcomes: list[Outcome], modes: list[int | 
           f"* = repetitive (fixed rule, see REPETITIVE_DOMAINS)")
     labels = [f"k={m}" if isinstance(m, int) else m[:6] for m in modes if m != 0]
     print(f"  {'domain':>14} {'k=0 tok/s':>9} " + " ".join(f"{lb:>6}" for lb in labels)
-          + f" {'best k':>6} {'ad/best':>7}")
+          + f" {'best k':>6} {'ad/best':>7}  adaptive depths (in request order)")
+    chosen: dict[str, list[int]] = defaultdict(list)
+    for o in outcomes:
+        if o.mode == ADAPTIVE:
+            chosen[o.domain].append(o.depth)
     for name, members in [*((d, [d]) for d in domains), *groups.items()]:
         def rate(mode: int | str, members: list[str] = members) -> float:
             t = sum(seconds[(d, mode)] for d in members)
@@ -475,8 +483,9 @@ def _print_domain_table(method: str, outcomes: list[Outcome], modes: list[int | 
         best_k = max(fixed, key=lambda m: fixed[m])
         mark = "*" if name in REPETITIVE_DOMAINS else " "
         cells = " ".join(f"{rate(m) / base:6.2f}" for m in modes if m != 0)
+        depths = " ".join(str(k) for k in chosen.get(name, []))
         print(f"  {name + mark:>14} {base:9.1f} {cells} {best_k:>6} "
-              f"{rate(ADAPTIVE) / fixed[best_k]:7.3f}")
+              f"{rate(ADAPTIVE) / fixed[best_k]:7.3f}  {depths}")
 
 
 def print_acceptance(method: str, bench: Bench, policy: object) -> None:
@@ -641,6 +650,64 @@ def run_draft_confidence(prompts: list[Prompt], thresholds: list[float], depth: 
               f"{accepted / drafted if drafted else 0.0:6.2f} {drafted / tokens:6.2f}")
 
 
+def run_caps_ab(prompts: list[Prompt], depths: list[int], max_tokens: int) -> None:
+    """In-process engine core, concurrency 1: the n-gram proposer with its depth caps by match
+    length (specdec.ngram NOTE) against the same proposer without them, at each depth, and
+    depth 0; interleaved per prompt in a rotating order. Each variant keeps its own output
+    pool, fed the same (greedy) outputs."""
+    from engine.config import TINY_TARGET, CompiledConfig, EngineConfig
+    from engine.loader import load_core
+    from engine.sequence import GenerationParams
+    from specdec.ngram import NgramConfig, NgramProposer
+    from specdec.sampling import SamplingParams
+
+    cfg = EngineConfig(spec_method="ngram", spec_max_depth=max(depths), kv_cache_tokens=16384,
+                       enable_prefix_caching=False)  # see engine_process
+    core = load_core(CompiledConfig(model=str(TINY_TARGET), engine=cfg))
+    proposers = {"caps": NgramProposer(NgramConfig()),
+                 "no caps": NgramProposer(NgramConfig(context_depth_caps=(), pool_depth_caps=()))}
+    modes = [(0, "caps"), *((k, v) for k in depths for v in proposers)]
+    totals: dict[tuple[str, int, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    warm = core.tokenizer.encode("warm up " * 40)
+    for depth in (0, max(depths)):  # the first steps of a process are slow (allocations)
+        core.add_request(f"warm-{depth}", warm, GenerationParams(
+            max_tokens=32, sampling=SamplingParams(0.0), ignore_eos=True, spec_depth=depth))
+        while core.has_work:
+            core.step()
+    for i, prompt in enumerate(prompts):
+        ids = core.tokenizer.encode(core.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt.text}], True))
+        for depth, variant in modes[i % len(modes):] + modes[: i % len(modes)]:
+            core.proposer = proposers[variant]
+            core.add_request(f"r{i}-{depth}-{variant}", ids, GenerationParams(
+                max_tokens=max_tokens, sampling=SamplingParams(0.0), ignore_eos=True,
+                spec_depth=depth))
+            tokens = 0
+            while not tokens:  # prefill: the same in every mode, left out (decode basis)
+                tokens = core.step()[1].num_generated
+            t0, c0 = time.perf_counter(), time.process_time()
+            while core.has_work:
+                tokens += core.step()[1].num_generated
+            for group in {prompt.domain, "all", *(["repetitive"] if prompt.domain in
+                                                  REPETITIVE_DOMAINS else [])}:
+                t = totals[(group, depth, variant)]
+                t[0] += tokens
+                t[1] += time.perf_counter() - t0
+                t[2] += time.process_time() - c0
+    print(f"n-gram depth caps A/B, concurrency 1, {len(prompts)} prompts, in-process core: "
+          "speed-up over depth 0 after the first token, wall (CPU) basis")
+    groups = sorted({g for g, _, _ in totals}, key=lambda g: (g in ("repetitive", "all"), g))
+    print(f"  {'group':>14} " + " ".join(f"{f'k={k} {v}':>17}" for k, v in modes[1:]))
+    for g in groups:
+        base = totals[(g, 0, "caps")]
+        cells = []
+        for k, v in modes[1:]:
+            t = totals[(g, k, v)]
+            cells.append(f"{t[0] / t[1] / (base[0] / base[1]):8.2f} "
+                         f"({t[0] / t[2] / (base[0] / base[2]):5.2f})")
+        print(f"  {g:>14} " + " ".join(f"{c:>17}" for c in cells))
+
+
 def run_micro() -> None:
     """Costs of the pieces that run on every step or request (no engine)."""
     import torch
@@ -730,6 +797,8 @@ def main() -> int:
     parser.add_argument("--client-fit", action="store_true",
                         help=f"also run the policy without the engine's step feed ({ADAPTIVE_CLIENT})")
     parser.add_argument("--micro", action="store_true", help="micro-costs only, no engine")
+    parser.add_argument("--caps-ab", action="store_true",
+                        help="n-gram depth caps on vs off, in-process, concurrency 1")
     parser.add_argument("--draft-confidence", nargs="+", type=float, default=None,
                         help="compare draft min_confidence cuts in-process (c=1), e.g. 0 0.3 0.5")
     parser.add_argument("--step-costs", action="store_true",
@@ -752,6 +821,9 @@ def main() -> int:
     if args.quick:
         args.rounds, args.min_requests, args.requests_per_slot = 1, 4, 1
     prompts = load_prompts(args.prompts, args.per_domain, args.seed)
+    if args.caps_ab:
+        run_caps_ab(prompts, [k for k in args.depths if k > 0], args.max_tokens)
+        return 0
     if args.draft_confidence is not None:
         run_draft_confidence(prompts, args.draft_confidence, max(args.depths), args.max_tokens)
         return 0
