@@ -68,7 +68,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--max-output-tokens", type=int)
     n.add_argument("--max-model-len", type=int, help="clip prompt + output to this context")
     n.add_argument("--default-output-tokens", type=int, default=128)
-    n.add_argument("--block-tokens", type=int, default=512, help="prefix block size in the trace")
+    n.add_argument("--block-tokens", type=int, default=512, help="prefix block size (tokens) for traces that do not record one")
     c = p.add_argument_group("target")
     c.add_argument("--target", help="base URL of an OpenAI-compatible server")
     c.add_argument("--model", help="model name (default: first of GET /v1/models)")

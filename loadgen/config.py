@@ -55,7 +55,7 @@ class LengthConfig:
     min_prompt_tokens: int = 1
     min_output_tokens: int = 1
     default_output_tokens: int = 128  # when the trace records no output length
-    block_tokens: int = 512  # prefix block size in the trace (Mooncake: 512)
+    block_tokens: int = 512  # prefix block size when the trace does not say (Mooncake: 512)
 
     def __post_init__(self) -> None:
         for key in ("prompt_scale", "output_scale"):
@@ -71,7 +71,11 @@ class LengthConfig:
 
     @property
     def scaled_block_tokens(self) -> int:
-        return max(1, round(self.block_tokens * self.prompt_scale))
+        return self.scale_block(self.block_tokens)
+
+    def scale_block(self, block_tokens: float) -> int:
+        """A prefix block of ``block_tokens`` trace tokens after ``prompt_scale`` (>= 1)."""
+        return max(1, round(block_tokens * self.prompt_scale))
 
     @property
     def changes_lengths(self) -> bool:

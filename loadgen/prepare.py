@@ -67,12 +67,13 @@ class RequestBuilder:
                                           self.lengths, self.stats.lengths)
         self.stats.num_synthesized += 1
         endpoint = self._endpoint(False)
+        block = None if record.block_tokens is None else self.lengths.scale_block(record.block_tokens)
         if endpoint == "chat":
             overhead = self._template_overhead()
-            text = self.synth.prompt(max(prompt_len - overhead, 1), index, record.hash_ids)
+            text = self.synth.prompt(max(prompt_len - overhead, 1), index, record.hash_ids, block)
             payload: dict[str, object] = {"messages": [{"role": "user", "content": text}]}
         else:
-            text = self.synth.prompt(prompt_len, index, record.hash_ids)
+            text = self.synth.prompt(prompt_len, index, record.hash_ids, block)
             payload = {"prompt": text}
         return self._request(index, offset_s, record, endpoint, payload, prompt_len, out_len)
 

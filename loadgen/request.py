@@ -22,6 +22,7 @@ class TraceRequest:
     prompt_tokens: int | None = None  # recorded prompt length, in tokens
     output_tokens: int | None = None  # recorded (or requested) output length, in tokens
     hash_ids: tuple[int, ...] = ()  # prefix blocks; equal ids share the same block text
+    block_tokens: float | None = None  # tokens per hash_ids block, when the trace says
     domain: str | None = None  # DOMAINS name when the trace says it
 
 

@@ -15,6 +15,12 @@ Prefix sharing: prefix block ``h`` (Mooncake ``hash_ids``, polyinfer
 cut from a corpus position derived from ``h``. A prompt is its blocks in order
 followed by request-specific text, so two requests that share their first
 ``k`` block ids share their first ``k * block_tokens`` tokens exactly.
+
+A request may name its own block size (a polyinfer trace records the proxy's
+per-prompt estimate, ``prefix_block_tokens``). A block's text is fixed the
+first time its id is seen, at the size that request names; later requests
+reuse that text whatever size they name, so sharing stays exact while the
+estimates of one trace differ by a token or two.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ class PromptSynthesizer:
         counts = counter.count_batch(self._words)
         self._counts = counts
         self._cum = [0, *accumulate(counts)]  # _cum[i] = tokens in words[:i]
-        self._blocks: dict[int, str] = {}
+        self._blocks: dict[int, tuple[str, int]] = {}  # id -> (text, tokens), fixed when first seen
         self.filler = self._one_token_word()
         self.stats = SynthStats()
         self.verify_all = verify_all  # re-count every prompt (else a sample)
@@ -103,19 +109,36 @@ class PromptSynthesizer:
             start = end % len(self._words)
         return "".join(parts)
 
-    def block(self, block_id: int) -> str:
-        """The text of prefix block ``block_id``: the same for every request that names it."""
-        text = self._blocks.get(block_id)
-        if text is None:
-            text = self.span(stable_hash(self.seed, 1, block_id), self.block_tokens)
-            self._blocks[block_id] = text
-        return text
+    def block(self, block_id: int, block_tokens: int | None = None) -> tuple[str, int]:
+        """Prefix block ``block_id`` as (text, tokens): the same for every request naming it.
 
-    def prompt(self, num_tokens: int, key: int, hash_ids: tuple[int, ...] = ()) -> str:
-        """A prompt of ``num_tokens`` tokens: shared blocks first, then text unique to ``key``."""
-        num_full = min(len(hash_ids), num_tokens // self.block_tokens)
-        parts = [self.block(h) for h in hash_ids[:num_full]]
-        rest = num_tokens - num_full * self.block_tokens
+        ``block_tokens`` (default: the synthesizer's) sizes a block seen for the first time.
+        """
+        cached = self._blocks.get(block_id)
+        if cached is None:
+            size = self.block_tokens if block_tokens is None else block_tokens
+            cached = self.span(stable_hash(self.seed, 1, block_id), size), size
+            self._blocks[block_id] = cached
+        return cached
+
+    def prompt(self, num_tokens: int, key: int, hash_ids: tuple[int, ...] = (),
+               block_tokens: int | None = None) -> str:
+        """A prompt of ``num_tokens`` tokens: shared blocks first, then text unique to ``key``.
+
+        ``block_tokens`` is this request's block size (default: the synthesizer's).
+        """
+        if block_tokens is not None and block_tokens <= 0:
+            raise ValueError(f"block_tokens: expected a positive integer, got {block_tokens}")
+        parts: list[str] = []
+        rest = num_tokens
+        num_full = 0
+        for h in hash_ids:
+            text, size = self.block(h, block_tokens)
+            if size > rest:
+                break
+            parts.append(text)
+            rest -= size
+            num_full += 1
         if rest and num_full < len(hash_ids):
             # NOTE: the partial last block starts like the full block (same
             # corpus position), so the shared prefix runs into it word by word.

@@ -9,6 +9,7 @@ thread.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from router.base import RequestOutcome, RequestShape
 STATUS_OK = "ok"
 STATUS_ERROR = "error"
 STATUS_CANCELLED = "cancelled"
+BLOCK_TOKENS_DECIMALS = 1  # the shape's per-prompt estimate; more digits are noise
 
 
 @dataclass(slots=True)
@@ -90,7 +92,22 @@ class RequestRecord:
             "status": self.status,
             "error": self.error or None,
             "prefix_hashes": list(shape.prefix_hashes) if shape else [],
+            "prefix_block_tokens": _block_tokens(shape),
         }
         if self.prompt_text is not None:
             trace["prompt_text"] = self.prompt_text
         return trace
+
+
+def _block_tokens(shape: RequestShape | None) -> float | None:
+    """Prompt tokens per ``prefix_hashes`` block (None: no hashes or size unknown).
+
+    NOTE: a replay synthesises blocks of this many tokens (loadgen's polyinfer
+    reader); without it, a reader assumes 512-token blocks (the old schema).
+    """
+    if shape is None or not shape.prefix_hashes:
+        return None
+    tokens = shape.prefix_block_tokens
+    if not math.isfinite(tokens) or tokens <= 0:
+        return None
+    return round(tokens, BLOCK_TOKENS_DECIMALS)

@@ -13,6 +13,11 @@ from loadgen.errors import TraceLineError
 from loadgen.readers.base import BadLines, finite_float, non_negative_int, numbered_lines
 from loadgen.request import TraceRequest
 
+# NOTE: the proxy hashes blocks of 16..65536 bytes, i.e. a few to ~16k tokens; a block
+# under one token or beyond this is a broken record, not a size to replay.
+MIN_BLOCK_TOKENS = 1.0
+MAX_BLOCK_TOKENS = 65536.0
+
 
 def json_objects(path: Path, bad: BadLines) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for every line that parses as a JSON object."""
@@ -39,6 +44,20 @@ def sniff_json_keys(first_line: str) -> set[str]:
 def optional_int(obj: dict[str, Any], key: str) -> int | None:
     value = obj.get(key)
     return None if value is None else non_negative_int(value, key)
+
+
+def block_tokens(obj: dict[str, Any], key: str = "prefix_block_tokens") -> float | None:
+    """Tokens per prefix block as recorded (None when absent: the replay's default, 512)."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key}: expected a number of tokens, got {value!r}")
+    number = finite_float(value, key)
+    if not MIN_BLOCK_TOKENS <= number <= MAX_BLOCK_TOKENS:
+        raise ValueError(f"{key}: expected {MIN_BLOCK_TOKENS}..{MAX_BLOCK_TOKENS} tokens, "
+                         f"got {value!r}")
+    return number
 
 
 def block_id(value: object, key: str) -> int:
@@ -106,7 +125,9 @@ class PolyinferTraceReader:
     used when the operator had it recorded (``prompt_text``, sent as a user
     message when ``endpoint`` was chat; or ``prompt`` / ``messages``);
     otherwise a prompt of ``prompt_tokens`` is synthesised, sharing blocks per
-    ``prefix_hashes``.
+    ``prefix_hashes``, each block ``prefix_block_tokens`` tokens (traces that
+    do not say: the replay's ``--block-tokens``, 512). A record whose block
+    size is not a number in 1..65536 is a bad line.
     """
 
     name = "polyinfer"
@@ -142,5 +163,6 @@ class PolyinferTraceReader:
             prompt_tokens=optional_int(obj, "prompt_tokens"),
             output_tokens=output,
             hash_ids=int_tuple(obj.get("prefix_hashes"), "prefix_hashes"),
+            block_tokens=block_tokens(obj),
             domain=domain if isinstance(domain, str) and domain else None,
         )
