@@ -8,7 +8,9 @@ save work, never change an output.
 from __future__ import annotations
 
 import asyncio
+import random
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +98,50 @@ def test_reset_forgets_every_hash_but_keeps_references() -> None:
     assert a.num_free == 3 and not a.can_allocate(4)  # z is not handed out
     a.free([z])
     assert a.num_free == 4 and sorted(a.allocate(4)) == [0, 1, 2, 3]
+
+
+def random_ops(seed: int, count: int) -> list[tuple[str, int, int]]:
+    rng = random.Random(seed)
+    kinds = ["alloc", "alloc", "free", "register", "hit", "hit", "reset"]
+    return [(rng.choice(kinds), rng.randrange(6), rng.randrange(3)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pool_invariants_under_random_operations(seed: int) -> None:
+    """Owners' blocks are never handed out again; every block is exactly one of free,
+    evictable (cached, unreferenced) or referenced; a hit finds what was registered."""
+    a = BlockAllocator(6)
+    owners: list[list[int]] = []  # the blocks each live "sequence" holds, one ref each
+    written: dict[int, int] = {}  # block -> the allocation that last wrote it
+    registered: dict[bytes, int] = {}  # hash -> what its block held when registered
+    for step, (op, n, k) in enumerate(random_ops(seed, 200)):
+        held = [b for blocks in owners for b in blocks]
+        if op == "alloc" and a.can_allocate(n % 3 + 1):
+            got = a.allocate(n % 3 + 1)
+            assert not set(got) & set(held)
+            owners.append(got)
+            written.update((b, step) for b in got)
+        elif op == "free" and owners:
+            a.free(owners.pop(n % len(owners)))
+        elif op == "register" and owners:
+            blocks = owners[n % len(owners)]
+            block = blocks[n % len(blocks)]
+            a.register(block, bytes([k]))
+            if a.lookup([bytes([k])]) == [block]:
+                registered.setdefault(bytes([k]), written[block])
+        elif op == "hit":
+            found = a.lookup([bytes([k])])
+            if found:
+                assert written[found[0]] == registered[bytes([k])]  # never a reused block
+                a.take(found)
+                owners.append(found)
+        elif op == "reset":
+            a.reset()
+            registered.clear()
+        registered = {h: w for h, w in registered.items() if a.lookup([h])}
+        refs = Counter(b for blocks in owners for b in blocks)
+        assert a.num_free == 6 - len(refs)  # free + evictable = unreferenced
+        assert all(a._hash_of[block] == h for h, block in a._block_of.items())
 
 
 def test_chain_hash_names_the_whole_prefix() -> None:
