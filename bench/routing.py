@@ -81,6 +81,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -725,8 +726,11 @@ async def run_rate(rate: float, policies: dict[str, Any], urls: dict[str, dict[s
             rounds[name].append(s)
             print(f"rate {rate:g} round {r + 1} " + fmt_row(s), flush=True)
         print("ratio so far: " + ratio_line(rate, rounds), flush=True)
-    out["rates"][str(rate)] = {n: [{k: v for k, v in s.items() if k != "requests"} for s in runs]
-                               for n, runs in rounds.items()}
+        out["rates"][str(rate)] = {n: [{k: v for k, v in s.items() if k != "requests"}
+                                       for s in runs] for n, runs in rounds.items()}
+        out.setdefault("requests", {})[str(rate)] = {n: [s["requests"] for s in runs]
+                                                     for n, runs in rounds.items()}
+        save_json(args, out)  # after every round: a run cut short keeps what it measured
     out["placement"][str(rate)] = rate_summary(rate, rounds)
     out.setdefault("hit_rate", {})[str(rate)] = hits = {
         n: hit_rate(runs) for n, runs in rounds.items()}
@@ -739,6 +743,85 @@ async def run_rate(rate: float, policies: dict[str, Any], urls: dict[str, dict[s
         reasons = {k: v - reasons_before.get(k, 0) for k, v in sorted(adaptive.reasons.items())}
         out.setdefault("reasons", {})[str(rate)] = reasons = {k: v for k, v in reasons.items() if v}
         print(f"adaptive decision reasons at rate {rate:g}: {reasons}", flush=True)
+    save_json(args, out)
+
+
+def save_json(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1, default=str))
+
+
+# --- the summary fixed before the session-5 round-2 measurement ----------------------------------
+
+def medians(out: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """policy -> rate -> median goodput over the rate's rounds."""
+    med: dict[str, dict[str, float]] = {}
+    for rate, rounds in out["rates"].items():
+        for name, runs in rounds.items():
+            med.setdefault(name, {})[rate] = statistics.median(r["goodput"] for r in runs)
+    return med
+
+
+def pooled_line(rate: str, rounds: dict[str, list[dict[str, Any]]]) -> str:
+    """Requests that met their SLO over all rounds (every policy got the same requests)."""
+    good = {n: sum(r["num_good"] for r in runs) for n, runs in rounds.items()}
+    sent = sum(r["num_requests"] for r in rounds.get("adaptive", next(iter(rounds.values()))))
+    parts = [f"{rate:>6} | met " + " / ".join(f"{n} {g}" for n, g in good.items())
+             + f" of {sent}"]
+    for base in ("round_robin", "least_outstanding"):
+        if base in good and "adaptive" in good and good[base]:
+            parts.append(f"adaptive/{base} {good['adaptive'] / good[base]:.2f}x")
+    return " | ".join(parts)
+
+
+def peak_summary(out: dict[str, Any]) -> list[str]:
+    """Each policy's peak goodput over the sweep (median over rounds at each rate, then the
+    max over rates) and the adaptive policy's ratio of peaks: a rate-independent summary."""
+    med = medians(out)
+    peaks = {n: max(by_rate.items(), key=lambda kv: kv[1]) for n, by_rate in med.items()}
+    lines = [f"peak goodput {n}: {g:.3f} req/s at rate {r}" for n, (r, g) in peaks.items()]
+    if "adaptive" in peaks:
+        for base in ("round_robin", "least_outstanding"):
+            if base in peaks and peaks[base][1] > 0:
+                lines.append(f"peak ratio adaptive/{base}: "
+                             f"{peaks['adaptive'][1] / peaks[base][1]:.2f}x")
+    return lines
+
+
+def print_report(out: dict[str, Any]) -> None:
+    print("rate   | goodput (req/s meeting the SLO, median of rounds) RR / LO / adaptive "
+          "| adaptive/RR median (min-max) | adaptive/LO median (min-max)")
+    for rate, rounds in out["rates"].items():
+        print(ratio_line(float(rate), rounds))
+    print("pooled over rounds:")
+    for rate, rounds in out["rates"].items():
+        print(pooled_line(rate, rounds))
+    for line in peak_summary(out):
+        print(line)
+    for rate, by_policy in out.get("requests", {}).items():
+        for name, runs in by_policy.items():
+            print(f"misses {rate:>5} {name:<18} " + miss_line(
+                [row for rows in runs for row in rows], out["slos"]))
+
+
+def miss_line(rows: list[dict[str, Any]], slos: dict[str, dict[str, float]]) -> str:
+    """Requests that missed their SLO, per class and worker: by TTFT only, TPOT only, both,
+    or not completed (err)."""
+    cells: dict[str, Counter[str]] = {}
+    for row in rows:
+        if row["good"]:
+            continue
+        cls = row["class"]
+        cell = cells.setdefault(f"{cls}@{row['worker'] or 'none'}", Counter())
+        if not row["ok"] or row["ttft_s"] is None:
+            cell["err"] += 1
+            continue
+        late = row["ttft_s"] > slos["ttft_s"][cls]
+        slow = (row["tokens"] or 0) > 1 and (row["tpot_s"] or 0.0) > slos["tpot_s"][cls]
+        cell["both" if late and slow else "ttft" if late else "tpot" if slow else "other"] += 1
+    return f"{sum(sum(c.values()) for c in cells.values())} missed: " + ", ".join(
+        f"{k} " + "/".join(f"{kind}{n}" for kind, n in sorted(c.items()))
+        for k, c in sorted(cells.items()))
 
 
 def main() -> None:
@@ -789,7 +872,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the probe, SLOs and all rounds here")
     ap.add_argument("--log-dir", type=Path, default=ROOT / "bench" / "out" / "routing",
                     help="worker configs and logs")
+    ap.add_argument("--report", type=Path, metavar="JSON",
+                    help="print the summary of an earlier run's --json file and exit")
     args = ap.parse_args()
+    if args.report:
+        print_report(json.loads(args.report.read_text()))
+        return
     args.rates = sorted(args.rates)
     if min(args.rates) <= 0 or args.duration <= 0 or args.rounds <= 0 or args.warmup < 0:
         ap.error("rates, --duration and --rounds must be positive, --warmup >= 0")
@@ -808,14 +896,10 @@ def main() -> None:
               f"{max(c.engine.data_parallel_size, 1)} core(s), fit "
               f"{','.join(c.fit.domains)}" for n, c in configs.items()), flush=True)
     out = asyncio.run(main_async(args))
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1, default=str))
+    save_json(args, out)
     if args.fit_only:
         return
-    print("rate   | goodput (req/s meeting the SLO, median of rounds) RR / LO / adaptive "
-          "| adaptive/RR median (min-max) | adaptive/LO median (min-max)")
-    for rate, rounds in out["rates"].items():
-        print(ratio_line(float(rate), rounds))
+    print_report(out)
     stats = out["adaptive_stats"]
     print("adaptive decisions (whole run):",
           json.dumps({k: stats.get(k) for k in ("reasons", "decisions", "depths")}))
