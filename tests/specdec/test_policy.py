@@ -13,6 +13,7 @@ from specdec.policy import (
     batch_tokens_per_step,
     choose_depth,
     expected_tokens_per_step,
+    longest_proposal,
     solve_acceptance,
 )
 
@@ -322,3 +323,21 @@ def test_a_depth_measured_high_on_few_steps_is_pooled_with_better_measured_ones(
     assert out[6] == pytest.approx(pooled) and out[7] == pytest.approx(pooled)  # in between
     assert out[4] == pytest.approx(min(geo[4], pooled))  # unmeasured: at most k = 5's
     assert out == sorted(out)
+
+
+def test_the_longest_proposal_is_priced_by_the_drafts_a_step_verifies_not_by_k() -> None:
+    # t = 5 ms + 0.3 ms per draft token + 0.15 ms per token of the longest proposal
+    #     + 0.3 ms once anything is proposed
+    model = StepTimeModel.from_coefficients((0.005, 0.0, 0.0003, 0.00015, 0.0003))
+    assert longest_proposal(1, 16, 2.6) == 2.6 and longest_proposal(4, 16, 2.6) == 10.4
+    assert longest_proposal(16, 8, 2.6) == 8  # never above k
+    # batch 1: k=4 verifying 2 tokens: 5 + 0.6 + 0.3 + 0.3 = 6.2 ms; k=16 verifying 2.6:
+    # 5 + 0.78 + 0.39 + 0.3 = 6.47 ms (charged for k = 16 it was 8.48)
+    assert model.predict(1, 4, 2.0) == pytest.approx(0.0062)
+    assert model.predict(1, 16, 2.6) == pytest.approx(0.00647)
+    # batch 4: 5 + 4 x 0.78 + 0.15 x 10.4 + 0.3 = 9.98 ms
+    assert model.predict(4, 16, 2.6) == pytest.approx(0.00998)
+    tokens = [1.0, 1.4, 1.55, 1.67, 1.72] + [1.72 + 0.13 * (k - 4) / 12 for k in range(5, 17)]
+    drafts = [0.0, 1.0, 1.4, 1.7, 2.0] + [2.0 + 0.6 * (k - 4) / 12 for k in range(5, 17)]
+    # E / t: k=4 1.72 / 6.2 ms = 277.4 per s, k=16 1.85 / 6.47 ms = 285.9 (was 218.2: k=4)
+    assert choose_depth(0.5, 1, model, 16, tokens_per_step=tokens, drafts_per_step=drafts) == 16
