@@ -358,6 +358,19 @@ class Schedules:
         self.mooncake = load_mooncake(args.data) if self.prefix_mix else []
         self.cursor = args.trace_start
         self.window = (0, 0)  # the last round's Mooncake requests, trace indices [from, to)
+        if self.prefix_mix and self.mooncake_needed() > len(self.mooncake):
+            # NOTE: checked before any fleet starts: a trace that runs out mid-sweep used to
+            # cost the run its last rounds (session 5 round 2: the device subset ends at 3993)
+            raise ValueError(
+                f"the plan needs Mooncake requests {args.trace_start}.."
+                f"{self.mooncake_needed() - 1}; {args.data / MOONCAKE} has {len(self.mooncake)}"
+                " (fewer --rounds, a shorter --duration or an earlier --trace-start)")
+
+    def mooncake_needed(self) -> int:
+        """One past the last Mooncake request the measured rounds will take."""
+        a = self.args
+        per_round = [round(int(rate * a.duration) * a.prefix_share) for rate in a.rates]
+        return a.trace_start + a.rounds * sum(per_round)
 
     def _build(self, rate: float, num: int, seed: int, start: int) -> list[TraceRequest]:
         a = self.args
@@ -885,6 +898,10 @@ def main() -> None:
         ap.error("--fit-concurrency and --probe-requests must be >= 1")
     if not 0 < args.prefix_share < 1 or args.trace_start < 0:
         ap.error("--prefix-share must be in (0, 1) and --trace-start >= 0")
+    try:
+        Schedules(args)  # the trace covers the whole plan: fail before starting any fleet
+    except ValueError as e:
+        ap.error(str(e))
     configs = fleet_configs(args.fleet, args.long_cores, args.device)
     print(f"workload {args.workload}" + (
         f" ({args.prefix_share:.0%} Mooncake from request {args.trace_start}, prompts x"
