@@ -45,8 +45,8 @@ class _Core:
     alive: bool = False
     requests: set[str] = field(default_factory=set)
     num_sent: int = 0
-    reloads: dict[int, asyncio.Future[float]] = field(default_factory=dict)
-    resets: dict[int, asyncio.Future[int]] = field(default_factory=dict)
+    # control requests (reload, prefix-cache reset) awaiting the core's answer, by token
+    pending: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -157,23 +157,17 @@ class DataParallelEngine:
         if changed:
             raise ReloadError(f"reload cannot change engine.{changed[0]} (restart-only); "
                               "start a new engine")
-        alive = [c for c in self._cores if c.alive]
-        if not alive:
-            raise EngineUnavailableError("no engine core process is running")
-        loop = asyncio.get_running_loop()
-        waits = []
-        for core in alive:
-            token = next(self._tokens)
-            core.reloads[token] = loop.create_future()
-            waits.append(core.reloads[token])
-            self._send(core, ("reload", token, config))
-        seconds = await asyncio.gather(*waits)
+        seconds = await self._ask_all("reload", config)
         self._config = config
         self.last_reload_s = list(seconds)
         return max(seconds)
 
     async def reset_prefix_cache(self) -> int:
         """Empty every live core's prefix cache; returns the cached blocks dropped in all."""
+        return sum(await self._ask_all("reset_prefix_cache"))
+
+    async def _ask_all(self, kind: str, *payload: Any) -> list[Any]:
+        """Send ``(kind, token, *payload)`` to every live core; their answers, in core order."""
         alive = [c for c in self._cores if c.alive]
         if not alive:
             raise EngineUnavailableError("no engine core process is running")
@@ -181,10 +175,10 @@ class DataParallelEngine:
         waits = []
         for core in alive:
             token = next(self._tokens)
-            core.resets[token] = loop.create_future()
-            waits.append(core.resets[token])
-            self._send(core, ("reset_prefix_cache", token))
-        return sum(await asyncio.gather(*waits))
+            core.pending[token] = loop.create_future()
+            waits.append(core.pending[token])
+            self._send(core, (kind, token, *payload))
+        return list(await asyncio.gather(*waits))
 
     @property
     def config(self) -> CompiledConfig:
@@ -219,17 +213,14 @@ class DataParallelEngine:
                 if out.finished:
                     core.requests.discard(out.request_id)
             self._router.deliver(msg[1], msg[2], core.index)
-        elif msg[0] == "reloaded":
-            fut = core.reloads.pop(msg[1], None)
-            if fut is not None and not fut.done():
-                if msg[3] is None:
-                    fut.set_result(msg[2])
-                else:
-                    fut.set_exception(ReloadError(f"{core.name}: {msg[3]}"))
-        elif msg[0] == "prefix_cache_reset":
-            done = core.resets.pop(msg[1], None)
-            if done is not None and not done.done():
-                done.set_result(msg[2])
+        elif msg[0] in ("reloaded", "prefix_cache_reset"):
+            fut = core.pending.pop(msg[1], None)
+            if fut is None or fut.done():
+                return
+            if msg[0] == "reloaded" and msg[3] is not None:
+                fut.set_exception(ReloadError(f"{core.name}: {msg[3]}"))
+            else:
+                fut.set_result(msg[2])
 
     def _lost(self, core: _Core) -> None:
         if not core.alive:
@@ -238,12 +229,9 @@ class DataParallelEngine:
         asyncio.get_running_loop().remove_reader(core.conn.fileno())
         logger.error("%s exited (code %s); failing its %d requests", core.name,
                      core.process.exitcode, len(core.requests))
-        for fut in core.reloads.values():
+        for fut in core.pending.values():
             if not fut.done():
-                fut.set_exception(EngineUnavailableError(f"{core.name} died during reload"))
-        core.reloads.clear()
-        for done in core.resets.values():
-            if not done.done():
-                done.set_exception(EngineUnavailableError(f"{core.name} died during a reset"))
-        core.resets.clear()
+                fut.set_exception(EngineUnavailableError(
+                    f"{core.name} died before answering a reload or prefix-cache reset"))
+        core.pending.clear()
         self._router.forget_source(core.index)
