@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +42,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.engine_throughput import wait_ready  # noqa: E402
 from engine.config import TINY_TARGET  # noqa: E402
 
 VOCAB = 8192
@@ -103,19 +103,6 @@ def load_sessions(path: Path, count: int, turns: int, max_tokens: int) -> list[R
         user = list(r["turns"][:turns]) + ["Please continue."] * (turns - len(r["turns"]))
         out.append(Request(None, max_tokens, tuple(user)))
     return out
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:  # type: ignore[type-arg]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(url)
 
 
 async def one(s: aiohttp.ClientSession, url: str, prompt: list[int] | str, max_tokens: int,
