@@ -25,6 +25,11 @@ over depth 0 per domain, the repetitive domains marked (rule: REPETITIVE_DOMAINS
     python bench/specdec.py --step-costs        # forward ms per verify width k + 1 (no engine)
     python bench/specdec.py --draft-confidence 0 0.2 0.4   # draft cut A/B, in-process, c=1
     python bench/specdec.py --caps-ab --depths 8 16 --max-tokens 128 --per-domain 3  # n-gram caps
+    python bench/specdec.py ... --domains chat --requests-out r.jsonl  # one domain; per request
+
+At concurrency 1 it also prints adaptive against fixed k at the same depth on the same
+prompts (:func:`same_depth`): equal drafted/accepted, so the time ratio is the request
+path plus noise (see print_same_depth's NOTE).
 
 Session-2 runs (bench/RESULTS.md), each under 10 minutes on the 2-core box:
 
@@ -62,6 +67,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -385,8 +391,11 @@ def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -
                 "n": n, "totals": {str(m): dataclasses.asdict(t) for m, t in totals.items()}}
         if 1 in args.concurrency:
             print_domains(method, [o for o in bench.outcomes if o.concurrency == 1], modes)
+            print_same_depth(method, [o for o in bench.outcomes if o.concurrency == 1])
         print_acceptance(method, bench, policy)
         print_mismatches(method, bench)
+        if args.requests_out is not None:
+            write_requests(args.requests_out, method, bench.outcomes, prompts)
 
 
 def round_order(modes: list[int | str], rnd: int, rounds: int) -> list[int | str]:
@@ -486,6 +495,82 @@ def _print_domain_table(method: str, outcomes: list[Outcome], modes: list[int | 
         depths = " ".join(str(k) for k in chosen.get(name, []))
         print(f"  {name + mark:>14} {base:9.1f} {cells} {best_k:>6} "
               f"{rate(ADAPTIVE) / fixed[best_k]:7.3f}  {depths}")
+
+
+@dataclass
+class SameDepth:
+    """Adaptive requests at one depth and their fixed-k twins (same prompt, same depth; a
+    twin's numbers are the mean over its rounds)."""
+
+    requests: int = 0
+    decode_s: float = 0.0
+    twin_decode_s: float = 0.0
+    cpu_s: float = 0.0
+    twin_cpu_s: float = 0.0
+    drafted: int = 0
+    twin_drafted: float = 0.0
+    accepted: int = 0
+    twin_accepted: float = 0.0
+
+
+def same_depth(outcomes: list[Outcome]) -> dict[int, SameDepth]:
+    """Per depth: the adaptive requests whose prompt also ran at that fixed depth, beside it."""
+    fixed: dict[tuple[str, int], list[Outcome]] = defaultdict(list)
+    for o in outcomes:
+        if isinstance(o.mode, int):
+            fixed[(o.prompt_key, o.mode)].append(o)
+    rows: dict[int, SameDepth] = defaultdict(SameDepth)
+    for o in outcomes:
+        twins = fixed.get((o.prompt_key, o.depth)) if o.mode == ADAPTIVE else None
+        if not twins:
+            continue
+        r, n = rows[o.depth], len(twins)
+        r.requests += 1
+        r.decode_s += o.decode_s
+        r.twin_decode_s += sum(t.decode_s for t in twins) / n
+        r.cpu_s += o.cpu_s
+        r.twin_cpu_s += sum(t.cpu_s for t in twins) / n
+        r.drafted += o.num_draft
+        r.twin_drafted += sum(t.num_draft for t in twins) / n
+        r.accepted += o.num_accepted
+        r.twin_accepted += sum(t.num_accepted for t in twins) / n
+    return dict(sorted(rows.items()))
+
+
+def print_same_depth(method: str, outcomes: list[Outcome]) -> None:
+    """Adaptive requests against fixed-k requests of the same prompt at the same depth
+    (concurrency 1): greedy and the same depth, both draft and accept the same tokens, so a
+    time ratio away from 1 is the request path or noise, not the depth choice.
+
+    NOTE: the twins ran in other slots and rounds; on the shared 2-core box one request
+    with identical work varied by up to 1.5x, and this ratio flipped sign between runs
+    (k=4: 0.83 to 1.12 over 19 requests). Back to back (adaptive, then a fixed request at
+    the depth it chose, order alternating, 96 pairs) it measured 1.000."""
+    rows = same_depth(outcomes)
+    if not rows:
+        return
+    print(f"\n[{method}] concurrency 1, adaptive vs fixed k at the same depth on the same "
+          "prompts (fixed: mean of its rounds): decode seconds, engine CPU seconds, "
+          "drafted, accepted; x = fixed / adaptive time")
+    for depth, r in rows.items():
+        ratio = r.twin_decode_s / r.decode_s if r.decode_s else 0.0
+        print(f"  k={depth:<3} {r.requests:3d} requests  decode {r.decode_s:7.2f}s vs "
+              f"{r.twin_decode_s:7.2f}s (x{ratio:.3f})  cpu {r.cpu_s:6.2f}s vs "
+              f"{r.twin_cpu_s:6.2f}s  drafted {r.drafted} vs {r.twin_drafted:.0f}  "
+              f"accepted {r.accepted} vs {r.twin_accepted:.0f}")
+
+
+def write_requests(path: Path, method: str, outcomes: list[Outcome],
+                   prompts: list[Prompt]) -> None:
+    """One JSON line per request, the prompt named by its index in the run's selection
+    (no prompt or output text)."""
+    index = {p.text: i for i, p in enumerate(prompts)}
+    with path.open("a") as f:
+        for n, o in enumerate(outcomes):
+            row = {k: v for k, v in dataclasses.asdict(o).items()
+                   if k not in ("prompt_key", "text")}
+            f.write(json.dumps({"method": method, "order": n, "prompt": index.get(o.prompt_key),
+                                "output_crc": zlib.crc32(o.text.encode()), **row}) + "\n")
 
 
 def print_acceptance(method: str, bench: Bench, policy: object) -> None:
@@ -805,6 +890,10 @@ def main() -> int:
                         help="target forward time per verify width k+1, and the draft's step")
     parser.add_argument("--json-out", type=Path, default=None,
                         help="also write the per-mode totals as JSON (for --combine)")
+    parser.add_argument("--requests-out", type=Path, default=None,
+                        help="append one JSON line per request (no prompt text)")
+    parser.add_argument("--domains", nargs="+", default=None,
+                        help="only prompts of these domains (e.g. chat)")
     parser.add_argument("--combine", nargs="+", type=Path, default=None,
                         help="pool the totals of --json-out files and print the tables")
     args = parser.parse_args()
@@ -821,6 +910,8 @@ def main() -> int:
     if args.quick:
         args.rounds, args.min_requests, args.requests_per_slot = 1, 4, 1
     prompts = load_prompts(args.prompts, args.per_domain, args.seed)
+    if args.domains:
+        prompts = [p for p in prompts if p.domain in args.domains]
     if args.caps_ab:
         run_caps_ab(prompts, [k for k in args.depths if k > 0], args.max_tokens)
         return 0

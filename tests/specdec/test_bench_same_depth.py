@@ -1,0 +1,83 @@
+"""bench/specdec.py's same-depth comparison and per-request dump (concurrency 1).
+
+The adaptive mode's requests are compared with fixed-k requests of the same prompt at the
+depth it chose; the dump names prompts by index and never writes prompt or output text.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("bench_specdec", REPO / "bench" / "specdec.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_specdec"] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("bench_specdec", None)
+
+
+def _outcome(bench, prompt: str, mode: int | str, depth: int, e2e: float,  # type: ignore[no-untyped-def]
+             drafted: int = 10, accepted: int = 5, cpu: float = 0.0):
+    return bench.Outcome(prompt, "chat", mode, 1, depth, 1, f"answer to {prompt}", 128, drafted,
+                         accepted, ttft_s=0.1, e2e_s=e2e, cpu_s=cpu)
+
+
+def test_adaptive_paired_with_fixed_twins_of_same_prompt_and_depth(bench) -> None:  # type: ignore[no-untyped-def]
+    outcomes = [
+        _outcome(bench, "p1", 4, 4, 1.1, cpu=0.9),  # twin of p1 at 4, round 1
+        _outcome(bench, "p1", 4, 4, 1.3, cpu=1.1),  # round 2: twin time = mean 1.2 - 0.1
+        _outcome(bench, "p1", 8, 8, 0.2),  # another depth: not a twin
+        _outcome(bench, "p2", 4, 4, 0.2),  # another prompt: not a twin
+        _outcome(bench, "p1", bench.ADAPTIVE, 4, 1.5, drafted=12, accepted=6, cpu=1.2),
+        _outcome(bench, "p3", bench.ADAPTIVE, 4, 9.0),  # no fixed run of p3: left out
+        _outcome(bench, "p2", bench.ADAPTIVE, 3, 9.0),  # no fixed k=3: left out
+    ]
+    rows = bench.same_depth(outcomes)
+    assert list(rows) == [4]
+    r = rows[4]
+    assert r.requests == 1
+    assert r.decode_s == pytest.approx(1.4)
+    assert r.twin_decode_s == pytest.approx(1.1)
+    assert r.cpu_s == pytest.approx(1.2)
+    assert r.twin_cpu_s == pytest.approx(1.0)
+    assert (r.drafted, r.twin_drafted, r.accepted, r.twin_accepted) == (12, 10, 6, 5)
+
+
+def test_same_depth_table_printed_with_time_ratio(bench, capsys) -> None:  # type: ignore[no-untyped-def]
+    outcomes = [_outcome(bench, "p1", 4, 4, 0.9), _outcome(bench, "p1", bench.ADAPTIVE, 4, 1.1)]
+    bench.print_same_depth("ngram", outcomes)
+    out = capsys.readouterr().out
+    assert "k=4" in out and "(x0.800)" in out  # fixed 0.8 s / adaptive 1.0 s of decode
+
+
+def test_no_table_without_pairs(bench, capsys) -> None:  # type: ignore[no-untyped-def]
+    bench.print_same_depth("ngram", [_outcome(bench, "p1", 4, 4, 0.9)])
+    assert capsys.readouterr().out == ""
+
+
+def test_request_dump_has_no_prompt_or_output_text(bench, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    prompts = [bench.Prompt("chat", "secret prompt one"), bench.Prompt("qa", "secret two")]
+    outcomes = [_outcome(bench, "secret two", bench.ADAPTIVE, 4, 0.5),
+                _outcome(bench, "secret prompt one", 0, 0, 0.7)]
+    path = tmp_path / "requests.jsonl"
+    bench.write_requests(path, "ngram", outcomes, prompts)
+    text = path.read_text()
+    assert "secret" not in text and "answer to" not in text
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert [(r["prompt"], r["mode"], r["depth"], r["order"]) for r in rows] == [
+        (1, "adaptive", 4, 0), (0, 0, 0, 1)]
+    assert rows[0]["e2e_s"] == 0.5 and rows[0]["ttft_s"] == 0.1
+    assert isinstance(rows[0]["output_crc"], int)
