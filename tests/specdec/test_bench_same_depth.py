@@ -81,3 +81,23 @@ def test_request_dump_has_no_prompt_or_output_text(bench, tmp_path: Path) -> Non
         (1, "adaptive", 4, 0), (0, 0, 0, 1)]
     assert rows[0]["e2e_s"] == 0.5 and rows[0]["ttft_s"] == 0.1
     assert isinstance(rows[0]["output_crc"], int)
+
+
+def _timed(bench, mode: int | str, seconds: float, rnd: int):  # type: ignore[no-untyped-def]
+    # 101 tokens, 1 from prefill: 100 decode tokens in `seconds` of decode
+    return bench.Outcome("p", "chat", mode, 1, 4 if mode == bench.ADAPTIVE else int(mode), 1,
+                         "", 101, 0, 0, ttft_s=0.0, e2e_s=seconds, rnd=rnd)
+
+
+def test_held_out_best_k_is_picked_on_the_other_round(bench) -> None:  # type: ignore[no-untyped-def]
+    # k=4 wins round 0 by noise, k=8 wins round 1; adaptive is as fast as each in its round.
+    outcomes = [_timed(bench, 4, 1.0, 0), _timed(bench, 8, 1.25, 0), _timed(bench, bench.ADAPTIVE, 1.25, 0),
+                _timed(bench, 4, 1.25, 1), _timed(bench, 8, 1.0, 1), _timed(bench, bench.ADAPTIVE, 1.0, 1)]
+    # plain: best fixed k=4 or 8 both at 200 tokens / 2.25 s; adaptive 200 / 2.25 s -> 1.0,
+    # held out: round 0 uses round 1's winner (k=8: 1.25 s), round 1 round 0's (k=4: 1.25 s)
+    assert bench.held_out_ratio(outcomes, "decode_s") == pytest.approx(2.5 / 2.25)
+
+
+def test_held_out_needs_two_rounds(bench) -> None:  # type: ignore[no-untyped-def]
+    outcomes = [_timed(bench, 4, 1.0, 0), _timed(bench, bench.ADAPTIVE, 1.0, 0)]
+    assert bench.held_out_ratio(outcomes, "decode_s") is None
