@@ -9,7 +9,7 @@ closes (the parent died), so it never outlives the HTTP process.
 Parent -> child: ``("add", request_id, prompt_ids, params)``, ``("abort", request_id)``,
 ``("reload", token, config)``, ``("reset_prefix_cache", token)``, ``("stop",)``.
 Child -> parent: ``("ready", pid)``, ``("out", outputs, stats)``,
-``("reloaded", token, seconds, error)``, ``("prefix_cache_reset", token, num_blocks)``,
+``("reloaded", token, seconds, error)``, ``("prefix_cache_reset", token, num_blocks, error)``,
 ``("failed", message)`` (start-up failed).
 """
 
@@ -56,22 +56,28 @@ class _Sender:
         self.send(("out", outputs, stats))
 
 
-def _reload_command(sender: _Sender, token: int, config: CompiledConfig) -> Reload:
-    done: concurrent.futures.Future[float] = concurrent.futures.Future()
+def _answer(sender: _Sender, kind: str, token: int, done: concurrent.futures.Future[Any],
+            fallback: Any) -> None:
+    """When ``done`` resolves, send ``(kind, token, result, error)``: the parent is always
+    answered, with ``fallback`` and the error's text when the command failed."""
 
-    def reply(fut: concurrent.futures.Future[float]) -> None:
+    def reply(fut: concurrent.futures.Future[Any]) -> None:
         error = fut.exception()
-        seconds = 0.0 if error is not None else fut.result()
-        sender.send(("reloaded", token, seconds, None if error is None else str(error)))
+        result = fallback if error is not None else fut.result()
+        sender.send((kind, token, result, None if error is None else str(error)))
 
     done.add_done_callback(reply)
-    return Reload(child_config(config), done)
+
+
+def _reload_command(sender: _Sender, token: int, config: CompiledConfig) -> Reload:
+    cmd = Reload(child_config(config))
+    _answer(sender, "reloaded", token, cmd.done, 0.0)
+    return cmd
 
 
 def _reset_command(sender: _Sender, token: int) -> ResetPrefixCache:
     cmd = ResetPrefixCache()
-    cmd.done.add_done_callback(
-        lambda fut: sender.send(("prefix_cache_reset", token, fut.result())))
+    _answer(sender, "prefix_cache_reset", token, cmd.done, 0)
     return cmd
 
 

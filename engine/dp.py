@@ -217,10 +217,11 @@ class DataParallelEngine:
             fut = core.pending.pop(msg[1], None)
             if fut is None or fut.done():
                 return
-            if msg[0] == "reloaded" and msg[3] is not None:
-                fut.set_exception(ReloadError(f"{core.name}: {msg[3]}"))
-            else:
+            if msg[3] is None:
                 fut.set_result(msg[2])
+            else:
+                error = ReloadError if msg[0] == "reloaded" else EngineError
+                fut.set_exception(error(f"{core.name}: {msg[3]}"))
 
     def _lost(self, core: _Core) -> None:
         if not core.alive:
