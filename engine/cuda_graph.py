@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs, one per batch-size bucket.
+"""Decode and verify steps replayed from CUDA graphs, one per bucket of rows.
 
 At batch 1 an eager decode step of a Llama model launches hundreds of small
 kernels and builds its metadata on the host, so the GPU idles between them and
@@ -15,11 +15,21 @@ once per bucket of batch sizes and replayed:
   repeat row 0 (same token, same slot, same context), so they write the very
   values row 0 writes and touch no other sequence's cache.
 
-Prefill, speculative verification and batches beyond the largest bucket stay
-on the eager path (:class:`engine.runner.ModelRunner` decides).
+Speculative verification runs through the same graphs: a sequence with ``k``
+drafts after ``p`` cached tokens is ``k + 1`` decode rows sharing its block
+table, at positions ``p .. p + k`` (its last committed token, then the drafts;
+:func:`step_rows`). Every layer writes all rows' K/V into the cache before it
+attends (``engine.model``), so row ``j`` attending over ``p + j + 1`` tokens is
+exactly the causal attention of an eager verify step, with no new kernel. The
+buckets therefore cover ``max_batch x (1 + max_depth)`` rows, up to
+``max_rows`` (:func:`graph_buckets`).
 
-    graphs = CudaGraphDecoder(model, kv, max_batch=8, max_positions=2048)
-    logits = graphs.run([DecodeRow(token, position, block_table), ...])  # [n, vocab]
+Prefill chunks and steps beyond the largest bucket stay on the eager path
+(:class:`engine.runner.ModelRunner` decides).
+
+    graphs = CudaGraphDecoder(model, kv, max_batch=8, max_positions=2048, max_depth=4)
+    rows = step_rows(token, position, drafts, block_table)  # k + 1 rows
+    logits = graphs.run(rows)  # [k + 1, vocab]
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 COL_TOKEN, COL_POSITION, COL_SLOT, COL_CONTEXT, COL_TABLE = 0, 1, 2, 3, 4
 NUM_WARMUP = 2  # eager runs per bucket before capture (Triton compiles, cuBLAS picks kernels)
+MAX_GRAPH_ROWS = 512  # default cap on captured rows (vLLM captures up to 512 tokens too)
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,48 @@ def decode_buckets(max_batch: int) -> list[int]:
     sizes = [b for b in (1, 2, 4) if b < max_batch]
     sizes += list(range(8, max_batch, 8))
     return sizes + [max_batch]
+
+
+def graph_buckets(max_batch: int, max_depth: int = 0,
+                  max_rows: int = MAX_GRAPH_ROWS) -> list[int]:
+    """Row counts to capture: :func:`decode_buckets` up to ``max_batch x (1 + max_depth)``.
+
+    Verify steps beyond ``max_rows`` rows run eager; plain decode batches of up to
+    ``max_batch`` rows are always covered (as before speculation used graphs).
+    """
+    if max_depth < 0 or max_rows < 1:
+        raise ValueError(f"max_depth >= 0 and max_rows >= 1 expected, got {max_depth}, "
+                         f"{max_rows}")
+    return decode_buckets(max(max_batch, min(max_batch * (1 + max_depth), max_rows)))
+
+
+def pick_bucket(buckets: Sequence[int], num_rows: int) -> int:
+    """The smallest bucket holding ``num_rows`` rows (``buckets`` ascending)."""
+    i = bisect.bisect_left(buckets, num_rows)
+    if num_rows < 1 or i == len(buckets):
+        raise ValueError(f"{num_rows} rows: no bucket in {list(buckets)}")
+    return buckets[i]
+
+
+def step_rows(token: int, position: int, drafts: Sequence[int],
+              block_table: Sequence[int]) -> list[DecodeRow]:
+    """One sequence's rows in a step: ``token`` at ``position``, then draft j at ``position + j``.
+
+    ``token`` is the last committed token (not yet in the cache); each row's logits
+    score the token after it, so the ``k + 1`` rows are what verification reads.
+    """
+    return [DecodeRow(t, position + j, block_table) for j, t in enumerate((token, *drafts))]
+
+
+def kept_rows(num_rows: Sequence[int], keep: Sequence[bool]) -> list[int]:
+    """Flat row indices of the sequences with ``keep`` set (``num_rows[i]`` rows each)."""
+    out: list[int] = []
+    start = 0
+    for n, k in zip(num_rows, keep, strict=True):
+        if k:
+            out.extend(range(start, start + n))
+        start += n
+    return out
 
 
 def check_can_capture(model: LlamaModel) -> None:
@@ -92,27 +145,32 @@ def fill_inputs(host: np.ndarray, rows: Sequence[DecodeRow], bucket: int,
         host[len(rows):bucket] = host[0]
 
 
-class CudaGraphDecoder:
-    """Captured decode forwards for each bucket; :meth:`run` fills inputs and replays one."""
+class RowDecoder:
+    """The static buffers and the forward each graph captures, run uncaptured.
 
-    def __init__(self, model: LlamaModel, kv: KVCache, max_batch: int,
+    :class:`CudaGraphDecoder` replays this forward from graphs; run plainly it is the
+    same computation launch by launch, which the CPU tests run under Triton's
+    interpreter (``TRITON_INTERPRET=1``) and ``bench/specdec.py --step-costs`` times.
+    """
+
+    def __init__(self, model: LlamaModel, kv: KVCache, buckets: Sequence[int],
                  max_positions: int) -> None:
-        check_can_capture(model)
         self.model = model
         self.kv = kv
-        self.buckets = decode_buckets(max_batch)
+        self.buckets = list(buckets)
         self.max_blocks = -(-max_positions // kv.block_size)
-        width = COL_TABLE + self.max_blocks
-        self._host = torch.zeros(self.buckets[-1], width, dtype=torch.int32, pin_memory=True)
-        self._inputs = torch.zeros(self.buckets[-1], width, dtype=torch.int32,
-                                   device=model.device)
+        rows, width = self.buckets[-1], COL_TABLE + self.max_blocks
+        on_cuda = str(model.device).startswith("cuda")
+        self._host = torch.zeros(rows, width, dtype=torch.int32, pin_memory=on_cuda)
+        self._inputs = torch.zeros(rows, width, dtype=torch.int32, device=model.device)
         self._host_np = self._host.numpy()
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}  # bucket -> static [bucket, vocab] output
-        self._capture_all()
+        # NOTE: one output buffer for every bucket: a per-bucket output kept alive would
+        # hold bucket x vocab floats per bucket (GiBs for a large vocabulary and many buckets).
+        self._out = torch.zeros(rows, model.spec.vocab_size, dtype=torch.float32,
+                                device=model.device)
 
     @property
-    def max_batch(self) -> int:
+    def max_rows(self) -> int:
         return self.buckets[-1]
 
     def can_run(self, num_rows: int) -> bool:
@@ -121,30 +179,54 @@ class CudaGraphDecoder:
     def run(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
         """Logits ``[len(rows), vocab]`` float32 on the device.
 
-        The tensor is a view of the graph's static output: read it before the next run.
+        The tensor is a view of the static output: read it before the next run.
         """
         n = len(rows)
-        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
-        self._fill_host(rows, bucket)
-        self._inputs[:bucket].copy_(self._host[:bucket], non_blocking=True)
-        self._graphs[bucket].replay()
-        return self._logits[bucket][:n]
-
-    def _fill_host(self, rows: Sequence[DecodeRow], bucket: int) -> None:
+        bucket = pick_bucket(self.buckets, n)
         # NOTE: the pinned buffer is safe to rewrite: the previous step's copy finished
         # before its sampled ids were read on the host.
         fill_inputs(self._host_np, rows, bucket, self.kv.block_size)
+        self._inputs[:bucket].copy_(self._host[:bucket], non_blocking=True)
+        self._launch(bucket)
+        return self._out[:n]
 
-    def _forward(self, bucket: int) -> torch.Tensor:
+    def _launch(self, bucket: int) -> None:
+        self._forward(bucket)
+
+    def _forward(self, bucket: int) -> None:
         buf = self._inputs[:bucket]
         meta = DecodeMetadata(positions=buf[:, COL_POSITION].long(),
                               slot_mapping=buf[:, COL_SLOT].long(),
                               block_tables=buf[:, COL_TABLE:],
                               context_lens=buf[:, COL_CONTEXT])
-        return self.model.forward(buf[:, COL_TOKEN].long(), meta, self.kv)  # type: ignore[arg-type]
+        logits = self.model.forward(buf[:, COL_TOKEN].long(), meta, self.kv)  # type: ignore[arg-type]
+        self._out[:bucket].copy_(logits)
+
+
+class CudaGraphDecoder(RowDecoder):
+    """Captured forwards for each bucket of rows; :meth:`run` fills inputs and replays one.
+
+    ``capture_s`` and ``graph_bytes`` (CUDA memory reserved by capturing) are logged
+    at start-up and kept for reports.
+    """
+
+    def __init__(self, model: LlamaModel, kv: KVCache, max_batch: int, max_positions: int,
+                 max_depth: int = 0, max_rows: int = MAX_GRAPH_ROWS) -> None:
+        check_can_capture(model)
+        super().__init__(model, kv, graph_buckets(max_batch, max_depth, max_rows),
+                         max_positions)
+        self.max_batch = max_batch
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_s = 0.0
+        self.graph_bytes = 0
+        self._capture_all()
+
+    def _launch(self, bucket: int) -> None:
+        self._graphs[bucket].replay()
 
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.model.device)
         # Dummy inputs: token 0 at position 0 in block 0. Warm-up runs write that slot,
         # which no sequence owns yet (graphs are built with a fresh cache).
         self._inputs.zero_()
@@ -160,8 +242,10 @@ class CudaGraphDecoder:
         for bucket in reversed(self.buckets):  # largest first: smaller ones reuse its pool
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[bucket] = self._forward(bucket)
+                self._forward(bucket)
             self._graphs[bucket] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch %s) in %.2f s", len(self.buckets),
-                    self.buckets, time.perf_counter() - t0)
+        self.capture_s = time.perf_counter() - t0
+        self.graph_bytes = torch.cuda.memory_reserved(self.model.device) - reserved
+        logger.info("captured %d CUDA graphs (rows %s) in %.2f s, %.1f MiB reserved",
+                    len(self.buckets), self.buckets, self.capture_s, self.graph_bytes / 2**20)

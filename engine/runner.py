@@ -8,6 +8,12 @@ accepts a prefix of each proposal (k_i = 0 rows behave like plain sampling).
 When every sampled sequence is greedy (on the CPU), the forward stops at the
 hidden states and ``specdec.verify.verify_greedy_in_waves`` projects to the
 vocabulary only the rows it reads (up to each proposal's first rejection).
+
+With captured graphs (``execution: cuda_graph``) a step in which every sequence
+decodes one token, with or without drafts, runs as ``sum(k_i + 1)`` decode rows
+through :class:`engine.cuda_graph.CudaGraphDecoder`; the ``[rows, vocab]``
+logits stay on the device and the same ``verify`` accepts from them (greedy:
+one argmax over all rows, one device-to-host copy).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 
 from engine.attention import SeqSlice, build_metadata, order_short_first
 from engine.cpu_attention import cpu_attention_for
-from engine.cuda_graph import CudaGraphDecoder, DecodeRow
+from engine.cuda_graph import RowDecoder, kept_rows, step_rows
 from engine.gpu_sampling import sample_on_device
 from engine.kv_cache import KVCache
 from engine.lanes import LaneChooser, Lanes, split_lanes
@@ -41,7 +47,7 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache, short_q: int,
-                 graphs: CudaGraphDecoder | None = None) -> None:
+                 graphs: RowDecoder | None = None) -> None:
         self.model = model
         self.kv = kv
         self.short_q = short_q  # queries up to this length attend in the decode group
@@ -125,9 +131,15 @@ class ModelRunner:
         if not any(it.drafts for it in sampled):
             tokens = sample(logits, params).tolist()
             return [StepResult(it, [t], 0) for it, t in zip(sampled, tokens, strict=False)]
+        return self._verify(sampled, logits)
+
+    def _verify(self, sampled: list[ScheduledSeq], logits: torch.Tensor) -> list[StepResult]:
+        """Accept a prefix of each proposal from ``[sum(k_i + 1), vocab]`` logits (any device)."""
+        params = [it.seq.params.sampling for it in sampled]
         proposals = [Proposal(it.seq.seq_id, it.drafts, it.draft_probs) for it in sampled]
         results = verify(logits, proposals, params)
-        return [StepResult(it, r.tokens, r.num_accepted) for it, r in zip(sampled, results, strict=False)]
+        return [StepResult(it, r.tokens, r.num_accepted)
+                for it, r in zip(sampled, results, strict=True)]
 
     def _verify_greedy(self, sampled: list[ScheduledSeq],
                        hidden: torch.Tensor) -> list[StepResult]:
@@ -143,20 +155,25 @@ class ModelRunner:
                 for it, r in zip(sampled, results, strict=True)]
 
     def _graph_can_run(self, scheduled: Sequence[ScheduledSeq]) -> bool:
+        """Every sequence decodes one token (drafts allowed) and the rows fit a bucket."""
         assert self.graphs is not None
-        return (self.graphs.can_run(len(scheduled))
-                and all(it.q_len == 1 and not it.drafts for it in scheduled))
+        return (all(it.num_new == 1 and (it.samples or not it.drafts) for it in scheduled)
+                and self.graphs.can_run(sum(it.q_len for it in scheduled)))
 
     def _execute_graph(self, scheduled: Sequence[ScheduledSeq]) -> list[StepResult]:
-        """One token per sequence through a captured graph; sampled where the logits are."""
+        """Each sequence's ``k + 1`` rows through a captured graph; sampled or verified there."""
         assert self.graphs is not None
-        rows = [DecodeRow(it.seq.token_ids[it.seq.num_computed], it.seq.num_computed,
-                          it.seq.block_table) for it in scheduled]
-        logits = self.graphs.run(rows)  # [n, vocab] on the device
-        picked = [i for i, it in enumerate(scheduled) if it.samples]
-        if not picked:
+        rows = [row for it in scheduled for row in step_rows(
+            it.seq.token_ids[it.seq.num_computed], it.seq.num_computed, it.drafts,
+            it.seq.block_table)]
+        logits = self.graphs.run(rows)  # [rows, vocab] on the device
+        sampled = [it for it in scheduled if it.samples]
+        if not sampled:
             return []
-        if len(picked) < len(scheduled):
-            logits = logits[torch.tensor(picked, device=logits.device)]
-        tokens = sample_on_device(logits, [scheduled[i].seq.params.sampling for i in picked])
-        return [StepResult(scheduled[i], [t], 0) for i, t in zip(picked, tokens, strict=True)]
+        if len(sampled) < len(scheduled):
+            keep = kept_rows([it.q_len for it in scheduled], [it.samples for it in scheduled])
+            logits = logits[torch.tensor(keep, device=logits.device)]
+        if any(it.drafts for it in sampled):
+            return self._verify(sampled, logits)
+        tokens = sample_on_device(logits, [it.seq.params.sampling for it in sampled])
+        return [StepResult(it, [t], 0) for it, t in zip(sampled, tokens, strict=True)]
