@@ -32,9 +32,10 @@ bench/specdec.py measure). ``prefix-mix`` (the default): ``--prefix-share`` of t
 requests (and of the rate) are Mooncake requests with shared prefixes (lengths and
 ``hash_ids`` as recorded; prompts scaled by 1/16, so 512-token blocks become 32-token
 blocks, and cut to their leading blocks to fit the context; outputs as recorded,
-clipped to ``--max-output``), walking the trace forward from ``--trace-start``
-(default 3000, its second half, where reuse is the trace's steady state: the warm-up
-takes the requests just before, each round the next unused ones); the rest is the
+clipped to ``--max-output``), from ``--trace-start`` (default 3000: the trace's reuse
+grows along it, and from there a request finds ~26% of its blocks in the 100 before;
+``--trace-windows``: every rate replays the same windows, or the trace is walked forward,
+see :class:`Schedules`); the rest is the
 ``specbench`` workload at the remaining rate. Mooncake requests are scored as their
 own class, ``prefix``, and carry its SLO in their bodies.
 
@@ -50,10 +51,10 @@ one-request probe of a median-length prompt of the window on any worker), from t
 run's own probe, so it is the same for every policy; ``--prefix-slo`` overrides it.
 
 Order of a run: start three fleets -> probe (unloaded, then ``--fit-concurrency``
-requests of a class at a time) -> one unscored warm-up replay per policy
-(same schedule, all at once) -> for each rate, ``--rounds`` measured rounds,
-each a fresh schedule (seed + round) replayed by all three policies at the
-same time. Printed: goodput per round, its ratio to each baseline (median,
+requests of a class at a time) -> for each rate: an unscored warm-up replay
+(same schedule for every policy, all at once; with ``--trace-windows forward``
+only before the first rate), then ``--rounds`` measured rounds, each a fresh
+schedule (seed + round) replayed by all three policies at the same time. Printed: goodput per round, its ratio to each baseline (median,
 min-max), TTFT/TPOT percentiles, the fleet's prefix-cache hit rate (prompt tokens
 found cached / looked up, from the workers' vllm:prefix_cache_* counters), where
 requests went per (worker, class) with how many met the SLO, and the adaptive
@@ -306,14 +307,14 @@ def load_mooncake(data: Path) -> list[TraceRequest]:
 
 
 def build_prefix_workload(data: Path, mooncake: list[TraceRequest], num: int, rate: float,
-                          seed: int, start: int, share: float, output_scale: float
-                          ) -> list[TraceRequest]:
+                          seed: int, start: int, share: float, output_scale: float,
+                          block_offset: int = 0) -> list[TraceRequest]:
     """``num`` requests at ``rate`` req/s, merged by arrival time: a ``share`` of them are
     Mooncake requests ``start``, ``start + 1``, ... (arrival gaps scaled to their share of
-    the rate; lengths and prefix blocks as recorded, prompts scaled at replay), the rest the
-    Spec-Bench workload (:func:`build_workload` with ``seed``) at the remaining rate, its
-    outputs scaled by ``output_scale`` here (the replay then scales no output: Mooncake's
-    are as recorded, clipped to --max-output)."""
+    the rate; lengths and prefix blocks as recorded, block ids + ``block_offset``, prompts
+    scaled at replay), the rest the Spec-Bench workload (:func:`build_workload` with
+    ``seed``) at the remaining rate, its outputs scaled by ``output_scale`` here (the replay
+    then scales no output: Mooncake's are as recorded, clipped to --max-output)."""
     num_prefix = round(num * share)
     rows = mooncake[start:start + num_prefix]
     if len(rows) < max(num_prefix, 2):
@@ -321,7 +322,8 @@ def build_prefix_workload(data: Path, mooncake: list[TraceRequest], num: int, ra
     t0, t1 = rows[0].timestamp_s or 0.0, rows[-1].timestamp_s or 0.0
     scale = (len(rows) / (rate * share)) / ((t1 - t0) or 1.0)
     prefix = [dataclasses.replace(r, line=PREFIX_LINE + i,
-                                  timestamp_s=((r.timestamp_s or 0.0) - t0) * scale)
+                                  timestamp_s=((r.timestamp_s or 0.0) - t0) * scale,
+                                  hash_ids=tuple(h + block_offset for h in r.hash_ids))
               for i, r in enumerate(rows)]
     spec = build_workload(data, num - num_prefix, rate * (1 - share), seed) \
         if num > num_prefix else []
@@ -345,18 +347,56 @@ def prefix_probe_texts(mooncake: list[TraceRequest], start: int, num: int, max_o
             for i in range(num)]
 
 
+TRACE_WINDOWS = ("per-rate", "forward")
+# NOTE: per-rate namespaces: block ids of rate i's pass are shifted by (i + 1) x this, past
+# the trace's ids (< 50,000) and the probes' (PROBE_BLOCK_ID + ...), so no cache holds a
+# pass's prefixes from an earlier one.
+NAMESPACE = 10**8
+REUSE_LOOKBACK = 100  # requests before a window that its prefix reuse is measured against
+
+
+def prefix_reuse(mooncake: list[TraceRequest], start: int, stop: int,
+                 lookback: int = REUSE_LOOKBACK) -> float:
+    """The trace's shared-prefix character over requests [start, stop): the share of their
+    prefix blocks that lead the prompt and were seen in the ``lookback`` requests before
+    each (the reuse a fleet's caches, ~100 scaled prompts, can find)."""
+    num_blocks = num_seen = 0
+    for i in range(start, min(stop, len(mooncake))):
+        seen = {h for r in mooncake[max(i - lookback, 0):i] for h in r.hash_ids}
+        lead = 0
+        for h in mooncake[i].hash_ids:
+            if h not in seen:
+                break
+            lead += 1
+        num_blocks += len(mooncake[i].hash_ids)
+        num_seen += lead
+    return num_seen / num_blocks if num_blocks else 0.0
+
+
 class Schedules:
     """The run's schedules (``--workload``): ``specbench`` is session 4's; ``prefix-mix``
-    walks the Mooncake trace forward from ``--trace-start``: the warm-up takes the requests
-    just before it, each measured round the next unused ones, so every round is a fresh
-    window of the trace's real reuse and the workers' caches carry over from one round to
-    the next as they would in service (for every policy alike)."""
+    replays Mooncake windows from ``--trace-start`` (``--trace-windows``):
+
+    - ``per-rate`` (the default since session 6): every rate replays the same windows --
+      its warm-up the requests just before ``--trace-start``, round r the r-th window after
+      it -- with the block ids moved to a namespace of the rate's own, so no worker's cache
+      holds them from an earlier rate. Rates then differ in nothing but the rate: the
+      Mooncake trace's reuse grows along it (requests 2500-2999 find 17% of their blocks in
+      the 100 before, 3000-3499 26%, 3750-3992 70%: :func:`prefix_reuse`), so walking it
+      forward gave the later (higher) rates more reuse. Needs ``rounds`` x the largest
+      rate's window after ``--trace-start``.
+    - ``forward`` (session 5): the warm-up takes the requests just before, each measured
+      round the next unused ones, and the caches carry over from rate to rate. Needs
+      ``rounds`` x the sum of every rate's window.
+    """
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.prefix_mix = args.workload == "prefix-mix"
+        self.per_rate = getattr(args, "trace_windows", "forward") == "per-rate"
         self.mooncake = load_mooncake(args.data) if self.prefix_mix else []
         self.cursor = args.trace_start
+        self.offset = 0  # block-id namespace of the current pass
         self.window = (0, 0)  # the last round's Mooncake requests, trace indices [from, to)
         if self.prefix_mix and self.mooncake_needed() > len(self.mooncake):
             # NOTE: checked before any fleet starts: a trace that runs out mid-sweep used to
@@ -370,14 +410,19 @@ class Schedules:
         """One past the last Mooncake request the measured rounds will take."""
         a = self.args
         per_round = [round(int(rate * a.duration) * a.prefix_share) for rate in a.rates]
-        return a.trace_start + a.rounds * sum(per_round)
+        return a.trace_start + a.rounds * (max(per_round) if self.per_rate else sum(per_round))
 
     def _build(self, rate: float, num: int, seed: int, start: int) -> list[TraceRequest]:
         a = self.args
         if not self.prefix_mix:
             return build_workload(a.data, num, rate, seed)
         return build_prefix_workload(a.data, self.mooncake, num, rate, seed, start,
-                                     a.prefix_share, a.output_scale)
+                                     a.prefix_share, a.output_scale, self.offset)
+
+    def begin_rate(self, index: int) -> None:
+        """Called before rate number ``index`` of the sweep: ``per-rate`` starts its pass."""
+        if self.per_rate:
+            self.cursor, self.offset = self.args.trace_start, (index + 1) * NAMESPACE
 
     def warmup(self, rate: float, num: int, seed: int) -> list[TraceRequest]:
         start = max(self.args.trace_start - round(num * self.args.prefix_share), 0)
@@ -400,7 +445,8 @@ class Schedules:
         if not num_prefix:
             return f"{len(records)} Spec-Bench requests"
         return (f"{len(records) - num_prefix} Spec-Bench + {num_prefix} Mooncake requests "
-                f"(trace requests {self.window[0]}-{self.window[1] - 1})")
+                f"(trace requests {self.window[0]}-{self.window[1] - 1}, reuse "
+                f"{prefix_reuse(self.mooncake, *self.window):.0%}, block ids +{self.offset})")
 
 
 # --- probe: unloaded latency per (worker, domain class) ----------------------------------------
@@ -705,13 +751,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
               flush=True)
         if args.fit_only:
             return out
-        if args.warmup > 0:
-            rate = args.warmup_rate or args.rates[0]
-            records = schedules.warmup(rate, int(rate * args.warmup), args.seed + 1000)
-            warm = await replay_all(policies, urls, configs, records, slos, args)
-            for s in warm.values():
-                print(f"warm-up {rate:g} " + fmt_row(s), flush=True)
-        for rate in args.rates:
+        for i, rate in enumerate(args.rates):
+            schedules.begin_rate(i)
+            if args.warmup > 0 and (i == 0 or schedules.per_rate):
+                await warm_up(args.warmup_rate or rate, policies, urls, configs, slos,
+                              schedules, args)
             await run_rate(rate, policies, urls, configs, slos, schedules, args, out)
     finally:
         procs = [p for _, ps in fleets.values() for p in ps]
@@ -722,6 +766,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     adaptive: Any = policies.get("adaptive")
     out["adaptive_stats"] = adaptive.stats() if adaptive is not None else {}
     return out
+
+
+async def warm_up(rate: float, policies: dict[str, Any], urls: dict[str, dict[str, str]],
+                  configs: dict[str, CompiledConfig], slos: Slos, schedules: Schedules,
+                  args: argparse.Namespace) -> None:
+    """One unscored replay of ``--warmup`` seconds at ``rate``, all policies at once."""
+    records = schedules.warmup(rate, int(rate * args.warmup), args.seed + 1000)
+    warm = await replay_all(policies, urls, configs, records, slos, args)
+    for s in warm.values():
+        print(f"warm-up {rate:g} " + fmt_row(s), flush=True)
 
 
 async def run_rate(rate: float, policies: dict[str, Any], urls: dict[str, dict[str, str]],
@@ -845,8 +899,10 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of trace per round")
     ap.add_argument("--rounds", type=int, default=2, help="measured rounds per rate")
     ap.add_argument("--warmup", type=float, default=30.0,
-                    help="seconds of unscored warm-up trace before the first rate (0: none)")
-    ap.add_argument("--warmup-rate", type=float, default=0.0, help="req/s (0: the first rate)")
+                    help="seconds of unscored warm-up trace before every rate (--trace-windows "
+                         "per-rate) or the first (forward); 0: none")
+    ap.add_argument("--warmup-rate", type=float, default=0.0,
+                    help="req/s (0: the rate it precedes)")
     ap.add_argument("--output-scale", type=float, default=0.25)
     ap.add_argument("--max-output", type=int, default=96)
     ap.add_argument("--slo-seconds", type=float, nargs=6,
@@ -867,6 +923,10 @@ def main() -> None:
     ap.add_argument("--trace-start", type=int, default=3000,
                     help="prefix-mix: first measured Mooncake request (0-based); the warm-up "
                          "takes the ones just before, each round the next unused ones")
+    ap.add_argument("--trace-windows", choices=TRACE_WINDOWS, default="per-rate",
+                    help="prefix-mix: per-rate: every rate replays the same Mooncake windows "
+                         "from --trace-start (block ids in a namespace per rate) after its own "
+                         "--warmup; forward: each round the next unused window, one warm-up")
     ap.add_argument("--prefix-share", type=float, default=0.5,
                     help="prefix-mix: share of the requests (and of the rate) from Mooncake")
     ap.add_argument("--prefix-slo", type=float, nargs=2, metavar=("TTFT", "TPOT"),

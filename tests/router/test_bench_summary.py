@@ -81,3 +81,71 @@ def test_a_plan_the_trace_cannot_cover_fails_before_any_fleet_starts(tmp_path: P
     args.rounds = 5  # 40..114: past the trace's 100
     with pytest.raises(ValueError, match=r"needs Mooncake requests 40\.\.114.* has 100"):
         BENCH.Schedules(args)
+
+
+SHARED = ROOT.parent / "shared" / "data"
+
+
+def write_trace(tmp_path: Path, num: int) -> None:
+    """A Mooncake trace of ``num`` requests (blocks ``i % 7`` and ``100 + i``) next to the
+    shared data's Spec-Bench prompts and Azure trace (the other half of the workload)."""
+    trace = tmp_path / BENCH.MOONCAKE
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "prompts").symlink_to(SHARED / "prompts")
+    (trace.parent / "azure_llm_2023_conv.csv").symlink_to(
+        SHARED / "traces" / "azure_llm_2023_conv.csv")
+    trace.write_text("".join(json.dumps({"timestamp": i * 100, "input_length": 600,
+                                         "output_length": 20, "hash_ids": [i % 7, 100 + i]})
+                             + "\n" for i in range(num)))
+
+
+def test_per_rate_windows_replay_the_same_requests_at_every_rate_in_fresh_namespaces(
+        tmp_path: Path) -> None:
+    write_trace(tmp_path, 100)
+    args = argparse.Namespace(workload="prefix-mix", data=tmp_path, trace_start=40,
+                              rates=[2.0, 4.0], duration=5.0, rounds=5, prefix_share=0.5,
+                              trace_windows="per-rate", output_scale=1.0)
+    # per round: 5 (rate 2) and 10 (rate 4) Mooncake requests; every rate from 40 again, so
+    # 5 rounds need 40 + 5 x 10 = 90 (forward: 40 + 5 x 15 = 115, past the trace's 100)
+    schedules = BENCH.Schedules(args)
+    assert schedules.mooncake_needed() == 90
+    seen = []
+    for i, rate in enumerate(args.rates):
+        schedules.begin_rate(i)
+        warm = [r for r in schedules.warmup(rate, 4, seed=1) if r.hash_ids]
+        first = [r for r in schedules.round(rate, int(rate * 5), seed=0) if r.hash_ids]
+        second = [r for r in schedules.round(rate, int(rate * 5), seed=1) if r.hash_ids]
+        seen.append((warm[0].hash_ids, first[0].hash_ids, second[0].hash_ids))
+        assert schedules.window == (40 + len(first), 40 + len(first) + len(second))
+    ns = BENCH.NAMESPACE
+    # warm-up: the 2 requests before 40 (38 -> blocks 38 % 7 = 3 and 138); round 1 from 40
+    # (40 % 7 = 5, 140); round 2 from 45 at rate 2 (45 % 7 = 3, 145), from 50 at rate 4
+    assert seen[0] == ((3 + ns, 138 + ns), (5 + ns, 140 + ns), (3 + ns, 145 + ns))
+    assert seen[1] == ((3 + 2 * ns, 138 + 2 * ns), (5 + 2 * ns, 140 + 2 * ns),
+                       (1 + 2 * ns, 150 + 2 * ns))
+
+
+def test_forward_windows_walk_the_trace_and_keep_the_recorded_block_ids(tmp_path: Path) -> None:
+    write_trace(tmp_path, 100)
+    args = argparse.Namespace(workload="prefix-mix", data=tmp_path, trace_start=40,
+                              rates=[2.0, 4.0], duration=5.0, rounds=2, prefix_share=0.5,
+                              trace_windows="forward", output_scale=1.0)
+    schedules = BENCH.Schedules(args)
+    assert schedules.mooncake_needed() == 70
+    for i, rate in enumerate(args.rates):
+        schedules.begin_rate(i)
+        for r in range(2):
+            records = schedules.round(rate, int(rate * 5), seed=r)
+    assert schedules.window == (60, 70)
+    assert [r.hash_ids for r in records if r.hash_ids][0] == (60 % 7, 160)
+
+
+def test_prefix_reuse_counts_leading_blocks_seen_in_the_requests_before() -> None:
+    def req(*ids: int) -> Any:
+        return BENCH.TraceRequest(line=1, hash_ids=ids)
+    trace = [req(1, 2, 3), req(1, 2, 9), req(4, 2), req(1, 5)]
+    # request 1: 1, 2 seen, 9 not: 2 of 3; request 2: 4 unseen, so its 2 does not count: 0
+    # of 2; request 3 with a look-back of 1 (only request 2: blocks 4, 2): 0 of 2
+    assert BENCH.prefix_reuse(trace, 1, 3) == 2 / 5
+    assert BENCH.prefix_reuse(trace, 3, 4, lookback=1) == 0.0
+    assert BENCH.prefix_reuse(trace, 3, 4, lookback=3) == 1 / 2
