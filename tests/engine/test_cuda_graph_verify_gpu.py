@@ -1,0 +1,221 @@
+"""Speculative verification through captured CUDA graphs, on a GPU (skipped without CUDA).
+
+Real engine, real bundled model pair, float32 (in bfloat16 two attention kernels may
+round a near-tie differently; see test_cuda_graph.py):
+
+- greedy outputs with graph verify equal k=0 and eager verify token for token, for the
+  n-gram and the draft-model proposer, with k = 1..4 mixed in one batch and with both
+  accepted and rejected drafts, and every verify step goes through a graph;
+- the K/V written after a rejected draft equals a fresh prefill of the committed tokens;
+- padding rows write only row 0's slot;
+- seeded sampling through graph verify equals eager verify, and the first emitted token of
+  a rejection-sampled step is distributed as the target's (chi-square).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.config import TINY_DRAFT, CompiledConfig, EngineConfig
+from engine.cuda_graph import DecodeRow, step_rows
+from engine.scheduler import ScheduledSeq
+from engine.sequence import GenerationParams, Sequence
+from specdec.sampling import SamplingParams, process_logits
+from tests.engine.prompts import chat_text, mixed_prompts
+from tests.specdec.test_verify import ALPHA, chi_square_p_value
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+DEPTH = 4
+
+
+def gpu_core(model_dir: Path, execution: str, spec: str = "ngram") -> Any:
+    from engine.loader import load_core
+
+    extra = {"draft_model": str(TINY_DRAFT)} if spec == "draft" else {}
+    return load_core(CompiledConfig(model=str(model_dir), engine=EngineConfig(
+        device="cuda", dtype="float32", execution=execution,  # type: ignore[arg-type]
+        max_num_seqs=8, max_num_batched_tokens=256, kv_cache_tokens=8192, max_model_len=1024,
+        spec_method=spec, spec_max_depth=DEPTH, enable_prefix_caching=False,  # type: ignore[arg-type]
+        **extra)))
+
+
+def generate(core: Any, prompts: list[list[int]],
+             params: list[GenerationParams]) -> tuple[list[list[int]], int, int]:
+    """Outputs per prompt, drafted and accepted token counts."""
+    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+        core.add_request(f"r{i}", ids, p)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    drafted = accepted = 0
+    for _ in range(5000):
+        if not core.has_work:
+            break
+        outputs, stats = core.step()
+        drafted += stats.num_draft_tokens
+        accepted += stats.num_accepted_tokens
+        for o in outputs:
+            out[o.request_id].extend(o.new_token_ids)
+    assert not core.has_work
+    return [out[f"r{i}"] for i in range(len(prompts))], drafted, accepted
+
+
+def greedy(n: int, depth: int = 0) -> GenerationParams:
+    return GenerationParams(max_tokens=n, sampling=SamplingParams(0.0), ignore_eos=True,
+                            spec_depth=depth)
+
+
+def record_paths(core: Any) -> dict[str, int]:
+    """Counts of graph steps with drafts, and of eager forwards with drafts and no prefill
+    chunk (a step the graphs could have run)."""
+    runner = core.runner
+    counts = {"graph_verify": 0, "eager_verify": 0}
+    graph_step: Callable[..., Any] = runner._execute_graph
+    forward: Callable[..., Any] = runner._forward
+
+    def on_graph(scheduled: Any) -> Any:
+        counts["graph_verify"] += any(it.drafts for it in scheduled)
+        return graph_step(scheduled)
+
+    def on_forward(items: Any, *a: Any) -> Any:
+        counts["eager_verify"] += (any(it.drafts for it in items)
+                                   and all(it.num_new == 1 for it in items))
+        return forward(items, *a)
+
+    runner._execute_graph, runner._forward = on_graph, on_forward
+    return counts
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_dir: Path) -> list[list[int]]:
+    from engine.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(str(tiny_model_dir), ())
+    return [tok.encode(chat_text(p))[:200] for p in mixed_prompts(8)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("spec", ["ngram", "draft"])
+def test_greedy_graph_verify_equals_k0_and_eager_verify_gpu(
+        tiny_model_dir: Path, prompts: list[list[int]], spec: str) -> None:
+    graph, eager = gpu_core(tiny_model_dir, "cuda_graph", spec), gpu_core(tiny_model_dir,
+                                                                          "eager", spec)
+    assert graph.runner.graphs.buckets == [1, 2, 4, 8, 16, 24, 32, 40]  # 8 x (1 + 4) rows
+    mixed = [greedy(40, 1 + i % DEPTH) for i in range(len(prompts))]  # k = 1..4 in one batch
+    plain = generate(graph, prompts, [greedy(40)] * len(prompts))[0]
+    paths = record_paths(graph)
+    got, drafted, accepted = generate(graph, prompts, mixed)
+    want = generate(eager, prompts, mixed)[0]
+    assert got == plain
+    assert got == want
+    assert 0 < accepted < drafted  # drafts were accepted and rejected
+    assert paths["graph_verify"] > 0 and paths["eager_verify"] == 0
+
+
+def _prefilled(core: Any, ids: list[int], first_block: int) -> Sequence:
+    """A sequence whose prompt ``ids`` is prefilled (eager) into blocks it owns, with room
+    for 32 more tokens; its first sampled token is appended."""
+    seq = Sequence(first_block, f"s{first_block}", list(ids), len(ids),
+                   GenerationParams(max_tokens=64), 0.0)
+    num_blocks = -(-(len(ids) + 32) // core.runner.kv.block_size)
+    seq.block_table = list(range(first_block, first_block + num_blocks))
+    result = core.runner.execute([ScheduledSeq(seq, len(ids), [])])[0]
+    seq.token_ids.extend(result.tokens)
+    seq.num_computed = len(ids)
+    return seq
+
+
+def _kv_at(core: Any, seq: Sequence, positions: range) -> torch.Tensor:
+    kv, bs = core.runner.kv, core.runner.kv.block_size
+    slots = torch.tensor([seq.block_table[p // bs] * bs + p % bs for p in positions],
+                         device="cuda")
+    return torch.stack([torch.stack([kv.k[i], kv.v[i]]).flatten(2, 3)[:, :, slots]
+                        for i in range(len(kv.k))])  # [layers, 2, Hkv, positions, D]
+
+
+@pytest.mark.timeout(300)
+def test_kv_after_a_rejected_draft_equals_a_fresh_prefill_gpu(
+        tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    core = gpu_core(tiny_model_dir, "cuda_graph")
+    vocab = core.model.spec.vocab_size
+    seq = _prefilled(core, prompts[0], 0)
+    paths = record_paths(core)
+    rejected = 0
+    for _ in range(3):  # an unlikely first draft, then two more: rejected at some position
+        drafts = [(seq.token_ids[-1] * 7 + 1) % vocab, 5, 6]
+        result = core.runner.execute([ScheduledSeq(seq, 1, drafts)])[0]
+        rejected += result.num_accepted < len(drafts)
+        seq.token_ids.extend(result.tokens)
+        seq.num_computed += 1 + result.num_accepted  # the fed token and the accepted drafts
+    last = core.runner.execute([ScheduledSeq(seq, 1, [])])[0]  # caches the last committed
+    seq.token_ids.extend(last.tokens)
+    seq.num_computed += 1
+    assert rejected > 0
+    assert paths["graph_verify"] == 3 and paths["eager_verify"] == 0
+    assert seq.num_computed == seq.num_tokens - 1
+    fresh = _prefilled(core, seq.token_ids[:seq.num_computed], 256)
+    cached = range(seq.num_computed)
+    got, want = _kv_at(core, seq, cached), _kv_at(core, fresh, cached)
+    assert (got - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.timeout(120)
+def test_padding_rows_write_only_row_zeros_slot_gpu(tiny_model_dir: Path) -> None:
+    core = gpu_core(tiny_model_dir, "cuda_graph")
+    graphs, kv = core.runner.graphs, core.runner.kv
+    for layer in range(len(kv.k)):
+        kv.k[layer].normal_()
+        kv.v[layer].normal_()
+    before = torch.stack([torch.stack([k, v]) for k, v in zip(kv.k, kv.v, strict=True)]).clone()
+    rows = step_rows(11, 20, [12, 13], [3, 4]) + [DecodeRow(14, 5, [7])]  # 4 rows -> bucket 4
+    rows += step_rows(15, 40, [16], [1, 2, 9])  # 6 rows -> bucket 8: two padding rows
+    graphs.run(rows)
+    torch.cuda.synchronize()
+    after = torch.stack([torch.stack([k, v]) for k, v in zip(kv.k, kv.v, strict=True)])
+    # [layers, 2, Hkv, blocks, block_size, D] -> [blocks, block_size]
+    changed = (after != before).any(-1).any(2).any(1).any(0)
+    written = {(b, s) for b, s in changed.nonzero().tolist()}
+    assert written == {(4, 4), (4, 5), (4, 6), (7, 5), (9, 8), (9, 9)}
+
+
+@pytest.mark.timeout(300)
+def test_seeded_sampling_through_graph_verify_equals_eager_gpu(
+        tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    def seeded() -> list[GenerationParams]:
+        return [GenerationParams(max_tokens=32, ignore_eos=True, spec_depth=1 + i % DEPTH,
+                                 sampling=SamplingParams.seeded(100 + i, 0.8, top_p=0.95))
+                for i in range(6)]
+
+    graph = gpu_core(tiny_model_dir, "cuda_graph")
+    paths = record_paths(graph)
+    got = generate(graph, prompts[:6], seeded())[0]
+    assert paths["graph_verify"] > 0 and paths["eager_verify"] == 0
+    assert got == generate(gpu_core(tiny_model_dir, "eager"), prompts[:6], seeded())[0]
+    assert got != generate(graph, prompts[:6], [greedy(32)] * 6)[0]
+
+
+@pytest.mark.timeout(300)
+def test_graph_verify_first_token_follows_the_target_distribution_gpu(
+        tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    """Rejection sampling from graph logits with a point-mass draft on the target's
+    second most likely token: the emitted token is distributed as the target's p."""
+    core = gpu_core(tiny_model_dir, "cuda_graph")
+    seq = _prefilled(core, prompts[1], 0)
+    base = SamplingParams(1.0, top_k=6)
+    logits = core.runner.graphs.run(step_rows(seq.token_ids[-1], seq.num_computed, [],
+                                              seq.block_table)).clone()
+    p = process_logits(logits, [base])[0].cpu()  # [vocab]
+    draft = int(p.argsort(descending=True)[1])
+    counts = torch.zeros_like(p)
+    for i in range(3000):
+        seq.params = GenerationParams(max_tokens=64, sampling=SamplingParams.seeded(i, 1.0,
+                                                                                    top_k=6))
+        result = core.runner.execute([ScheduledSeq(seq, 1, [draft])])[0]
+        counts[result.tokens[0]] += 1
+    assert 0 < counts[draft] < 3000
+    assert chi_square_p_value(counts, p) > ALPHA
