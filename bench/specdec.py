@@ -186,13 +186,14 @@ def process_cpu_s(pid: int) -> float:
 
 @contextlib.contextmanager
 def engine_process(method: str, max_depth: int, max_num_seqs: int,
-                   device: str = "cpu") -> Iterator[tuple[str, int]]:
+                   device: str = "cpu", execution: str = "eager") -> Iterator[tuple[str, int]]:
     # NOTE: every mode replays the same prompts on one engine, so with prefix caching (on by
     # default since 61aa9c5) whichever mode runs a prompt first pays its prefill and the
     # others hit the cache: a confound that has nothing to do with depth. Off here.
     engine: dict[str, object] = {"max_num_seqs": max_num_seqs, "kv_cache_tokens": 32768,
                                  "spec_method": method, "spec_max_depth": max_depth,
-                                 "device": device, "enable_prefix_caching": False}
+                                 "device": device, "execution": execution,
+                                 "enable_prefix_caching": False}
     if method == "draft":
         engine["draft_model"] = str(REPO / "models" / "tiny-draft")
     config = {"backend": "engine", "model": str(REPO / "models" / "tiny-target"),
@@ -373,7 +374,8 @@ def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -
         for m in adaptive}
     policy = policies[ADAPTIVE]
     modes: list[int | str] = [*depths, *adaptive]
-    with engine_process(method, max(depths), max(args.concurrency), args.device) as (url, pid):
+    with engine_process(method, max(depths), max(args.concurrency), args.device,
+                        args.execution) as (url, pid):
         bench = Bench(url, pid, method, policies, args.max_tokens, max(depths))
         asyncio.run(bench.run(prompts[:2], 0, 2))  # warm-up
         for conc in args.concurrency:
@@ -726,6 +728,78 @@ def run_step_costs(repeats: int = 30) -> None:
               f"target decode step; k draft steps cost k x that")
 
 
+STEP_MODES = ("graph", "rows", "eager")  # captured graphs; the same rows uncaptured; eager path
+
+
+def run_device_step_costs(device: str, batches: list[int], depths: list[int], context: int,
+                          iters: int, repeats: int) -> None:
+    """Engine step ms through the real runner at depth k: graphs vs the old eager path.
+
+    ``graph`` replays the captured graphs (verify rows included), ``rows`` runs the same
+    rows uncaptured (what capture saves in launches), ``eager`` is the path every
+    verify step took before (``runner.graphs = None``). Drafts are the model's own greedy
+    continuation (all accepted); each step is timed to its device-to-host copy of the
+    tokens, median of ``repeats`` rounds of ``iters`` steps, modes and depths interleaved.
+    A dry run on the CPU (``--device cpu --execution cuda_graph``, TRITON_INTERPRET=1 for
+    the ``rows`` mode) has no ``graph`` mode.
+    """
+    import torch
+
+    from bench.verify_step import greedy_continuation, make_sequences
+    from engine.config import TINY_TARGET, CompiledConfig, EngineConfig
+    from engine.cuda_graph import RowDecoder
+    from engine.loader import load_core
+    from engine.scheduler import ScheduledSeq
+
+    on_cuda = device.startswith("cuda")
+    max_depth = max(depths)
+    core = load_core(CompiledConfig(model=str(TINY_TARGET), engine=EngineConfig(
+        device=device, execution="cuda_graph" if on_cuda else "eager",  # type: ignore[arg-type]
+        max_num_seqs=max(batches), kv_cache_tokens=max(batches) * (context + 64) + 1024,
+        max_model_len=context + 64, spec_method="ngram", spec_max_depth=max_depth,
+        enable_prefix_caching=False)))
+    runner = core.runner
+    graphs = runner.graphs
+    buckets = graphs.buckets if graphs is not None else [max(batches) * (1 + max_depth)]
+    modes = {"graph": graphs, "rows": RowDecoder(core.model, runner.kv, buckets,
+                                                 context + 64 + max_depth + 1), "eager": None}
+    if graphs is None:
+        del modes["graph"]
+        note = "no CUDA: graph mode skipped"
+    else:
+        note = (f"{len(graphs.buckets)} graphs (rows {graphs.buckets[0]}.."
+                       f"{graphs.buckets[-1]}) captured in {graphs.capture_s:.2f} s, "
+                       f"{graphs.graph_bytes / 2**20:.1f} MiB")
+    print(f"step costs on {device}: {context}-token context, tiny target float32; {note}")
+    print("| batch | k | rows | " + " | ".join(f"{m} ms" for m in modes)
+          + " | graph x k=0 graph | eager / graph |")
+    print("|---|---|---|" + "---|" * (len(modes) + 2))
+    gen = torch.Generator().manual_seed(0)
+    for batch in batches:
+        seqs = make_sequences(runner, batch, context, max_depth, gen)
+        runner.graphs = modes.get("graph")
+        accepted = [greedy_continuation(runner, s, max_depth) for s in seqs]
+        steps = {(k, m): [ScheduledSeq(s, 1, c[:k]) for s, c in zip(seqs, accepted, strict=True)]
+                 for k in depths for m in modes}
+        times: dict[tuple[int, str], list[float]] = {key: [] for key in steps}
+        for rnd in range(repeats + 1):
+            for (k, m), items in steps.items():
+                runner.graphs = modes[m]
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    runner.execute(items)
+                if rnd:  # the first round warms up (Triton, cuBLAS, caches)
+                    times[(k, m)].append((time.perf_counter() - t0) / iters * 1e3)
+        med = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+        for k in depths:
+            cells = " | ".join(f"{med[(k, m)]:.3f}" for m in modes)
+            first = "graph" if "graph" in modes else "rows"
+            print(f"| {batch} | {k} | {batch * (k + 1)} | {cells} | "
+                  f"{med[(k, first)] / med[(0, first)]:.2f} | "
+                  f"{med[(k, 'eager')] / med[(k, first)]:.2f} |", flush=True)
+    runner.graphs = graphs
+
+
 def run_draft_confidence(prompts: list[Prompt], thresholds: list[float], depth: int,
                          max_tokens: int) -> None:
     """In-process engine core, concurrency 1: the draft proposer at several ``min_confidence``
@@ -914,6 +988,16 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompts", type=Path, default=PROMPTS, help="Spec-Bench question.jsonl")
     parser.add_argument("--device", default="cpu", help="engine device (cpu, cuda)")
+    parser.add_argument("--execution", choices=("eager", "compiled", "cuda_graph"), default=None,
+                        help="engine execution for every mode (default: cuda_graph on cuda, "
+                             "else eager)")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="a data dir with prompts/spec_bench_questions.jsonl (overrides "
+                             "--prompts)")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16],
+                        help="--step-costs on cuda: batch sizes")
+    parser.add_argument("--iters", type=int, default=50, help="--step-costs on cuda: steps "
+                        "per round")
     parser.add_argument("--quick", action="store_true", help="one round, fewer requests")
     parser.add_argument("--client-fit", action="store_true",
                         help=f"also run the policy without the engine's step feed ({ADAPTIVE_CLIENT})")
@@ -934,11 +1018,19 @@ def main() -> int:
                         help="pool the totals of --json-out files and print the tables")
     args = parser.parse_args()
     args.results = {}
+    if args.execution is None:
+        args.execution = "cuda_graph" if args.device.startswith("cuda") else "eager"
+    if args.data is not None:
+        args.prompts = args.data / "prompts" / "spec_bench_questions.jsonl"
     if args.combine:
         print_combined(args.combine)
         return 0
     if args.micro:
         run_micro()
+        return 0
+    if args.step_costs and (args.device != "cpu" or args.execution != "eager"):
+        run_device_step_costs(args.device, args.batches, sorted({0, *args.depths}), 300,
+                              args.iters, 5)
         return 0
     if args.step_costs:
         run_step_costs()
@@ -956,7 +1048,7 @@ def main() -> int:
         return 0
     print(f"bench/specdec.py  {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  prompts={len(prompts)} "
           f"max_tokens={args.max_tokens} rounds={args.rounds} concurrency={args.concurrency} "
-          f"device={args.device} cpus={os.cpu_count()}")
+          f"device={args.device} execution={args.execution} cpus={os.cpu_count()}")
     for method in args.methods:
         bench_method(method, prompts, args)
     if args.json_out is not None:
