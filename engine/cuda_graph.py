@@ -17,8 +17,8 @@ once per bucket of batch sizes and replayed:
 
 Speculative verification runs through the same graphs: a sequence with ``k``
 drafts after ``p`` cached tokens is ``k + 1`` decode rows sharing its block
-table, at positions ``p .. p + k`` (its last committed token, then the drafts;
-:func:`step_rows`). Every layer writes all rows' K/V into the cache before it
+table, at positions ``p .. p + k`` (its last committed token, then the drafts:
+one :class:`DecodeRow` with ``drafts``). Every layer writes all rows' K/V into the cache before it
 attends (``engine.model``), so row ``j`` attending over ``p + j + 1`` tokens is
 exactly the causal attention of an eager verify step, with no new kernel. The
 buckets therefore cover ``max_batch x (1 + max_depth)`` rows, up to
@@ -28,8 +28,7 @@ Prefill chunks and steps beyond the largest bucket stay on the eager path
 (:class:`engine.runner.ModelRunner` decides).
 
     graphs = CudaGraphDecoder(model, kv, max_batch=8, max_positions=2048, max_depth=4)
-    rows = step_rows(token, position, drafts, block_table)  # k + 1 rows
-    logits = graphs.run(rows)  # [k + 1, vocab]
+    logits = graphs.run([DecodeRow(token, position, block_table, drafts)])  # [k + 1, vocab]
 """
 
 from __future__ import annotations
@@ -57,11 +56,21 @@ MAX_GRAPH_ROWS = 512  # default cap on captured rows (vLLM captures up to 512 to
 
 @dataclass(frozen=True)
 class DecodeRow:
-    """One sequence's decode token: ``token`` at ``position`` over ``block_table``."""
+    """One sequence's rows in a step: ``token`` at ``position``, then draft j at
+    ``position + j`` (``1 + len(drafts)`` rows), all over ``block_table``.
+
+    ``token`` is the last committed token (not yet in the cache); each row's logits
+    score the token after it, so the ``k + 1`` rows are what verification reads.
+    """
 
     token: int
     position: int  # tokens before this one; the context attended is position + 1
     block_table: Sequence[int]
+    drafts: Sequence[int] = ()
+
+    @property
+    def num_rows(self) -> int:
+        return 1 + len(self.drafts)
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -94,16 +103,6 @@ def pick_bucket(buckets: Sequence[int], num_rows: int) -> int:
     return buckets[i]
 
 
-def step_rows(token: int, position: int, drafts: Sequence[int],
-              block_table: Sequence[int]) -> list[DecodeRow]:
-    """One sequence's rows in a step: ``token`` at ``position``, then draft j at ``position + j``.
-
-    ``token`` is the last committed token (not yet in the cache); each row's logits
-    score the token after it, so the ``k + 1`` rows are what verification reads.
-    """
-    return [DecodeRow(t, position + j, block_table) for j, t in enumerate((token, *drafts))]
-
-
 def kept_rows(num_rows: Sequence[int], keep: Sequence[bool]) -> list[int]:
     """Flat row indices of the sequences with ``keep`` set (``num_rows[i]`` rows each)."""
     out: list[int] = []
@@ -131,9 +130,15 @@ def fill_inputs(host: np.ndarray, rows: Sequence[DecodeRow], bucket: int,
                 block_size: int) -> None:
     """Write ``rows`` into ``host[:bucket]`` (int32, columns COL_*); padding rows repeat row 0.
 
-    Through numpy: ~100 ns an assignment where torch indexing costs microseconds.
+    Through numpy: a plain decode row is ~100 ns an assignment where torch indexing costs
+    microseconds; a sequence's k + 1 verify rows are written as slices at once.
     """
-    for i, row in enumerate(rows):
+    i = 0
+    for row in rows:
+        if row.drafts:
+            _fill_verify_rows(host, i, row, block_size)
+            i += row.num_rows
+            continue
         pos = row.position
         num_blocks = pos // block_size + 1  # blocks holding positions 0 .. pos
         host[i, COL_TOKEN] = row.token
@@ -141,8 +146,24 @@ def fill_inputs(host: np.ndarray, rows: Sequence[DecodeRow], bucket: int,
         host[i, COL_SLOT] = row.block_table[num_blocks - 1] * block_size + pos % block_size
         host[i, COL_CONTEXT] = pos + 1
         host[i, COL_TABLE:COL_TABLE + num_blocks] = row.block_table[:num_blocks]
-    if bucket > len(rows):
-        host[len(rows):bucket] = host[0]
+        i += 1
+    if bucket > i:
+        host[i:bucket] = host[0]
+
+
+def _fill_verify_rows(host: np.ndarray, first: int, row: DecodeRow, block_size: int) -> None:
+    """Rows ``first ..`` for ``row``'s token and drafts; every row gets the blocks up to the
+    last row's position (the kernel reads only those below each row's context)."""
+    n = row.num_rows
+    positions = np.arange(row.position, row.position + n)  # [n]
+    num_blocks = (row.position + n - 1) // block_size + 1
+    table = np.asarray(row.block_table[:num_blocks], dtype=np.int32)  # [num_blocks]
+    out = host[first:first + n]
+    out[:, COL_TOKEN] = (row.token, *row.drafts)
+    out[:, COL_POSITION] = positions
+    out[:, COL_SLOT] = table[positions // block_size] * block_size + positions % block_size
+    out[:, COL_CONTEXT] = positions + 1
+    out[:, COL_TABLE:COL_TABLE + num_blocks] = table
 
 
 class RowDecoder:
@@ -177,11 +198,11 @@ class RowDecoder:
         return 0 < num_rows <= self.buckets[-1]
 
     def run(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
-        """Logits ``[len(rows), vocab]`` float32 on the device.
+        """Logits ``[sum of rows' num_rows, vocab]`` float32 on the device, rows in order.
 
         The tensor is a view of the static output: read it before the next run.
         """
-        n = len(rows)
+        n = sum(row.num_rows for row in rows)
         bucket = pick_bucket(self.buckets, n)
         # NOTE: the pinned buffer is safe to rewrite: the previous step's copy finished
         # before its sampled ids were read on the host.

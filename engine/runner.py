@@ -27,7 +27,7 @@ import torch
 
 from engine.attention import SeqSlice, build_metadata, order_short_first
 from engine.cpu_attention import cpu_attention_for
-from engine.cuda_graph import RowDecoder, kept_rows, step_rows
+from engine.cuda_graph import DecodeRow, RowDecoder, kept_rows
 from engine.gpu_sampling import sample_on_device
 from engine.kv_cache import KVCache
 from engine.lanes import LaneChooser, Lanes, split_lanes
@@ -163,9 +163,8 @@ class ModelRunner:
     def _execute_graph(self, scheduled: Sequence[ScheduledSeq]) -> list[StepResult]:
         """Each sequence's ``k + 1`` rows through a captured graph; sampled or verified there."""
         assert self.graphs is not None
-        rows = [row for it in scheduled for row in step_rows(
-            it.seq.token_ids[it.seq.num_computed], it.seq.num_computed, it.drafts,
-            it.seq.block_table)]
+        rows = [DecodeRow(it.seq.token_ids[it.seq.num_computed], it.seq.num_computed,
+                          it.seq.block_table, it.drafts) for it in scheduled]
         logits = self.graphs.run(rows)  # [rows, vocab] on the device
         sampled = [it for it in scheduled if it.samples]
         if not sampled:

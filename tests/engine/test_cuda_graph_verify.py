@@ -25,7 +25,6 @@ from engine.cuda_graph import (
     graph_buckets,
     kept_rows,
     pick_bucket,
-    step_rows,
 )
 from engine.scheduler import ScheduledSeq
 from engine.sequence import GenerationParams, Sequence
@@ -56,24 +55,23 @@ def test_pick_bucket_is_the_smallest_that_holds_the_rows() -> None:
             pick_bucket(buckets, bad)
 
 
-def test_step_rows_are_the_token_then_each_draft_at_the_next_position() -> None:
-    table = [3, 1, 2]
-    assert step_rows(7, 20, [11, 12], table) == [
-        DecodeRow(7, 20, table), DecodeRow(11, 21, table), DecodeRow(12, 22, table)]
-    assert step_rows(7, 0, [], table) == [DecodeRow(7, 0, table)]
+def test_a_decode_row_with_k_drafts_is_k_plus_one_rows() -> None:
+    assert DecodeRow(7, 20, [3, 1, 2], [11, 12]).num_rows == 3
+    assert DecodeRow(7, 0, [3]).num_rows == 1
 
 
 def test_fill_inputs_for_verify_rows_across_a_block_boundary() -> None:
     """Seq A: 2 drafts after 15 cached tokens (positions 15, 16, 17: blocks 5 then 9);
     seq B: plain decode at position 3. 4 rows in bucket 8: rows 4..7 repeat row 0."""
     host = np.full((8, COL_TABLE + 3), -1, dtype=np.int32)
-    rows = step_rows(100, 15, [101, 102], [5, 9]) + step_rows(200, 3, [], [4])
+    rows = [DecodeRow(100, 15, [5, 9, 6], [101, 102]), DecodeRow(200, 3, [4, 8])]
     fill_inputs(host, rows, bucket=8, block_size=16)
-    # token, position, slot, context, block table (only the blocks up to the position)
-    assert host[0, :COL_TABLE + 1].tolist() == [100, 15, 5 * 16 + 15, 16, 5]
-    assert host[1, :COL_TABLE + 2].tolist() == [101, 16, 9 * 16 + 0, 17, 5, 9]
-    assert host[2, :COL_TABLE + 2].tolist() == [102, 17, 9 * 16 + 1, 18, 5, 9]
-    assert host[3, :COL_TABLE + 1].tolist() == [200, 3, 4 * 16 + 3, 4, 4]
+    # token, position, slot, context, block table (the blocks up to the last draft's position;
+    # a plain row only up to its own)
+    assert host[0, :COL_TABLE + 3].tolist() == [100, 15, 5 * 16 + 15, 16, 5, 9, -1]
+    assert host[1, :COL_TABLE + 3].tolist() == [101, 16, 9 * 16 + 0, 17, 5, 9, -1]
+    assert host[2, :COL_TABLE + 3].tolist() == [102, 17, 9 * 16 + 1, 18, 5, 9, -1]
+    assert host[3, :COL_TABLE + 2].tolist() == [200, 3, 4 * 16 + 3, 4, 4, -1]
     for pad in range(4, 8):  # padding writes only row 0's slot, with row 0's values
         assert host[pad].tolist() == host[0].tolist()
 

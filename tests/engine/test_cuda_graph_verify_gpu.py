@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from engine.config import TINY_DRAFT, CompiledConfig, EngineConfig
-from engine.cuda_graph import DecodeRow, step_rows
+from engine.cuda_graph import DecodeRow
 from engine.scheduler import ScheduledSeq
 from engine.sequence import GenerationParams, Sequence
 from specdec.sampling import SamplingParams, process_logits
@@ -172,8 +172,8 @@ def test_padding_rows_write_only_row_zeros_slot_gpu(tiny_model_dir: Path) -> Non
         kv.k[layer].normal_()
         kv.v[layer].normal_()
     before = torch.stack([torch.stack([k, v]) for k, v in zip(kv.k, kv.v, strict=True)]).clone()
-    rows = step_rows(11, 20, [12, 13], [3, 4]) + [DecodeRow(14, 5, [7])]  # 4 rows -> bucket 4
-    rows += step_rows(15, 40, [16], [1, 2, 9])  # 6 rows -> bucket 8: two padding rows
+    rows = [DecodeRow(11, 20, [3, 4], [12, 13]), DecodeRow(14, 5, [7]),
+            DecodeRow(15, 40, [1, 2, 9], [16])]  # 6 rows -> bucket 8: two padding rows
     graphs.run(rows)
     torch.cuda.synchronize()
     after = torch.stack([torch.stack([k, v]) for k, v in zip(kv.k, kv.v, strict=True)])
@@ -207,8 +207,8 @@ def test_graph_verify_first_token_follows_the_target_distribution_gpu(
     core = gpu_core(tiny_model_dir, "cuda_graph")
     seq = _prefilled(core, prompts[1], 0)
     base = SamplingParams(1.0, top_k=6)
-    logits = core.runner.graphs.run(step_rows(seq.token_ids[-1], seq.num_computed, [],
-                                              seq.block_table)).clone()
+    logits = core.runner.graphs.run([DecodeRow(seq.token_ids[-1], seq.num_computed,
+                                               seq.block_table)]).clone()
     p = process_logits(logits, [base])[0].cpu()  # [vocab]
     draft = int(p.argsort(descending=True)[1])
     counts = torch.zeros_like(p)
