@@ -250,11 +250,15 @@ class DraftProposer:
             state.ids.extend(feed)
         meta = build_metadata(slices, self.config.block_size, self._num_q_per_kv,
                               self.config.short_q, self.model.device, self._kernel)
-        logits = self.model.forward(torch.tensor(ids, dtype=torch.long), meta, self.kv,
-                                    torch.tensor(rows, dtype=torch.long))  # rows in `order`
+        device = self.model.device
+        logits = self.model.forward(torch.tensor(ids, dtype=torch.long).to(device), meta,
+                                    self.kv, torch.tensor(rows, dtype=torch.long).to(device))
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
-        return logits[inverse]
+        # NOTE: drafting reads every round's tokens on the host anyway; picking there keeps
+        # one device for the small index tensors below (it never ran on CUDA before: the ids
+        # stayed on the CPU).
+        return logits.cpu()[inverse]
 
 
 def _pick(logits: torch.Tensor, sampling: list[SamplingParams | None]
