@@ -731,6 +731,21 @@ def run_step_costs(repeats: int = 30) -> None:
 STEP_MODES = ("graph", "rows", "eager")  # captured graphs; the same rows uncaptured; eager path
 
 
+def graph_note(graphs: object) -> str:
+    """Capture time, graph memory, replay ms per bucket and the buckets chosen per row count."""
+    from engine.cuda_graph import CudaGraphDecoder
+
+    if not isinstance(graphs, CudaGraphDecoder):
+        return "no CUDA: graph mode skipped"
+    table = graphs._bucket_for
+    chosen = " ".join(f"{n}->{b}" for n, b in enumerate(table) if n and b != table[n - 1])
+    replay = " ".join(f"{b}:{t:.3f}" for b, t in graphs.replay_ms.items())
+    return (f"{len(graphs.buckets)} graphs (rows {graphs.buckets[0]}..{graphs.max_rows}) "
+            f"captured in {graphs.capture_s:.2f} s, {graphs.graph_bytes / 2**20:.1f} MiB\n"
+            f"  replay ms per bucket (dummy inputs): {replay}\n"
+            f"  bucket for n rows (from n on): {chosen}")
+
+
 def run_device_step_costs(device: str, batches: list[int], depths: list[int], context: int,
                           iters: int, repeats: int) -> None:
     """Engine step ms through the real runner at depth k: graphs vs the old eager path.
@@ -765,12 +780,8 @@ def run_device_step_costs(device: str, batches: list[int], depths: list[int], co
                                                  context + 64 + max_depth + 1), "eager": None}
     if graphs is None:
         del modes["graph"]
-        note = "no CUDA: graph mode skipped"
-    else:
-        note = (f"{len(graphs.buckets)} graphs (rows {graphs.buckets[0]}.."
-                       f"{graphs.buckets[-1]}) captured in {graphs.capture_s:.2f} s, "
-                       f"{graphs.graph_bytes / 2**20:.1f} MiB")
-    print(f"step costs on {device}: {context}-token context, tiny target float32; {note}")
+    print(f"step costs on {device}: {context}-token context, tiny target float32; "
+          f"{graph_note(graphs)}")
     print("| batch | k | rows | " + " | ".join(f"{m} ms" for m in modes)
           + " | graph x k=0 graph | eager / graph |")
     print("|---|---|---|" + "---|" * (len(modes) + 2))

@@ -11,9 +11,14 @@ once per bucket of batch sizes and replayed:
   fills a pinned twin and one non-blocking copy moves it before each replay;
 - attention is :func:`engine.triton_attention.decode_attention`, which reads
   block tables and context lengths on the device;
-- a batch of ``n`` rows runs in the smallest bucket ``>= n``; the padding rows
-  repeat row 0 (same token, same slot, same context), so they write the very
-  values row 0 writes and touch no other sequence's cache.
+- a batch of ``n`` rows runs in a bucket ``>= n``; the padding rows repeat row 0
+  (same token, same slot, same context), so they write the very values row 0
+  writes and touch no other sequence's cache;
+- which bucket: each graph's replay is timed once after capture, and ``n`` rows
+  take the smallest bucket ``>= n`` whose replay is within 3% of the fastest such
+  bucket (:func:`bucket_table`). NOTE: on the H200 in float32 the 8-row graph of
+  the tiny model replayed slower than the 16-, 24- and 32-row ones (cuBLAS picks
+  its GEMM kernels by shape), so "smallest" alone made 5-8 rows the slowest steps.
 
 Speculative verification runs through the same graphs: a sequence with ``k``
 drafts after ``p`` cached tokens is ``k + 1`` decode rows sharing its block
@@ -33,10 +38,9 @@ Prefill chunks and steps beyond the largest bucket stay on the eager path
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 COL_TOKEN, COL_POSITION, COL_SLOT, COL_CONTEXT, COL_TABLE = 0, 1, 2, 3, 4
 NUM_WARMUP = 2  # eager runs per bucket before capture (Triton compiles, cuBLAS picks kernels)
+REPLAY_TIMING_ITERS = 20  # replays per bucket timed at start-up
 MAX_GRAPH_ROWS = 512  # default cap on captured rows (vLLM captures up to 512 tokens too)
 
 
@@ -95,12 +100,25 @@ def graph_buckets(max_batch: int, max_depth: int = 0,
     return decode_buckets(max(max_batch, min(max_batch * (1 + max_depth), max_rows)))
 
 
-def pick_bucket(buckets: Sequence[int], num_rows: int) -> int:
-    """The smallest bucket holding ``num_rows`` rows (``buckets`` ascending)."""
-    i = bisect.bisect_left(buckets, num_rows)
-    if num_rows < 1 or i == len(buckets):
-        raise ValueError(f"{num_rows} rows: no bucket in {list(buckets)}")
-    return buckets[i]
+REPLAY_MARGIN = 0.03  # a larger bucket must replay this much faster to be chosen
+
+
+def bucket_table(buckets: Sequence[int], replay_ms: Mapping[int, float] | None = None,
+                 margin: float = REPLAY_MARGIN) -> list[int]:
+    """The bucket for each row count ``n`` in ``1 .. buckets[-1]`` (index ``n``; 0 unused).
+
+    Without ``replay_ms``: the smallest bucket ``>= n``. With it (ms per replay of each
+    bucket): the smallest bucket ``>= n`` whose time is within ``margin`` of the fastest
+    bucket ``>= n``.
+    """
+    table = [buckets[0]]
+    for n in range(1, buckets[-1] + 1):
+        fit = [b for b in buckets if b >= n]
+        if replay_ms:
+            fastest = min(replay_ms[b] for b in fit)
+            fit = [b for b in fit if replay_ms[b] <= fastest * (1.0 + margin)]
+        table.append(fit[0])
+    return table
 
 
 def kept_rows(num_rows: Sequence[int], keep: Sequence[bool]) -> list[int]:
@@ -189,6 +207,7 @@ class RowDecoder:
         # hold bucket x vocab floats per bucket (GiBs for a large vocabulary and many buckets).
         self._out = torch.zeros(rows, model.spec.vocab_size, dtype=torch.float32,
                                 device=model.device)
+        self._bucket_for = bucket_table(self.buckets)  # [rows + 1]: bucket per row count
 
     @property
     def max_rows(self) -> int:
@@ -203,7 +222,9 @@ class RowDecoder:
         The tensor is a view of the static output: read it before the next run.
         """
         n = sum(row.num_rows for row in rows)
-        bucket = pick_bucket(self.buckets, n)
+        if not self.can_run(n):
+            raise ValueError(f"{n} rows: no bucket in {self.buckets}")
+        bucket = self._bucket_for[n]
         # NOTE: the pinned buffer is safe to rewrite: the previous step's copy finished
         # before its sampled ids were read on the host.
         fill_inputs(self._host_np, rows, bucket, self.kv.block_size)
@@ -227,8 +248,8 @@ class RowDecoder:
 class CudaGraphDecoder(RowDecoder):
     """Captured forwards for each bucket of rows; :meth:`run` fills inputs and replays one.
 
-    ``capture_s`` and ``graph_bytes`` (CUDA memory reserved by capturing) are logged
-    at start-up and kept for reports.
+    ``capture_s``, ``graph_bytes`` (CUDA memory reserved by capturing) and ``replay_ms``
+    (per bucket, dummy inputs) are logged at start-up and kept for reports.
     """
 
     def __init__(self, model: LlamaModel, kv: KVCache, max_batch: int, max_positions: int,
@@ -241,9 +262,34 @@ class CudaGraphDecoder(RowDecoder):
         self.capture_s = 0.0
         self.graph_bytes = 0
         self._capture_all()
+        self.replay_ms = self._time_replays()
+        self._bucket_for = bucket_table(self.buckets, self.replay_ms)
+        used = sorted(set(self._bucket_for[1:]))
+        logger.info("graph replay ms per bucket %s; buckets used %s",
+                    {b: round(t, 3) for b, t in self.replay_ms.items()}, used)
 
     def _launch(self, bucket: int) -> None:
         self._graphs[bucket].replay()
+
+    def _time_replays(self, iters: int = REPLAY_TIMING_ITERS) -> dict[int, float]:
+        """Device ms per replay of each bucket's graph on the capture's dummy inputs.
+
+        NOTE: the dummy rows attend one token; the projections, whose kernels are what
+        differ between buckets, do not depend on the context.
+        """
+        out: dict[int, float] = {}
+        for bucket in self.buckets:
+            graph = self._graphs[bucket]
+            graph.replay()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            out[bucket] = start.elapsed_time(end) / iters
+        return out
 
     def _capture_all(self) -> None:
         t0 = time.perf_counter()

@@ -20,11 +20,11 @@ from engine.cuda_graph import (
     COL_TABLE,
     DecodeRow,
     RowDecoder,
+    bucket_table,
     decode_buckets,
     fill_inputs,
     graph_buckets,
     kept_rows,
-    pick_bucket,
 )
 from engine.scheduler import ScheduledSeq
 from engine.sequence import GenerationParams, Sequence
@@ -46,13 +46,21 @@ def test_graph_buckets_cover_every_verify_row_up_to_the_cap() -> None:
         graph_buckets(8, 4, max_rows=0)
 
 
-def test_pick_bucket_is_the_smallest_that_holds_the_rows() -> None:
-    buckets = [1, 2, 4, 8, 16, 24]
-    assert [pick_bucket(buckets, n) for n in (1, 2, 3, 5, 9, 16, 17, 24)] == [
-        1, 2, 4, 8, 16, 16, 24, 24]
-    for bad in (0, 25):
-        with pytest.raises(ValueError):
-            pick_bucket(buckets, bad)
+def test_bucket_table_without_times_is_the_smallest_bucket_that_holds_the_rows() -> None:
+    table = bucket_table([1, 2, 4, 8, 16, 24])
+    assert len(table) == 25
+    assert [table[n] for n in (1, 2, 3, 5, 8, 9, 16, 17, 24)] == [1, 2, 4, 8, 8, 16, 16, 24, 24]
+
+
+def test_bucket_table_skips_a_bucket_that_replays_slower_than_a_larger_one() -> None:
+    """As measured on the H200 (float32, tiny model): the 8-row graph is the slow one."""
+    ms = {1: 0.57, 2: 0.69, 4: 0.71, 8: 1.38, 16: 1.04, 24: 0.97, 32: 0.94}
+    table = bucket_table(list(ms), ms)
+    assert table[1:5] == [1, 2, 4, 4]
+    assert table[5:9] == [32] * 4  # 24 is not within 3% of 32's 0.94 ms
+    assert table[17:] == [32] * 16
+    near = {1: 0.50, 2: 0.50, 4: 0.515, 8: 0.52}  # within 3% of the fastest: the smaller wins
+    assert bucket_table(list(near), near)[1:] == [1, 2, 4, 4, 8, 8, 8, 8]
 
 
 def test_a_decode_row_with_k_drafts_is_k_plus_one_rows() -> None:

@@ -7,7 +7,8 @@ round a near-tie differently; see test_cuda_graph.py):
   n-gram and the draft-model proposer, with k = 1..4 mixed in one batch and with both
   accepted and rejected drafts, and every verify step goes through a graph;
 - the K/V written after a rejected draft equals a fresh prefill of the committed tokens;
-- padding rows write only row 0's slot;
+- padding rows write only row 0's slot; every bucket's replay is timed and the bucket
+  chosen for n rows holds n rows;
 - seeded sampling through graph verify equals eager verify, and the first emitted token of
   a rejection-sampled step is distributed as the target's (chi-square).
 """
@@ -105,7 +106,10 @@ def test_greedy_graph_verify_equals_k0_and_eager_verify_gpu(
         tiny_model_dir: Path, prompts: list[list[int]], spec: str) -> None:
     graph, eager = gpu_core(tiny_model_dir, "cuda_graph", spec), gpu_core(tiny_model_dir,
                                                                           "eager", spec)
-    assert graph.runner.graphs.buckets == [1, 2, 4, 8, 16, 24, 32, 40]  # 8 x (1 + 4) rows
+    graphs = graph.runner.graphs
+    assert graphs.buckets == [1, 2, 4, 8, 16, 24, 32, 40]  # 8 x (1 + 4) rows
+    assert sorted(graphs.replay_ms) == graphs.buckets and min(graphs.replay_ms.values()) > 0
+    assert all(graphs._bucket_for[n] >= n for n in range(1, 41))
     mixed = [greedy(40, 1 + i % DEPTH) for i in range(len(prompts))]  # k = 1..4 in one batch
     plain = generate(graph, prompts, [greedy(40)] * len(prompts))[0]
     paths = record_paths(graph)
