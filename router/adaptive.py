@@ -5,8 +5,9 @@ from the worker's learned profile (:mod:`router.profiles`) at the worker's
 current load, with the speculative depth the depth policy
 (:class:`specdec.policy.DepthPolicy`) would pick there, and scores
 
-    cost = (TTFT + predicted_output_tokens * TPOT + saturation wait + prefill ahead)
-           x SLO penalty  +  interference
+    cost = (TTFT + predicted_output_tokens * TPOT) x SLO penalty  +  interference
+
+with TTFT = the profile's + the wait for a batch slot + the prefill ahead.
 
 TTFT's prefill part counts only the prompt tokens the worker would have to
 compute: the prompt less the leading blocks its prefix cache is expected to
@@ -19,14 +20,22 @@ more than that.
 
 The SLO penalty grows with the predicted relative miss of the request's
 TTFT/TPOT SLO. ``prefill ahead`` is the prefill still to run on the worker for
-prompts routed there earlier (it stalls this request's decode steps), and
-``interference`` is what this prompt's own prefill costs the requests decoding
-there: each one's penalised cost with its TPOT raised by the stall, minus
-without (:mod:`router.inflight`). So a long prompt is steered away from
-workers full of tight-SLO decodes, and a short one away from a worker busy
-prefilling, without any rule about domains. Profiles that have no samples yet
-predict their config's prior scaled by what the other workers measured
-against theirs (:mod:`router.calibration`). The lowest cost wins, except that
+prompts routed there earlier: the engine gives each step's prompt budget to the
+oldest prompts first, so it runs before this request's own prompt (session 5
+spread it over the TPOT instead: ``price_prefill_stalls=False``).
+``interference`` is what this prompt's own prefill costs the requests running
+there: it stalls each of their decodes by its prefill time (times the worker's
+learned stall factor, :mod:`router.stalls`), so each one's penalised cost with
+that stall and the stalls already routed onto it since it was sent, minus with
+those alone (:mod:`router.inflight`). So a long prompt is steered away from
+workers full of tight-TPOT decodes, the more so the more prefill they have
+already been sent, and a short one away from a worker busy prefilling, without
+any rule about domains. The profiles learn TPOT with the stalls each request
+met taken out (the prompts routed to its worker while it decoded), so they
+predict the worker's step time, and a stall is priced once, where it arises.
+
+Profiles that have no samples yet predict their config's prior scaled by what
+the other workers measured against theirs (:mod:`router.calibration`). The lowest cost wins, except that
 with probability ``explore_prob`` a random unsaturated worker is tried, so
 every profile keeps getting fresh samples.
 
@@ -70,6 +79,7 @@ from router.base import RequestOutcome, RequestShape, RouteDecision, WorkerView
 from router.calibration import Calibration
 from router.inflight import Flight, InFlight
 from router.profiles import LatencyPrior, Prediction, PriorConfig, WorkerProfile, batch_capacity
+from router.stalls import Prefill, PrefillStalls, StallConfig
 from specdec.policy import DepthPolicy
 
 logger = logging.getLogger(__name__)
@@ -94,6 +104,13 @@ class AdaptiveConfig:
     # with interference: also price the slower steps a request's joining a batch causes
     # the requests running there (capacity-aware spill before the batch cap is reached)
     crowding: bool = True
+    # with interference: the prefill queued ahead is TTFT (the engine runs it before this
+    # prompt); each prompt's prefill is charged as a stall to the requests running there,
+    # on top of the stalls routed onto them before; the stall factor is learned per worker
+    # and the profiles learn TPOT without the stalls (router.stalls). Off: session 5 (the
+    # prefill ahead spread over TPOT, each prompt's stall priced alone)
+    price_prefill_stalls: bool = True
+    stalls: StallConfig = field(default_factory=StallConfig)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore_prob < 1.0:
@@ -129,6 +146,7 @@ class Candidate:
     model_cached_tokens: float = 0.0  # prompt tokens the cache model says the worker holds
     cached_tokens: float = 0.0  # the same x the worker's realised hit ratio: what TTFT counts
     saved_s: float = 0.0  # what the cached prefix takes off cost_s (0 without one)
+    ahead_s: float = 0.0  # prefill queued ahead of it on the worker, in ttft_s
 
 
 def caches_prefixes(view: WorkerView) -> bool:
@@ -163,6 +181,7 @@ class AdaptivePolicy:
         self.calibration = Calibration()
         self.clock = clock
         self._inflight = InFlight(self.config.max_pending)
+        self.stalls = PrefillStalls(self.config.stalls)
         self.reasons: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
         self.depths: Counter[int] = Counter()
@@ -195,9 +214,13 @@ class AdaptivePolicy:
             # and its prefix cache: the engine empties its cache on every reload.
             if prof is not None:
                 self.prefix_cache.forget_worker(view.name)
+                self.stalls.forget_worker(view.name)
             prof = WorkerProfile(LatencyPrior(view.config, self.config.prior),
                                  self.config.forgetting, self.calibration)
             self._profiles[view.name] = prof
+            # NOTE: a prefill on one engine core stalls the decodes on that core only
+            cores = max(view.config.engine.data_parallel_size, 1) if view.backend == "engine" else 1
+            self.stalls.set_prior(view.name, 1.0 / cores)
         return prof
 
     def candidate(self, shape: RequestShape, view: WorkerView) -> Candidate:
@@ -212,24 +235,41 @@ class AdaptivePolicy:
         pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d, cached)
         idle = prof.predict(shape.domain, shape.prompt_tokens, 0, 1, d, cached)
         prefill_s = idle.prefill_s
-        cost = self._cost(shape, pred)
         saved_s = 0.0
         if cached > 0:
             full = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d)
             saved_s = max(full.ttft_s - pred.ttft_s, 0.0)
         now = self.clock()
         # past capacity the request waits for a slot: until enough of those ahead finish
-        wait = self._inflight.slot_wait_s(view.name, now, queue + 1 - cap, cap, cost)
+        wait = self._inflight.slot_wait_s(view.name, now, queue + 1 - cap, cap,
+                                          self._cost(shape, pred))
+        ttft_s, tpot_s, ahead = self._latency(shape, view.name, now, pred, wait)
+        cost = ttft_s + max(shape.predicted_output_tokens - 1, 0) * tpot_s
         # NOTE: below capacity it joins the batch and slows every request running there
         # (crowding); at capacity it waits instead and slows no one.
         crowd_s = prof.tpot_per_seq_s() if self.config.crowding and queue < cap else 0.0
-        ahead, harm = self._interference(view.name, now, prefill_s, crowd_s, cost)
-        num_gaps = max(shape.predicted_output_tokens - 1, 1)
-        ttft_s, tpot_s = pred.ttft_s + wait, pred.tpot_s + ahead / num_gaps
+        harm = self._interference(view.name, now, prefill_s, crowd_s, self._cost(shape, pred))
         penalty, meets = self._slo(shape, ttft_s, tpot_s)
-        return Candidate(view.name, (cost + wait + ahead) * penalty + harm,
+        return Candidate(view.name, cost * penalty + harm,
                          self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
-                         ttft_s, tpot_s, prefill_s, wait, model_cached, cached, saved_s * penalty)
+                         ttft_s, tpot_s, prefill_s, wait, model_cached, cached, saved_s * penalty,
+                         ahead)
+
+    def _latency(self, shape: RequestShape, worker: str, now: float, pred: Prediction,
+                 wait_s: float) -> tuple[float, float, float]:
+        """(TTFT, TPOT, prefill ahead) predicted on the worker, seconds: the profile's, plus
+        the slot wait, plus the prefill routed there before that is still to run."""
+        if not self.config.interference:
+            return pred.ttft_s + wait_s, pred.tpot_s, 0.0
+        ahead = self._inflight.prefill_ahead_s(worker, now)
+        if not self.config.price_prefill_stalls:
+            # session 5: the prefill ahead spread over the request's TPOT
+            num_gaps = max(shape.predicted_output_tokens - 1, 1)
+            return pred.ttft_s + wait_s, pred.tpot_s + ahead / num_gaps, 0.0
+        # NOTE: the engine gives a step's prompt budget to the oldest prompts first: what
+        # is queued ahead runs before this prompt (TTFT); what arrives later, during its
+        # decode, stalls its steps, and is charged when it arrives (_interference)
+        return pred.ttft_s + wait_s + ahead, pred.tpot_s, ahead
 
     def _model_cached_tokens(self, shape: RequestShape, view: WorkerView) -> float:
         """Prompt tokens in the leading prefix blocks the worker's modelled cache holds."""
@@ -250,26 +290,48 @@ class AdaptivePolicy:
         return float(self.config.prefix_cache_tokens)
 
     def _interference(self, worker: str, now: float, prefill_s: float, crowd_s: float,
-                      cost_s: float) -> tuple[float, float]:
-        """(prefill still ahead on the worker, the penalised delay this request adds to the
-        requests running there), seconds; see :mod:`router.inflight`.
+                      cost_s: float) -> float:
+        """The penalised delay this request adds to the requests running on the worker,
+        seconds; see :mod:`router.inflight`.
 
         The delay to each running request is this prompt's prefill (it stalls their
-        steps) plus ``crowd_s`` per step they share with this one while both run (a
-        bigger batch makes every step slower): the externality that keeps the policy
-        from piling requests onto the worker that looks best for each one alone.
+        steps; times the worker's learned stall factor, :mod:`router.stalls`) plus
+        ``crowd_s`` per step they share with this one while both run (a bigger batch makes
+        every step slower): the externality that keeps the policy from piling requests
+        onto the worker that looks best for each one alone.
         """
         if not self.config.interference:
-            return 0.0, 0.0
+            return 0.0
+        if not self.config.price_prefill_stalls:
+            return self._interference_s5(worker, now, prefill_s, crowd_s, cost_s)
+        harm = 0.0
+        stall = prefill_s * self.stalls.factor(worker)
+        if stall <= 0 and crowd_s <= 0:
+            return 0.0
+        for f, received in self._inflight.stalled(worker, now):
+            # NOTE: the prefill routed onto the flight since it was sent counts too, so each
+            # further prompt sees it nearer its SLO (the penalty is convex)
+            shared_steps = min(f.remaining_s(now), cost_s) / max(f.tpot_s, 1e-4)
+            delay = received + stall + crowd_s * shared_steps
+            harm += self._flight_cost(f, delay) - self._flight_cost(f, received)
+        return harm
+
+    def _flight_cost(self, f: Flight, delay_s: float) -> float:
+        """A routed request's penalised cost with ``delay_s`` more in its decode."""
+        tpot_s = f.tpot_s + delay_s / max(f.num_tokens - 1, 1)
+        penalty, _ = self._slo_of(f.slo_ttft_s, f.slo_tpot_s, f.ttft_s, tpot_s)
+        return (f.cost_s + delay_s) * penalty
+
+    def _interference_s5(self, worker: str, now: float, prefill_s: float, crowd_s: float,
+                         cost_s: float) -> float:
+        """Session 5's harm: each flight as predicted when sent, this prompt's delay alone."""
         harm = 0.0
         if prefill_s > 0 or crowd_s > 0:
             for f in self._inflight.active(worker, now):
                 shared_steps = min(f.remaining_s(now), cost_s) / max(f.tpot_s, 1e-4)
                 delay = prefill_s + crowd_s * shared_steps
-                after, _ = self._slo_of(f.slo_ttft_s, f.slo_tpot_s, f.ttft_s,
-                                        f.tpot_s + delay / max(f.num_tokens - 1, 1))
-                harm += (f.cost_s + delay) * after - f.cost_s * f.penalty
-        return self._inflight.prefill_ahead_s(worker, now), harm
+                harm += self._flight_cost(f, delay) - f.cost_s * f.penalty
+        return harm
 
     @staticmethod
     def _cost(shape: RequestShape, pred: Prediction) -> float:
@@ -321,10 +383,16 @@ class AdaptivePolicy:
         # NOTE: the proxy hands back the same RequestShape object in the outcome, so its
         # id() recovers the load this decision saw; entries are bounded and evicted FIFO.
         penalty, _ = self._slo(shape, pick.ttft_s, pick.tpot_s)
+        now = self.clock()
+        if self.config.interference and self.config.price_prefill_stalls:
+            self._inflight.add_stall(pick.name, now,
+                                     pick.prefill_s * self.stalls.factor(pick.name))
+        self.stalls.record(pick.name, now, now + pick.ttft_s, pick.prefill_s)
         self._inflight.add(id(shape), Flight(
-            pick.name, pick.queue, pick.batch, pick.depth or 0, self.clock(), pick.ttft_s,
+            pick.name, pick.queue, pick.batch, pick.depth or 0, now, pick.ttft_s,
             pick.tpot_s, max(shape.predicted_output_tokens, 1), pick.prefill_s,
-            shape.slo_ttft_s, shape.slo_tpot_s, penalty, pick.wait_s, pick.model_cached_tokens))
+            shape.slo_ttft_s, shape.slo_tpot_s, penalty, wait_s=pick.wait_s,
+            model_cached_tokens=pick.model_cached_tokens, ahead_s=pick.ahead_s))
 
     def _observe(self, outcome: RequestOutcome) -> None:
         pending = self._inflight.pop(id(outcome.shape))
@@ -342,11 +410,15 @@ class AdaptivePolicy:
             pending.depth if pending else 0)
         cached = self._observe_cached(outcome, pending)
         ttft_s, tpot_s = outcome.ttft_s, outcome.tpot_s
-        if ttft_s is not None and pending is not None and pending.wait_s > 0:
+        apart = pending.wait_s + pending.ahead_s if pending is not None else 0.0
+        if ttft_s is not None and pending is not None and apart > 0:
             # NOTE: the TTFT model prices the batch a request shares; the wait for a slot
-            # is priced apart (router.inflight), so it is not learned twice. Floor: a
-            # quarter of the prediction without the wait (the wait may be overestimated).
-            ttft_s = max(ttft_s - pending.wait_s, 0.25 * (pending.ttft_s - pending.wait_s))
+            # and the prefill ahead are priced apart (router.inflight), so they are not
+            # learned twice. Floor: a quarter of the prediction without them (they may be
+            # overestimated).
+            ttft_s = max(ttft_s - apart, 0.25 * (pending.ttft_s - apart))
+        if tpot_s is not None and pending is not None:
+            tpot_s = self._observe_stalls(outcome, pending, prof, queue, batch, depth, cached)
         if ttft_s is None and outcome.e2e_s is not None and outcome.completion_tokens > 1:
             # NOTE: a non-streamed request shows only e2e; attribute the predicted TTFT
             # to its prefill and learn TPOT from the rest (TTFT itself stays unobserved).
@@ -360,6 +432,26 @@ class AdaptivePolicy:
         prof.observe(shape.domain, shape.prompt_tokens, queue, batch, depth, ttft_s, tpot_s,
                      cached)
         self._observe_depth(outcome, batch, depth)
+
+    def _observe_stalls(self, outcome: RequestOutcome, pending: Flight, prof: WorkerProfile,
+                        queue: int, batch: int, depth: int, cached: float) -> float | None:
+        """The request's TPOT without the prefill stalls it met, for its profile; and the
+        worker's stall factor learns from them (router.stalls)."""
+        tpot_s, ttft_s, e2e_s = outcome.tpot_s, outcome.ttft_s, outcome.e2e_s
+        if (not self.config.price_prefill_stalls or not self.config.interference
+                or ttft_s is None or e2e_s is None or outcome.completion_tokens < 2
+                or tpot_s is None or not tpot_s > 0):
+            return tpot_s
+        start, end = pending.sent_s + ttft_s, pending.sent_s + e2e_s
+        # NOTE: its own prompt is among the recorded prefills; it ran before its first token
+        own = Prefill.before_first_token(pending.sent_s, pending.sent_s + pending.ttft_s,
+                                         pending.prefill_s)
+        met = self.stalls.overlap_s(outcome.worker, start, end) - own.within_s(start, end)
+        stall = max(met, 0.0) / (outcome.completion_tokens - 1)
+        base = prof.predict(outcome.shape.domain, outcome.shape.prompt_tokens, queue, batch,
+                            depth, cached).tpot_s
+        self.stalls.observe(outcome.worker, stall, tpot_s - base)
+        return max(tpot_s - self.stalls.factor(outcome.worker) * stall, 0.25 * tpot_s)
 
     def _observe_cached(self, outcome: RequestOutcome, pending: Flight | None) -> float:
         """Prompt tokens the request found cached: as the worker reported them (then the
@@ -387,5 +479,6 @@ class AdaptivePolicy:
                 "decisions": dict(self.decisions),
                 "depths": {str(k): v for k, v in sorted(self.depths.items())},
                 "prefix_cache": self.prefix_cache.snapshot(), "in_flight": len(self._inflight),
+                "prefill_stalls": self.stalls.snapshot(),
                 "calibration": self.calibration.snapshot(),
                 "profiles": {n: p.snapshot() for n, p in self._profiles.items()}}

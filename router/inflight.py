@@ -45,6 +45,7 @@ class Flight:
     slo_tpot_s: float | None = None
     penalty: float = 1.0  # the policy's SLO cost multiplier for these predictions
     wait_s: float = 0.0  # predicted wait for a batch slot, included in ttft_s
+    ahead_s: float = 0.0  # predicted prefill queued ahead of it, included in ttft_s
     model_cached_tokens: float = 0.0  # prompt tokens the prefix-cache model said were cached
 
     @property
@@ -66,6 +67,7 @@ class InFlight:
         self.capacity = capacity
         self._all: OrderedDict[int, Flight] = OrderedDict()
         self._by_worker: dict[str, dict[int, Flight]] = {}
+        self._stalled: dict[int, float] = {}  # key -> prefill seconds routed onto it since
 
     def __len__(self) -> int:
         return len(self._all)
@@ -77,17 +79,40 @@ class InFlight:
         while len(self._all) > self.capacity:
             old_key, old = self._all.popitem(last=False)
             self._by_worker[old.worker].pop(old_key, None)
+            self._stalled.pop(old_key, None)
 
     def pop(self, key: int) -> Flight | None:
         flight = self._all.pop(key, None)
+        self._stalled.pop(key, None)
         if flight is not None:
             self._by_worker[flight.worker].pop(key, None)
         return flight
 
+    def add_stall(self, worker: str, now_s: float, seconds: float) -> None:
+        """A prompt with ``seconds`` of prefill was routed to ``worker``: every request
+        running there will wait it out in its decode (the engine runs prompts after the
+        earlier ones' prefill, inside everyone's steps)."""
+        if seconds <= 0:
+            return
+        for key, f in self._by_worker.get(worker, {}).items():
+            if self._is_active(f, now_s):
+                self._stalled[key] = self._stalled.get(key, 0.0) + seconds
+
+    def stalled(self, worker: str, now_s: float) -> Iterator[tuple[Flight, float]]:
+        """Active flights on ``worker`` with the prefill seconds routed there since each
+        was sent (:meth:`add_stall`)."""
+        for key, f in self._by_worker.get(worker, {}).items():
+            if self._is_active(f, now_s):
+                yield f, self._stalled.get(key, 0.0)
+
+    @staticmethod
+    def _is_active(f: Flight, now_s: float) -> bool:
+        return now_s < f.sent_s + STALE_FACTOR * max(f.cost_s, 1e-3)
+
     def active(self, worker: str, now_s: float) -> Iterator[Flight]:
         """Flights on ``worker`` that should still be running at ``now_s``."""
         for f in self._by_worker.get(worker, {}).values():
-            if now_s < f.sent_s + STALE_FACTOR * max(f.cost_s, 1e-3):
+            if self._is_active(f, now_s):
                 yield f
 
     def slot_wait_s(self, worker: str, now_s: float, num_ahead: int, capacity: int,

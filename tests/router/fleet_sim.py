@@ -76,10 +76,23 @@ class SimClock:
         return self.now
 
 
+@dataclass(frozen=True)
+class SimResult:
+    """One finished request: where it ran, its latencies (seconds) and which SLO it met."""
+
+    worker: str
+    shape: RequestShape
+    ttft_s: float
+    tpot_s: float
+    ttft_ok: bool
+    tpot_ok: bool
+
+
 def simulate(policy: RoutingPolicy, workers: list[SimWorker], arrivals: list[tuple[float, RequestShape]],
              slo_ttft_s: float, slo_tpot_s: float, dt: float = 0.005,
-             clock: SimClock | None = None) -> float:
-    """Fraction of requests meeting both SLOs (goodput per offered request)."""
+             clock: SimClock | None = None, results: list[SimResult] | None = None) -> float:
+    """Fraction of requests meeting both SLOs (goodput per offered request); ``results``,
+    if given, gets every finished request."""
     pending = sorted(arrivals, key=lambda a: a[0])
     now, i, num_good, num_done = 0.0, 0, 0, 0
     while num_done < len(arrivals):
@@ -91,7 +104,10 @@ def simulate(policy: RoutingPolicy, workers: list[SimWorker], arrivals: list[tup
         for w in workers:
             for req in _advance(w, now, dt):
                 num_done += 1
-                num_good += _report(policy, w, req, slo_ttft_s, slo_tpot_s)
+                res = _report(policy, w, req, slo_ttft_s, slo_tpot_s)
+                num_good += res.ttft_ok and res.tpot_ok
+                if results is not None:
+                    results.append(res)
         now += dt
     return num_good / len(arrivals)
 
@@ -160,7 +176,7 @@ def _advance_chunked(w: SimWorker, now: float, dt: float) -> list[dict]:
 
 
 def _report(policy: RoutingPolicy, w: SimWorker, req: dict, slo_ttft_s: float,
-            slo_tpot_s: float) -> bool:
+            slo_tpot_s: float) -> SimResult:
     shape: RequestShape = req["shape"]
     n = shape.predicted_output_tokens
     ttft = req["first"] - req["arrival"]
@@ -169,7 +185,8 @@ def _report(policy: RoutingPolicy, w: SimWorker, req: dict, slo_ttft_s: float,
     policy.observe(RequestOutcome(w.name, shape, "ok", completion_tokens=n, ttft_s=ttft,
                                   tpot_s=tpot, e2e_s=req["end"] - req["arrival"],
                                   spec_depth=req["depth"], batch_size=req["batch"], extra=extra))
-    return ttft <= (shape.slo_ttft_s or slo_ttft_s) and tpot <= (shape.slo_tpot_s or slo_tpot_s)
+    return SimResult(w.name, shape, ttft, tpot, ttft <= (shape.slo_ttft_s or slo_ttft_s),
+                     tpot <= (shape.slo_tpot_s or slo_tpot_s))
 
 
 def poisson_mix(rate: float, num: int, mix: dict[str, float], prompt: int, output: int,

@@ -149,3 +149,84 @@ def test_a_full_batch_charges_the_wait_not_crowding_and_learns_ttft_without_it()
                              ttft_s=third.wait_s + before, tpot_s=0.02))
     # what it learned is the TTFT without the wait: the prediction barely moves
     assert p.profile(full).predict("chat", 0, 2, 2, 0).ttft_s == pytest.approx(before, rel=0.2)
+
+
+def test_stalls_accumulate_on_the_active_flights_of_the_worker() -> None:
+    f = InFlight(capacity=10)
+    f.add(1, flight(sent=0.0))  # e2e 2 s: active until 8 s
+    f.add(2, flight("b", sent=0.0))
+    f.add_stall("a", 0.5, 0.2)
+    f.add_stall("a", 0.6, 0.1)
+    f.add_stall("a", 0.7, 0.0)  # nothing
+    f.add(3, flight(sent=0.8))  # sent after those prompts: none of their stall
+    assert [(x.sent_s, round(s, 6)) for x, s in f.stalled("a", 1.0)] == [(0.0, 0.3), (0.8, 0.0)]
+    assert [s for _, s in f.stalled("b", 1.0)] == [0.0]
+    f.add_stall("a", 8.5, 1.0)  # flight 1 is stale by then, flight 3 (sent at 0.8) is not
+    assert [round(s, 6) for _, s in f.stalled("a", 8.5)] == [1.0]
+    assert f.pop(1) is not None and f.pop(3) is not None and list(f.stalled("a", 0.0)) == []
+
+
+def test_prefill_ahead_is_ttft_and_session_5_spread_it_over_tpot() -> None:
+    """A prompt routed earlier is still prefilling (0.3 s of it left): the engine runs it
+    before the next prompt, so it is that request's TTFT; session 5 added it to TPOT."""
+    for price in (True, False):
+        clock = Clock()
+        p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, price_prefill_stalls=price),
+                           clock=clock)
+        w = pair()[0]
+        base = p.candidate(no_prefill(), w)
+        p._inflight.add(1, flight("a", sent=0.0, ttft=0.5, prefill=0.3))
+        clock.now = 0.2  # min(0.3, 0.5 - 0.2) = 0.3 s still ahead
+        ahead = p.candidate(no_prefill(), w)
+        if price:
+            assert ahead.ttft_s - base.ttft_s == pytest.approx(0.3)
+            assert ahead.tpot_s == pytest.approx(base.tpot_s) and ahead.ahead_s == 0.3
+        else:  # 60 output tokens: 0.3 s over 59 gaps
+            assert ahead.tpot_s - base.tpot_s == pytest.approx(0.3 / 59)
+            assert ahead.ttft_s == pytest.approx(base.ttft_s) and ahead.ahead_s == 0.0
+
+
+def test_each_further_prompt_is_charged_the_stalls_routed_before_it() -> None:
+    """One request decoding on "a": TTFT 0.1 s, 10 gaps at 5 ms, TPOT SLO 10 ms (cost
+    0.15 s). A 0.04 s prefill stalls it to 9 ms: within the SLO, harm 0.04 s. A second
+    one, once the first was routed, takes it to 13 ms: 30% over, penalty 1 + 4 x 0.3,
+    (0.15 + 0.08) x 2.2 - 0.19 = 0.316 s. Session 5 priced each alone: 0.04 s again."""
+    for price, second in ((True, 0.316), (False, 0.04)):
+        p = AdaptivePolicy(AdaptiveConfig(price_prefill_stalls=price), clock=Clock())
+        p._inflight.add(1, Flight("a", 0, 1, 0, 0.0, 0.1, 0.005, 11, 0.0, None, 0.010))
+        assert p._interference("a", 0.0, 0.04, 0.0, 1.0) == pytest.approx(0.04)
+        if price:  # what _remember does when the prompt goes to "a" (factor 1: its prior)
+            p._inflight.add_stall("a", 0.0, 0.04 * p.stalls.factor("a"))
+        assert p._interference("a", 0.0, 0.04, 0.0, 1.0) == pytest.approx(second)
+
+
+def test_tpot_is_learned_without_the_stalls_and_the_factor_from_them() -> None:
+    """"a" decodes requests at 10 ms a token; one of them had a 0.2 s prompt routed there
+    during its decode and measured 10 + 200 / 20 = 20 ms. The profile keeps ~10 ms and
+    the stall factor stays near 1; session 5 learns the 20 ms as the worker's TPOT."""
+    out = {}
+    for price in (True, False):
+        clock = Clock()
+        p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, price_prefill_stalls=price),
+                           clock=clock)
+        w = WorkerView("a", "http://a", "engine", CompiledConfig())
+        for i in range(40):  # plain requests: 21 tokens, 10 ms apart, sent 1 s apart
+            clock.now = float(i)
+            s = no_prefill()
+            p.choose(s, [w])
+            p.observe(RequestOutcome("a", s, "ok", completion_tokens=21, ttft_s=0.05,
+                                     tpot_s=0.010, e2e_s=0.25))
+        clock.now = 100.0
+        victim = no_prefill()
+        p.choose(victim, [w])
+        p.stalls.record("a", 100.06, 100.3, 0.2)  # a prompt prefilling over [100.1, 100.3]
+        clock.now = 100.5
+        p.observe(RequestOutcome("a", victim, "ok", completion_tokens=21, ttft_s=0.05,
+                                 tpot_s=0.020, e2e_s=0.45))
+        out[price] = p.profile(w).predict("chat", 0, 0, 1, 0).tpot_s
+        if price:
+            assert 0.9 < p.stalls.factor("a") <= 1.0
+    # measured: 10.18 ms with the stall taken out, 10.53 ms without (40 samples at 10 ms
+    # before it: the RLS fit moves a twentieth of the way to the 20 ms sample)
+    assert out[True] == pytest.approx(0.010, rel=0.025)
+    assert out[False] > 0.0104 and out[False] - 0.010 > 2.5 * (out[True] - 0.010)

@@ -1,0 +1,132 @@
+"""A model of bench/routing.py's prefix-mix run on the simulated fleet (fleet_sim.py), for
+closed-loop checks of the adaptive policy that the 2-core test box cannot run for real.
+
+Fleet: the bench's ``equal`` fleet, one core each, every worker with a 32,768-token prefix
+cache and chunked prefill: ``spec`` (4 sequences, 256-token chunks, n-gram speculation
+that halves the step on the repetitive domains), ``batch`` (32 sequences, 256-token
+chunks) and ``long`` (16 sequences, 2,048-token chunks), declared as the bench declares
+them. Step and prefill costs are of the order the device's probe measured (a ~2.5 ms
+decode step, ~0.2 ms per prompt token: bench/RESULTS.md, session 5 round 2).
+
+Workload: half shared-prefix requests (one of ``num_docs`` documents, popularity ~ 1/rank,
+64-token blocks, plus a prompt-specific tail; outputs as short as Mooncake's, 8-96
+tokens), half short Spec-Bench-like requests of the bench's three classes, each request
+carrying its class's SLO as the bench sends it. Everything is seeded; it is a model,
+not a measurement.
+
+    python -m tests.router.prefix_mix_sim  # a side-by-side table over rates and seeds
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections import Counter
+from collections.abc import Callable
+
+from engine.config import CompiledConfig, DeclaredFit
+from router.adaptive import AdaptiveConfig, AdaptivePolicy
+from router.base import RequestShape, RoutingPolicy
+from router.baselines import LeastOutstandingPolicy, RoundRobinPolicy
+from tests.router.fleet_sim import SimClock, SimResult, SimWorker, simulate
+
+BLOCK = 64.0  # prompt tokens per prefix block
+REPETITIVE, CONVERSATIONAL, LONG = ("translation", "code", "extraction"), ("chat", "math", "qa"), \
+    ("summarization", "rag")
+# (TTFT s, TPOT s) per class: the bench's DEFAULT_SLOS, and its probe-derived prefix SLO
+SLOS = {"repetitive": (0.30, 0.0050), "conversational": (0.24, 0.0090), "long": (1.0, 0.023),
+        "prefix": (0.97, 0.0142)}
+CLASS_OF = {**{d: "repetitive" for d in REPETITIVE}, **{d: "conversational" for d in CONVERSATIONAL},
+            **{d: "long" for d in LONG}}
+DT = 0.001  # simulation step, seconds
+
+
+def bench_fleet() -> list[SimWorker]:
+    spec = CompiledConfig(fit=DeclaredFit(domains=REPETITIVE, prompt_tokens=(0, 600))
+                          ).with_engine(max_num_seqs=4, max_num_batched_tokens=256,
+                                        spec_method="ngram", spec_max_depth=8)
+    batch = CompiledConfig(fit=DeclaredFit(domains=CONVERSATIONAL, prompt_tokens=(0, 600))
+                           ).with_engine(max_num_seqs=32, max_num_batched_tokens=256)
+    long = CompiledConfig(fit=DeclaredFit(domains=LONG)).with_engine(
+        max_num_seqs=16, max_num_batched_tokens=2048)
+    def worker(name: str, config: CompiledConfig, chunk: int, factor: dict[str, float]
+               ) -> SimWorker:
+        return SimWorker(name, config, base_s=0.0025, per_seq_s=0.00015, prefill_s=0.0002,
+                         factor=factor, chunk=chunk, cache_tokens=32768)
+    return [worker("spec", spec, 256, {d: 0.5 for d in REPETITIVE}),
+            worker("batch", batch, 256, {}), worker("long", long, 2048, {})]
+
+
+def class_of(shape: RequestShape) -> str:
+    return "prefix" if shape.prefix_hashes else CLASS_OF.get(shape.domain, "conversational")
+
+
+def prefix_mix(rate: float, num: int, seed: int, num_docs: int = 60
+               ) -> list[tuple[float, RequestShape]]:
+    """``num`` Poisson arrivals at ``rate`` req/s, half shared-prefix, half short requests."""
+    rng = random.Random(seed)
+    doc_blocks = [rng.randint(4, 24) for _ in range(num_docs)]  # 256-1,536-token documents
+    weights = [1.0 / (1 + d) for d in range(num_docs)]
+    t, out = 0.0, []
+    for i in range(num):
+        t += rng.expovariate(rate)
+        if rng.random() < 0.5:
+            doc = rng.choices(range(num_docs), weights)[0]
+            blocks = (*(1000 * doc + b for b in range(doc_blocks[doc])), 10**6 + i)
+            output = max(8, min(96, int(rng.lognormvariate(3.3, 1.2))))
+            ttft, tpot = SLOS["prefix"]
+            shape = RequestShape("rag", int(len(blocks) * BLOCK), None, output,
+                                 prefix_hashes=blocks, prefix_block_tokens=BLOCK,
+                                 slo_ttft_s=ttft, slo_tpot_s=tpot)
+        else:
+            domain = rng.choices(REPETITIVE + CONVERSATIONAL + LONG,
+                                 [1, 1, 1, 2, 2, 2, 1, 1])[0]
+            prompt = rng.randint(600, 1500) if domain in LONG else rng.randint(30, 400)
+            ttft, tpot = SLOS[CLASS_OF[domain]]
+            shape = RequestShape(domain, prompt, None, rng.choice((14, 24, 60, 96, 96)),
+                                 slo_ttft_s=ttft, slo_tpot_s=tpot)
+        out.append((t, shape))
+    return out
+
+
+def run(make: Callable[[SimClock], RoutingPolicy], arrivals: list[tuple[float, RequestShape]]
+        ) -> tuple[float, Counter[str]]:
+    """(share of requests meeting both SLOs, misses by kind: ttft, tpot, both)."""
+    clock = SimClock()
+    results: list[SimResult] = []
+    good = simulate(make(clock), bench_fleet(), arrivals, 1.0, 1.0, dt=DT, clock=clock,
+                    results=results)
+    misses: Counter[str] = Counter()
+    for r in results:
+        if not (r.ttft_ok and r.tpot_ok):
+            misses["both" if not (r.ttft_ok or r.tpot_ok) else "ttft" if r.tpot_ok else "tpot"] += 1
+    return good, misses
+
+
+POLICIES: dict[str, Callable[[SimClock], RoutingPolicy]] = {
+    "round_robin": lambda clock: RoundRobinPolicy(),
+    "least_outstanding": lambda clock: LeastOutstandingPolicy(),
+    "adaptive": lambda clock: AdaptivePolicy(clock=clock),
+}
+
+
+def variant(**kwargs: object) -> Callable[[SimClock], RoutingPolicy]:
+    return lambda clock: AdaptivePolicy(AdaptiveConfig(**kwargs), clock=clock)  # type: ignore[arg-type]
+
+
+def main(argv: list[str]) -> None:
+    rates = [float(a) for a in argv] or [12.0, 16.0, 20.0, 24.0]
+    policies = {**POLICIES, "adaptive-session-5": variant(price_prefill_stalls=False)}
+    for rate in rates:
+        for seed in (1, 2, 3):
+            arrivals = prefix_mix(rate, int(rate * 40), seed)
+            cells = []
+            for name, make in policies.items():
+                good, misses = run(make, arrivals)
+                cells.append(f"{name} {good:.3f} (ttft {misses['ttft']} tpot {misses['tpot']} "
+                             f"both {misses['both']})")
+            print(f"rate {rate:g} seed {seed}: " + " | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
