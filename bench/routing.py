@@ -855,6 +855,32 @@ def peak_summary(out: dict[str, Any]) -> list[str]:
     return lines
 
 
+def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from several runs' --json (a sweep split over calls: each its own rates):
+    per-rate tables side by side; the SLOs of the first (the later runs are given them)."""
+    merged: dict[str, Any] = {"slos": runs[0]["slos"]}
+    for key in ("rates", "requests", "hit_rate", "reasons"):
+        merged[key] = {}
+        for run in runs:
+            for rate, value in run.get(key, {}).items():
+                if rate in merged[key]:
+                    raise ValueError(f"rate {rate} is in more than one run")
+                merged[key][rate] = value
+    merged["rates"] = dict(sorted(merged["rates"].items(), key=lambda kv: float(kv[0])))
+    return merged
+
+
+def attainment_line(rate: str, out: dict[str, Any]) -> str:
+    """Share of the rate's requests that met their SLO, and the fleet prefix-cache hit
+    rate, per policy, over all rounds."""
+    rounds = out["rates"][rate]
+    met = {n: sum(r["num_good"] for r in runs) / max(sum(r["num_requests"] for r in runs), 1)
+           for n, runs in rounds.items()}
+    hits = out.get("hit_rate", {}).get(rate, {})
+    return (f"{rate:>6} | SLOs met " + " / ".join(f"{n} {m:.0%}" for n, m in met.items())
+            + " | hit rate " + " / ".join(f"{n} {h:.1%}" for n, h in hits.items()))
+
+
 def print_report(out: dict[str, Any]) -> None:
     print("rate   | goodput (req/s meeting the SLO, median of rounds) RR / LO / adaptive "
           "| adaptive/RR median (min-max) | adaptive/LO median (min-max)")
@@ -863,6 +889,9 @@ def print_report(out: dict[str, Any]) -> None:
     print("pooled over rounds:")
     for rate, rounds in out["rates"].items():
         print(pooled_line(rate, rounds))
+    print("SLO attainment and prefix-cache hit rate, over all rounds:")
+    for rate in out["rates"]:
+        print(attainment_line(rate, out))
     for line in peak_summary(out):
         print(line)
     for rate, by_policy in out.get("requests", {}).items():
@@ -945,11 +974,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the probe, SLOs and all rounds here")
     ap.add_argument("--log-dir", type=Path, default=ROOT / "bench" / "out" / "routing",
                     help="worker configs and logs")
-    ap.add_argument("--report", type=Path, metavar="JSON",
-                    help="print the summary of an earlier run's --json file and exit")
+    ap.add_argument("--report", type=Path, nargs="+", metavar="JSON",
+                    help="print the summary of earlier runs' --json files (a sweep split "
+                         "over calls, each its own rates) and exit")
     args = ap.parse_args()
     if args.report:
-        print_report(json.loads(args.report.read_text()))
+        print_report(merge_runs([json.loads(path.read_text()) for path in args.report]))
         return
     args.rates = sorted(args.rates)
     if min(args.rates) <= 0 or args.duration <= 0 or args.rounds <= 0 or args.warmup < 0:

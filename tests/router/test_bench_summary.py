@@ -149,3 +149,18 @@ def test_prefix_reuse_counts_leading_blocks_seen_in_the_requests_before() -> Non
     assert BENCH.prefix_reuse(trace, 1, 3) == 2 / 5
     assert BENCH.prefix_reuse(trace, 3, 4, lookback=1) == 0.0
     assert BENCH.prefix_reuse(trace, 3, 4, lookback=3) == 1 / 2
+
+
+def test_runs_split_over_calls_merge_into_one_report() -> None:
+    a = {"slos": {"ttft_s": {"x": 1.0}}, "rates": {"9.0": OUT["rates"]["9.0"]},
+         "hit_rate": {"9.0": {"adaptive": 0.25}}}
+    b = {"slos": {"ttft_s": {"x": 2.0}}, "rates": {"8.0": OUT["rates"]["8.0"]}}
+    merged = BENCH.merge_runs([a, b])
+    assert list(merged["rates"]) == ["8.0", "9.0"] and merged["slos"] == a["slos"]
+    assert BENCH.peak_summary(merged) == BENCH.peak_summary(OUT)
+    # 9.0: adaptive met 18 of 30, RR 14, LO 18
+    assert BENCH.attainment_line("9.0", merged) == (
+        "   9.0 | SLOs met round_robin 47% / least_outstanding 60% / adaptive 60% | "
+        "hit rate adaptive 25.0%")
+    with pytest.raises(ValueError, match="rate 9.0 is in more than one run"):
+        BENCH.merge_runs([a, a])
