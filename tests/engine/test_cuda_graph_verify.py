@@ -120,6 +120,10 @@ def test_runner_sends_decode_and_verify_steps_to_the_graphs_if_the_rows_fit() ->
     assert can([verify3, verify3])  # 8 rows: the largest bucket
     assert not can([verify3, verify3, decode])  # 9 rows: eager
     assert not can([decode, prefill])  # a prefill chunk: eager
+    graphs = runner.graphs
+    for rows in ([], [DecodeRow(1, 9, [0], [2] * 8)]):  # 0 rows; 9 rows > the largest bucket
+        with pytest.raises(ValueError, match="rows: no bucket"):
+            graphs.run(rows)
 
 
 # -- the whole path, uncaptured, in Triton's interpreter -----------------------------------
