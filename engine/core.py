@@ -99,7 +99,8 @@ class EngineCore:
         if cfg.execution == "cuda_graph":
             graphs = CudaGraphDecoder(self.model, kv, cfg.max_num_seqs,
                                       self.max_model_len + cfg.spec_max_depth + 1,
-                                      max_depth=0 if cfg.spec_method == "none" else cfg.spec_max_depth)
+                                      max_depth=0 if cfg.spec_method == "none" else cfg.spec_max_depth,
+                                      max_tokens=cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, kv, short_q=max(cfg.spec_max_depth + 1, 8),
                                   graphs=graphs)
         self.proposer: Proposer | None = build_proposer(cfg, self.spec, self.weights)

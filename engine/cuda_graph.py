@@ -29,11 +29,22 @@ exactly the causal attention of an eager verify step, with no new kernel. The
 buckets therefore cover ``max_batch x (1 + max_depth)`` rows, up to
 ``max_rows`` (:func:`graph_buckets`).
 
-Prefill chunks and steps beyond the largest bucket stay on the eager path
+Prefill chunks run through the same graphs too: a chunk of ``P`` prompt tokens
+at positions ``s .. s + P - 1`` is ``P`` rows over the sequence's block table
+(one :class:`DecodeRow` whose ``drafts`` carry the chunk's tokens after the
+first), under the same write-then-attend order, so row ``j`` attends the
+``s + j + 1`` tokens a causal prefill would; ``s`` is the sequence's
+``num_computed``, so prefix-cache hits are simply not rows. The buckets also
+cover the step's token budget (``max_tokens``, the engine's
+``max_num_batched_tokens``) up to ``max_rows``, so every step that fits the
+budget fits a graph: step 8 up to 256 rows, then step 64 (:func:`graph_buckets`).
+Only steps beyond the largest bucket stay on the eager path
 (:class:`engine.runner.ModelRunner` decides).
 
-    graphs = CudaGraphDecoder(model, kv, max_batch=8, max_positions=2048, max_depth=4)
+    graphs = CudaGraphDecoder(model, kv, max_batch=8, max_positions=2048, max_depth=4,
+                              max_tokens=1024)
     logits = graphs.run([DecodeRow(token, position, block_table, drafts)])  # [k + 1, vocab]
+    logits = graphs.run([DecodeRow.chunk(prompt[s:s + p], s, block_table)])  # [p, vocab]
 """
 
 from __future__ import annotations
@@ -56,16 +67,20 @@ logger = logging.getLogger(__name__)
 COL_TOKEN, COL_POSITION, COL_SLOT, COL_CONTEXT, COL_TABLE = 0, 1, 2, 3, 4
 NUM_WARMUP = 2  # eager runs per bucket before capture (Triton compiles, cuBLAS picks kernels)
 REPLAY_TIMING_ITERS = 20  # replays per bucket timed at start-up
-MAX_GRAPH_ROWS = 512  # default cap on captured rows (vLLM captures up to 512 tokens too)
+MAX_GRAPH_ROWS = 2048  # default cap on captured rows (covers max_num_batched_tokens <= 2048)
+FINE_ROWS = 256  # buckets step by 8 up to here (decode and verify batches) ...
+COARSE_STEP = 64  # ... then by this (steps carrying prefill chunks)
 
 
 @dataclass(frozen=True)
 class DecodeRow:
-    """One sequence's rows in a step: ``token`` at ``position``, then draft j at
+    """One sequence's rows in a step: ``token`` at ``position``, then ``drafts[j - 1]`` at
     ``position + j`` (``1 + len(drafts)`` rows), all over ``block_table``.
 
-    ``token`` is the last committed token (not yet in the cache); each row's logits
-    score the token after it, so the ``k + 1`` rows are what verification reads.
+    For a decode or verify step ``token`` is the last committed token (not yet in the
+    cache) and ``drafts`` the proposal; each row's logits score the token after it, so
+    the ``k + 1`` rows are what verification reads. For a prefill chunk (:meth:`chunk`)
+    ``drafts`` holds the chunk's tokens after the first, then the proposal if any.
     """
 
     token: int
@@ -77,6 +92,14 @@ class DecodeRow:
     def num_rows(self) -> int:
         return 1 + len(self.drafts)
 
+    @classmethod
+    def chunk(cls, tokens: Sequence[int], position: int,
+              block_table: Sequence[int]) -> DecodeRow:
+        """``tokens`` (at least one) at ``position ..`` as consecutive rows."""
+        if not tokens:
+            raise ValueError("a chunk needs at least one token")
+        return cls(tokens[0], position, block_table, tokens[1:])
+
 
 def decode_buckets(max_batch: int) -> list[int]:
     """Batch sizes to capture: powers of two up to 8, then multiples of 8, then ``max_batch``."""
@@ -87,17 +110,24 @@ def decode_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def graph_buckets(max_batch: int, max_depth: int = 0,
-                  max_rows: int = MAX_GRAPH_ROWS) -> list[int]:
-    """Row counts to capture: :func:`decode_buckets` up to ``max_batch x (1 + max_depth)``.
+def graph_buckets(max_batch: int, max_depth: int = 0, max_rows: int = MAX_GRAPH_ROWS,
+                  max_tokens: int = 0) -> list[int]:
+    """Row counts to capture, covering ``max(max_batch x (1 + max_depth), max_tokens)`` rows
+    up to ``max_rows``: :func:`decode_buckets` up to ``FINE_ROWS`` (or ``max_batch``), then
+    every ``COARSE_STEP`` rows.
 
-    Verify steps beyond ``max_rows`` rows run eager; plain decode batches of up to
-    ``max_batch`` rows are always covered (as before speculation used graphs).
+    ``max_tokens`` is the step's token budget (prefill chunks and drafts included). Steps
+    beyond ``max_rows`` rows run eager; plain decode batches of up to ``max_batch`` rows are
+    always covered (as before speculation used graphs).
     """
-    if max_depth < 0 or max_rows < 1:
-        raise ValueError(f"max_depth >= 0 and max_rows >= 1 expected, got {max_depth}, "
-                         f"{max_rows}")
-    return decode_buckets(max(max_batch, min(max_batch * (1 + max_depth), max_rows)))
+    if max_depth < 0 or max_rows < 1 or max_tokens < 0:
+        raise ValueError(f"max_depth >= 0, max_rows >= 1 and max_tokens >= 0 expected, got "
+                         f"{max_depth}, {max_rows}, {max_tokens}")
+    top = max(max_batch, min(max(max_batch * (1 + max_depth), max_tokens), max_rows))
+    fine = decode_buckets(min(top, max(max_batch, FINE_ROWS)))
+    first = (fine[-1] // COARSE_STEP + 1) * COARSE_STEP
+    coarse = list(range(first, top, COARSE_STEP)) + ([top] if top > fine[-1] else [])
+    return fine + coarse
 
 
 REPLAY_MARGIN = 0.03  # a larger bucket must replay this much faster to be chosen
@@ -121,13 +151,18 @@ def bucket_table(buckets: Sequence[int], replay_ms: Mapping[int, float] | None =
     return table
 
 
-def kept_rows(num_rows: Sequence[int], keep: Sequence[bool]) -> list[int]:
-    """Flat row indices of the sequences with ``keep`` set (``num_rows[i]`` rows each)."""
+def read_rows(num_rows: Sequence[int], num_read: Sequence[int]) -> list[int]:
+    """Flat indices of the last ``num_read[i]`` of sequence i's ``num_rows[i]`` rows.
+
+    A sampling sequence reads its last ``k + 1`` rows (its token and drafts, after any
+    prompt rows of its chunk); a prefill chunk that does not finish its prompt reads none.
+    """
     out: list[int] = []
     start = 0
-    for n, k in zip(num_rows, keep, strict=True):
-        if k:
-            out.extend(range(start, start + n))
+    for n, r in zip(num_rows, num_read, strict=True):
+        if not 0 <= r <= n:
+            raise ValueError(f"read {r} of {n} rows")
+        out.extend(range(start + n - r, start + n))
         start += n
     return out
 
@@ -253,9 +288,10 @@ class CudaGraphDecoder(RowDecoder):
     """
 
     def __init__(self, model: LlamaModel, kv: KVCache, max_batch: int, max_positions: int,
-                 max_depth: int = 0, max_rows: int = MAX_GRAPH_ROWS) -> None:
+                 max_depth: int = 0, max_rows: int = MAX_GRAPH_ROWS,
+                 max_tokens: int = 0) -> None:
         check_can_capture(model)
-        super().__init__(model, kv, graph_buckets(max_batch, max_depth, max_rows),
+        super().__init__(model, kv, graph_buckets(max_batch, max_depth, max_rows, max_tokens),
                          max_positions)
         self.max_batch = max_batch
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}

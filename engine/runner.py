@@ -9,11 +9,13 @@ When every sampled sequence is greedy (on the CPU), the forward stops at the
 hidden states and ``specdec.verify.verify_greedy_in_waves`` projects to the
 vocabulary only the rows it reads (up to each proposal's first rejection).
 
-With captured graphs (``execution: cuda_graph``) a step in which every sequence
-decodes one token, with or without drafts, runs as ``sum(k_i + 1)`` decode rows
-through :class:`engine.cuda_graph.CudaGraphDecoder`; the ``[rows, vocab]``
-logits stay on the device and the same ``verify`` accepts from them (greedy:
-one argmax over all rows, one device-to-host copy).
+With captured graphs (``execution: cuda_graph``) a step whose tokens fit the
+largest bucket runs as ``sum(q_len)`` decode rows through
+:class:`engine.cuda_graph.CudaGraphDecoder`: a decoding sequence is ``k + 1``
+rows, a prefill chunk one row per prompt token (mixed steps included); the
+``[rows, vocab]`` logits stay on the device, the sampling rows are picked there,
+and the same ``verify`` accepts from them (greedy: one argmax over those rows,
+one device-to-host copy).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 from engine.attention import SeqSlice, build_metadata, order_short_first
 from engine.cpu_attention import cpu_attention_for
-from engine.cuda_graph import DecodeRow, RowDecoder, kept_rows
+from engine.cuda_graph import DecodeRow, RowDecoder, read_rows
 from engine.gpu_sampling import sample_on_device
 from engine.kv_cache import KVCache
 from engine.lanes import LaneChooser, Lanes, split_lanes
@@ -155,24 +157,35 @@ class ModelRunner:
                 for it, r in zip(sampled, results, strict=True)]
 
     def _graph_can_run(self, scheduled: Sequence[ScheduledSeq]) -> bool:
-        """Every sequence decodes one token (drafts allowed) and the rows fit a bucket."""
+        """The step's rows (prompt chunks, tokens, drafts) fit a bucket."""
         assert self.graphs is not None
-        return (all(it.num_new == 1 and (it.samples or not it.drafts) for it in scheduled)
-                and self.graphs.can_run(sum(it.q_len for it in scheduled)))
+        return self.graphs.can_run(sum(it.q_len for it in scheduled))
 
     def _execute_graph(self, scheduled: Sequence[ScheduledSeq]) -> list[StepResult]:
-        """Each sequence's ``k + 1`` rows through a captured graph; sampled or verified there."""
+        """Every sequence's ``q_len`` rows through a captured graph; sampled or verified there.
+
+        A sampling sequence reads its last ``k + 1`` rows; a prompt chunk that does not end
+        its prompt reads none (its rows only write K/V).
+        """
         assert self.graphs is not None
-        rows = [DecodeRow(it.seq.token_ids[it.seq.num_computed], it.seq.num_computed,
-                          it.seq.block_table, it.drafts) for it in scheduled]
-        logits = self.graphs.run(rows)  # [rows, vocab] on the device
+        logits = self.graphs.run([_rows(it) for it in scheduled])  # [rows, vocab] on device
         sampled = [it for it in scheduled if it.samples]
         if not sampled:
             return []
-        if len(sampled) < len(scheduled):
-            keep = kept_rows([it.q_len for it in scheduled], [it.samples for it in scheduled])
-            logits = logits[torch.tensor(keep, device=logits.device)]
+        num_read = [len(it.drafts) + 1 if it.samples else 0 for it in scheduled]
+        if sum(num_read) < logits.shape[0]:
+            keep = read_rows([it.q_len for it in scheduled], num_read)
+            logits = logits[torch.tensor(keep).to(logits.device, non_blocking=True)]
         if any(it.drafts for it in sampled):
             return self._verify(sampled, logits)
         tokens = sample_on_device(logits, [it.seq.params.sampling for it in sampled])
         return [StepResult(it, [t], 0) for it, t in zip(sampled, tokens, strict=True)]
+
+
+def _rows(item: ScheduledSeq) -> DecodeRow:
+    """``item``'s new tokens (its chunk, or its last committed token) then its drafts."""
+    seq, start = item.seq, item.seq.num_computed
+    if item.num_new == 1:
+        return DecodeRow(seq.token_ids[start], start, seq.block_table, item.drafts)
+    return DecodeRow.chunk(seq.token_ids[start:start + item.num_new] + item.drafts, start,
+                           seq.block_table)

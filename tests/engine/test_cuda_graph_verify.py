@@ -24,7 +24,7 @@ from engine.cuda_graph import (
     decode_buckets,
     fill_inputs,
     graph_buckets,
-    kept_rows,
+    read_rows,
 )
 from engine.scheduler import ScheduledSeq
 from engine.sequence import GenerationParams, Sequence
@@ -38,12 +38,28 @@ def test_graph_buckets_cover_every_verify_row_up_to_the_cap() -> None:
     assert graph_buckets(8, 4) == [1, 2, 4, 8, 16, 24, 32, 40]  # 8 x (1 + 4) rows
     assert graph_buckets(1, 16) == [1, 2, 4, 8, 16, 17]  # batch 1 at depth 16
     assert graph_buckets(16, 16, max_rows=64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert graph_buckets(600, 4) == decode_buckets(600)  # decode batches stay covered
-    assert graph_buckets(32, 16)[-1] == 512  # the default cap
+    assert graph_buckets(600, 4)[:len(decode_buckets(600))] == decode_buckets(600)
+    assert graph_buckets(32, 16)[-1] == 544  # 32 x 17 rows, under the default cap
+    assert graph_buckets(64, 16)[-1] == 1088
+    assert graph_buckets(128, 16)[-1] == 2048  # the default cap
     with pytest.raises(ValueError):
         graph_buckets(8, -1)
     with pytest.raises(ValueError):
         graph_buckets(8, 4, max_rows=0)
+    with pytest.raises(ValueError):
+        graph_buckets(8, 4, max_tokens=-1)
+
+
+def test_graph_buckets_cover_the_token_budget_by_8_then_by_64() -> None:
+    """Prefill chunks are rows too: the buckets reach max_num_batched_tokens."""
+    fine = [1, 2, 4] + list(range(8, 257, 8))
+    assert graph_buckets(8, 4, max_tokens=256) == fine
+    assert graph_buckets(8, 4, max_tokens=1024) == fine + list(range(320, 1025, 64))
+    assert graph_buckets(8, 4, max_tokens=300) == fine + [300]
+    assert graph_buckets(8, 4, max_tokens=700) == fine + [320, 384, 448, 512, 576, 640, 700]
+    assert graph_buckets(8, 0, max_rows=512, max_tokens=4096)[-1] == 512  # capped
+    assert graph_buckets(4, 4, max_tokens=24) == [1, 2, 4, 8, 16, 24]
+    assert len(graph_buckets(32, 16, max_tokens=2048)) == 35 + 28  # capture count at 2048
 
 
 def test_bucket_table_without_times_is_the_smallest_bucket_that_holds_the_rows() -> None:
@@ -84,10 +100,32 @@ def test_fill_inputs_for_verify_rows_across_a_block_boundary() -> None:
         assert host[pad].tolist() == host[0].tolist()
 
 
-def test_kept_rows_selects_the_sampling_sequences_rows() -> None:
-    assert kept_rows([3, 1, 2], [True, False, True]) == [0, 1, 2, 4, 5]
-    assert kept_rows([1, 1], [False, False]) == []
-    assert kept_rows([2], [True]) == [0, 1]
+def test_read_rows_are_each_sequences_last_rows() -> None:
+    assert read_rows([3, 1, 2], [3, 0, 2]) == [0, 1, 2, 4, 5]
+    assert read_rows([1, 1], [0, 0]) == []
+    assert read_rows([2], [2]) == [0, 1]
+    # a 5-token chunk that ends its prompt (reads its last row), a chunk that does not,
+    # a verify step with 2 drafts (3 rows, all read)
+    assert read_rows([5, 4, 3], [1, 0, 3]) == [4, 9, 10, 11]
+    with pytest.raises(ValueError):
+        read_rows([2], [3])
+
+
+def test_a_prefill_chunk_is_one_row_per_token_at_consecutive_positions() -> None:
+    """A 5-token chunk after 14 cached tokens (positions 14..18 over blocks 2 then 7),
+    block size 16: row j writes slot of position 14 + j and attends 15 + j tokens."""
+    row = DecodeRow.chunk([50, 51, 52, 53, 54], 14, [2, 7, 3])
+    assert row.num_rows == 5 and row.token == 50 and list(row.drafts) == [51, 52, 53, 54]
+    host = np.full((8, COL_TABLE + 3), -1, dtype=np.int32)
+    fill_inputs(host, [row], bucket=8, block_size=16)
+    want_slots = [2 * 16 + 14, 2 * 16 + 15, 7 * 16 + 0, 7 * 16 + 1, 7 * 16 + 2]
+    assert host[:5, 0].tolist() == [50, 51, 52, 53, 54]
+    assert host[:5, 1].tolist() == [14, 15, 16, 17, 18]
+    assert host[:5, 2].tolist() == want_slots
+    assert host[:5, 3].tolist() == [15, 16, 17, 18, 19]
+    assert host[:5, COL_TABLE:].tolist() == [[2, 7, -1]] * 5
+    with pytest.raises(ValueError):
+        DecodeRow.chunk([], 0, [1])
 
 
 # -- the runner's choice of path -----------------------------------------------------------
@@ -119,7 +157,9 @@ def test_runner_sends_decode_and_verify_steps_to_the_graphs_if_the_rows_fit() ->
     assert can([decode]) and can([verify3]) and can([decode, verify3])  # 1, 4, 5 rows
     assert can([verify3, verify3])  # 8 rows: the largest bucket
     assert not can([verify3, verify3, decode])  # 9 rows: eager
-    assert not can([decode, prefill])  # a prefill chunk: eager
+    assert not can([decode, prefill])  # 11 rows: eager
+    assert can([ScheduledSeq(_seq(2, 10, 0), 6, []), decode])  # a 6-token chunk + 1: 7 rows
+    assert can([ScheduledSeq(_seq(2, 10, 3), 7, [])])  # the prompt's last 7 tokens
     graphs = runner.graphs
     for rows in ([], [DecodeRow(1, 9, [0], [2] * 8)]):  # 0 rows; 9 rows > the largest bucket
         with pytest.raises(ValueError, match="rows: no bucket"):
@@ -128,19 +168,38 @@ def test_runner_sends_decode_and_verify_steps_to_the_graphs_if_the_rows_fit() ->
 
 # -- the whole path, uncaptured, in Triton's interpreter -----------------------------------
 
-def _interpreter_core(graphs: bool):  # type: ignore[no-untyped-def]
+def _interpreter_core(graphs: bool, budget: int = 256, prefix_caching: bool = False):  # type: ignore[no-untyped-def]
     from engine.loader import load_core
 
     # NOTE: 2 of the 8 layers keep the interpreted kernel to a few seconds; both paths run
     # the same truncated model, so equality between them is still exact to check.
     core = load_core(CompiledConfig(model=str(TINY_TARGET), engine=EngineConfig(
-        max_num_seqs=4, max_num_batched_tokens=256, kv_cache_tokens=2048, max_model_len=256,
-        spec_method="ngram", spec_max_depth=4, enable_prefix_caching=False,
+        max_num_seqs=4, max_num_batched_tokens=budget, kv_cache_tokens=2048, max_model_len=256,
+        spec_method="ngram", spec_max_depth=4, enable_prefix_caching=prefix_caching,
         measure_num_layers=2)))
     if graphs:
-        core.runner.graphs = RowDecoder(core.model, core.runner.kv, graph_buckets(4, 4),
-                                        256 + 4 + 1)
+        core.runner.graphs = RowDecoder(core.model, core.runner.kv,
+                                        graph_buckets(4, 4, max_tokens=budget), 256 + 4 + 1)
     return core
+
+
+def _count_paths(core) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """Steps through the rows, of which with a prompt chunk; eager forwards."""
+    runner = core.runner
+    counts = {"rows": 0, "rows_prefill": 0, "eager": 0}
+    run, forward = runner._execute_graph, runner._forward
+
+    def on_rows(scheduled):  # type: ignore[no-untyped-def]
+        counts["rows"] += 1
+        counts["rows_prefill"] += any(it.num_new > 1 for it in scheduled)
+        return run(scheduled)
+
+    def on_forward(*a):  # type: ignore[no-untyped-def]
+        counts["eager"] += 1
+        return forward(*a)
+
+    runner._execute_graph, runner._forward = on_rows, on_forward
+    return counts
 
 
 def _generate(core, prompts: list[list[int]], params: list[GenerationParams]):  # type: ignore[no-untyped-def]
@@ -181,14 +240,49 @@ def check_rows_verify_equals_eager() -> None:
     eager, rows = _interpreter_core(False), _interpreter_core(True)
     plain = _generate(eager, prompts, greedy(0))[0]
     eager_spec = _generate(eager, prompts, greedy(4))[0]
-    taken: list[int] = []
-    run = rows.runner._execute_graph
-    rows.runner._execute_graph = lambda s: (taken.append(len(s)), run(s))[1]
+    paths = _count_paths(rows)
     got, num_drafted, num_accepted = _generate(rows, prompts, greedy(4))
     assert got == plain == eager_spec, (got, plain, eager_spec)
     assert 0 < num_accepted < num_drafted, (num_accepted, num_drafted)  # accepts and rejects
-    assert taken  # the row path ran
+    assert paths["rows_prefill"] > 0 and paths["eager"] == 0, paths  # every step, prompts too
     assert _generate(rows, prompts, seeded())[0] == _generate(eager, prompts, seeded())[0]
+
+
+def check_chunked_prefill_rows_equal_eager() -> None:
+    """Prompt chunks as rows: a 24-token budget splits 30-50-token prompts into chunks that
+    share steps with other sequences' decode and verify rows; prefix caching on, with two
+    prompts sharing 2 full blocks, so the second starts its rows after a cache hit. Greedy
+    outputs equal the eager engine's (same config) token for token and every step of the
+    row engine went through the rows."""
+    from engine.tokenizer import TextTokenizer
+    from tests.engine.prompts import chat_text, mixed_prompts
+
+    tok = TextTokenizer(str(TINY_TARGET), ())
+    texts = [tok.encode(chat_text(p)) for p in mixed_prompts(3)]
+    shared = texts[0][:32]  # 2 blocks of 16
+    prompts = [shared + texts[1][:14], texts[2][:30], shared + texts[2][:18]]
+    params = [GenerationParams(max_tokens=10, sampling=SamplingParams(0.0), ignore_eos=True,
+                               spec_depth=d) for d in (3, 0, 2)]
+    eager = _interpreter_core(False, budget=24, prefix_caching=True)
+    rows = _interpreter_core(True, budget=24, prefix_caching=True)
+    want = _generate(eager, prompts, params)[0]
+    paths = _count_paths(rows)
+    rows.add_request("warm", prompts[0], params[0])  # caches the shared blocks first
+    while rows.has_work:
+        rows.step()
+    cached: dict[str, int] = {}
+    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+        rows.add_request(f"r{i}", ids, p)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for _ in range(200):
+        if not rows.has_work:
+            break
+        for o in rows.step()[0]:
+            got[o.request_id].extend(o.new_token_ids)
+            cached[o.request_id] = o.num_cached_tokens
+    assert [got[f"r{i}"] for i in range(len(prompts))] == want, (got, want)
+    assert cached == {"r0": 32, "r1": 0, "r2": 32}, cached  # rows after the hits
+    assert paths["eager"] == 0 and paths["rows_prefill"] > 3, paths
 
 
 @pytest.mark.timeout(180)
@@ -198,8 +292,9 @@ def test_verify_rows_equal_eager_verify_in_the_interpreter() -> None:
     NOTE: a subprocess because the interpreter is chosen when Triton is first imported.
     """
     pytest.importorskip("triton")
-    code = ("from tests.engine.test_cuda_graph_verify import check_rows_verify_equals_eager; "
-            "check_rows_verify_equals_eager()")
+    code = ("from tests.engine.test_cuda_graph_verify import check_rows_verify_equals_eager, "
+            "check_chunked_prefill_rows_equal_eager; check_rows_verify_equals_eager(); "
+            "check_chunked_prefill_rows_equal_eager()")
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=170)

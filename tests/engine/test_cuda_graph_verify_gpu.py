@@ -36,20 +36,22 @@ pytestmark = [pytest.mark.gpu,
 DEPTH = 4
 
 
-def gpu_core(model_dir: Path, execution: str, spec: str = "ngram") -> Any:
+def gpu_core(model_dir: Path, execution: str, spec: str = "ngram", budget: int = 256,
+             prefix_caching: bool = False, dtype: str = "float32") -> Any:
     from engine.loader import load_core
 
     extra = {"draft_model": str(TINY_DRAFT)} if spec == "draft" else {}
     return load_core(CompiledConfig(model=str(model_dir), engine=EngineConfig(
-        device="cuda", dtype="float32", execution=execution,  # type: ignore[arg-type]
-        max_num_seqs=8, max_num_batched_tokens=256, kv_cache_tokens=8192, max_model_len=1024,
-        spec_method=spec, spec_max_depth=DEPTH, enable_prefix_caching=False,  # type: ignore[arg-type]
-        **extra)))
+        device="cuda", dtype=dtype, execution=execution,  # type: ignore[arg-type]
+        max_num_seqs=8, max_num_batched_tokens=budget, kv_cache_tokens=8192,
+        max_model_len=1024, spec_method=spec, spec_max_depth=DEPTH,  # type: ignore[arg-type]
+        enable_prefix_caching=prefix_caching, **extra)))
 
 
-def generate(core: Any, prompts: list[list[int]],
-             params: list[GenerationParams]) -> tuple[list[list[int]], int, int]:
-    """Outputs per prompt, drafted and accepted token counts."""
+def generate(core: Any, prompts: list[list[int]], params: list[GenerationParams],
+             cached: dict[str, int] | None = None) -> tuple[list[list[int]], int, int]:
+    """Outputs per prompt, drafted and accepted token counts; ``cached`` gets each
+    request's prompt tokens served from the prefix cache."""
     for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         core.add_request(f"r{i}", ids, p)
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
@@ -62,6 +64,8 @@ def generate(core: Any, prompts: list[list[int]],
         accepted += stats.num_accepted_tokens
         for o in outputs:
             out[o.request_id].extend(o.new_token_ids)
+            if cached is not None:
+                cached[o.request_id] = o.num_cached_tokens
     assert not core.has_work
     return [out[f"r{i}"] for i in range(len(prompts))], drafted, accepted
 
@@ -72,20 +76,22 @@ def greedy(n: int, depth: int = 0) -> GenerationParams:
 
 
 def record_paths(core: Any) -> dict[str, int]:
-    """Counts of graph steps with drafts, and of eager forwards with drafts and no prefill
-    chunk (a step the graphs could have run)."""
+    """Counts of graph steps with drafts and with prompt chunks, of eager forwards with
+    drafts and no prefill chunk, and of all eager forwards."""
     runner = core.runner
-    counts = {"graph_verify": 0, "eager_verify": 0}
+    counts = {"graph_verify": 0, "eager_verify": 0, "graph_prefill": 0, "eager": 0}
     graph_step: Callable[..., Any] = runner._execute_graph
     forward: Callable[..., Any] = runner._forward
 
     def on_graph(scheduled: Any) -> Any:
         counts["graph_verify"] += any(it.drafts for it in scheduled)
+        counts["graph_prefill"] += any(it.num_new > 1 for it in scheduled)
         return graph_step(scheduled)
 
     def on_forward(items: Any, *a: Any) -> Any:
         counts["eager_verify"] += (any(it.drafts for it in items)
                                    and all(it.num_new == 1 for it in items))
+        counts["eager"] += 1
         return forward(items, *a)
 
     runner._execute_graph, runner._forward = on_graph, on_forward
@@ -107,9 +113,9 @@ def test_greedy_graph_verify_equals_k0_and_eager_verify_gpu(
     graph, eager = gpu_core(tiny_model_dir, "cuda_graph", spec), gpu_core(tiny_model_dir,
                                                                           "eager", spec)
     graphs = graph.runner.graphs
-    assert graphs.buckets == [1, 2, 4, 8, 16, 24, 32, 40]  # 8 x (1 + 4) rows
+    assert graphs.buckets == [1, 2, 4, *range(8, 257, 8)]  # up to the 256-token budget
     assert sorted(graphs.replay_ms) == graphs.buckets and min(graphs.replay_ms.values()) > 0
-    assert all(graphs._bucket_for[n] >= n for n in range(1, 41))
+    assert all(graphs._bucket_for[n] >= n for n in range(1, 257))
     mixed = [greedy(40, 1 + i % DEPTH) for i in range(len(prompts))]  # k = 1..4 in one batch
     plain = generate(graph, prompts, [greedy(40)] * len(prompts))[0]
     paths = record_paths(graph)
@@ -118,7 +124,31 @@ def test_greedy_graph_verify_equals_k0_and_eager_verify_gpu(
     assert got == plain
     assert got == want
     assert 0 < accepted < drafted  # drafts were accepted and rejected
-    assert paths["graph_verify"] > 0 and paths["eager_verify"] == 0
+    assert paths["graph_verify"] > 0 and paths["eager"] == 0  # prompts through graphs too
+    assert paths["graph_prefill"] > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_chunked_prefill_and_mixed_steps_through_graphs_equal_eager_gpu(
+        tiny_model_dir: Path, prompts: list[list[int]], prefix_caching: bool) -> None:
+    """A 48-token budget chunks the ~200-token prompts, so prompt chunks share steps with
+    decode and verify rows; with prefix caching, four prompts share their first 128 tokens
+    and the three admitted after the first start their rows after the hit. Token for token == the eager engine
+    (same config) and == k=0; every graph-engine step ran a graph."""
+    shared = [t for p in prompts for t in p][:128]  # 8 full blocks of 16
+    batch = [shared + p[:40] for p in prompts[:4]] + prompts[4:8]
+    graph = gpu_core(tiny_model_dir, "cuda_graph", budget=48, prefix_caching=prefix_caching)
+    eager = gpu_core(tiny_model_dir, "eager", budget=48, prefix_caching=prefix_caching)
+    assert graph.runner.graphs.max_rows == 48
+    mixed = [greedy(24, i % (DEPTH + 1)) for i in range(len(batch))]  # k = 0..4
+    paths = record_paths(graph)
+    cached: dict[str, int] = {}
+    got = generate(graph, batch, mixed, cached)[0]
+    assert got == generate(eager, batch, mixed)[0]
+    assert got == generate(eager, batch, [greedy(24)] * len(batch))[0]
+    assert paths["eager"] == 0 and paths["graph_prefill"] > 8 and paths["graph_verify"] > 0
+    assert (sum(cached.values()) >= 3 * 128) == prefix_caching, cached
 
 
 def _prefilled(core: Any, ids: list[int], first_block: int) -> Sequence:
