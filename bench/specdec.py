@@ -186,13 +186,14 @@ def process_cpu_s(pid: int) -> float:
 
 @contextlib.contextmanager
 def engine_process(method: str, max_depth: int, max_num_seqs: int,
-                   device: str = "cpu", execution: str = "eager") -> Iterator[tuple[str, int]]:
+                   device: str = "cpu", execution: str = "eager",
+                   dtype: str = "float32") -> Iterator[tuple[str, int]]:
     # NOTE: every mode replays the same prompts on one engine, so with prefix caching (on by
     # default since 61aa9c5) whichever mode runs a prompt first pays its prefill and the
     # others hit the cache: a confound that has nothing to do with depth. Off here.
     engine: dict[str, object] = {"max_num_seqs": max_num_seqs, "kv_cache_tokens": 32768,
                                  "spec_method": method, "spec_max_depth": max_depth,
-                                 "device": device, "execution": execution,
+                                 "device": device, "execution": execution, "dtype": dtype,
                                  "enable_prefix_caching": False}
     if method == "draft":
         engine["draft_model"] = str(REPO / "models" / "tiny-draft")
@@ -375,7 +376,7 @@ def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -
     policy = policies[ADAPTIVE]
     modes: list[int | str] = [*depths, *adaptive]
     with engine_process(method, max(depths), max(args.concurrency), args.device,
-                        args.execution) as (url, pid):
+                        args.execution, args.dtype) as (url, pid):
         bench = Bench(url, pid, method, policies, args.max_tokens, max(depths))
         asyncio.run(bench.run(prompts[:2], 0, 2))  # warm-up
         for conc in args.concurrency:
@@ -650,7 +651,7 @@ def print_mismatches(method: str, bench: Bench) -> None:
         texts[o.prompt_key].add(o.text)
     differing = sum(1 for t in texts.values() if len(t) > 1)
     print(f"  greedy outputs differing across depths/batches: {differing} of {len(texts)} "
-          f"prompts (float32 batch-composition rounding can flip a near-tie argmax)")
+          f"prompts (batch-composition rounding can flip a near-tie argmax)")
 
 
 # -- micro-costs ----------------------------------------------------------------------------
@@ -729,6 +730,8 @@ def run_step_costs(repeats: int = 30) -> None:
 
 
 STEP_MODES = ("graph", "rows", "eager")  # captured graphs; the same rows uncaptured; eager path
+PREFILL_K = -1  # step-costs key of a plain decode step that also carries a prompt chunk
+CHUNK = 256  # its prompt tokens
 
 
 def graph_note(graphs: object) -> str:
@@ -747,7 +750,7 @@ def graph_note(graphs: object) -> str:
 
 
 def run_device_step_costs(device: str, batches: list[int], depths: list[int], context: int,
-                          iters: int, repeats: int) -> None:
+                          iters: int, repeats: int, dtype: str = "float32") -> None:
     """Engine step ms through the real runner at depth k: graphs vs the old eager path.
 
     ``graph`` replays the captured graphs (verify rows included), ``rows`` runs the same
@@ -755,6 +758,8 @@ def run_device_step_costs(device: str, batches: list[int], depths: list[int], co
     verify step took before (``runner.graphs = None``). Drafts are the model's own greedy
     continuation (all accepted); each step is timed to its device-to-host copy of the
     tokens, median of ``repeats`` rounds of ``iters`` steps, modes and depths interleaved.
+    The last row per batch is the k=0 step sharing its step with a ``CHUNK``-token prompt
+    chunk (through the graphs since prompt chunks are rows too; eager before).
     A dry run on the CPU (``--device cpu --execution cuda_graph``, TRITON_INTERPRET=1 for
     the ``rows`` mode) has no ``graph`` mode.
     """
@@ -770,6 +775,7 @@ def run_device_step_costs(device: str, batches: list[int], depths: list[int], co
     max_depth = max(depths)
     core = load_core(CompiledConfig(model=str(TINY_TARGET), engine=EngineConfig(
         device=device, execution="cuda_graph" if on_cuda else "eager",  # type: ignore[arg-type]
+        dtype=dtype,  # type: ignore[arg-type]
         max_num_seqs=max(batches), kv_cache_tokens=max(batches) * (context + 64) + 1024,
         max_model_len=context + 64, spec_method="ngram", spec_max_depth=max_depth,
         enable_prefix_caching=False)))
@@ -780,18 +786,21 @@ def run_device_step_costs(device: str, batches: list[int], depths: list[int], co
                                                  context + 64 + max_depth + 1), "eager": None}
     if graphs is None:
         del modes["graph"]
-    print(f"step costs on {device}: {context}-token context, tiny target float32; "
+    print(f"step costs on {device}: {context}-token context, tiny target {dtype}; "
           f"{graph_note(graphs)}")
     print("| batch | k | rows | " + " | ".join(f"{m} ms" for m in modes)
           + " | graph x k=0 graph | eager / graph |")
     print("|---|---|---|" + "---|" * (len(modes) + 2))
     gen = torch.Generator().manual_seed(0)
     for batch in batches:
-        seqs = make_sequences(runner, batch, context, max_depth, gen)
+        *seqs, prompt = make_sequences(runner, batch + 1, context, max_depth, gen)
+        prompt.num_computed = 0  # a fresh prompt: its first CHUNK tokens, no sampling
         runner.graphs = modes.get("graph")
         accepted = [greedy_continuation(runner, s, max_depth) for s in seqs]
         steps = {(k, m): [ScheduledSeq(s, 1, c[:k]) for s, c in zip(seqs, accepted, strict=True)]
                  for k in depths for m in modes}
+        for m in modes:  # PREFILL_K: the plain decode step sharing a step with a prompt chunk
+            steps[(PREFILL_K, m)] = [*steps[(0, m)], ScheduledSeq(prompt, CHUNK, [])]
         times: dict[tuple[int, str], list[float]] = {key: [] for key in steps}
         for rnd in range(repeats + 1):
             for (k, m), items in steps.items():
@@ -802,10 +811,12 @@ def run_device_step_costs(device: str, batches: list[int], depths: list[int], co
                 if rnd:  # the first round warms up (Triton, cuBLAS, caches)
                     times[(k, m)].append((time.perf_counter() - t0) / iters * 1e3)
         med = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
-        for k in depths:
+        for k in [*depths, PREFILL_K]:
             cells = " | ".join(f"{med[(k, m)]:.3f}" for m in modes)
             first = "graph" if "graph" in modes else "rows"
-            print(f"| {batch} | {k} | {batch * (k + 1)} | {cells} | "
+            label, rows = (k, batch * (k + 1)) if k != PREFILL_K else (
+                f"0 + {CHUNK}-token chunk", batch + CHUNK)
+            print(f"| {batch} | {label} | {rows} | {cells} | "
                   f"{med[(k, first)] / med[(0, first)]:.2f} | "
                   f"{med[(k, 'eager')] / med[(k, first)]:.2f} |", flush=True)
     runner.graphs = graphs
@@ -1002,6 +1013,9 @@ def main() -> int:
     parser.add_argument("--execution", choices=("eager", "compiled", "cuda_graph"), default=None,
                         help="engine execution for every mode (default: cuda_graph on cuda, "
                              "else eager)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        default="float32", help="engine dtype for every mode (the bundled "
+                        "weights are bfloat16; float32 is the default since session 1)")
     parser.add_argument("--data", type=Path, default=None,
                         help="a data dir with prompts/spec_bench_questions.jsonl (overrides "
                              "--prompts)")
@@ -1041,7 +1055,7 @@ def main() -> int:
         return 0
     if args.step_costs and (args.device != "cpu" or args.execution != "eager"):
         run_device_step_costs(args.device, args.batches, sorted({0, *args.depths}), 300,
-                              args.iters, 5)
+                              args.iters, 5, args.dtype)
         return 0
     if args.step_costs:
         run_step_costs()
@@ -1059,7 +1073,8 @@ def main() -> int:
         return 0
     print(f"bench/specdec.py  {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  prompts={len(prompts)} "
           f"max_tokens={args.max_tokens} rounds={args.rounds} concurrency={args.concurrency} "
-          f"device={args.device} execution={args.execution} cpus={os.cpu_count()}")
+          f"device={args.device} execution={args.execution} dtype={args.dtype} "
+          f"cpus={os.cpu_count()}")
     for method in args.methods:
         bench_method(method, prompts, args)
     if args.json_out is not None:
