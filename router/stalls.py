@@ -99,8 +99,8 @@ class PrefillStalls:
                ) -> None:
         """A prompt routed to ``worker`` at ``sent_s``, its first token predicted at
         ``first_token_s``, with ``prefill_s`` seconds of prefill compute."""
-        if not prefill_s > 0 or not math.isfinite(prefill_s):
-            return
+        if not (prefill_s > 0 and math.isfinite(prefill_s + sent_s + first_token_s)):
+            return  # NOTE: one NaN window would make every later overlap on the worker NaN
         events = self._events.setdefault(worker, deque(maxlen=self.config.max_events))
         events.append(Prefill.before_first_token(sent_s, first_token_s, prefill_s))
 
@@ -130,7 +130,8 @@ class PrefillStalls:
         """A finished request: the stall per output token it met (``overlap_s`` / gaps) and
         its TPOT less what the profile predicts without stalls, seconds."""
         s = self._slopes.get(worker)
-        if s is None or not stall_per_token_s > 0 or not math.isfinite(residual_s):
+        if s is None or not (stall_per_token_s > 0
+                             and math.isfinite(stall_per_token_s + residual_s)):
             return
         x, lam = stall_per_token_s, self.config.forgetting
         s.sum_xy = lam * s.sum_xy + x * residual_s

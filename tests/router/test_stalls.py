@@ -75,3 +75,16 @@ def test_the_factor_is_bounded_and_a_reload_restarts_it() -> None:
 def test_config_is_validated(kw: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         StallConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_bad_numbers_are_ignored() -> None:
+    s = PrefillStalls()
+    s.set_prior("w", 1.0)
+    for bad in (float("nan"), float("inf"), -1.0):
+        s.record("w", 0.0, 1.0, bad)
+        s.record("w", 0.0, bad, 0.5)  # a NaN first token would poison every later overlap
+        s.observe("w", bad, 0.01)
+        s.observe("w", 0.01, float("nan"))
+    s.record("w", 0.0, 1.0, 0.5)
+    assert s.overlap_s("w", 0.0, 2.0) == pytest.approx(0.5)
+    assert s.factor("w") == 1.0 and s.snapshot() == {"w": [1.0, 0]}
