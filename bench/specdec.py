@@ -93,7 +93,11 @@ ADAPTIVE = "adaptive"
 # The policy without the engine's per-step feed: its step time fitted from per-request
 # client averages only (how the proxy learned before session 4); --client-fit adds it.
 ADAPTIVE_CLIENT = "adapt-cli"
-ADAPTIVE_MODES = (ADAPTIVE, ADAPTIVE_CLIENT)
+# The policy with a step-time term per power-of-two bucket of a step's rows beside its line
+# (PolicyConfig.price_row_buckets: a GPU's graph buckets); --row-buckets adds it.
+ADAPTIVE_ROWS = "ad-rows"
+ADAPTIVE_MODES = (ADAPTIVE, ADAPTIVE_CLIENT, ADAPTIVE_ROWS)
+FED_MODES = (ADAPTIVE, ADAPTIVE_ROWS)  # policies that learn from the engine's step feed
 SCRAPE_INTERVAL_S = 1.0  # as the proxy's health.metrics_interval_s default
 # NOTE: "repetitive" is fixed before measuring, by a rule, not picked from this run's
 # results: the top half of the domains by n-gram acceptance measured in session 1
@@ -278,7 +282,7 @@ class Bench:
         self.pid = pid  # the engine's, for its CPU time
         self.worker = worker
         self.policies: dict[str, DepthPolicy] = policies  # type: ignore[assignment]
-        self.feed = StepFeed(self.policies[ADAPTIVE]) if ADAPTIVE in policies else None
+        self.feeds = [StepFeed(self.policies[m]) for m in FED_MODES if m in policies]
         self.max_tokens = max_tokens
         self.max_depth = max_depth
         self.in_flight = 0
@@ -300,11 +304,13 @@ class Bench:
                                    o.num_accepted, o.tokens, o.e2e_s - o.ttft_s)
 
     async def scrape(self, session: aiohttp.ClientSession) -> None:
-        if self.feed is None:
+        if not self.feeds:
             return
         with contextlib.suppress(aiohttp.ClientError):
             async with session.get(self.url + "/metrics") as r:
-                self.feed.on_metrics(self.worker, await r.text())
+                text = await r.text()
+            for feed in self.feeds:
+                feed.on_metrics(self.worker, text)
 
     async def _scrape_loop(self, session: aiohttp.ClientSession) -> None:
         while True:
@@ -369,9 +375,11 @@ def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -
 
     depths = sorted({0, *args.depths})
     priors = NGRAM_DOMAIN_PRIORS if method == "ngram" else ()
-    adaptive = [ADAPTIVE, *([ADAPTIVE_CLIENT] if args.client_fit else [])]
+    adaptive = [ADAPTIVE, *([ADAPTIVE_CLIENT] if args.client_fit else []),
+                *([ADAPTIVE_ROWS] if args.row_buckets else [])]
     policies: dict[str, object] = {
-        m: DepthPolicy(PolicyConfig(max_depth=max(depths), domain_priors=priors))
+        m: DepthPolicy(PolicyConfig(max_depth=max(depths), domain_priors=priors,
+                                    price_row_buckets=m == ADAPTIVE_ROWS))
         for m in adaptive}
     policy = policies[ADAPTIVE]
     modes: list[int | str] = [*depths, *adaptive]
@@ -483,9 +491,12 @@ def _print_domain_table(method: str, outcomes: list[Outcome], modes: list[int | 
     print(f"  {'domain':>14} {'k=0 tok/s':>9} " + " ".join(f"{lb:>6}" for lb in labels)
           + f" {'best k':>6} {'ad/best':>7} {'held-out':>8}  adaptive depths (in request order)")
     chosen: dict[str, list[int]] = defaultdict(list)
+    chosen_rows: dict[str, list[int]] = defaultdict(list)
     for o in outcomes:
         if o.mode == ADAPTIVE:
             chosen[o.domain].append(o.depth)
+        elif o.mode == ADAPTIVE_ROWS:
+            chosen_rows[o.domain].append(o.depth)
     for name, members in [*((d, [d]) for d in domains), *groups.items()]:
         def rate(mode: int | str, members: list[str] = members) -> float:
             t = sum(seconds[(d, mode)] for d in members)
@@ -498,6 +509,9 @@ def _print_domain_table(method: str, outcomes: list[Outcome], modes: list[int | 
         mark = "*" if name in REPETITIVE_DOMAINS else " "
         cells = " ".join(f"{rate(m) / base:6.2f}" for m in modes if m != 0)
         depths = " ".join(str(k) for k in chosen.get(name, []))
+        if ADAPTIVE_ROWS in modes:
+            depths += (f" | {ADAPTIVE_ROWS} / best {rate(ADAPTIVE_ROWS) / fixed[best_k]:.3f}: "
+                       + " ".join(str(k) for k in chosen_rows.get(name, [])))
         held = held_out_ratio([o for o in outcomes if o.domain in members], basis)
         print(f"  {name + mark:>14} {base:9.1f} {cells} {best_k:>6} "
               f"{rate(ADAPTIVE) / fixed[best_k]:7.3f} "
@@ -638,10 +652,13 @@ def print_acceptance(method: str, bench: Bench, policy: object) -> None:
               f"({model.num_fed_steps} engine steps, {model.num_samples} client samples); "
               f"clients wait {model.overhead(1) * 1e3:.2f} / {model.overhead(4) * 1e3:.2f} / "
               f"{model.overhead(16) * 1e3:.2f} ms more per step at batch 1 / 4 / 16")
+        if model.price_rows:
+            terms = " ".join(f"{1 << r}:{t * 1e3:+.3f}" for r, t in sorted(model.row_terms.items()))
+            print(f"    row-bucket terms ms (bucket up to n rows: ms): {terms}")
         for b in (1, 4, 16):
             cells = " ".join(f"k={k}:{model.predict(b, k) / model.predict(b, 0):.2f}"
-                             for k in (1, 2, 4, 8) if k <= bench.max_depth)
-            print(f"    batch {b:>2}: t(k) / t(0) {cells}")
+                             for k in (1, 2, 4, 8, 16) if k <= bench.max_depth)
+            print(f"    batch {b:>2}: t(0) {model.predict(b, 0) * 1e3:.3f} ms, t(k) / t(0) {cells}")
 
 
 def print_mismatches(method: str, bench: Bench) -> None:
@@ -1026,6 +1043,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one round, fewer requests")
     parser.add_argument("--client-fit", action="store_true",
                         help=f"also run the policy without the engine's step feed ({ADAPTIVE_CLIENT})")
+    parser.add_argument("--row-buckets", action="store_true",
+                        help=f"also run the policy with a step-time term per row bucket "
+                             f"({ADAPTIVE_ROWS}; PolicyConfig.price_row_buckets)")
     parser.add_argument("--micro", action="store_true", help="micro-costs only, no engine")
     parser.add_argument("--caps-ab", action="store_true",
                         help="n-gram depth caps on vs off, in-process, concurrency 1")

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,6 +75,14 @@ def longest_proposal(batch: float, k: float, drafted: float) -> float:
     k=3-4 where 16 measured 2-10% faster.
     """
     return min(k, max(batch, 1.0) * drafted)
+
+
+NUM_ROW_BUCKETS = 12  # rows 1, 2, 3-4, 5-8, ..., 1025-2048, and above (the last)
+
+
+def row_bucket(num_rows: float) -> int:
+    """Power-of-two bucket of a step's rows: 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ..."""
+    return min(max(math.ceil(math.log2(max(num_rows, 1.0))), 0), NUM_ROW_BUCKETS - 1)
 
 
 RESIDUAL_WINDOW = 50.0  # client samples a residual mean averages over (then a moving mean)
@@ -123,6 +131,11 @@ class PolicyConfig:
     step_decay: float = 0.99  # weight kept by older samples at each new one
     # Weight kept by older engine-reported decode steps at each new step (specdec.step_feed).
     step_feed_decay: float = 0.999
+    # Price each power-of-two bucket of a step's rows by what the fitted line misses there
+    # (StepTimeModel.row_residual): on a GPU with graphs a step's cost is a step function
+    # of its rows, which the line cannot follow. Off keeps the pure line (the CPU's fit).
+    price_row_buckets: bool = False
+    row_prior_steps: float = 1.0  # ridge on a bucket's term, in steps of that bucket
 
     def __post_init__(self) -> None:
         checks = [
@@ -141,6 +154,7 @@ class PolicyConfig:
             (self.step_prior_weight > 0, "step_prior_weight", "> 0"),
             (0.0 < self.step_decay <= 1.0, "step_decay", "in (0, 1]"),
             (0.0 < self.step_feed_decay <= 1.0, "step_feed_decay", "in (0, 1]"),
+            (self.row_prior_steps > 0, "row_prior_steps", "> 0"),
         ]
         for ok, name, expected in checks:
             if not ok:
@@ -407,6 +421,12 @@ class StepTimeModel:
     # per batch bucket (a power of two): [mean seconds a client waits per step beyond the
     # fitted step, samples] (see the class NOTE)
     residuals: dict[int, list[float]] = field(default_factory=dict)
+    # per row bucket (row_bucket): engine steps' [n, sum w, sum w x, sum w y], decayed like
+    # the sums; fitted as one term per bucket only with price_rows (see row_residual)
+    price_rows: bool = False
+    row_prior_steps: float = 1.0
+    row_sums: dict[int, np.ndarray] = field(default_factory=dict)
+    row_terms: dict[int, float] = field(default_factory=dict)  # fitted seconds per row bucket
 
     def __post_init__(self) -> None:
         self._solve()
@@ -419,14 +439,16 @@ class StepTimeModel:
 
     @classmethod
     def from_prior(cls, coefficients: tuple[float, ...], weight: float,
-                   decay: float = 1.0, feed_decay: float = 1.0) -> StepTimeModel:
+                   decay: float = 1.0, feed_decay: float = 1.0, price_rows: bool = False,
+                   row_prior_steps: float = 1.0) -> StepTimeModel:
         grid = [_features(b, k, None, p) for b in _PRIOR_BATCHES for k in _PRIOR_DEPTHS
                 for p in _PRIOR_PREFILL]
         x = np.array(grid)  # [G, 6]
         y = x @ np.array(_full_coefficients(coefficients))  # [G]
         w = weight / len(grid) / y**2  # [G] relative-error weights
         return cls((x * w[:, None]).T @ x, (x * w[:, None]).T @ y, decay,
-                   feed_decay=feed_decay)
+                   feed_decay=feed_decay, price_rows=price_rows,
+                   row_prior_steps=row_prior_steps)
 
     @classmethod
     def from_coefficients(cls, coefficients: tuple[float, ...]) -> StepTimeModel:
@@ -450,9 +472,11 @@ class StepTimeModel:
         self._solve()
 
     def observe_sums(self, xtx: Sequence[Sequence[float]], xty: Sequence[float],
-                     num_steps: int, num_prefill: float = 0.0) -> None:
-        """Engine-reported decode steps: their weighted sums X^T W X [6, 6], X^T W y [6], and
-        the prompt tokens of prefill chunks that shared those steps (unweighted)."""
+                     num_steps: int, num_prefill: float = 0.0,
+                     row_sums: Mapping[int, Sequence[float]] | None = None) -> None:
+        """Engine-reported decode steps: their weighted sums X^T W X [6, 6], X^T W y [6], the
+        prompt tokens of prefill chunks that shared those steps (unweighted), and per row
+        bucket ``[steps, sum w, sum w x (6), sum w y]`` (:mod:`specdec.step_feed`)."""
         a, b = np.asarray(xtx, dtype=float), np.asarray(xty, dtype=float)
         if num_steps <= 0 or a.shape != (NUM_FEATURES, NUM_FEATURES) \
                 or b.shape != (NUM_FEATURES,) or not (np.isfinite(a).all() and np.isfinite(b).all()):
@@ -465,7 +489,17 @@ class StepTimeModel:
         self.prefill_tokens = keep * self.prefill_tokens + max(num_prefill, 0.0)
         self.prefill_steps = keep * self.prefill_steps + num_steps
         self.num_fed_steps += num_steps
+        self._observe_rows(keep, row_sums or {})
         self._solve()
+
+    def _observe_rows(self, keep: float, row_sums: Mapping[int, Sequence[float]]) -> None:
+        for bucket in self.row_sums:
+            self.row_sums[bucket] = keep * self.row_sums[bucket]
+        for bucket, stats in row_sums.items():
+            v = np.asarray(stats, dtype=float)
+            if v.shape != (NUM_FEATURES + 3,) or not np.isfinite(v).all() or v[0] <= 0:
+                continue
+            self.row_sums[bucket] = self.row_sums.get(bucket, 0.0) + v
 
     def _solve(self) -> None:
         """Least squares with every coefficient >= 0 (a small active-set loop).
@@ -474,20 +508,54 @@ class StepTimeModel:
         per-request averages from a shared machine can fit a negative one, which
         would make deeper k look cheaper than shallower k and the argmax meaningless.
         A feature whose coefficient comes out negative is dropped and the rest refit.
+        With ``price_rows`` the row-bucket terms join the same fit (:meth:`_normal_equations`);
+        they may be negative (a bucket cheaper than the line there) and are never dropped.
         """
-        a = self.prior_xtx + self.xtx
-        b = self.prior_xty + self.xty
-        coef = np.zeros(NUM_FEATURES)
-        active = list(range(NUM_FEATURES))
+        a, b, buckets = self._normal_equations()
+        coef = np.zeros(len(b))
+        active = list(range(len(b)))
         while active:
             sub = np.linalg.solve(a[np.ix_(active, active)], b[active])
-            if sub.min() >= 0.0:
+            base = [n for n, i in enumerate(active) if i < NUM_FEATURES]
+            if not base or sub[base].min() >= 0.0:
                 coef[active] = sub
                 break
-            active.pop(int(np.argmin(sub)))
+            active.pop(base[int(np.argmin(sub[base]))])
         coef[0] = max(coef[0], 1e-6)  # t must stay positive
-        self.coef = coef
-        self._w = tuple(float(c) for c in coef)
+        self.coef = coef[:NUM_FEATURES]
+        self._w = tuple(float(c) for c in self.coef)
+        self.row_terms = {r: float(c) for r, c in zip(buckets, coef[NUM_FEATURES:], strict=True)}
+
+    def _normal_equations(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """X^T W X and X^T W y over the features, plus (with ``price_rows``) one indicator per
+        row bucket the engine reported: its cross terms are the bucket's ``sum w x``, its
+        diagonal ``sum w`` plus a ridge of ``row_prior_steps`` of the bucket's mean step
+        weight, which pulls a bucket seen in few steps towards the line."""
+        a = self.prior_xtx + self.xtx
+        b = self.prior_xty + self.xty
+        buckets = sorted(r for r, v in self.row_sums.items() if v[0] > 0 and v[1] > 0) \
+            if self.price_rows else []
+        if not buckets:
+            return a, b, []
+        stats = np.array([self.row_sums[r] for r in buckets])  # [R, 3 + features]
+        n, sw, swx, swy = stats[:, 0], stats[:, 1], stats[:, 2:-1], stats[:, -1]
+        ridge = self.row_prior_steps * sw / n
+        full = np.block([[a, swx.T], [swx, np.diag(sw + ridge)]])
+        return full, np.concatenate([b, swy]), buckets
+
+    def row_residual(self, num_rows: float) -> float:
+        """Seconds a step of ``num_rows`` rows costs beyond the fitted line (0 without
+        ``price_rows`` or before the engine reported a step in its row bucket).
+
+        NOTE: on a GPU a step replays the captured graph of the smallest fitting bucket,
+        whose time is flat within a bucket and not linear across them (H200, float32, tiny
+        model: 1 row 0.32 ms, 2-4 rows 0.41, 16 rows 0.69, 32 rows 0.52), so one line through
+        batch and draft tokens priced a batch-1 step at k=16 ~0.35 ms above k=4 where the
+        runner measured 0.04 ms. A term per power-of-two bucket of rows (one per decoding
+        sequence, its drafts, prompt tokens in the step), fitted with the line, follows it."""
+        if not self.price_rows:
+            return 0.0
+        return self.row_terms.get(row_bucket(num_rows), 0.0)
 
     def _observe_residual(self, batch: int, residual_s: float) -> None:
         mean, n = self.residuals.setdefault(_batch_bucket(batch), [0.0, 0.0])
@@ -521,7 +589,8 @@ class StepTimeModel:
         pre = self.mean_prefill if prefill is None else prefill
         longest = longest_proposal(batch, k, rows)
         return max(w0 + wb * batch + wbk * batch * rows + wk * longest
-                   + (w_spec if k > 0 else 0.0) + w_pre * pre, 1e-6)
+                   + (w_spec if k > 0 else 0.0) + w_pre * pre
+                   + self.row_residual(batch * (1.0 + rows) + pre), 1e-6)
 
 
 class DepthPolicy:
@@ -547,7 +616,8 @@ class DepthPolicy:
         if model is None:
             c = self.config
             model = StepTimeModel.from_prior(c.step_prior_s, c.step_prior_weight, c.step_decay,
-                                             c.step_feed_decay)
+                                             c.step_feed_decay, c.price_row_buckets,
+                                             c.row_prior_steps)
             self._step_time[worker] = model
         return model
 
@@ -582,9 +652,10 @@ class DepthPolicy:
         self.step_time(worker).observe(batch, k, step_s, drafted)
 
     def observe_step_sums(self, worker: str, xtx: Sequence[Sequence[float]],
-                          xty: Sequence[float], num_steps: int, num_prefill: float = 0.0) -> None:
+                          xty: Sequence[float], num_steps: int, num_prefill: float = 0.0,
+                          row_sums: Mapping[int, Sequence[float]] | None = None) -> None:
         """The worker's own decode steps since the last report (:mod:`specdec.step_feed`)."""
-        self.step_time(worker).observe_sums(xtx, xty, num_steps, num_prefill)
+        self.step_time(worker).observe_sums(xtx, xty, num_steps, num_prefill, row_sums)
 
     def observe_request(self, worker: str, domain: str, batch: int, depth: int, num_draft: int,
                         num_accepted: int, num_output_tokens: int, decode_s: float) -> None:

@@ -21,7 +21,10 @@ draft rows cost little against the step. Features are the policy's
 (:func:`specdec.policy.step_features`): ``[1, decoding sequences, draft tokens
 verified, the longest proposal, any proposal, prompt tokens]``; each step is weighted by ``1 / seconds^2``, as the
 policy's own samples (relative error). The sums are exact: the policy fits the
-same coefficients as if it had seen every step, at 21 numbers per scrape.
+same coefficients as if it had seen every step, at 29 numbers per scrape, plus 9
+per power-of-two bucket of the step's rows seen so far (:func:`row_bucket`): what
+the line misses per bucket, which a GPU's graph buckets make a step function of
+the rows (the policy uses it with ``PolicyConfig.price_row_buckets``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from specdec.policy import NUM_FEATURES, DepthPolicy, step_features
+from specdec.policy import NUM_FEATURES, NUM_ROW_BUCKETS, DepthPolicy, row_bucket, step_features
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,14 @@ class DecodeStep:
     seconds: float  # the whole step: propose, schedule, forward, verify, postprocess
     num_prefill: int = 0  # prompt tokens of prefill chunks in the same step
 
+    @property
+    def num_rows(self) -> int:
+        """Tokens the forward ran: one per decoding sequence, its drafts, prompt tokens."""
+        return self.num_seqs + self.num_drafted + self.num_prefill
+
+
+ROW_STATS = 3 + NUM_FEATURES  # per row bucket: steps, sum w, sum w x (features), sum w y
+
 
 def _terms() -> list[tuple[str, int, int]]:
     """(label, i, j): the upper triangle of X^T X (j >= 0) then X^T y (j = -1)."""
@@ -61,11 +72,15 @@ TERMS = _terms()
 
 @dataclass
 class StepSums:
-    """Weighted least-squares sums over decode steps: X^T W X (upper triangle), X^T W y, count."""
+    """Weighted least-squares sums over decode steps: X^T W X (upper triangle), X^T W y, count;
+    and per row bucket (:func:`row_bucket`) ``[steps, sum w, sum w x, sum w y]``, from which
+    the policy prices what a line in the features misses in each bucket (graph buckets on a
+    GPU: :meth:`specdec.policy.StepTimeModel.row_residual`)."""
 
     values: list[float] = field(default_factory=lambda: [0.0] * len(TERMS))
     num_steps: float = 0.0
     num_prefill: float = 0.0  # prompt tokens in those steps, unweighted
+    rows: dict[int, list[float]] = field(default_factory=dict)  # bucket -> ROW_STATS values
 
     def add(self, step: DecodeStep) -> None:
         if not (step.seconds > 0.0 and math.isfinite(step.seconds)) or step.num_seqs <= 0:
@@ -77,10 +92,20 @@ class StepSums:
             v[n] += w * x[i] * (x[j] if j >= 0 else step.seconds)
         self.num_steps += 1
         self.num_prefill += step.num_prefill
+        r = self.rows.setdefault(row_bucket(step.num_rows), [0.0] * ROW_STATS)
+        r[0] += 1.0
+        r[1] += w
+        for i, xi in enumerate(x):
+            r[2 + i] += w * xi
+        r[-1] += w * step.seconds
 
     def minus(self, older: StepSums) -> StepSums:
+        zero = [0.0] * ROW_STATS
+        rows = {b: [a - c for a, c in zip(v, older.rows.get(b, zero), strict=True)]
+                for b, v in self.rows.items()}
         return StepSums([a - b for a, b in zip(self.values, older.values, strict=True)],
-                        self.num_steps - older.num_steps, self.num_prefill - older.num_prefill)
+                        self.num_steps - older.num_steps, self.num_prefill - older.num_prefill,
+                        rows)
 
     def matrices(self) -> tuple[list[list[float]], list[float]]:
         """(X^T W X as a full symmetric [5][5], X^T W y [5])."""
@@ -94,9 +119,12 @@ class StepSums:
         return xtx, xty
 
     def samples(self) -> list[tuple[str, float]]:
-        """(term label, value) for the exporter, the step count first."""
+        """(term label, value) for the exporter, the step count first; row buckets seen so
+        far as ``row{bucket}_{stat}``."""
         return [(STEPS_TERM, self.num_steps), (PREFILL_TERM, self.num_prefill),
-                *((label, v) for (label, _, _), v in zip(TERMS, self.values, strict=True))]
+                *((label, v) for (label, _, _), v in zip(TERMS, self.values, strict=True)),
+                *((f"row{b}_{j}", v) for b, stats in sorted(self.rows.items())
+                  for j, v in enumerate(stats))]
 
 
 def parse_step_sums(text: str) -> StepSums | None:
@@ -120,7 +148,19 @@ def parse_step_sums(text: str) -> StepSums | None:
             sums.num_prefill += value
         elif term in index:
             sums.values[index[term]] += value
+        elif term is not None and term.startswith("row"):
+            _add_row_term(sums, term, value)
     return sums if found else None
+
+
+def _add_row_term(sums: StepSums, term: str, value: float) -> None:
+    """``row{bucket}_{stat}`` into ``sums.rows``; a malformed label is skipped."""
+    bucket, _, stat = term[3:].partition("_")
+    if not (bucket.isdigit() and stat.isdigit()):
+        return
+    b, j = int(bucket), int(stat)
+    if b < NUM_ROW_BUCKETS and j < ROW_STATS and math.isfinite(value):
+        sums.rows.setdefault(b, [0.0] * ROW_STATS)[j] += value
 
 
 def _label(labels: str, name: str) -> str | None:
@@ -155,7 +195,7 @@ class StepFeed:
             return 0
         xtx, xty = window.matrices()
         self.policy.observe_step_sums(worker, xtx, xty, int(window.num_steps),
-                                      window.num_prefill)
+                                      window.num_prefill, window.rows)
         return int(window.num_steps)
 
     def forget(self, worker: str) -> None:
