@@ -238,6 +238,8 @@ class RowDecoder:
         self._host = torch.zeros(rows, width, dtype=torch.int32, pin_memory=on_cuda)
         self._inputs = torch.zeros(rows, width, dtype=torch.int32, device=model.device)
         self._host_np = self._host.numpy()
+        # set once the last step's inputs left the pinned buffer (see run)
+        self._copied = torch.cuda.Event() if on_cuda else None
         # NOTE: one output buffer for every bucket: a per-bucket output kept alive would
         # hold bucket x vocab floats per bucket (GiBs for a large vocabulary and many buckets).
         self._out = torch.zeros(rows, model.spec.vocab_size, dtype=torch.float32,
@@ -260,10 +262,16 @@ class RowDecoder:
         if not self.can_run(n):
             raise ValueError(f"{n} rows: no bucket in {self.buckets}")
         bucket = self._bucket_for[n]
-        # NOTE: the pinned buffer is safe to rewrite: the previous step's copy finished
-        # before its sampled ids were read on the host.
+        # NOTE: the previous step's copy out of the pinned buffer may still be queued behind
+        # its replay: a step of prompt chunks that sample nothing never syncs the host (the
+        # H200 test of back-to-back 48-token chunks read the next step's inputs). Wait for it
+        # (a no-op after a step that read its tokens) before rewriting the buffer.
+        if self._copied is not None:
+            self._copied.synchronize()
         fill_inputs(self._host_np, rows, bucket, self.kv.block_size)
         self._inputs[:bucket].copy_(self._host[:bucket], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         self._launch(bucket)
         return self._out[:n]
 
