@@ -134,8 +134,8 @@ def test_chunked_prefill_and_mixed_steps_through_graphs_equal_eager_gpu(
         tiny_model_dir: Path, prompts: list[list[int]], prefix_caching: bool) -> None:
     """A 48-token budget chunks the ~200-token prompts, so prompt chunks share steps with
     decode and verify rows; with prefix caching, four prompts share their first 128 tokens
-    and the three admitted after the first start their rows after the hit. Token for token == the eager engine
-    (same config) and == k=0; every graph-engine step ran a graph."""
+    and the three admitted after the first start their rows after the hit. Token for token
+    == the eager engine (same config) and == k=0; every graph-engine step ran a graph."""
     shared = [t for p in prompts for t in p][:128]  # 8 full blocks of 16
     batch = [shared + p[:40] for p in prompts[:4]] + prompts[4:8]
     graph = gpu_core(tiny_model_dir, "cuda_graph", budget=48, prefix_caching=prefix_caching)
@@ -147,7 +147,8 @@ def test_chunked_prefill_and_mixed_steps_through_graphs_equal_eager_gpu(
     got = generate(graph, batch, mixed, cached)[0]
     assert got == generate(eager, batch, mixed)[0]
     assert got == generate(eager, batch, [greedy(24)] * len(batch))[0]
-    assert paths["eager"] == 0 and paths["graph_prefill"] > 8 and paths["graph_verify"] > 0
+    # 8 steps carry a prompt chunk with the cache on (H200 run), more without it
+    assert paths["eager"] == 0 and paths["graph_prefill"] >= 8 and paths["graph_verify"] > 0
     assert (sum(cached.values()) >= 3 * 128) == prefix_caching, cached
 
 
