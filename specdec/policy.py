@@ -24,7 +24,10 @@ no k beats plain decoding by ``min_gain`` (high load, low acceptance)::
   anchored by a prior expressed as pseudo-samples. The last feature is the fixed
   cost of a verifying step: on the CPU a 2-token step costs ~1.35x a 1-token one
   while each further token adds only a few percent (``bench/specdec.py
-  --step-costs``), a step a line in k cannot fit.
+  --step-costs``), a step a line in k cannot fit. With ``price_row_buckets`` (for a GPU
+  with captured graphs, whose step cost is flat within a bucket of rows and not linear
+  across them) the same fit adds one term per power-of-two bucket of the step's rows
+  (:meth:`StepTimeModel.row_residual`).
 
 All methods are synchronous and cheap (a decision is a loop over k <= 16).
 """
