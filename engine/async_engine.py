@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.config import CompiledConfig
 from engine.core import EngineCore, RequestOutput, StepStats
@@ -152,6 +153,7 @@ class OutputRouter:
         self._streams: dict[str, _Stream] = {}
         self._labels = {"model_name": metrics.model_name}
         self._gauges: dict[int, StepStats] = {}
+        self._m = _Children(metrics)
 
     def open(self, request_id: str, source: int = 0) -> _Stream:
         stream = _Stream(asyncio.Queue(), time.monotonic(), source=source)
@@ -190,46 +192,90 @@ class OutputRouter:
     def _time_tokens(self, stream: _Stream, now: float) -> None:
         if stream.first_token_s is None:
             stream.first_token_s = now
-            self.metrics.ttft.labels(**self._labels).observe(now - stream.arrival_s)
+            self._m.ttft.observe(now - stream.arrival_s)
         elif stream.last_token_s is not None:
-            self.metrics.itl.labels(**self._labels).observe(now - stream.last_token_s)
+            self._m.itl.observe(now - stream.last_token_s)
         stream.last_token_s = now
 
     def _finish_metrics(self, stream: _Stream, out: RequestOutput, now: float) -> None:
-        m, labels = self.metrics, self._labels
-        m.e2e.labels(**labels).observe(now - stream.arrival_s)
-        m.finished.labels(finished_reason=out.finish_reason or "abort", **labels).inc()
+        m = self._m
+        m.e2e.observe(now - stream.arrival_s)
+        m.finished(out.finish_reason or "abort").inc()
         if stream.first_token_s is not None and out.num_output_tokens > 1:
-            m.tpot.labels(**labels).observe(
-                (now - stream.first_token_s) / (out.num_output_tokens - 1))
+            m.tpot.observe((now - stream.first_token_s) / (out.num_output_tokens - 1))
 
     def _record(self, stats: StepStats) -> None:
-        m, labels = self.metrics, self._labels
+        m = self._m
         if stats.num_prompt_tokens:
-            m.prompt_tokens.labels(**labels).inc(stats.num_prompt_tokens)
+            m.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generated:
-            m.generation_tokens.labels(**labels).inc(stats.num_generated)
+            m.generation_tokens.inc(stats.num_generated)
         if stats.num_prefix_queries:
-            m.prefix_cache_queries.labels(**labels).inc(stats.num_prefix_queries)
-            m.prefix_cache_hits.labels(**labels).inc(stats.num_prefix_hits)
-            m.prompt_tokens_cached.labels(**labels).inc(stats.num_prefix_hits)
+            m.prefix_cache_queries.inc(stats.num_prefix_queries)
+            m.prefix_cache_hits.inc(stats.num_prefix_hits)
+            m.prompt_tokens_cached.inc(stats.num_prefix_hits)
         if stats.num_preempted:
-            m.preemptions.labels(**labels).inc(stats.num_preempted)
+            m.preemptions.inc(stats.num_preempted)
         if stats.decode_step is not None:
-            m.decode_steps.add(stats.decode_step)
+            self.metrics.decode_steps.add(stats.decode_step)
         if stats.num_drafts:
-            m.spec_drafts.labels(**labels).inc(stats.num_drafts)
-            m.spec_draft_tokens.labels(**labels).inc(stats.num_draft_tokens)
-            m.spec_accepted_tokens.labels(**labels).inc(stats.num_accepted_tokens)
+            m.spec_drafts.inc(stats.num_drafts)
+            m.spec_draft_tokens.inc(stats.num_draft_tokens)
+            m.spec_accepted_tokens.inc(stats.num_accepted_tokens)
             for pos, n in enumerate(stats.accepted_per_pos):
-                m.spec_accepted_per_pos.labels(position=str(pos), **labels).inc(n)
+                m.accepted_at(pos).inc(n)
 
     def _set_gauges(self) -> None:
-        m, labels, gauges = self.metrics, self._labels, list(self._gauges.values())
-        m.running.labels(**labels).set(sum(g.num_running for g in gauges))
-        m.waiting.labels(**labels).set(sum(g.num_waiting for g in gauges))
-        m.kv_usage.labels(**labels).set(
-            sum(g.kv_usage for g in gauges) / len(gauges) if gauges else 0.0)
+        m, gauges = self._m, list(self._gauges.values())
+        m.running.set(sum(g.num_running for g in gauges))
+        m.waiting.set(sum(g.num_waiting for g in gauges))
+        m.kv_usage.set(sum(g.kv_usage for g in gauges) / len(gauges) if gauges else 0.0)
+
+
+class _Children:
+    """The metrics' children under this engine's labels, looked up once.
+
+    NOTE: ``metric.labels(...)`` hashes and validates the label values on every call; the
+    router updated ~10 children a step (one more per accepted draft position), so at batch 1
+    on a GPU the lookups cost more than the updates. The children are the same objects
+    ``labels`` returns, so what is exported does not change.
+    """
+
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self._metrics = metrics
+        self._labels = {"model_name": metrics.model_name}
+        lab = self._labels
+        self.ttft = metrics.ttft.labels(**lab)
+        self.itl = metrics.itl.labels(**lab)
+        self.tpot = metrics.tpot.labels(**lab)
+        self.e2e = metrics.e2e.labels(**lab)
+        self.prompt_tokens = metrics.prompt_tokens.labels(**lab)
+        self.generation_tokens = metrics.generation_tokens.labels(**lab)
+        self.prefix_cache_queries = metrics.prefix_cache_queries.labels(**lab)
+        self.prefix_cache_hits = metrics.prefix_cache_hits.labels(**lab)
+        self.prompt_tokens_cached = metrics.prompt_tokens_cached.labels(**lab)
+        self.preemptions = metrics.preemptions.labels(**lab)
+        self.spec_drafts = metrics.spec_drafts.labels(**lab)
+        self.spec_draft_tokens = metrics.spec_draft_tokens.labels(**lab)
+        self.spec_accepted_tokens = metrics.spec_accepted_tokens.labels(**lab)
+        self.running = metrics.running.labels(**lab)
+        self.waiting = metrics.waiting.labels(**lab)
+        self.kv_usage = metrics.kv_usage.labels(**lab)
+        self._finished: dict[str, Any] = {}
+        self._per_pos: list[Any] = []
+
+    def finished(self, reason: str) -> Any:
+        child = self._finished.get(reason)
+        if child is None:
+            child = self._finished[reason] = self._metrics.finished.labels(
+                finished_reason=reason, **self._labels)
+        return child
+
+    def accepted_at(self, pos: int) -> Any:
+        while len(self._per_pos) <= pos:
+            self._per_pos.append(self._metrics.spec_accepted_per_pos.labels(
+                position=str(len(self._per_pos)), **self._labels))
+        return self._per_pos[pos]
 
 
 class AsyncEngine:
