@@ -11,14 +11,17 @@ Parts timed (wall ms, summed over the run; wrappers cost ~1 us each):
 
 - step thread: ``step`` (EngineCore.step, the whole step), inside it ``propose``,
   ``schedule``, ``runner`` (ModelRunner.execute) of which ``forward`` (the model's
-  forward and LM head: device work on a GPU, all compute on the CPU), ``postprocess``
-  (stop checks, spec counts, output building) of which ``detokenize``; after the step
-  ``post`` (handing the outputs to the event loop).
+  forward and LM head on the CPU; with CUDA graphs the replay's launch only), ``graph run``
+  (fill inputs, copy, launch) and ``sample/verify`` (with CUDA graphs: the wait for the
+  GPU, argmax, the copy to the host, acceptance), ``postprocess`` (stop checks, spec
+  counts, output building) of which ``detokenize``; after the step ``post`` (handing the
+  outputs to the event loop) and ``idle`` (EngineCore.idle, where it exists).
 - event loop: ``deliver`` (metrics and the request's queue), ``sse`` (chunk building,
   JSON and the socket write, per chunk).
 - CPU time of the step thread and of the event-loop thread over the run.
 
-``host/step`` is the step minus its forward; per token divides by emitted tokens.
+``host/step`` is the step minus its forward (on a GPU it includes the wait for the device);
+per token divides by emitted tokens.
 
     python bench/engine_host.py --data .devdata --depths 0 16 --per-domain 2
     python bench/engine_host.py --baseline 778ffad --depths 0 16   # before/after, one run
@@ -56,16 +59,21 @@ PARTS = (
     ("forward", "engine.model", "LlamaModel.forward"),
     ("forward", "engine.model", "LlamaModel.logits"),
     ("forward", "engine.cuda_graph", "RowDecoder._launch"),
+    ("forward", "engine.cuda_graph", "CudaGraphDecoder._launch"),
+    ("graph run", "engine.cuda_graph", "RowDecoder.run"),
+    ("sample/verify", "engine.runner", "ModelRunner._verify"),
+    ("sample/verify", "engine.runner", "sample_on_device"),
     ("postprocess", "engine.core", "EngineCore._postprocess"),
     ("postprocess", "engine.core", "EngineCore._postprocess_all"),
     ("detokenize", "engine.detokenizer", "IncrementalDetokenizer.push"),
     ("post", "engine.async_engine", "AsyncEngine._post"),
+    ("idle", "engine.core", "EngineCore.idle"),
     ("deliver", "engine.async_engine", "OutputRouter.deliver"),
 )
 ASYNC_PARTS = (("sse", "engine.server", "_send"),)
-ROWS = ("step", "propose", "schedule", "runner", "forward", "postprocess", "detokenize",
-        "post", "host/step", "deliver", "sse", "cpu step thread", "cpu loop thread",
-        "client wall")
+ROWS = ("step", "propose", "schedule", "runner", "forward", "graph run", "sample/verify",
+        "postprocess", "detokenize", "post", "idle", "host/step", "deliver", "sse",
+        "cpu step thread", "cpu loop thread", "client wall")
 
 
 # -- the engine side (``--serve``) -----------------------------------------------------------
@@ -309,7 +317,7 @@ def bench(args: argparse.Namespace) -> None:
     path = Path(args.data) / "prompts" / "spec_bench_questions.jsonl"
     prompts = [p for p in bs.load_prompts(path, args.per_domain, args.seed)
                if args.domains is None or p.domain in args.domains]
-    trees = {"new": REPO}
+    trees = {"new": _export(args.new) if args.new else REPO}
     if args.baseline:
         trees["base"] = _export(args.baseline)
     with contextlib.ExitStack() as stack:
@@ -337,6 +345,7 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
     parser.add_argument("--baseline", help="git revision to compare against, side by side")
+    parser.add_argument("--new", help="git revision to run as 'new' (default: the work tree)")
     parser.add_argument("--depths", type=int, nargs="+", default=[0, 16])
     parser.add_argument("--domains", nargs="+",
                         default=["translation", "qa", "chat", "extraction"])

@@ -68,6 +68,9 @@ class ResetPrefixCache:
 
 
 Command = Add | Abort | Reload | ResetPrefixCache
+# NOTE: idle work (EngineCore.idle) holds the GIL; started at once it would delay the event
+# loop's sending of the outputs the last step just posted.
+IDLE_WORK_AFTER_S = 0.002
 Post = Callable[[list[RequestOutput], StepStats | None], None]
 
 
@@ -90,7 +93,7 @@ class StepLoop:
             block = not self.core.has_work
             try:
                 while True:
-                    cmd = self.inbox.get(block=block)
+                    cmd = self._next(block)
                     if cmd is None:
                         return
                     self._apply(cmd)
@@ -101,6 +104,17 @@ class StepLoop:
                 self._step()
             else:  # idle after aborts: publish the freed cache
                 self.post([], self._gauges(StepStats()))
+
+    def _next(self, block: bool) -> Command | None:
+        """The next command; blocking, the core's idle work runs once the inbox has stayed
+        empty for IDLE_WORK_AFTER_S (so the event loop sends the last outputs first)."""
+        if not block:
+            return self.inbox.get(block=False)
+        try:
+            return self.inbox.get(timeout=IDLE_WORK_AFTER_S)
+        except queue.Empty:
+            self.core.idle()
+        return self.inbox.get()
 
     def _apply(self, cmd: Command) -> None:
         if isinstance(cmd, Add):

@@ -191,6 +191,12 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self._pending)
 
+    def idle(self) -> None:
+        """Work that may wait for a moment without requests (the n-gram output pool)."""
+        flush = getattr(self.proposer, "flush_pool", None)
+        if flush is not None:
+            flush()
+
     # -- the step ---------------------------------------------------------------------------
 
     def _ensure_threads(self) -> None:

@@ -102,3 +102,38 @@ def test_proposer_falls_back_to_its_context_when_the_pool_cap_is_zero() -> None:
     # the context matches [2] (1 token: [9, 1], cap 2); the pool's longer [1, 2] wins, cap 1
     assert proposer.propose([ProposalRequest(3, [61, 2, 9, 1, 2], 4,
                                              num_prompt_tokens=1)])[0].tokens == [3]
+
+
+def _drive(proposer: NgramProposer, flush_each_release: bool) -> list[list[int]]:
+    """Requests 0..29 in turn, each proposed for and released; what every step proposed."""
+    got = []
+    for rid in range(30):
+        prompt = [100 + rid, 101 + rid]
+        out = [(rid * 7 + i * 3) % 11 for i in range(12)]
+        for end in range(1, len(out) + 1):
+            req = ProposalRequest(rid, prompt + out[:end], 4, num_prompt_tokens=2)
+            got.append(proposer.propose([req])[0].tokens)
+        proposer.release(rid)
+        if flush_each_release:
+            proposer.flush_pool()
+    return got
+
+
+def test_released_outputs_join_the_pool_before_the_next_proposal() -> None:
+    config = NgramConfig(min_n=1, max_n=3, pool_tokens=100)  # small: evictions and rebuilds
+    deferred, eager = NgramProposer(config), NgramProposer(config)
+    assert _drive(deferred, False) == _drive(eager, True)
+    assert deferred._unpooled and not eager._unpooled  # the last release waits for idle time
+    assert deferred.pool is not None and eager.pool is not None
+    assert len(deferred.pool) == len(eager.pool)  # reading the pool flushes
+    assert not deferred._unpooled
+
+
+def test_waiting_outputs_are_bounded_by_the_pool_size() -> None:
+    proposer = NgramProposer(NgramConfig(pool_tokens=20))
+    for rid in range(5):  # released, never followed by a proposal: the engine never idle
+        proposer.propose([ProposalRequest(rid, [50 + rid] + list(range(8)), 2,
+                                          num_prompt_tokens=1)])
+        proposer.release(rid)
+        assert proposer._num_unpooled <= 20
+    assert proposer._pool is not None and len(proposer._pool) > 0
