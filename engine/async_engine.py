@@ -87,14 +87,19 @@ class StepLoop:
         self.core = core
         self.inbox = inbox
         self.post = post
+        self._held: tuple[list[RequestOutput], StepStats] | None = None  # see _step
+        core.on_launch = self._release_held
 
     def run(self) -> None:
         while True:
             block = not self.core.has_work
+            if block:
+                self._release_held()
             try:
                 while True:
                     cmd = self._next(block)
                     if cmd is None:
+                        self._release_held()
                         return
                     self._apply(cmd)
                     block = False
@@ -131,6 +136,7 @@ class StepLoop:
             except Exception as e:  # never leave the caller waiting
                 cmd.done.set_exception(e)
         else:
+            self._release_held()
             try:
                 cmd.done.set_result(self.core.reload(cmd.config))
             except Exception as e:
@@ -138,6 +144,15 @@ class StepLoop:
             self.post([], self._gauges(StepStats()))
 
     def _step(self) -> None:
+        """One step; its outputs are held and posted once the next step has launched its
+        forward (``EngineCore.on_launch``), or before the loop waits for commands.
+
+        NOTE: posting wakes the event loop, whose work for a step (metrics, the request's
+        queue, the SSE chunk and its socket write) holds the GIL. Posted at the end of the
+        step, that work contended with the next step's host work before its forward (propose,
+        schedule, filling the inputs) while the GPU idled; posted after the launch it runs
+        while the forward does (the step thread waits for the device without the GIL).
+        """
         try:
             outputs, stats = self.core.step()
         except Exception:
@@ -146,7 +161,13 @@ class StepLoop:
             for request_id in list(self.core.requests):
                 self.core.abort(request_id)
                 outputs.append(aborted_output(request_id))
-        self.post(outputs, self._gauges(stats))
+        self._release_held()  # the step launched no forward
+        self._held = (outputs, self._gauges(stats))
+
+    def _release_held(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self.post(*held)
 
     def _gauges(self, stats: StepStats) -> StepStats:
         stats.num_running = self.core.num_running

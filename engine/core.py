@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +82,9 @@ class EngineCore:
         self.detoks: dict[int, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs made between steps (reload)
         self._threads_for: int | None = None  # thread whose torch thread count is set
+        # called once a step's forward is launched (engine.async_engine.StepLoop posts the
+        # previous step's outputs then)
+        self.on_launch: Callable[[], None] | None = None
         self.config = config
         self._build(config.engine)
 
@@ -102,7 +106,7 @@ class EngineCore:
                                       max_depth=0 if cfg.spec_method == "none" else cfg.spec_max_depth,
                                       max_tokens=cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, kv, short_q=max(cfg.spec_max_depth + 1, 8),
-                                  graphs=graphs)
+                                  graphs=graphs, on_launch=self._launched)
         self.proposer: Proposer | None = build_proposer(cfg, self.spec, self.weights)
         self._threads_for = None
         logger.info("engine built: dtype=%s kv=%d blocks x %d (%.1f MiB) max_num_seqs=%d "
@@ -241,6 +245,10 @@ class EngineCore:
             stats.decode_step = DecodeStep(len(drafted), sum(drafted), max(drafted),
                                            time.perf_counter() - t0, num_prefill)
         return outputs, stats
+
+    def _launched(self) -> None:
+        if self.on_launch is not None:
+            self.on_launch()
 
     def _spec_depth(self, seq: Sequence) -> int:
         """The speculative depth ``seq`` asks for this step (0 while prefilling)."""

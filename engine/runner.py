@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +49,10 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache, short_q: int,
-                 graphs: RowDecoder | None = None) -> None:
+                 graphs: RowDecoder | None = None,
+                 on_launch: Callable[[], None] | None = None) -> None:
         self.model = model
+        self.on_launch = on_launch  # called once the step's forward is launched (or starts)
         self.kv = kv
         self.short_q = short_q  # queries up to this length attend in the decode group
         self.num_q_per_kv = model.spec.num_heads // model.spec.num_kv_heads
@@ -68,6 +70,8 @@ class ModelRunner:
         num_tokens = sum(s.q_len for s in scheduled)
         parts = self._lane_parts(scheduled, self.chooser.lanes_for(num_tokens))
         in_waves = self._verify_in_waves(scheduled)
+        if self.on_launch is not None:  # the forward releases the GIL in its kernels
+            self.on_launch()
         t0 = time.perf_counter()
         outs = self.lanes.run([functools.partial(self._forward, part, in_waves)
                                for part in parts])
@@ -169,6 +173,8 @@ class ModelRunner:
         """
         assert self.graphs is not None
         logits = self.graphs.run([_rows(it) for it in scheduled])  # [rows, vocab] on device
+        if self.on_launch is not None:  # the replay is queued: the GPU is busy from here
+            self.on_launch()
         sampled = [it for it in scheduled if it.samples]
         if not sampled:
             return []

@@ -76,3 +76,52 @@ async def test_router_metrics_per_position_reason_and_gauges() -> None:
     assert _sample(text, "vllm:kv_cache_usage_perc") == 0.5
     assert _sample(text, "vllm:time_to_first_token_seconds_count") == 1.0
     assert _sample(text, "vllm:inter_token_latency_seconds_count") == 1.0
+
+
+def test_a_steps_outputs_are_posted_once_the_next_forward_is_launched(
+        tiny_model_dir: Path) -> None:
+    import queue
+    import threading
+
+    from engine.async_engine import Add, Command, StepLoop
+    from engine.core import RequestOutput, StepStats
+
+    cfg = CompiledConfig(model=str(tiny_model_dir), engine=EngineConfig(
+        max_num_seqs=4, kv_cache_tokens=4096, spec_method="ngram", spec_max_depth=4))
+    core = load_core(cfg)
+    steps = [0]  # steps begun
+    in_step = threading.Event()
+    step = core.step
+
+    def counted_step() -> tuple[list[RequestOutput], StepStats]:
+        steps[0] += 1
+        in_step.set()
+        try:
+            return step()
+        finally:
+            in_step.clear()
+
+    core.step = counted_step  # type: ignore[method-assign]
+    posts: list[tuple[list[RequestOutput], int, bool]] = []  # outputs, steps begun, in a step
+    inbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+    loop = StepLoop(core, inbox, lambda outs, stats: posts.append(
+        (outs, steps[0], in_step.is_set())))
+    ids = core.tokenizer.encode(chat_text("Count: one two three four five six"))
+    params = GenerationParams(max_tokens=12, sampling=SamplingParams(0.0), ignore_eos=True,
+                              spec_depth=4)
+    inbox.put(Add("r0", ids, params))
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    for _ in range(1000):
+        if any(o.finished for outs, _, _ in posts for o in outs):
+            break
+        threading.Event().wait(0.01)
+    inbox.put(None)
+    thread.join(timeout=30)
+    carrying = [(outs, begun, inside) for outs, begun, inside in posts if outs]
+    assert sum(len(o.new_token_ids) for outs, _, _ in carrying for o in outs) == 12
+    assert carrying[-1][0][-1].finished
+    # every step's outputs but the last went out from inside the next step, after its launch
+    assert all(inside for _, _, inside in carrying[:-1]) and not carrying[-1][2]
+    assert [begun for _, begun, _ in carrying] == list(range(2, len(carrying) + 1)) + [
+        len(carrying)]
