@@ -318,8 +318,9 @@ def bench(args: argparse.Namespace) -> None:
     prompts = [p for p in bs.load_prompts(path, args.per_domain, args.seed)
                if args.domains is None or p.domain in args.domains]
     trees = {"new": _export(args.new) if args.new else REPO}
-    if args.baseline:
-        trees["base"] = _export(args.baseline)
+    if args.baseline or args.baseline_dir:
+        trees["base"] = (Path(args.baseline_dir).resolve() if args.baseline_dir
+                         else _export(args.baseline))
     with contextlib.ExitStack() as stack:
         urls = {name: stack.enter_context(engine_server(tree, args))
                 for name, tree in trees.items()}
@@ -346,6 +347,7 @@ def main() -> int:
     parser.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
     parser.add_argument("--baseline", help="git revision to compare against, side by side")
     parser.add_argument("--new", help="git revision to run as 'new' (default: the work tree)")
+    parser.add_argument("--baseline-dir", help="an exported tree to compare against (no git)")
     parser.add_argument("--depths", type=int, nargs="+", default=[0, 16])
     parser.add_argument("--domains", nargs="+",
                         default=["translation", "qa", "chat", "extraction"])

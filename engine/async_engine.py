@@ -88,7 +88,8 @@ class StepLoop:
         self.inbox = inbox
         self.post = post
         self._held: tuple[list[RequestOutput], StepStats] | None = None  # see _step
-        core.on_launch = self._release_held
+        self._launched = False  # this step launched an asynchronous forward
+        core.on_launch = self._on_launch
 
     def run(self) -> None:
         while True:
@@ -144,15 +145,19 @@ class StepLoop:
             self.post([], self._gauges(StepStats()))
 
     def _step(self) -> None:
-        """One step; its outputs are held and posted once the next step has launched its
-        forward (``EngineCore.on_launch``), or before the loop waits for commands.
+        """One step. A step that launched its forward asynchronously (a CUDA-graph replay:
+        ``EngineCore.on_launch``) holds its outputs until the next step has launched its
+        own, or until the loop waits for commands; any other step posts them at its end.
 
         NOTE: posting wakes the event loop, whose work for a step (metrics, the request's
-        queue, the SSE chunk and its socket write) holds the GIL. Posted at the end of the
-        step, that work contended with the next step's host work before its forward (propose,
-        schedule, filling the inputs) while the GPU idled; posted after the launch it runs
-        while the forward does (the step thread waits for the device without the GIL).
+        queue, the SSE chunk and its socket write) holds the GIL. Posted at the end of a
+        step, that work contended with the next step's host work before its launch
+        (propose, schedule, filling the inputs) while the GPU idled; posted after the launch
+        it runs while the GPU computes (the step thread waits for it without the GIL). The
+        CPU's eager forward is no such wait (its Python holds the GIL between kernels):
+        holding there measured 2-7% slower on the 2-core box (bench/engine_host.py).
         """
+        self._launched = False
         try:
             outputs, stats = self.core.step()
         except Exception:
@@ -162,7 +167,14 @@ class StepLoop:
                 self.core.abort(request_id)
                 outputs.append(aborted_output(request_id))
         self._release_held()  # the step launched no forward
-        self._held = (outputs, self._gauges(stats))
+        if self._launched:
+            self._held = (outputs, self._gauges(stats))
+        else:
+            self.post(outputs, self._gauges(stats))
+
+    def _on_launch(self) -> None:
+        self._launched = True
+        self._release_held()
 
     def _release_held(self) -> None:
         if self._held is not None:

@@ -82,8 +82,8 @@ class EngineCore:
         self.detoks: dict[int, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs made between steps (reload)
         self._threads_for: int | None = None  # thread whose torch thread count is set
-        # called once a step's forward is launched (engine.async_engine.StepLoop posts the
-        # previous step's outputs then)
+        # called once a step's forward is launched asynchronously (a CUDA-graph replay):
+        # engine.async_engine.StepLoop posts the previous step's outputs then
         self.on_launch: Callable[[], None] | None = None
         self.config = config
         self._build(config.engine)

@@ -52,7 +52,7 @@ class ModelRunner:
                  graphs: RowDecoder | None = None,
                  on_launch: Callable[[], None] | None = None) -> None:
         self.model = model
-        self.on_launch = on_launch  # called once the step's forward is launched (or starts)
+        self.on_launch = on_launch  # called once a graph replay is queued (the GPU is busy)
         self.kv = kv
         self.short_q = short_q  # queries up to this length attend in the decode group
         self.num_q_per_kv = model.spec.num_heads // model.spec.num_kv_heads
@@ -70,8 +70,6 @@ class ModelRunner:
         num_tokens = sum(s.q_len for s in scheduled)
         parts = self._lane_parts(scheduled, self.chooser.lanes_for(num_tokens))
         in_waves = self._verify_in_waves(scheduled)
-        if self.on_launch is not None:  # the forward releases the GIL in its kernels
-            self.on_launch()
         t0 = time.perf_counter()
         outs = self.lanes.run([functools.partial(self._forward, part, in_waves)
                                for part in parts])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from engine.async_engine import AsyncEngine
 from engine.config import CompiledConfig, EngineConfig
 from engine.loader import load_core
@@ -78,8 +80,13 @@ async def test_router_metrics_per_position_reason_and_gauges() -> None:
     assert _sample(text, "vllm:inter_token_latency_seconds_count") == 1.0
 
 
+@pytest.mark.parametrize("announce_launch", [True, False])
 def test_a_steps_outputs_are_posted_once_the_next_forward_is_launched(
-        tiny_model_dir: Path) -> None:
+        tiny_model_dir: Path, announce_launch: bool) -> None:
+    """With CUDA graphs the runner announces each queued replay (``on_launch``); the CPU's
+    eager forward does not, and there every step posts at its end. Here the announcement
+    is made by wrapping the CPU runner's execute (no GPU on this machine; the GPU tests run
+    the real replay path end to end)."""
     import queue
     import threading
 
@@ -102,6 +109,15 @@ def test_a_steps_outputs_are_posted_once_the_next_forward_is_launched(
             in_step.clear()
 
     core.step = counted_step  # type: ignore[method-assign]
+    if announce_launch:
+        execute = core.runner.execute
+
+        def execute_announcing_launch(scheduled):  # type: ignore[no-untyped-def]
+            assert core.runner.on_launch is not None
+            core.runner.on_launch()
+            return execute(scheduled)
+
+        core.runner.execute = execute_announcing_launch  # type: ignore[method-assign]
     posts: list[tuple[list[RequestOutput], int, bool]] = []  # outputs, steps begun, in a step
     inbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
     loop = StepLoop(core, inbox, lambda outs, stats: posts.append(
@@ -121,7 +137,10 @@ def test_a_steps_outputs_are_posted_once_the_next_forward_is_launched(
     carrying = [(outs, begun, inside) for outs, begun, inside in posts if outs]
     assert sum(len(o.new_token_ids) for outs, _, _ in carrying for o in outs) == 12
     assert carrying[-1][0][-1].finished
-    # every step's outputs but the last went out from inside the next step, after its launch
-    assert all(inside for _, _, inside in carrying[:-1]) and not carrying[-1][2]
-    assert [begun for _, begun, _ in carrying] == list(range(2, len(carrying) + 1)) + [
-        len(carrying)]
+    if announce_launch:  # every step's outputs but the last left inside the next step
+        assert all(inside for _, _, inside in carrying[:-1]) and not carrying[-1][2]
+        assert [begun for _, begun, _ in carrying] == list(range(2, len(carrying) + 1)) + [
+            len(carrying)]
+    else:  # each step's outputs left at its end
+        assert not any(inside for _, _, inside in carrying)
+        assert [begun for _, begun, _ in carrying] == list(range(1, len(carrying) + 1))
