@@ -23,6 +23,10 @@ Parts timed (wall ms, summed over the run; wrappers cost ~1 us each):
 ``host/step`` is the step minus its forward (on a GPU it includes the wait for the device);
 per token divides by emitted tokens.
 
+NOTE: each tree runs in its own server process, and on the 2-core dev box an A/A run (the
+same code as both trees, ``--new REV --baseline REV``) showed the first-started server ~12%
+slower at k=0 (per-process start-up state): read new/base ratios against such a run.
+
     python bench/engine_host.py --data .devdata --depths 0 16 --per-domain 2
     python bench/engine_host.py --baseline 778ffad --depths 0 16   # before/after, one run
 """
