@@ -29,6 +29,7 @@ from engine.cuda_graph import (
 from engine.scheduler import ScheduledSeq
 from engine.sequence import GenerationParams, Sequence
 from specdec.sampling import SamplingParams
+from tests.engine.drive import generate
 
 # -- buckets, rows, packing ----------------------------------------------------------------
 
@@ -202,23 +203,6 @@ def _count_paths(core) -> dict[str, int]:  # type: ignore[no-untyped-def]
     return counts
 
 
-def _generate(core, prompts: list[list[int]], params: list[GenerationParams]):  # type: ignore[no-untyped-def]
-    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
-        core.add_request(f"r{i}", ids, p)
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    num_drafted = num_accepted = 0
-    for _ in range(500):
-        if not core.has_work:
-            break
-        outputs, stats = core.step()
-        num_drafted += stats.num_draft_tokens
-        num_accepted += stats.num_accepted_tokens
-        for o in outputs:
-            out[o.request_id].extend(o.new_token_ids)
-    assert not core.has_work
-    return [out[f"r{i}"] for i in range(len(prompts))], num_drafted, num_accepted
-
-
 def check_rows_verify_equals_eager() -> None:
     """Greedy, k = 1..4 per request in one batch: rows == k=0 == eager verify, token for
     token, with both accepted and rejected drafts; seeded sampling: rows == eager verify."""
@@ -238,14 +222,14 @@ def check_rows_verify_equals_eager() -> None:
                 for i in range(4)]
 
     eager, rows = _interpreter_core(False), _interpreter_core(True)
-    plain = _generate(eager, prompts, greedy(0))[0]
-    eager_spec = _generate(eager, prompts, greedy(4))[0]
+    plain = generate(eager, prompts, greedy(0))[0]
+    eager_spec = generate(eager, prompts, greedy(4))[0]
     paths = _count_paths(rows)
-    got, num_drafted, num_accepted = _generate(rows, prompts, greedy(4))
+    got, num_drafted, num_accepted = generate(rows, prompts, greedy(4))
     assert got == plain == eager_spec, (got, plain, eager_spec)
     assert 0 < num_accepted < num_drafted, (num_accepted, num_drafted)  # accepts and rejects
     assert paths["rows_prefill"] > 0 and paths["eager"] == 0, paths  # every step, prompts too
-    assert _generate(rows, prompts, seeded())[0] == _generate(eager, prompts, seeded())[0]
+    assert generate(rows, prompts, seeded())[0] == generate(eager, prompts, seeded())[0]
 
 
 def check_chunked_prefill_rows_equal_eager() -> None:
@@ -265,7 +249,7 @@ def check_chunked_prefill_rows_equal_eager() -> None:
                                spec_depth=d) for d in (3, 0, 2)]
     eager = _interpreter_core(False, budget=24, prefix_caching=True)
     rows = _interpreter_core(True, budget=24, prefix_caching=True)
-    want = _generate(eager, prompts, params)[0]
+    want = generate(eager, prompts, params)[0]
     paths = _count_paths(rows)
     rows.add_request("warm", prompts[0], params[0])  # caches the shared blocks first
     while rows.has_work:

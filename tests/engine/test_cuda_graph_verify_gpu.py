@@ -27,6 +27,7 @@ from engine.cuda_graph import DecodeRow
 from engine.scheduler import ScheduledSeq
 from engine.sequence import GenerationParams, Sequence
 from specdec.sampling import SamplingParams, process_logits
+from tests.engine.drive import generate
 from tests.engine.prompts import chat_text, mixed_prompts
 from tests.specdec.test_verify import ALPHA, chi_square_p_value
 
@@ -46,28 +47,6 @@ def gpu_core(model_dir: Path, execution: str, spec: str = "ngram", budget: int =
         max_num_seqs=8, max_num_batched_tokens=budget, kv_cache_tokens=8192,
         max_model_len=1024, spec_method=spec, spec_max_depth=DEPTH,  # type: ignore[arg-type]
         enable_prefix_caching=prefix_caching, **extra)))
-
-
-def generate(core: Any, prompts: list[list[int]], params: list[GenerationParams],
-             cached: dict[str, int] | None = None) -> tuple[list[list[int]], int, int]:
-    """Outputs per prompt, drafted and accepted token counts; ``cached`` gets each
-    request's prompt tokens served from the prefix cache."""
-    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
-        core.add_request(f"r{i}", ids, p)
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    drafted = accepted = 0
-    for _ in range(5000):
-        if not core.has_work:
-            break
-        outputs, stats = core.step()
-        drafted += stats.num_draft_tokens
-        accepted += stats.num_accepted_tokens
-        for o in outputs:
-            out[o.request_id].extend(o.new_token_ids)
-            if cached is not None:
-                cached[o.request_id] = o.num_cached_tokens
-    assert not core.has_work
-    return [out[f"r{i}"] for i in range(len(prompts))], drafted, accepted
 
 
 def greedy(n: int, depth: int = 0) -> GenerationParams:
