@@ -164,3 +164,27 @@ def test_runs_split_over_calls_merge_into_one_report() -> None:
         "hit rate adaptive 25.0%")
     with pytest.raises(ValueError, match="rate 9.0 is in more than one run"):
         BENCH.merge_runs([a, a])
+
+
+def test_slos_follow_the_rule_on_the_run_s_own_probe_unless_fixed_or_given() -> None:
+    # unloaded probe per worker and class: (TTFT s, TPOT s); the best per class is taken
+    ref = {"spec": {"repetitive": (0.02, 0.001), "conversational": (0.03, 0.004),
+                    "long": (0.30, 0.005), "prefix": (0.20, 0.003)},
+           "batch": {"repetitive": (0.04, 0.002), "conversational": (0.02, 0.005),
+                     "long": (0.25, 0.006), "prefix": (0.30, 0.002)}}
+
+    def args(**kw: Any) -> argparse.Namespace:
+        return argparse.Namespace(**{"slo_seconds": None, "fixed_slos": False,
+                                     "prefix_slo": None, **kw})
+
+    rule = BENCH.slos_from(args(), ref)  # SLO_RULE: 10x / 2.5x, long and prefix 5x / 5x
+    assert rule.ttft_s == pytest.approx({"repetitive": 0.2, "conversational": 0.2,
+                                         "long": 1.25, "prefix": 1.0})
+    assert rule.tpot_s == pytest.approx({"repetitive": 0.0025, "conversational": 0.01,
+                                         "long": 0.025, "prefix": 0.01})
+    fixed = BENCH.slos_from(args(fixed_slos=True), ref)
+    assert fixed.ttft_s["repetitive"] == 0.30 and fixed.tpot_s["long"] == 0.023
+    assert fixed.ttft_s["prefix"] == pytest.approx(1.0)  # the prefix class: always the rule
+    given = BENCH.slos_from(args(slo_seconds=[1, 2, 3, 4, 5, 6], prefix_slo=[7, 8]), ref)
+    assert given.ttft_s == {"repetitive": 1, "conversational": 3, "long": 5, "prefix": 7}
+    assert given.tpot_s == {"repetitive": 2, "conversational": 4, "long": 6, "prefix": 8}
