@@ -1,0 +1,363 @@
+"""Offline replay of the n-gram proposer over the bundled target's greedy outputs.
+
+Tokens per step of a greedy speculative run are fixed by the outputs alone: at each
+step the proposer drafts from prompt + output so far, the verify accepts the longest
+prefix that equals the greedy output, and one more token is sampled. So the depth-0
+outputs, generated once with the in-process engine (cached under bench/out/, git-
+ignored), are replayed step by step here for every proposer variant, with no model
+in the loop. The output pool is fed in request order as the engine feeds it (a
+finished request's output joins before the next request is proposed for; the pool's
+``prompt_key`` rule keeps a request's own earlier output out), over ``--rounds``
+passes of the prompt list as bench/specdec.py runs them::
+
+    python bench/ngram_replay.py --set dev              # judge variants here
+    python bench/ngram_replay.py --set heldout          # bench/specdec.py's selection, once
+
+Two disjoint prompt sets: ``heldout`` is bench/specdec.py's own selection
+(``load_prompts(per_domain=3, seed=0)``); ``dev`` takes up to ``--dev-per-domain``
+prompts per domain that no selection of bench/specdec.py with its default seed (0) and 1-6
+prompts per domain picks. Prints tokens per step per domain and variant, ratios over the
+current proposer side by side, and microseconds per propose call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import random
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# NOTE: run as a script, bench/ comes first on sys.path and bench/specdec.py would shadow the
+# specdec package: take bench/ off the path and load that file under another name.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
+sys.path.insert(0, str(REPO))
+_spec = importlib.util.spec_from_file_location("bench_specdec", REPO / "bench" / "specdec.py")
+assert _spec is not None and _spec.loader is not None
+bench_specdec = importlib.util.module_from_spec(_spec)
+sys.modules["bench_specdec"] = bench_specdec
+_spec.loader.exec_module(bench_specdec)
+PROMPTS, REPETITIVE_DOMAINS = bench_specdec.PROMPTS, bench_specdec.REPETITIVE_DOMAINS
+Prompt, load_prompts = bench_specdec.Prompt, bench_specdec.load_prompts
+
+from specdec.base import Proposal, ProposalRequest  # noqa: E402
+from specdec.ngram import NgramConfig, NgramProposer, _SuffixIndex  # noqa: E402
+from specdec.pool import OutputPool, _Entry  # noqa: E402
+
+CACHE_DIR = REPO / "bench" / "out" / "ngram_replay"
+BENCH_SEEDS = (0,)  # bench/specdec.py's default seed, with --per-domain 1-6 (default 6)
+BENCH_PER_DOMAIN = range(1, 7)
+
+
+@dataclass(frozen=True)
+class Record:
+    domain: str
+    prompt: list[int]  # prompt token ids (chat template applied)
+    output: list[int]  # greedy depth-0 output token ids
+
+
+def dev_prompts(per_domain: int) -> list[Prompt]:
+    """Prompts that bench/specdec.py never selects with its default seed 0 and 1-6 per domain."""
+    taken = {p.text for s in BENCH_SEEDS for n in BENCH_PER_DOMAIN
+             for p in load_prompts(PROMPTS, n, s)}
+    every = load_prompts(PROMPTS, 10_000, 0)  # all of them (shuffled)
+    by_domain: dict[str, list[Prompt]] = defaultdict(list)
+    for p in every:
+        if p.text not in taken and len(by_domain[p.domain]) < per_domain:
+            by_domain[p.domain].append(p)
+    picked = [p for d in sorted(by_domain) for p in by_domain[d]]
+    random.Random(1).shuffle(picked)
+    return picked
+
+
+def generate(prompts: list[Prompt], max_tokens: int, batch: int) -> list[Record]:
+    """Greedy depth-0 outputs of the bundled target, ``batch`` requests at a time."""
+    from engine.config import TINY_TARGET, CompiledConfig, EngineConfig
+    from engine.loader import load_core
+    from engine.sequence import GenerationParams
+    from specdec.sampling import SamplingParams
+
+    cfg = EngineConfig(kv_cache_tokens=32768, enable_prefix_caching=False, max_num_seqs=batch)
+    core = load_core(CompiledConfig(model=str(TINY_TARGET), engine=cfg))
+    ids = [core.tokenizer.encode(core.tokenizer.apply_chat_template(
+        [{"role": "user", "content": p.text}], True)) for p in prompts]
+    params = GenerationParams(max_tokens=max_tokens, sampling=SamplingParams(0.0),
+                              ignore_eos=True)
+    out: dict[str, list[int]] = {}
+    for i, prompt_ids in enumerate(ids):
+        core.add_request(str(i), prompt_ids, params)
+    while core.has_work:
+        for o in core.step()[0]:
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [Record(p.domain, ids[i], out[str(i)]) for i, p in enumerate(prompts)]
+
+
+def load_records(name: str, prompts: list[Prompt], max_tokens: int) -> list[Record]:
+    """Cached by a hash of the prompt texts (no prompt text is written)."""
+    digest = hashlib.sha256("\0".join(p.text for p in prompts).encode()).hexdigest()[:12]
+    path = CACHE_DIR / f"{name}-{max_tokens}-{digest}.json"
+    if path.exists():
+        return [Record(**r) for r in json.loads(path.read_text())]
+    t0 = time.perf_counter()
+    records = generate(prompts, max_tokens, batch=16)
+    print(f"generated {len(records)} outputs in {time.perf_counter() - t0:.0f} s -> {path}")
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([r.__dict__ for r in records]))
+    return records
+
+
+@dataclass
+class Tally:
+    tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    calls: int = 0
+    seconds: float = 0.0
+
+
+def replay(records: list[Record], proposer: NgramProposer, depth: int,
+           rounds: int) -> dict[str, Tally]:
+    """Tokens and steps per domain after the first token (which prefill samples)."""
+    tallies: dict[str, Tally] = defaultdict(Tally)
+    seq_id = 0
+    for _ in range(rounds):
+        for rec in records:
+            seq_id += 1
+            tally = tallies[rec.domain]
+            out, pos = rec.output, 1
+            while pos < len(out):
+                context = rec.prompt + out[:pos]
+                request = ProposalRequest(seq_id, context, min(depth, len(out) - pos),
+                                          num_prompt_tokens=len(rec.prompt))
+                t0 = time.perf_counter()
+                draft = proposer.propose([request])[0].tokens
+                tally.seconds += time.perf_counter() - t0
+                tally.calls += 1
+                tally.drafted += len(draft)
+                accepted = 0
+                while accepted < len(draft) and draft[accepted] == out[pos + accepted]:
+                    accepted += 1
+                step = min(accepted + 1, len(out) - pos)
+                tally.tokens += step
+                tally.steps += 1
+                pos += step
+            proposer.release(seq_id)
+    return tallies
+
+
+class VotePool(OutputPool):
+    """Variant: keep the latest hits of ``hits`` prompts per n-gram and propose the continuation
+    most of them agree on, token by token (SuffixDecoding's frequency score), stopping where
+    the share of the surviving hits that agree falls below ``min_share``."""
+
+    def __init__(self, max_tokens: int, min_n: int, max_n: int, hits: int,
+                 min_share: float) -> None:
+        self.hits, self.min_share = hits, min_share
+        super().__init__(max_tokens, min_n, max_n)
+
+    def lookup(self, context: Sequence[int], prompt_key: int | None, longer_than: int, k: int,
+               weak_match_depth: int | None, depth_caps: Sequence[int] = ()) -> list[int]:
+        lowest = max(longer_than + 1, self.min_n)
+        for m in range(min(self.max_n, len(context)), lowest - 1, -1):
+            conts = []
+            for entry_id, end in self._index[m].get(tuple(context[len(context) - m:]), ()):
+                entry = self._entries.get(entry_id)
+                if entry is not None and entry.prompt_key != prompt_key:
+                    conts.append(entry.tokens[end + 1:])
+            if not conts:
+                continue
+            depth = k if m >= 4 or weak_match_depth is None else min(k, weak_match_depth)
+            if m <= len(depth_caps):
+                depth = min(depth, depth_caps[m - 1])
+            out: list[int] = []
+            share = 1.0
+            while len(out) < depth:
+                counts = Counter(c[len(out)] for c in conts if len(c) > len(out))
+                if not counts:
+                    break
+                token, n = counts.most_common(1)[0]
+                share *= n / sum(counts.values())
+                if share < self.min_share:
+                    break
+                out.append(token)
+                conts = [c for c in conts if len(c) > len(out) - 1 and c[len(out) - 1] == token]
+            return out
+        return []
+
+    def _index_entry(self, entry_id: int, entry: _Entry) -> None:
+        tokens, key = entry.tokens, entry.prompt_key
+        for j in range(len(tokens) - 1):
+            for m in range(self.min_n, min(self.max_n, j + 1) + 1):
+                gram = tuple(tokens[j - m + 1:j + 1])
+                hits = self._index[m].get(gram)
+                if hits is None:
+                    self._index[m][gram] = [(entry_id, j)]
+                    continue
+                kept = [h for h in hits if h[0] != entry_id and self._key_of(h[0]) not in
+                        (None, key)]
+                self._index[m][gram] = [(entry_id, j), *kept[:self.hits - 1]]
+
+
+def _with_pool(config: NgramConfig, pool: OutputPool,
+               cls: type[NgramProposer] = NgramProposer) -> NgramProposer:
+    proposer = cls(config)
+    proposer._pool = pool  # noqa: SLF001  (the variant under test)
+    return proposer
+
+
+class LongPoolProposer(NgramProposer):
+    """Variant: the pool is searched also after a full-length context match, and wins when it
+    holds a longer match (its index then needs ``max_n`` above the context's)."""
+
+    def _propose_one(self, request: ProposalRequest) -> Proposal:
+        if request.depth <= 0:
+            return Proposal(request.seq_id, [])
+        c = self.config
+        state = self._indexes.get(request.seq_id)
+        if state is None:
+            state = self._indexes[request.seq_id] = self._new_state(request)
+        state.index.sync(request.token_ids)
+        length, tokens = state.index.lookup(request.depth, c.window, c.periodic,
+                                            c.weak_match_depth, c.context_depth_caps)
+        if self._pool is not None:
+            pooled = self._pool.lookup(state.index.tokens, state.prompt_key, length,
+                                       request.depth, c.weak_match_depth, c.pool_depth_caps)
+            tokens = pooled or tokens
+        return Proposal(request.seq_id, tokens)
+
+
+class TiePoolProposer(NgramProposer):
+    """Variant: a pool match as long as a short context match wins (the pool's index holds
+    the latest hits of several prompts; the context's one occurrence)."""
+
+    def _propose_one(self, request: ProposalRequest) -> Proposal:
+        if request.depth <= 0:
+            return Proposal(request.seq_id, [])
+        c = self.config
+        state = self._indexes.get(request.seq_id)
+        if state is None:
+            state = self._indexes[request.seq_id] = self._new_state(request)
+        state.index.sync(request.token_ids)
+        length, tokens = state.index.lookup(request.depth, c.window, c.periodic,
+                                            c.weak_match_depth, c.context_depth_caps)
+        if self._pool is not None and length < c.max_n:
+            pooled = self._pool.lookup(state.index.tokens, state.prompt_key, max(length - 1, 0),
+                                       request.depth, c.weak_match_depth, c.pool_depth_caps)
+            tokens = pooled or tokens
+        return Proposal(request.seq_id, tokens)
+
+
+def _vote(hits: int, min_share: float, max_n: int = 4,
+          caps: tuple[int, ...] | None = None,
+          cls: type[NgramProposer] = NgramProposer) -> Callable[[], NgramProposer]:
+    config = NgramConfig() if caps is None else NgramConfig(pool_depth_caps=caps)
+    return lambda: _with_pool(config, VotePool(config.pool_tokens, config.min_n, max_n, hits,
+                                               min_share), cls)
+
+
+def variants() -> dict[str, Callable[[], NgramProposer]]:
+    return {"current": lambda: NgramProposer(NgramConfig()),
+            "vote h2 (=current)": _vote(2, 0.0),
+            "vote h16": _vote(16, 0.0),
+            "vote h16 s.3 nocap4": _vote(16, 0.3, caps=(0, 1, 1)),
+            "h2 nocap4": _vote(2, 0.0, caps=(0, 1, 1)),
+            "vote h16 n8 long": _vote(16, 0.0, max_n=8, cls=LongPoolProposer),
+            "vote h16 n8 s.3 long": _vote(16, 0.3, max_n=8, caps=(0, 1, 1),
+                                          cls=LongPoolProposer),
+            "h2 n8 long": _vote(2, 0.0, max_n=8, cls=LongPoolProposer),
+            "vote h16 tie->pool": _vote(16, 0.0, cls=TiePoolProposer)}
+
+
+def oracle(records: list[Record], depth: int, rounds: int) -> dict[str, Tally]:
+    """Upper bound for any choice among the lookups' candidates: at every step, the longest
+    accepted run among the continuations of the latest context occurrence of each suffix
+    length 1-4 and of up to 16 pool hits of each suffix length 1-8, uncapped. Not a proposer:
+    it reads the output it is about to be checked against."""
+    tallies: dict[str, Tally] = defaultdict(Tally)
+    pool = VotePool(NgramConfig().pool_tokens, 1, 8, hits=16, min_share=0.0)
+    for _ in range(rounds):
+        for rec in records:
+            key = hash(tuple(rec.prompt))
+            index = _SuffixIndex(1, 4)
+            out, pos, tally = rec.output, 1, tallies[rec.domain]
+            while pos < len(out):
+                ctx = rec.prompt + out[:pos]
+                index.sync(ctx)
+                k = min(depth, len(out) - pos)
+                truth = out[pos:pos + k]
+                ends = [j for m in range(1, 5)
+                        if (j := index.latest[m].get(tuple(ctx[len(ctx) - m:]))) is not None]
+                # the proposer's periodic continuation of a match that runs into the end
+                cands = [[ctx[j + 1 + i % (len(ctx) - 1 - j)] for i in range(k)] for j in ends]
+                for m in range(1, min(8, len(ctx)) + 1):
+                    for entry_id, end in pool._index[m].get(tuple(ctx[len(ctx) - m:]), ()):
+                        entry = pool._entries.get(entry_id)
+                        if entry is not None and entry.prompt_key != key:
+                            cands.append(entry.tokens[end + 1:end + 1 + k])
+                best = max((_accepted(c, truth) for c in cands), default=0)
+                step = min(best + 1, len(out) - pos)
+                tally.tokens, tally.steps, pos = tally.tokens + step, tally.steps + 1, pos + step
+            pool.add(key, out)
+    return tallies
+
+
+def _accepted(draft: Sequence[int], truth: Sequence[int]) -> int:
+    n = 0
+    while n < len(draft) and n < len(truth) and draft[n] == truth[n]:
+        n += 1
+    return n
+
+
+def report(records: list[Record], depths: list[int], rounds: int, with_oracle: bool) -> None:
+    makers = variants()
+    results = {(name, k): replay(records, make(), k, rounds)
+               for name, make in makers.items() for k in depths}
+    if with_oracle:
+        for k in depths:
+            results[("oracle bound", k)] = oracle(records, k, rounds)
+    domains = sorted({r.domain for r in records}, key=lambda d: (d not in REPETITIVE_DOMAINS, d))
+    names = list(makers) + (["oracle bound"] if with_oracle else [])
+    print(f"{len(records)} outputs, {rounds} round(s); tokens per step (ratio over current) "
+          "drafted per step")
+    for k in depths:
+        print(f"depth {k}:")
+        print(f"  {'domain':>14} " + " ".join(f"{n[:25]:>25}" for n in names))
+        for d in domains:
+            base = results[("current", k)][d]
+            base_tps = base.tokens / base.steps
+            cells = []
+            for n in names:
+                t = results[(n, k)][d]
+                tps = t.tokens / t.steps
+                cells.append(f"{tps:5.2f} ({tps / base_tps:5.3f}) {t.drafted / t.steps:4.1f}")
+            mark = "*" if d in REPETITIVE_DOMAINS else " "
+            print(f"  {mark}{d:>13} " + " ".join(f"{c:>25}" for c in cells))
+        us = [sum(t.seconds for t in results[(n, k)].values()) * 1e6 /
+              max(1, sum(t.calls for t in results[(n, k)].values())) for n in names]
+        print(f"  {'us/propose':>14} " + " ".join(f"{u:>25.1f}" for u in us))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--set", choices=("dev", "heldout"), default="dev")
+    parser.add_argument("--dev-per-domain", type=int, default=12)
+    parser.add_argument("--depths", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--oracle", action="store_true", help="also print the oracle bound")
+    args = parser.parse_args()
+    prompts = (dev_prompts(args.dev_per_domain) if args.set == "dev"
+               else load_prompts(PROMPTS, 3, 0))
+    records = load_records(args.set, prompts, args.max_tokens)
+    report(records, args.depths, args.rounds, args.oracle)
+
+
+if __name__ == "__main__":
+    main()
