@@ -33,6 +33,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 REPO = Path(__file__).resolve().parent.parent
 # NOTE: run as a script, bench/ comes first on sys.path and bench/specdec.py would shadow the
@@ -45,7 +46,7 @@ bench_specdec = importlib.util.module_from_spec(_spec)
 sys.modules["bench_specdec"] = bench_specdec
 _spec.loader.exec_module(bench_specdec)
 PROMPTS, REPETITIVE_DOMAINS = bench_specdec.PROMPTS, bench_specdec.REPETITIVE_DOMAINS
-Prompt, load_prompts = bench_specdec.Prompt, bench_specdec.load_prompts
+load_prompts = bench_specdec.load_prompts
 
 from specdec.base import Proposal, ProposalRequest  # noqa: E402
 from specdec.ngram import NgramConfig, NgramProposer, _SuffixIndex  # noqa: E402
@@ -54,6 +55,11 @@ from specdec.pool import OutputPool, _Entry  # noqa: E402
 CACHE_DIR = REPO / "bench" / "out" / "ngram_replay"
 BENCH_SEEDS = (0,)  # bench/specdec.py's default seed, with --per-domain 1-6 (default 6)
 BENCH_PER_DOMAIN = range(1, 7)
+
+
+class Prompt(Protocol):  # bench/specdec.py's Prompt (loaded at run time)
+    domain: str
+    text: str
 
 
 @dataclass(frozen=True)
