@@ -48,9 +48,9 @@ _spec.loader.exec_module(bench_specdec)
 PROMPTS, REPETITIVE_DOMAINS = bench_specdec.PROMPTS, bench_specdec.REPETITIVE_DOMAINS
 load_prompts = bench_specdec.load_prompts
 
-from specdec.base import Proposal, ProposalRequest  # noqa: E402
-from specdec.ngram import NgramConfig, NgramProposer, _SuffixIndex  # noqa: E402
-from specdec.pool import OutputPool, _Entry  # noqa: E402
+from specdec.base import ProposalRequest  # noqa: E402
+from specdec.ngram import NgramConfig, NgramProposer, _SeqState, _SuffixIndex  # noqa: E402
+from specdec.pool import OutputPool  # noqa: E402
 
 CACHE_DIR = REPO / "bench" / "out" / "ngram_replay"
 BENCH_SEEDS = (0,)  # bench/specdec.py's default seed, with --per-domain 1-6 (default 6)
@@ -165,8 +165,8 @@ class VotePool(OutputPool):
 
     def __init__(self, max_tokens: int, min_n: int, max_n: int, hits: int,
                  min_share: float) -> None:
-        self.hits, self.min_share = hits, min_share
-        super().__init__(max_tokens, min_n, max_n)
+        self.min_share = min_share
+        super().__init__(max_tokens, min_n, max_n, max_hits=hits)
 
     def lookup(self, context: Sequence[int], prompt_key: int | None, longer_than: int, k: int,
                weak_match_depth: int | None, depth_caps: Sequence[int] = ()) -> list[int]:
@@ -197,19 +197,6 @@ class VotePool(OutputPool):
             return out
         return []
 
-    def _index_entry(self, entry_id: int, entry: _Entry) -> None:
-        tokens, key = entry.tokens, entry.prompt_key
-        for j in range(len(tokens) - 1):
-            for m in range(self.min_n, min(self.max_n, j + 1) + 1):
-                gram = tuple(tokens[j - m + 1:j + 1])
-                hits = self._index[m].get(gram)
-                if hits is None:
-                    self._index[m][gram] = [(entry_id, j)]
-                    continue
-                kept = [h for h in hits if h[0] != entry_id and self._key_of(h[0]) not in
-                        (None, key)]
-                self._index[m][gram] = [(entry_id, j), *kept[:self.hits - 1]]
-
 
 def _with_pool(config: NgramConfig, pool: OutputPool,
                cls: type[NgramProposer] = NgramProposer) -> NgramProposer:
@@ -222,42 +209,26 @@ class LongPoolProposer(NgramProposer):
     """Variant: the pool is searched also after a full-length context match, and wins when it
     holds a longer match (its index then needs ``max_n`` above the context's)."""
 
-    def _propose_one(self, request: ProposalRequest) -> Proposal:
-        if request.depth <= 0:
-            return Proposal(request.seq_id, [])
+    def _pooled(self, state: _SeqState, depth: int, length: int, tokens: list[int]) -> list[int]:
         c = self.config
-        state = self._indexes.get(request.seq_id)
-        if state is None:
-            state = self._indexes[request.seq_id] = self._new_state(request)
-        state.index.sync(request.token_ids)
-        length, tokens = state.index.lookup(request.depth, c.window, c.periodic,
-                                            c.weak_match_depth, c.context_depth_caps)
-        if self._pool is not None:
-            pooled = self._pool.lookup(state.index.tokens, state.prompt_key, length,
-                                       request.depth, c.weak_match_depth, c.pool_depth_caps)
-            tokens = pooled or tokens
-        return Proposal(request.seq_id, tokens)
+        if self._pool is None:
+            return tokens
+        pooled = self._pool.lookup(state.index.tokens, state.prompt_key, length, depth,
+                                   c.weak_match_depth, c.pool_depth_caps)
+        return pooled or tokens
 
 
 class TiePoolProposer(NgramProposer):
     """Variant: a pool match as long as a short context match wins (the pool's index holds
     the latest hits of several prompts; the context's one occurrence)."""
 
-    def _propose_one(self, request: ProposalRequest) -> Proposal:
-        if request.depth <= 0:
-            return Proposal(request.seq_id, [])
+    def _pooled(self, state: _SeqState, depth: int, length: int, tokens: list[int]) -> list[int]:
         c = self.config
-        state = self._indexes.get(request.seq_id)
-        if state is None:
-            state = self._indexes[request.seq_id] = self._new_state(request)
-        state.index.sync(request.token_ids)
-        length, tokens = state.index.lookup(request.depth, c.window, c.periodic,
-                                            c.weak_match_depth, c.context_depth_caps)
-        if self._pool is not None and length < c.max_n:
-            pooled = self._pool.lookup(state.index.tokens, state.prompt_key, max(length - 1, 0),
-                                       request.depth, c.weak_match_depth, c.pool_depth_caps)
-            tokens = pooled or tokens
-        return Proposal(request.seq_id, tokens)
+        if self._pool is None or length >= c.max_n:
+            return tokens
+        pooled = self._pool.lookup(state.index.tokens, state.prompt_key, max(length - 1, 0),
+                                   depth, c.weak_match_depth, c.pool_depth_caps)
+        return pooled or tokens
 
 
 def _vote(hits: int, min_share: float, max_n: int = 4,

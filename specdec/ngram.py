@@ -267,11 +267,17 @@ class NgramProposer:
         state.index.sync(request.token_ids)
         length, tokens = state.index.lookup(request.depth, c.window, c.periodic,
                                             c.weak_match_depth, c.context_depth_caps)
-        if self._pool is not None and length < c.max_n:
-            pooled = self._pool.lookup(state.index.tokens, state.prompt_key, length,
-                                      request.depth, c.weak_match_depth, c.pool_depth_caps)
-            tokens = pooled or tokens
-        return Proposal(request.seq_id, tokens)
+        return Proposal(request.seq_id, self._pooled(state, request.depth, length, tokens))
+
+    def _pooled(self, state: _SeqState, depth: int, length: int, tokens: list[int]) -> list[int]:
+        """The pool's proposal when it holds a longer match than the context's ``length``
+        (below ``max_n``), else the context's ``tokens``."""
+        c = self.config
+        if self._pool is None or length >= c.max_n:
+            return tokens
+        pooled = self._pool.lookup(state.index.tokens, state.prompt_key, length, depth,
+                                   c.weak_match_depth, c.pool_depth_caps)
+        return pooled or tokens
 
     def _new_state(self, request: ProposalRequest) -> _SeqState:
         c = self.config

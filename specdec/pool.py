@@ -36,9 +36,11 @@ class _Entry:
 class OutputPool:
     """Recent outputs (FIFO, at most ``max_tokens`` tokens) and their n-gram index."""
 
-    def __init__(self, max_tokens: int, min_n: int, max_n: int) -> None:
+    def __init__(self, max_tokens: int, min_n: int, max_n: int,
+                 max_hits: int = MAX_HITS) -> None:
         self.max_tokens = max_tokens
         self.min_n, self.max_n = min_n, max_n
+        self.max_hits = max_hits  # per n-gram: the latest occurrences from this many prompts
         self._entries: dict[int, _Entry] = {}  # insertion order = age
         self._by_prompt: dict[int, int] = {}  # prompt_key -> entry id
         self._next_id = 0
@@ -99,7 +101,7 @@ class OutputPool:
                     continue
                 kept = [h for h in hits if h[0] != entry_id and self._key_of(h[0]) not in
                         (None, key)]
-                self._index[m][gram] = [(entry_id, j), *kept[:MAX_HITS - 1]]
+                self._index[m][gram] = [(entry_id, j), *kept[:self.max_hits - 1]]
 
     def _key_of(self, entry_id: int) -> int | None:
         entry = self._entries.get(entry_id)
