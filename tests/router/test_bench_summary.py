@@ -4,28 +4,18 @@ session-5 round-2 measurement, the misses split, and the start-up check of the p
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.bench_module import load_bench
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_routing", ROOT / "bench" / "routing.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = load_bench()
+BENCH = load_bench("routing.py", "bench_routing")
 
 
 def run(goodput: float, good: int, sent: int = 10) -> dict[str, Any]:

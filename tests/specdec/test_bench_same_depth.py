@@ -6,25 +6,19 @@ depth it chose; the dump names prompts by index and never writes prompt or outpu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_specdec", REPO / "bench" / "specdec.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_specdec"] = module  # dataclasses look their module up
     try:
-        spec.loader.exec_module(module)
-        yield module
+        yield load_bench("specdec.py", "bench_specdec")
     finally:
         sys.modules.pop("bench_specdec", None)
 

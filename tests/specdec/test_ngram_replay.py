@@ -3,28 +3,19 @@ written out."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
 from specdec.ngram import NgramConfig, NgramProposer
 from specdec.pool import OutputPool
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def replay_mod():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_ngram_replay",
-                                                  REPO / "bench" / "ngram_replay.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_ngram_replay"] = module  # dataclasses look their module up
     try:
-        spec.loader.exec_module(module)
-        yield module
+        yield load_bench("ngram_replay.py", "bench_ngram_replay")
     finally:
         sys.modules.pop("bench_ngram_replay", None)
         sys.modules.pop("bench_specdec", None)
