@@ -1,10 +1,23 @@
-"""Drive an EngineCore to completion in-process (no server): the outputs the tests compare."""
+"""Drive an EngineCore to completion in-process (no server), and run code under Triton's
+CPU interpreter: what the engine tests compare."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
+from engine.config import REPO_ROOT
 from engine.sequence import GenerationParams
+
+
+def run_interpreted(code: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` in a fresh process with Triton's CPU interpreter
+    (``TRITON_INTERPRET=1``: it is chosen when Triton is first imported)."""
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT,
+                          env=dict(os.environ, TRITON_INTERPRET="1"),
+                          capture_output=True, text=True, timeout=timeout_s)
 
 
 def generate(core: Any, prompts: list[list[int]], params: list[GenerationParams],

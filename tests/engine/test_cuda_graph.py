@@ -7,16 +7,13 @@ need CUDA and are marked ``gpu``.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from engine.config import REPO_ROOT, CompiledConfig, ConfigError, EngineConfig
+from engine.config import CompiledConfig, ConfigError, EngineConfig
 from engine.cuda_graph import (
     COL_CONTEXT,
     COL_SLOT,
@@ -30,6 +27,7 @@ from engine.gpu_sampling import inverse_cdf, sample_on_device
 from engine.sequence import GenerationParams
 from engine.triton_attention import DecodeMetadata, check_head_dim, decode_attention
 from specdec.sampling import SamplingParams, sample
+from tests.engine.drive import run_interpreted
 from tests.engine.prompts import chat_text, mixed_prompts
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -162,9 +160,7 @@ def test_decode_kernel_matches_reference_in_the_interpreter() -> None:
     code = ("import torch; from tests.engine.test_cuda_graph import check_attention; "
             "check_attention(4, 2, [1, 16, 17, 70, 130], torch.float32, 'cpu', 1e-5); "
             "check_attention(8, 1, [3, 64, 65], torch.float32, 'cpu', 1e-5)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=110)
+    done = run_interpreted(code, timeout_s=110)
     assert done.returncode == 0, done.stderr[-2000:]
 
 

@@ -8,14 +8,10 @@ eager verify path. The captured, on-GPU versions are in test_cuda_graph_verify_g
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-from engine.config import REPO_ROOT, TINY_TARGET, CompiledConfig, EngineConfig
+from engine.config import TINY_TARGET, CompiledConfig, EngineConfig
 from engine.cuda_graph import (
     COL_TABLE,
     DecodeRow,
@@ -29,7 +25,7 @@ from engine.cuda_graph import (
 from engine.scheduler import ScheduledSeq
 from engine.sequence import GenerationParams, Sequence
 from specdec.sampling import SamplingParams
-from tests.engine.drive import generate
+from tests.engine.drive import generate, run_interpreted
 
 # -- buckets, rows, packing ----------------------------------------------------------------
 
@@ -279,8 +275,6 @@ def test_verify_rows_equal_eager_verify_in_the_interpreter() -> None:
     code = ("from tests.engine.test_cuda_graph_verify import check_rows_verify_equals_eager, "
             "check_chunked_prefill_rows_equal_eager; check_rows_verify_equals_eager(); "
             "check_chunked_prefill_rows_equal_eager()")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=170)
+    done = run_interpreted(code, timeout_s=170)
     assert done.returncode == 0, done.stderr[-3000:]
 
