@@ -53,12 +53,21 @@ policy uses them. Every policy is scored by the trace's domain label. The
 and 5x TPOT of the best unloaded, cold-cache, one-request probe of a
 median-length prompt of the window on any worker); ``--prefix-slo`` overrides it.
 
-Order of a run: start three fleets -> probe (unloaded, then ``--fit-concurrency``
+Policies (``--policies``, each on its own fleet): round_robin, least_outstanding, adaptive,
+and ``adaptive-nostall`` -- the adaptive policy with ``price_prefill_stalls=False`` (session
+5's pricing of prefill interference), the A/B of stall pricing in the same run.
+
+Rates: ``--rates`` in req/s, or ``--rate-multiples``: each m x this machine's speed index
+(the median ratio of the reference probe's latencies, ``REF_PROBE``, session 5 round 2's
+machine, to this run's probe), so that the same plan brackets the same knees on a faster or
+slower lent machine.
+
+Order of a run: start a fleet per policy -> probe (unloaded, then ``--fit-concurrency``
 requests of a class at a time) -> for each rate: an unscored warm-up replay
 (same schedule for every policy, all at once; with ``--trace-windows forward``
 only before the first rate), then ``--rounds`` measured rounds, each a fresh
-schedule (seed + round) replayed by all three policies at the same time. Printed: goodput per round, its ratio to each baseline (median,
-min-max), TTFT/TPOT percentiles, the fleet's prefix-cache hit rate (prompt tokens
+schedule (seed + round) replayed by every policy at the same time. Printed: goodput
+per round, adaptive's ratio to each baseline and to adaptive-nostall (median, min-max), TTFT/TPOT percentiles, the fleet's prefix-cache hit rate (prompt tokens
 found cached / looked up, from the workers' vllm:prefix_cache_* counters), where
 requests went per (worker, class) with how many met the SLO, and the adaptive
 policy's depths and decision reasons per rate.
@@ -66,9 +75,9 @@ policy's depths and decision reasons per rate.
     python bench/routing.py --data .devdata --rates 4 6 8 --duration 20 --rounds 3 --warmup 20 --seed 100
     python bench/routing.py --data .devdata --workload specbench --rates 7 9 --duration 15 --rounds 3 --warmup 20 --seed 100
 
-Needs ~10 free cores (three fleets of three one-core workers, plus this process;
-``fast-long``: ~13): the session-3 and -4 runs used the lent H200 machine's 16 CPU
-cores (bench/RESULTS.md).
+Needs ~13 free cores (four fleets of three one-core workers, plus this process; three
+policies: ~10; ``fast-long``: one more core per fleet): the device runs used the lent H200
+machine's 16 CPU cores (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -121,6 +130,7 @@ from proxy.config import HealthConfig, ProxyConfig, RoutingConfig, SpeculationCo
 from proxy.config import TraceConfig as ProxyTraceConfig
 from proxy.routing import build_policy
 from proxy.supervisor import free_port
+from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.corpus import SPEC_BENCH_MAP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,7 +142,16 @@ CLASSES: dict[str, tuple[str, ...]] = {
     "long": ("summarization", "rag"),
 }
 CLASS_OF = {d: c for c, ds in CLASSES.items() for d in ds}
-POLICIES: dict[str, Literal["policy", "adaptive"]] = {"round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive"}
+# name -> the proxy's speculation mode. ``adaptive-nostall``: the adaptive policy with
+# ``price_prefill_stalls=False`` (session 5's pricing), on its own fleet: the stall-pricing A/B
+# in the same run as the baselines (make_policy).
+POLICIES: dict[str, Literal["policy", "adaptive"]] = {
+    "round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive",
+    "adaptive-nostall": "adaptive"}
+NOSTALL = "adaptive-nostall"
+# (policy, baseline) pairs whose goodput ratios the reports print, where both ran
+COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
+               ("adaptive", NOSTALL))
 MAX_MODEL_LEN = 2048
 # NOTE: greedy decoding, as Spec-Bench and bench/specdec.py measure: the traces carry no
 # sampling parameters, and the engine's default (temperature 1, as OpenAI's) makes the
@@ -159,6 +178,19 @@ SLO_RULE = {"repetitive": (10.0, 2.5), "conversational": (10.0, 2.5), "long": (5
 # worker, from this run's probe (the rule is fixed, the probe sets the value, the same for
 # every policy); --prefix-slo overrides it.
 PREFIX = "prefix"
+# NOTE: --rate-multiples: rates set from the run's own probe, so a sweep brackets the knees
+# on whatever machine is lent. The reference is session 5 round 2's unloaded one-request
+# probe (bench/RESULTS.md; the lent machine's 16 cores, 2026-11-30 06:16 UTC): worker ->
+# class -> (TTFT s, TPOT s). A multiple m is m req/s on that machine, times this machine's
+# speed relative to it (speed_index).
+REF_PROBE: dict[str, dict[str, tuple[float, float]]] = {
+    "spec": {"repetitive": (0.02282, 0.001003), "conversational": (0.01643, 0.001643),
+             "long": (0.1729, 0.002698), "prefix": (0.1939, 0.002881)},
+    "batch": {"repetitive": (0.02687, 0.003289), "conversational": (0.02111, 0.003274),
+              "long": (0.2268, 0.003904), "prefix": (0.2450, 0.003431)},
+    "long": {"repetitive": (0.01967, 0.002333), "conversational": (0.01671, 0.002357),
+             "long": (0.1956, 0.002842), "prefix": (0.2220, 0.002838)},
+}
 MOONCAKE = "traces/mooncake_synthetic.jsonl"
 # NOTE: 512-token blocks -> 32-token blocks: the median prompt from request 2000 on becomes
 # ~810 tokens; prompts past the context are cut to their leading blocks (loadgen clips the
@@ -196,6 +228,13 @@ def fleet_configs(fleet: str, long_cores: int, device: str) -> dict[str, Compile
         max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN,
         data_parallel_size=long_cores, device=device), fit=DeclaredFit(domains=CLASSES["long"]))
     return {"spec": spec, "batch": batch, "long": long}
+
+
+def make_policy(name: str, seed: int) -> Any:
+    """The policy behind a ``--policies`` name (:data:`POLICIES`)."""
+    if name == NOSTALL:
+        return AdaptivePolicy(AdaptiveConfig(price_prefill_stalls=False), seed=seed)
+    return build_policy(name, seed=seed)
 
 
 def domain_class(domain: str | None) -> str:
@@ -240,7 +279,7 @@ def start_workers(configs: dict[str, CompiledConfig], log_dir: Path, tag: str
                   ) -> tuple[dict[str, str], list[subprocess.Popen[bytes]]]:
     urls, procs = {}, []
     # NOTE: OMP_NUM_THREADS=1 keeps torch's import-time pools small; the engine then sets
-    # each worker's own num_threads (three fleets share the machine: no oversubscription).
+    # each worker's own num_threads (the fleets share the machine: no oversubscription).
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name, cfg in configs.items():
         path = log_dir / f"{tag}-{name}.yaml"
@@ -547,6 +586,22 @@ def slos_from(args: argparse.Namespace, ref: dict[str, dict[str, tuple[float, fl
     return Slos(ttft, tpot)
 
 
+def speed_index(ref: dict[str, dict[str, tuple[float, float]]],
+                probe: dict[str, dict[str, tuple[float, float]]]) -> float:
+    """This machine's speed relative to the reference's: the median, over every (worker,
+    class) cell both probes have and over TTFT and TPOT, of reference latency / this one."""
+    ratios = [r / t for w, by in probe.items() for c, lat in by.items()
+              if c in ref.get(w, {}) for r, t in zip(ref[w][c], lat, strict=True) if t > 0]
+    if not ratios:
+        raise ValueError("the probe shares no (worker, class) cell with the reference")
+    return statistics.median(ratios)
+
+
+def rates_from_probe(multiples: list[float], speed: float) -> list[float]:
+    """--rate-multiples: m req/s on the reference machine -> m x speed, to 0.1 req/s."""
+    return [max(round(m * speed, 1), 0.1) for m in multiples]
+
+
 # --- one replay --------------------------------------------------------------------------------
 
 async def run_policy(name: str, spec_mode: Literal["policy", "adaptive"], policy: Any,
@@ -686,12 +741,13 @@ def ratio_line(rate: float, rounds: dict[str, list[dict[str, Any]]]) -> str:
     good = {n: [r["goodput"] for r in runs] for n, runs in rounds.items()}
     parts = [f"{rate:6g} | " + " / ".join(f"{n} {statistics.median(g):.3f}"
                                            for n, g in good.items())]
-    for base in ("round_robin", "least_outstanding"):
-        if base not in good or "adaptive" not in good:
+    for top, base in COMPARISONS:
+        if base not in good or top not in good:
             continue
-        ratios = [a / b if b else float("inf") for a, b in zip(good["adaptive"], good[base],
+        ratios = [a / b if b else float("inf") for a, b in zip(good[top], good[base],
                                                                strict=True)]
-        parts.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+        parts.append(f"{top}/{base} {statistics.median(ratios):.2f}x "
+                     f"({min(ratios):.2f}-{max(ratios):.2f})")
     return " | ".join(parts)
 
 
@@ -700,7 +756,7 @@ def ratio_line(rate: float, rounds: dict[str, list[dict[str, Any]]]) -> str:
 async def replay_all(policies: dict[str, Any], fleets: dict[str, dict[str, str]],  # name -> urls
                      configs: dict[str, CompiledConfig], records: list[TraceRequest], slos: Slos,
                      args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    # NOTE: all three replay the same schedule at the same time on their own fleets, so
+    # NOTE: every policy replays the same schedule at the same time on their own fleets, so
     # the machine's background load hits them alike.
     runs = await asyncio.gather(*(
         run_policy(name, POLICIES[name], policies[name], fleets[name], configs, records, slos,
@@ -727,7 +783,7 @@ def rate_summary(rate: float, rounds: dict[str, list[dict[str, Any]]]) -> dict[s
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     # NOTE: one policy object per name for the whole run: the adaptive policy keeps what
     # it learned (warm-up included), as a long-running proxy would.
-    policies = {name: build_policy(name, seed=args.seed) for name in args.policies}
+    policies = {name: make_policy(name, args.seed) for name in args.policies}
     configs = fleet_configs(args.fleet, args.long_cores, args.device)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     fleets = {name: start_workers(configs, args.log_dir, name) for name in args.policies}
@@ -748,6 +804,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                      args.probe_requests * args.fit_concurrency))
             print_fit(f"loaded, {args.fit_concurrency} requests of a class at a time", loaded)
             out["probe_loaded"] = loaded
+        if args.rate_multiples:
+            speed = speed_index(REF_PROBE, ref)
+            args.rates = rates_from_probe(args.rate_multiples, speed)
+            out["rate_rule"] = {"multiples": args.rate_multiples, "speed_index": speed,
+                                "rates": args.rates}
+            print(f"speed index {speed:.3f} of the reference probe: rates {args.rates} req/s "
+                  f"(multiples {args.rate_multiples})", flush=True)
+            schedules = Schedules(args)  # the trace must cover the rates now set
         slos = slos_from(args, ref)
         out["slos"] = {"ttft_s": slos.ttft_s, "tpot_s": slos.tpot_s}
         rule = "given" if args.slo_seconds else "fixed" if args.fixed_slos else "rule"
@@ -839,9 +903,9 @@ def pooled_line(rate: str, rounds: dict[str, list[dict[str, Any]]]) -> str:
     sent = sum(r["num_requests"] for r in rounds.get("adaptive", next(iter(rounds.values()))))
     parts = [f"{rate:>6} | met " + " / ".join(f"{n} {g}" for n, g in good.items())
              + f" of {sent}"]
-    for base in ("round_robin", "least_outstanding"):
-        if base in good and "adaptive" in good and good[base]:
-            parts.append(f"adaptive/{base} {good['adaptive'] / good[base]:.2f}x")
+    for top, base in COMPARISONS:
+        if base in good and top in good and good[base]:
+            parts.append(f"{top}/{base} {good[top] / good[base]:.2f}x")
     return " | ".join(parts)
 
 
@@ -851,11 +915,9 @@ def peak_summary(out: dict[str, Any]) -> list[str]:
     med = medians(out)
     peaks = {n: max(by_rate.items(), key=lambda kv: kv[1]) for n, by_rate in med.items()}
     lines = [f"peak goodput {n}: {g:.3f} req/s at rate {r}" for n, (r, g) in peaks.items()]
-    if "adaptive" in peaks:
-        for base in ("round_robin", "least_outstanding"):
-            if base in peaks and peaks[base][1] > 0:
-                lines.append(f"peak ratio adaptive/{base}: "
-                             f"{peaks['adaptive'][1] / peaks[base][1]:.2f}x")
+    for top, base in COMPARISONS:
+        if top in peaks and base in peaks and peaks[base][1] > 0:
+            lines.append(f"peak ratio {top}/{base}: {peaks[top][1] / peaks[base][1]:.2f}x")
     return lines
 
 
@@ -886,8 +948,8 @@ def attainment_line(rate: str, out: dict[str, Any]) -> str:
 
 
 def print_report(out: dict[str, Any]) -> None:
-    print("rate   | goodput (req/s meeting the SLO, median of rounds) RR / LO / adaptive "
-          "| adaptive/RR median (min-max) | adaptive/LO median (min-max)")
+    print("rate   | goodput (req/s meeting the SLO, median of rounds) per policy "
+          "| ratios of rounds: median (min-max)")
     for rate, rounds in out["rates"].items():
         print(ratio_line(float(rate), rounds))
     print("pooled over rounds:")
@@ -924,11 +986,15 @@ def miss_line(rows: list[dict[str, Any]], slos: dict[str, dict[str, float]]) -> 
         for k, c in sorted(cells.items()))
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
-    ap.add_argument("--rates", type=float, nargs="+", default=[2.0], help="mean req/s")
+    ap.add_argument("--rates", type=float, nargs="+", help="mean req/s (default: 2)")
+    ap.add_argument("--rate-multiples", type=float, nargs="+", metavar="M",
+                    help="instead of --rates: rates set from this run's probe, m x this "
+                         "machine's speed index against REF_PROBE (session 5 round 2's probe), "
+                         "i.e. m req/s on that machine")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of trace per round")
     ap.add_argument("--rounds", type=int, default=2, help="measured rounds per rate")
     ap.add_argument("--warmup", type=float, default=30.0,
@@ -973,7 +1039,8 @@ def main() -> None:
                     help="fast-long fleet: engine-core processes (one thread each) of the "
                          "long-prompt worker")
     ap.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES),
-                    help="a subset for debugging (the ratios need all three)")
+                    help="each on its own fleet; adaptive-nostall: adaptive with "
+                         "price_prefill_stalls off (the A/B); a subset needs fewer cores")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="engine workers' torch device (cpu, cuda)")
     ap.add_argument("--json", type=Path, help="write the probe, SLOs and all rounds here")
@@ -982,13 +1049,22 @@ def main() -> None:
     ap.add_argument("--report", type=Path, nargs="+", metavar="JSON",
                     help="print the summary of earlier runs' --json files (a sweep split "
                          "over calls, each its own rates) and exit")
-    args = ap.parse_args()
-    if args.report:
-        print_report(merge_runs([json.loads(path.read_text()) for path in args.report]))
-        return
-    args.rates = sorted(args.rates)
+    return ap
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Validate the plan before any fleet starts (``ap.error`` exits)."""
+    if args.rates and args.rate_multiples:
+        ap.error("give --rates or --rate-multiples, not both")
+    if args.rate_multiples:
+        args.rate_multiples = sorted(args.rate_multiples)
+    # NOTE: with --rate-multiples the trace check below sees the reference machine's rates;
+    # main_async checks again once the probe has set them
+    args.rates = sorted(args.rates or args.rate_multiples or [2.0])
     if min(args.rates) <= 0 or args.duration <= 0 or args.rounds <= 0 or args.warmup < 0:
         ap.error("rates, --duration and --rounds must be positive, --warmup >= 0")
+    if len(set(args.policies)) != len(args.policies):
+        ap.error("--policies: each name once")
     if args.fit_concurrency < 1 or args.probe_requests < 1:
         ap.error("--fit-concurrency and --probe-requests must be >= 1")
     if not 0 < args.prefix_share < 1 or args.trace_start < 0:
@@ -997,11 +1073,21 @@ def main() -> None:
         Schedules(args)  # the trace covers the whole plan: fail before starting any fleet
     except ValueError as e:
         ap.error(str(e))
+
+
+def main() -> None:
+    ap = build_parser()
+    args = ap.parse_args()
+    if args.report:
+        print_report(merge_runs([json.loads(path.read_text()) for path in args.report]))
+        return
+    check_args(ap, args)
     configs = fleet_configs(args.fleet, args.long_cores, args.device)
     print(f"workload {args.workload}" + (
         f" ({args.prefix_share:.0%} Mooncake from request {args.trace_start}, prompts x"
         f"{MOONCAKE_PROMPT_SCALE:g})" if args.workload == "prefix-mix" else "") + "; "
-          f"rates {args.rates} req/s x {args.duration:g} s, {args.rounds} rounds each, warm-up "
+          + (f"rates {args.rate_multiples} x the probe's speed index" if args.rate_multiples
+             else f"rates {args.rates} req/s") + f" x {args.duration:g} s, {args.rounds} rounds each, warm-up "
           f"{args.warmup:g} s; workers: " + "; ".join(
               f"{n}: {c.engine.max_num_seqs} seqs, {c.engine.max_num_batched_tokens}-token "
               f"prefill, spec={c.engine.spec_method}(default k={c.engine.spec_default_depth}), "

@@ -1,0 +1,109 @@
+"""bench/routing.py's plan options: the ``adaptive-nostall`` policy (the stall-pricing A/B in
+the same run), rates set from the run's probe (``--rate-multiples``), the argument checks,
+and the A/B's ratios in the reports (answers written out)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from engine.config import CompiledConfig
+from router.adaptive import AdaptivePolicy
+from router.base import RequestShape, WorkerView
+from tests.bench_module import load_bench
+
+BENCH = load_bench("routing.py", "bench_routing_plan")
+
+
+def test_the_nostall_variant_is_adaptive_with_stall_pricing_off_and_nothing_else() -> None:
+    on, off = BENCH.make_policy("adaptive", 3), BENCH.make_policy("adaptive-nostall", 3)
+    assert isinstance(on, AdaptivePolicy) and isinstance(off, AdaptivePolicy)
+    assert on.config.price_prefill_stalls and not off.config.price_prefill_stalls
+    assert dataclasses.replace(off.config, price_prefill_stalls=True) == on.config
+    assert BENCH.POLICIES["adaptive-nostall"] == BENCH.POLICIES["adaptive"] == "adaptive"
+    assert type(BENCH.make_policy("round_robin", 3)).__name__ == "RoundRobinPolicy"
+
+
+def test_the_nostall_variant_prices_the_prefill_ahead_as_session_5_did() -> None:
+    view = WorkerView("w", "http://w", "engine", CompiledConfig().with_engine(max_num_seqs=8))
+    clock = [0.0]
+    picks = {}
+    for name in ("adaptive", "adaptive-nostall"):
+        policy = BENCH.make_policy(name, 0)
+        policy.clock = lambda: clock[0]
+        policy.choose(RequestShape("summarization", 1500, None, 50), [view])  # a long prompt
+        picks[name] = policy.candidate(RequestShape("chat", 20, None, 50), view)
+    # the first prompt's prefill is still ahead at t=0: TTFT with stalls priced, TPOT without
+    assert picks["adaptive"].ahead_s > 0 and picks["adaptive-nostall"].ahead_s == 0.0
+    assert picks["adaptive-nostall"].tpot_s > picks["adaptive"].tpot_s
+    assert picks["adaptive"].ttft_s > picks["adaptive-nostall"].ttft_s
+
+
+def test_speed_index_is_the_median_latency_ratio_over_the_shared_cells() -> None:
+    ref = {"a": {"x": (0.1, 0.010), "y": (0.2, 0.002)}, "b": {"x": (0.3, 0.003)}}
+    # a/x: 0.5, 0.25; a/y: 0.5, 0.5; b/x: 1.0, 0.5; "z" and worker "c" are not in the reference
+    probe = {"a": {"x": (0.2, 0.040), "y": (0.4, 0.004), "z": (9.0, 9.0)},
+             "b": {"x": (0.3, 0.006)}, "c": {"x": (1.0, 1.0)}}
+    assert BENCH.speed_index(ref, probe) == pytest.approx(0.5)
+    assert BENCH.speed_index(ref, {"a": {"x": (0.05, 0.005)}}) == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        BENCH.speed_index(ref, {"c": {"x": (1.0, 1.0)}})
+
+
+def test_the_reference_probe_gives_speed_one_and_rates_scale_with_it() -> None:
+    assert BENCH.speed_index(BENCH.REF_PROBE, BENCH.REF_PROBE) == pytest.approx(1.0)
+    assert BENCH.rates_from_probe([5.0, 8.0, 11.0, 14.0], 0.49) == [2.5, 3.9, 5.4, 6.9]
+    assert BENCH.rates_from_probe([0.1], 0.2) == [0.1]  # never 0 req/s
+
+
+def parse(*argv: str) -> Any:
+    ap = BENCH.build_parser()
+    args = ap.parse_args(["--workload", "specbench", *argv])
+    BENCH.check_args(ap, args)
+    return args
+
+
+def test_the_default_policies_are_the_baselines_adaptive_and_its_ab() -> None:
+    args = parse()
+    assert args.policies == ["round_robin", "least_outstanding", "adaptive", "adaptive-nostall"]
+    assert args.rates == [2.0] and args.rate_multiples is None
+
+
+def test_rate_multiples_stand_in_for_the_rates_until_the_probe_sets_them() -> None:
+    args = parse("--rate-multiples", "11", "5", "8")
+    assert args.rate_multiples == [5.0, 8.0, 11.0] and args.rates == [5.0, 8.0, 11.0]
+
+
+@pytest.mark.parametrize("argv", [
+    ("--rates", "4", "--rate-multiples", "5"),  # both
+    ("--rate-multiples", "0", "5"),  # not positive
+    ("--rates", "-1"),
+    ("--policies", "adaptive", "adaptive"),  # twice
+    ("--policies", "adaptive-stall"),  # unknown
+])
+def test_bad_plans_are_refused(argv: tuple[str, ...]) -> None:
+    with pytest.raises(SystemExit):
+        parse(*argv)
+
+
+def run(goodput: float, good: int, sent: int = 10) -> dict[str, Any]:
+    return {"goodput": goodput, "num_good": good, "num_requests": sent}
+
+
+ROUNDS = {"round_robin": [run(4.0, 4), run(2.0, 2)],
+          "adaptive": [run(6.0, 6), run(6.0, 6)],
+          "adaptive-nostall": [run(5.0, 5), run(3.0, 3)]}
+
+
+def test_the_stall_ab_ratios_are_in_every_report_line() -> None:
+    # rounds: 6/5 = 1.2 and 6/3 = 2.0 -> median 1.6; pooled 12 / 8 = 1.5
+    assert "adaptive/adaptive-nostall 1.60x (1.20-2.00)" in BENCH.ratio_line(8.0, ROUNDS)
+    assert "adaptive/round_robin 2.25x (1.50-3.00)" in BENCH.ratio_line(8.0, ROUNDS)
+    line = BENCH.pooled_line("8.0", ROUNDS)
+    assert "adaptive/adaptive-nostall 1.50x" in line and "adaptive/round_robin 2.00x" in line
+    assert "least_outstanding" not in line  # it did not run
+    # peaks: medians RR 3, adaptive 6, nostall 4
+    assert BENCH.peak_summary({"rates": {"8.0": ROUNDS}})[-2:] == [
+        "peak ratio adaptive/round_robin: 2.00x", "peak ratio adaptive/adaptive-nostall: 1.50x"]
