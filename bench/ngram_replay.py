@@ -49,7 +49,7 @@ PROMPTS, REPETITIVE_DOMAINS = bench_specdec.PROMPTS, bench_specdec.REPETITIVE_DO
 load_prompts = bench_specdec.load_prompts
 
 from specdec.base import ProposalRequest  # noqa: E402
-from specdec.ngram import NgramConfig, NgramProposer, _SeqState, _SuffixIndex  # noqa: E402
+from specdec.ngram import NgramConfig, NgramProposer, _SeqState  # noqa: E402
 from specdec.pool import OutputPool  # noqa: E402
 
 CACHE_DIR = REPO / "bench" / "out" / "ngram_replay"
@@ -258,27 +258,18 @@ def oracle(records: list[Record], depth: int, rounds: int) -> dict[str, Tally]:
     length 1-4 and of up to 16 pool hits of each suffix length 1-8, uncapped. Not a proposer:
     it reads the output it is about to be checked against."""
     tallies: dict[str, Tally] = defaultdict(Tally)
-    pool = VotePool(NgramConfig().pool_tokens, 1, 8, hits=16, min_share=0.0)
+    pool = _candidate_pool()
     for _ in range(rounds):
         for rec in records:
             key = hash(tuple(rec.prompt))
-            index = _SuffixIndex(1, 4)
+            index = _LatestEnds(CONTEXT_MAX_N)
             out, pos, tally = rec.output, 1, tallies[rec.domain]
             while pos < len(out):
-                ctx = rec.prompt + out[:pos]
-                index.sync(ctx)
+                index.sync(rec.prompt + out[:pos])
                 k = min(depth, len(out) - pos)
                 truth = out[pos:pos + k]
-                ends = [j for m in range(1, 5)
-                        if (j := index.latest[m].get(tuple(ctx[len(ctx) - m:]))) is not None]
-                # the proposer's periodic continuation of a match that runs into the end
-                cands = [[ctx[j + 1 + i % (len(ctx) - 1 - j)] for i in range(k)] for j in ends]
-                for m in range(1, min(8, len(ctx)) + 1):
-                    for entry_id, end in pool._index[m].get(tuple(ctx[len(ctx) - m:]), ()):
-                        entry = pool._entries.get(entry_id)
-                        if entry is not None and entry.prompt_key != key:
-                            cands.append(entry.tokens[end + 1:end + 1 + k])
-                best = max((_accepted(c, truth) for c in cands), default=0)
+                cands = gather(index, pool, key, k, "full")
+                best = max((_accepted(c.tokens, truth) for c in cands), default=0)
                 step = min(best + 1, len(out) - pos)
                 tally.tokens, tally.steps, pos = tally.tokens + step, tally.steps + 1, pos + step
             pool.add(key, out)
@@ -290,6 +281,177 @@ def _accepted(draft: Sequence[int], truth: Sequence[int]) -> int:
     while n < len(draft) and n < len(truth) and draft[n] == truth[n]:
         n += 1
     return n
+
+
+# --- top-m: verify the m best-ranked candidates in one step (forks sharing the prefix) ---
+
+CONTEXT_MAX_N = 4  # context candidates: suffix lengths 1..4 (the proposer's max_n)
+POOL_MAX_N = 8  # pool candidates: suffix lengths 1..8
+POOL_HITS = 16  # pool candidates: latest hits of up to this many prompts per n-gram
+RANKINGS = ("length", "vote")
+LENGTH_RULES = ("capped", "full")
+CONTEXT, POOL = 0, 1  # a candidate's source
+
+
+@dataclass(frozen=True)
+class Candidate:
+    n: int  # length of the matched suffix
+    source: int  # CONTEXT or POOL
+    tokens: list[int]  # its continuation, cut to the step's depth (and its cap when capped)
+
+
+@dataclass(frozen=True)
+class TopMRule:
+    ranking: str  # "length" | "vote"
+    lengths: str  # "capped" | "full"
+    m: int  # candidates verified per step
+
+    def __post_init__(self) -> None:
+        if self.ranking not in RANKINGS or self.lengths not in LENGTH_RULES or self.m < 1:
+            raise ValueError(f"top-m: bad rule {self}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.ranking}/{self.lengths}"
+
+
+class _LatestEnds:
+    """The latest end of every n-gram (n = 1..max_n) of one sequence that a token follows, as
+    specdec.ngram's per-sequence index keeps it (kept here so that the replay does not lean on
+    that index's internals). Append-only: the replay only ever extends a sequence."""
+
+    def __init__(self, max_n: int) -> None:
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]  # [n]
+
+    def sync(self, token_ids: Sequence[int]) -> None:
+        size = len(self.tokens)
+        self.tokens.extend(token_ids[size:])
+        tokens = self.tokens
+        for j in range(max(size - 1, 0), len(tokens) - 1):
+            for n in range(1, min(self.max_n, j + 1) + 1):
+                self.latest[n][tuple(tokens[j - n + 1:j + 1])] = j
+
+
+def _candidate_pool() -> OutputPool:
+    return OutputPool(NgramConfig().pool_tokens, 1, POOL_MAX_N, max_hits=POOL_HITS)
+
+
+def _cap(source: int, n: int, k: int, config: NgramConfig) -> int:
+    """The depth the proposer gives a match of ``n`` tokens from ``source`` (a pool match
+    longer than the proposer's max_n takes the max_n cap)."""
+    if source == POOL:
+        n = min(n, config.max_n)
+    caps = config.context_depth_caps if source == CONTEXT else config.pool_depth_caps
+    if config.weak_match_depth is not None and n < config.max_n:
+        k = min(k, config.weak_match_depth)
+    return min(k, caps[n - 1]) if n <= len(caps) else k
+
+
+def gather(index: _LatestEnds, pool: OutputPool, prompt_key: int, k: int, lengths: str,
+           config: NgramConfig | None = None) -> list[Candidate]:
+    """Every candidate the lookups find, in length order: suffix length descending, the
+    context's before the pool's, pool hits latest first. Context continuations that run into
+    the end repeat with their period (as the proposer's). Empty ones are left out."""
+    config = config or NgramConfig()
+    ctx = index.tokens
+    found: list[Candidate] = []
+    for n in range(min(POOL_MAX_N, len(ctx)), 0, -1):
+        gram = tuple(ctx[len(ctx) - n:])
+        j = index.latest[n].get(gram) if n <= index.max_n else None
+        if j is not None:
+            period = len(ctx) - 1 - j
+            depth = k if lengths == "full" else _cap(CONTEXT, n, k, config)
+            found.append(Candidate(n, CONTEXT, [ctx[j + 1 + i % period] for i in range(depth)]))
+        depth = k if lengths == "full" else _cap(POOL, n, k, config)
+        for entry_id, end in pool._index[n].get(gram, ()):  # noqa: SLF001  (every hit)
+            entry = pool._entries.get(entry_id)  # noqa: SLF001
+            if entry is not None and entry.prompt_key != prompt_key:
+                found.append(Candidate(n, POOL, entry.tokens[end + 1:end + 1 + depth]))
+    return [c for c in found if c.tokens]
+
+
+def support(found: Sequence[Candidate]) -> Counter[tuple[int, ...]]:
+    """How many candidates start with each prefix; a candidate's support is the sum of this
+    over its own prefixes (the sum of its common-prefix lengths with every candidate)."""
+    counts: Counter[tuple[int, ...]] = Counter()
+    for c in found:
+        t = tuple(c.tokens)
+        counts.update(t[:i] for i in range(1, len(t) + 1))
+    return counts
+
+
+def rank(own: list[int], found: list[Candidate], ranking: str) -> list[tuple[int, ...]]:
+    """``own`` first, then ``found`` (in length order) by ``ranking``, deduplicated: a
+    candidate equal to or a prefix of one already kept is dropped; a kept one (not ``own``)
+    that is a prefix of a later one is replaced by it in its slot. ``own`` is never dropped or
+    replaced, so the top 1 is always the proposer's own proposal."""
+    order = [tuple(c.tokens) for c in found]
+    if ranking == "vote":
+        counts = support(found)
+        score = [sum(counts[t[:i]] for i in range(1, len(t) + 1)) for t in order]
+        order = [order[i] for i in sorted(range(len(order)), key=lambda i: -score[i])]
+    kept = [tuple(own)]
+    covered = {kept[0][:i] for i in range(1, len(own) + 1)}  # every prefix of a kept one
+    slot_of: dict[tuple[int, ...], int] = {}  # a kept candidate (not own) -> its slot
+    for t in order:
+        if t in covered:
+            continue
+        slot = next((slot_of.pop(t[:i]) for i in range(1, len(t)) if t[:i] in slot_of), None)
+        if slot is None:
+            slot = len(kept)
+            kept.append(t)
+        else:
+            kept[slot] = t
+        slot_of[t] = slot
+        covered.update(t[:i] for i in range(1, len(t) + 1))
+    return kept
+
+
+@dataclass
+class TopMTally(Tally):
+    rows: int = 0  # verify rows as forks: 1 + the sum of the verified candidates' lengths
+    tree_rows: int = 0  # as a token tree: 1 + their distinct prefixes
+
+
+def _verify(cands: Sequence[tuple[int, ...]], truth: Sequence[int],
+            tally: TopMTally) -> int:
+    """Count one step's rows; the longest accepted run among ``cands``."""
+    tally.rows += 1 + sum(len(c) for c in cands)
+    tally.tree_rows += 1 + len({c[:i] for c in cands for i in range(1, len(c) + 1)})
+    tally.drafted += sum(len(c) for c in cands)
+    return max(_accepted(c, truth) for c in cands)
+
+
+def replay_top_m(records: list[Record], rule: TopMRule, depth: int,
+                 rounds: int) -> dict[str, TopMTally]:
+    """:func:`replay` of the default proposer, where each step verifies the top ``rule.m``
+    candidates and accepts the longest run among them. The candidate pool is fed what the
+    proposer's own pool is fed (the output up to the last step's context), in the same order."""
+    tallies: dict[str, TopMTally] = defaultdict(TopMTally)
+    proposer, pool = NgramProposer(NgramConfig()), _candidate_pool()
+    seq_id = 0
+    for _ in range(rounds):
+        for rec in records:
+            seq_id += 1
+            key, index = hash(tuple(rec.prompt)), _LatestEnds(CONTEXT_MAX_N)
+            out, pos, tally = rec.output, 1, tallies[rec.domain]
+            while pos < len(out):
+                context = rec.prompt + out[:pos]
+                k = min(depth, len(out) - pos)
+                own = proposer.propose([ProposalRequest(seq_id, context, k,
+                                                        num_prompt_tokens=len(rec.prompt))])
+                index.sync(context)
+                ranked = rank(own[0].tokens, gather(index, pool, key, k, rule.lengths),
+                              rule.ranking)
+                step = min(_verify(ranked[:rule.m], out[pos:pos + k], tally) + 1, len(out) - pos)
+                tally.tokens, tally.steps, tally.calls = tally.tokens + step, tally.steps + 1, \
+                    tally.calls + 1
+                pos += step
+            proposer.release(seq_id)
+            pool.add(key, index.tokens[len(rec.prompt):])
+    return tallies
 
 
 def report(records: list[Record], depths: list[int], rounds: int, with_oracle: bool) -> None:
@@ -321,6 +483,56 @@ def report(records: list[Record], depths: list[int], rounds: int, with_oracle: b
         print(f"  {'us/propose':>14} " + " ".join(f"{u:>25.1f}" for u in us))
 
 
+BAR_DOMAINS, BAR_RATIO, BAR_MAX_M = ("qa", "chat"), 1.12, 4  # fixed before the dev set ran
+
+
+def report_top_m(records: list[Record], depths: list[int], rounds: int, ms: list[int]) -> None:
+    """Per depth and rule: tokens per step (ratio over current) and rows per step as forks /
+    as a token tree, for each m; then the bar (every BAR_DOMAINS ratio >= BAR_RATIO at some
+    m <= BAR_MAX_M)."""
+    domains = sorted({r.domain for r in records}, key=lambda d: (d not in REPETITIVE_DOMAINS, d))
+    print(f"{len(records)} outputs, {rounds} round(s); cells: tokens per step (ratio over "
+          "current) rows per step as forks/tree")
+    for k in depths:
+        base = replay(records, NgramProposer(NgramConfig()), k, rounds)
+        bound = oracle(records, k, rounds)
+        print(f"depth {k}: current (rows/step = 1 + drafted) and oracle bound")
+        for d in domains:
+            b, o = base[d], bound[d]
+            print(f"  {d:>14} {b.tokens / b.steps:5.2f} ({1 + b.drafted / b.steps:4.1f} rows)  "
+                  f"oracle {o.tokens / o.steps:5.2f} ({o.tokens / o.steps / (b.tokens / b.steps):5.3f})")
+        for ranking in RANKINGS:
+            for lengths in LENGTH_RULES:
+                _print_rule(records, base, TopMRule(ranking, lengths, 1), k, rounds, ms, domains)
+
+
+def _print_rule(records: list[Record], base: dict[str, Tally], rule: TopMRule, depth: int,
+                rounds: int, ms: list[int], domains: list[str]) -> None:
+    runs = {m: replay_top_m(records, TopMRule(rule.ranking, rule.lengths, m), depth, rounds)
+            for m in ms}
+    print(f"depth {depth}, top-m {rule.name}:")
+    print(f"  {'domain':>14} " + " ".join(f"{f'm={m}':>24}" for m in ms))
+    ratios: dict[tuple[str, int], float] = {}
+    for d in domains:
+        b = base[d].tokens / base[d].steps
+        cells = []
+        for m in ms:
+            t = runs[m][d]
+            ratios[(d, m)] = t.tokens / t.steps / b
+            cells.append(f"{t.tokens / t.steps:5.2f} ({ratios[(d, m)]:5.3f}) "
+                         f"{t.rows / t.steps:4.1f}/{t.tree_rows / t.steps:4.1f}")
+        print(f"  {'*' if d in REPETITIVE_DOMAINS else ' '}{d:>13} " +
+              " ".join(f"{c:>24}" for c in cells))
+    if 1 in ms:
+        same = all((runs[1][d].tokens, runs[1][d].steps) == (base[d].tokens, base[d].steps)
+                   for d in domains)
+        print(f"  m=1 == current: {'yes' if same else 'NO'}")
+    passing = [m for m in ms if m <= BAR_MAX_M and all(
+        ratios.get((d, m), 0.0) >= BAR_RATIO for d in BAR_DOMAINS)]
+    print(f"  bar ({' and '.join(BAR_DOMAINS)} >= {BAR_RATIO:.2f}x at m <= {BAR_MAX_M}): "
+          f"{'passes at m=' + ','.join(map(str, passing)) if passing else 'not met'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--set", choices=("dev", "heldout"), default="dev")
@@ -329,11 +541,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--oracle", action="store_true", help="also print the oracle bound")
+    parser.add_argument("--top-m", type=int, nargs="*", metavar="M",
+                        help="print the top-m family for these m (default 1 2 3 4 8) "
+                             "instead of the pool variants")
     args = parser.parse_args()
     prompts = (dev_prompts(args.dev_per_domain) if args.set == "dev"
                else load_prompts(PROMPTS, 3, 0))
     records = load_records(args.set, prompts, args.max_tokens)
-    report(records, args.depths, args.rounds, args.oracle)
+    if args.top_m is not None:
+        report_top_m(records, args.depths, args.rounds, args.top_m or [1, 2, 3, 4, 8])
+    else:
+        report(records, args.depths, args.rounds, args.oracle)
 
 
 if __name__ == "__main__":
