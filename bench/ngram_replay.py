@@ -32,6 +32,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Protocol
 
@@ -409,28 +410,48 @@ def rank(own: list[int], found: list[Candidate], ranking: str) -> list[tuple[int
     return kept
 
 
+# NOTE: an indicative GPU price of a verify step by its rows, to turn rows into time: the H200's
+# bf16 engine step at batch 1 with CUDA graphs (RESULTS, "Step costs", session 6): 1 row 0.384
+# ms, 5 rows 0.457, 17 rows 0.475; past 17 rows the graph replay's own slope (8 -> 64 -> 256
+# rows: 0.340 -> 0.361 -> 0.435 ms, ~0.38 us a row). Batch 1 only; linear between the points.
+GPU_STEP_MS = ((1, 0.384), (5, 0.457), (17, 0.475), (256, 0.475 + 239 * 0.000375))
+
+
+def gpu_step_ms(rows: int) -> float:
+    """Indicative ms of one batch-1 verify step of ``rows`` rows (see GPU_STEP_MS)."""
+    for (r0, t0), (r1, t1) in pairwise(GPU_STEP_MS):
+        if rows <= r1:
+            return t0 + (t1 - t0) * (max(rows, r0) - r0) / (r1 - r0)
+    (r0, t0), (r1, t1) = GPU_STEP_MS[-2:]
+    return t1 + (t1 - t0) * (rows - r1) / (r1 - r0)
+
+
 @dataclass
 class TopMTally(Tally):
     rows: int = 0  # verify rows as forks: 1 + the sum of the verified candidates' lengths
     tree_rows: int = 0  # as a token tree: 1 + their distinct prefixes
+    gpu_ms: float = 0.0  # the steps' indicative GPU time, forks (gpu_step_ms)
 
 
 def _verify(cands: Sequence[tuple[int, ...]], truth: Sequence[int],
             tally: TopMTally) -> int:
     """Count one step's rows; the longest accepted run among ``cands``."""
-    tally.rows += 1 + sum(len(c) for c in cands)
+    rows = 1 + sum(len(c) for c in cands)
+    tally.rows += rows
     tally.tree_rows += 1 + len({c[:i] for c in cands for i in range(1, len(c) + 1)})
-    tally.drafted += sum(len(c) for c in cands)
+    tally.gpu_ms += gpu_step_ms(rows)
+    tally.drafted += rows - 1
     return max(_accepted(c, truth) for c in cands)
 
 
-def replay_top_m(records: list[Record], rule: TopMRule, depth: int,
-                 rounds: int) -> dict[str, TopMTally]:
-    """:func:`replay` of the default proposer, where each step verifies the top ``rule.m``
-    candidates and accepts the longest run among them. The candidate pool is fed what the
-    proposer's own pool is fed (the output up to the last step's context), in the same order."""
+def replay_top_m(records: list[Record], rule: TopMRule, depth: int, rounds: int,
+                 own_config: NgramConfig | None = None) -> dict[str, TopMTally]:
+    """:func:`replay` of the proposer (``own_config``, default: the default one), where each
+    step verifies the top ``rule.m`` candidates and accepts the longest run among them. The
+    candidate pool is fed what the proposer's own pool is fed (the output up to the last
+    step's context), in the same order; the other candidates keep the default caps."""
     tallies: dict[str, TopMTally] = defaultdict(TopMTally)
-    proposer, pool = NgramProposer(NgramConfig()), _candidate_pool()
+    proposer, pool = NgramProposer(own_config or NgramConfig()), _candidate_pool()
     seq_id = 0
     for _ in range(rounds):
         for rec in records:
@@ -484,52 +505,64 @@ def report(records: list[Record], depths: list[int], rounds: int, with_oracle: b
 
 
 BAR_DOMAINS, BAR_RATIO, BAR_MAX_M = ("qa", "chat"), 1.12, 4  # fixed before the dev set ran
+# A diagnostic added after the dev set's first run (not one of the rules the bar judges): the
+# proposer's own proposal with its CPU-tuned caps lifted, which tells how much of the "full"
+# rule's gain a single, longer candidate would give without any extra fork.
+UNCAPPED = NgramConfig(weak_match_depth=None, context_depth_caps=(), pool_depth_caps=())
 
 
 def report_top_m(records: list[Record], depths: list[int], rounds: int, ms: list[int]) -> None:
-    """Per depth and rule: tokens per step (ratio over current) and rows per step as forks /
-    as a token tree, for each m; then the bar (every BAR_DOMAINS ratio >= BAR_RATIO at some
-    m <= BAR_MAX_M)."""
+    """Per depth and rule, for each m: tokens per step, its ratio over current, rows per step as
+    forks / as a token tree, and the indicative GPU speed ratio over current (tokens per
+    gpu_step_ms, forks); then the bar (every BAR_DOMAINS ratio >= BAR_RATIO at some m <=
+    BAR_MAX_M)."""
     domains = sorted({r.domain for r in records}, key=lambda d: (d not in REPETITIVE_DOMAINS, d))
-    print(f"{len(records)} outputs, {rounds} round(s); cells: tokens per step (ratio over "
-          "current) rows per step as forks/tree")
+    print(f"{len(records)} outputs, {rounds} round(s); cells: tokens/step, ratio over current, "
+          "rows/step as forks/tree, est. GPU speed (tokens per priced ms) over current")
     for k in depths:
-        base = replay(records, NgramProposer(NgramConfig()), k, rounds)
+        base = replay_top_m(records, TopMRule("length", "capped", 1), k, rounds)
+        current = replay(records, NgramProposer(NgramConfig()), k, rounds)
+        same = all((current[d].tokens, current[d].steps, current[d].drafted) ==
+                   (base[d].tokens, base[d].steps, base[d].drafted) for d in domains)
         bound = oracle(records, k, rounds)
-        print(f"depth {k}: current (rows/step = 1 + drafted) and oracle bound")
+        print(f"depth {k}: current and oracle bound (ratio); top-m m=1 == current: "
+              f"{'yes' if same else 'NO'}")
         for d in domains:
             b, o = base[d], bound[d]
-            print(f"  {d:>14} {b.tokens / b.steps:5.2f} ({1 + b.drafted / b.steps:4.1f} rows)  "
-                  f"oracle {o.tokens / o.steps:5.2f} ({o.tokens / o.steps / (b.tokens / b.steps):5.3f})")
+            print(f"  {d:>14} {b.tokens / b.steps:5.2f}  {b.rows / b.steps:4.1f} rows  "
+                  f"{b.gpu_ms / b.steps:5.3f} ms/step  oracle {o.tokens / o.steps:5.2f} "
+                  f"({o.tokens / o.steps / (b.tokens / b.steps):5.3f})")
         for ranking in RANKINGS:
             for lengths in LENGTH_RULES:
                 _print_rule(records, base, TopMRule(ranking, lengths, 1), k, rounds, ms, domains)
+        _print_rule(records, base, TopMRule("length", "full", 1), k, rounds, ms, domains,
+                    UNCAPPED)
 
 
-def _print_rule(records: list[Record], base: dict[str, Tally], rule: TopMRule, depth: int,
-                rounds: int, ms: list[int], domains: list[str]) -> None:
-    runs = {m: replay_top_m(records, TopMRule(rule.ranking, rule.lengths, m), depth, rounds)
-            for m in ms}
-    print(f"depth {depth}, top-m {rule.name}:")
-    print(f"  {'domain':>14} " + " ".join(f"{f'm={m}':>24}" for m in ms))
+def _print_rule(records: list[Record], base: dict[str, TopMTally], rule: TopMRule, depth: int,
+                rounds: int, ms: list[int], domains: list[str],
+                own_config: NgramConfig | None = None) -> None:
+    runs = {m: replay_top_m(records, TopMRule(rule.ranking, rule.lengths, m), depth, rounds,
+                            own_config) for m in ms}
+    own = "" if own_config is None else ", DIAGNOSTIC: own proposal uncapped"
+    print(f"depth {depth}, top-m {rule.name}{own}:")
+    print(f"  {'domain':>14} " + " ".join(f"{f'm={m}':>28}" for m in ms))
     ratios: dict[tuple[str, int], float] = {}
     for d in domains:
-        b = base[d].tokens / base[d].steps
+        b = base[d]
         cells = []
         for m in ms:
             t = runs[m][d]
-            ratios[(d, m)] = t.tokens / t.steps / b
-            cells.append(f"{t.tokens / t.steps:5.2f} ({ratios[(d, m)]:5.3f}) "
-                         f"{t.rows / t.steps:4.1f}/{t.tree_rows / t.steps:4.1f}")
+            ratios[(d, m)] = t.tokens * b.steps / (t.steps * b.tokens)
+            speed = t.tokens * b.gpu_ms / (t.gpu_ms * b.tokens)
+            cells.append(f"{t.tokens / t.steps:4.2f} {ratios[(d, m)]:5.3f} "
+                         f"{t.rows / t.steps:4.1f}/{t.tree_rows / t.steps:4.1f} {speed:5.3f}")
         print(f"  {'*' if d in REPETITIVE_DOMAINS else ' '}{d:>13} " +
-              " ".join(f"{c:>24}" for c in cells))
-    if 1 in ms:
-        same = all((runs[1][d].tokens, runs[1][d].steps) == (base[d].tokens, base[d].steps)
-                   for d in domains)
-        print(f"  m=1 == current: {'yes' if same else 'NO'}")
+              " ".join(f"{c:>28}" for c in cells))
     passing = [m for m in ms if m <= BAR_MAX_M and all(
         ratios.get((d, m), 0.0) >= BAR_RATIO for d in BAR_DOMAINS)]
-    print(f"  bar ({' and '.join(BAR_DOMAINS)} >= {BAR_RATIO:.2f}x at m <= {BAR_MAX_M}): "
+    print(f"  {'(diagnostic, not judged) ' if own_config else ''}bar "
+          f"({' and '.join(BAR_DOMAINS)} >= {BAR_RATIO:.2f}x at m <= {BAR_MAX_M}): "
           f"{'passes at m=' + ','.join(map(str, passing)) if passing else 'not met'}")
 
 

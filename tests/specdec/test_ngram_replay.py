@@ -134,3 +134,11 @@ def test_top_m_rule_is_checked(replay_mod) -> None:  # type: ignore[no-untyped-d
     for bad in (("length", "capped", 0), ("best", "capped", 2), ("vote", "long", 2)):
         with pytest.raises(ValueError):
             replay_mod.TopMRule(*bad)
+
+
+def test_gpu_step_price_interpolates_the_measured_points(replay_mod) -> None:  # type: ignore[no-untyped-def]
+    price = replay_mod.gpu_step_ms
+    assert price(1) == pytest.approx(0.384)
+    assert price(3) == pytest.approx(0.384 + 0.073 / 2)  # halfway to 5 rows' 0.457
+    assert price(17) == pytest.approx(0.475)
+    assert price(256 + 239) == pytest.approx(0.475 + 2 * 239 * 0.000375)  # the slope goes on
