@@ -604,16 +604,24 @@ def rates_from_probe(multiples: list[float], speed: float) -> list[float]:
 
 # --- one replay --------------------------------------------------------------------------------
 
-async def run_policy(name: str, spec_mode: Literal["policy", "adaptive"], policy: Any,
-                     urls: dict[str, str], configs: dict[str, CompiledConfig], records: list[TraceRequest],
-                     slos: Slos, args: argparse.Namespace) -> dict[str, Any]:
-    config = ProxyConfig(
+def proxy_config(name: str, urls: dict[str, str], configs: dict[str, CompiledConfig],
+                 slos: Slos) -> ProxyConfig:
+    """The proxy in front of policy ``name``'s fleet."""
+    return ProxyConfig(
         workers=tuple(WorkerSpec(n, url=urls[n], config=configs[n]) for n in configs),
         # NOTE: every proxy is told the SLOs the run is judged by, as an operator would
-        # configure them; only the adaptive policy uses them.
-        routing=slos.routing(name), speculation=SpeculationConfig(mode=spec_mode),
+        # configure them; only the adaptive policies use them. The policy object itself is
+        # handed to the app (make_policy): the config only names its kind.
+        routing=slos.routing("adaptive" if name == NOSTALL else name),
+        speculation=SpeculationConfig(mode=POLICIES[name]),
         traces=ProxyTraceConfig(enabled=False),
         health=HealthConfig(interval_s=1.0, metrics_interval_s=0.25))
+
+
+async def run_policy(name: str, policy: Any, urls: dict[str, str],
+                     configs: dict[str, CompiledConfig], records: list[TraceRequest],
+                     slos: Slos, args: argparse.Namespace) -> dict[str, Any]:
+    config = proxy_config(name, urls, configs, slos)
     app = create_app(config, estimator=default_estimator(config), policy=policy)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -759,8 +767,8 @@ async def replay_all(policies: dict[str, Any], fleets: dict[str, dict[str, str]]
     # NOTE: every policy replays the same schedule at the same time on their own fleets, so
     # the machine's background load hits them alike.
     runs = await asyncio.gather(*(
-        run_policy(name, POLICIES[name], policies[name], fleets[name], configs, records, slos,
-                   args) for name in args.policies))
+        run_policy(name, policies[name], fleets[name], configs, records, slos, args)
+        for name in args.policies))
     return dict(zip(args.policies, runs, strict=True))
 
 
@@ -794,8 +802,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         urls = {n: f[0] for n, f in fleets.items()}
         first = urls[args.policies[0]]
         schedules = Schedules(args)
-        ref = await probe(first, args.data, args.probe_requests, args.max_output, 1,
-                          schedules.probe_prompts(args.probe_requests))
+        for i in range(args.probe_passes):
+            # NOTE: only the last pass counts; the ones before warm every worker up on every
+            # class's prompts (session 6: the same machine probed 1.5x slower at its start)
+            ref = await probe(first, args.data, args.probe_requests, args.max_output, 1,
+                              schedules.probe_prompts(args.probe_requests))
+            if i < args.probe_passes - 1:
+                print_fit(f"unloaded, warm-up pass {i + 1} (not used)", ref)
         print_fit("unloaded, 1 request at a time", ref)
         out["probe"] = ref
         if args.fit_concurrency > 1:
@@ -840,7 +853,8 @@ async def warm_up(rate: float, policies: dict[str, Any], urls: dict[str, dict[st
                   configs: dict[str, CompiledConfig], slos: Slos, schedules: Schedules,
                   args: argparse.Namespace) -> None:
     """One unscored replay of ``--warmup`` seconds at ``rate``, all policies at once."""
-    records = schedules.warmup(rate, int(rate * args.warmup), args.seed + 1000)
+    # NOTE: at least 4 requests, so a tiny rate still has 2 Mooncake ones to scale arrivals by
+    records = schedules.warmup(rate, max(int(rate * args.warmup), 4), args.seed + 1000)
     warm = await replay_all(policies, urls, configs, records, slos, args)
     for s in warm.values():
         print(f"warm-up {rate:g} " + fmt_row(s), flush=True)
@@ -1017,6 +1031,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fit-concurrency", type=int, default=4,
                     help="requests of one class at a time for the loaded fit (1: skip)")
     ap.add_argument("--probe-requests", type=int, default=4, help="rounds per worker and class")
+    ap.add_argument("--probe-passes", type=int, default=1,
+                    help="unloaded probe passes; the last sets the SLOs (and the rates with "
+                         "--rate-multiples), the ones before only warm the workers up")
     ap.add_argument("--workload", choices=WORKLOADS, default="prefix-mix",
                     help="prefix-mix: Mooncake shared-prefix requests (--prefix-share of them) "
                          "mixed with the Spec-Bench workload; specbench: session 4's workload")
@@ -1065,8 +1082,8 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("rates, --duration and --rounds must be positive, --warmup >= 0")
     if len(set(args.policies)) != len(args.policies):
         ap.error("--policies: each name once")
-    if args.fit_concurrency < 1 or args.probe_requests < 1:
-        ap.error("--fit-concurrency and --probe-requests must be >= 1")
+    if args.fit_concurrency < 1 or args.probe_requests < 1 or args.probe_passes < 1:
+        ap.error("--fit-concurrency, --probe-requests and --probe-passes must be >= 1")
     if not 0 < args.prefix_share < 1 or args.trace_start < 0:
         ap.error("--prefix-share must be in (0, 1) and --trace-start >= 0")
     try:

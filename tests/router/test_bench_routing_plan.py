@@ -68,7 +68,7 @@ def parse(*argv: str) -> Any:
 def test_the_default_policies_are_the_baselines_adaptive_and_its_ab() -> None:
     args = parse()
     assert args.policies == ["round_robin", "least_outstanding", "adaptive", "adaptive-nostall"]
-    assert args.rates == [2.0] and args.rate_multiples is None
+    assert args.rates == [2.0] and args.rate_multiples is None and args.probe_passes == 1
 
 
 def test_rate_multiples_stand_in_for_the_rates_until_the_probe_sets_them() -> None:
@@ -82,6 +82,7 @@ def test_rate_multiples_stand_in_for_the_rates_until_the_probe_sets_them() -> No
     ("--rates", "-1"),
     ("--policies", "adaptive", "adaptive"),  # twice
     ("--policies", "adaptive-stall"),  # unknown
+    ("--probe-passes", "0"),
 ])
 def test_bad_plans_are_refused(argv: tuple[str, ...]) -> None:
     with pytest.raises(SystemExit):
@@ -107,3 +108,13 @@ def test_the_stall_ab_ratios_are_in_every_report_line() -> None:
     # peaks: medians RR 3, adaptive 6, nostall 4
     assert BENCH.peak_summary({"rates": {"8.0": ROUNDS}})[-2:] == [
         "peak ratio adaptive/round_robin: 2.00x", "peak ratio adaptive/adaptive-nostall: 1.50x"]
+
+
+@pytest.mark.parametrize("name", list(BENCH.POLICIES))
+def test_every_policy_gets_a_valid_proxy_config_with_the_run_s_slos(name: str) -> None:
+    slos = BENCH.Slos({c: 1.0 for c in BENCH.CLASSES}, {c: 0.01 for c in BENCH.CLASSES})
+    configs = BENCH.fleet_configs("equal", 2, "cpu")
+    config = BENCH.proxy_config(name, {n: f"http://{n}" for n in configs}, configs, slos)
+    assert [w.name for w in config.workers] == ["spec", "batch", "long"]
+    assert config.routing.slo_tpot_s["chat"] == 0.01
+    assert config.speculation.mode == ("adaptive" if name.startswith("adaptive") else "policy")
