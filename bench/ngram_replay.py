@@ -32,7 +32,6 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 from typing import Protocol
 
@@ -410,20 +409,18 @@ def rank(own: list[int], found: list[Candidate], ranking: str) -> list[tuple[int
     return kept
 
 
-# NOTE: an indicative GPU price of a verify step by its rows, to turn rows into time: the H200's
-# bf16 engine step at batch 1 with CUDA graphs (RESULTS, "Step costs", session 6): 1 row 0.384
-# ms, 5 rows 0.457, 17 rows 0.475; past 17 rows the graph replay's own slope (8 -> 64 -> 256
-# rows: 0.340 -> 0.361 -> 0.435 ms, ~0.38 us a row). Batch 1 only; linear between the points.
-GPU_STEP_MS = ((1, 0.384), (5, 0.457), (17, 0.475), (256, 0.475 + 239 * 0.000375))
+# NOTE: an indicative GPU price of a verify step by its rows, to turn rows into time: the step
+# time model the depth policy fitted on the H200 over 16,976 engine steps (bf16, CUDA graphs,
+# batch 1; session 6 round 3's specdec log): 0.472 ms a step, + 0.138 ms when it verifies any
+# draft, + 0.002 ms a draft row, + 0.04 ms the client waits per step. Fitted on 1-17 rows; the
+# graph replay alone grows ~0.4 us a row from 8 to 256 rows, so past 17 rows it is if anything
+# an overestimate. Batch 1 only: at batch 16 a row costs more (a k=16 step 1.56x a k=0 step).
+GPU_STEP_MS, GPU_SPEC_MS, GPU_ROW_MS = 0.472 + 0.04, 0.138, 0.002
 
 
 def gpu_step_ms(rows: int) -> float:
     """Indicative ms of one batch-1 verify step of ``rows`` rows (see GPU_STEP_MS)."""
-    for (r0, t0), (r1, t1) in pairwise(GPU_STEP_MS):
-        if rows <= r1:
-            return t0 + (t1 - t0) * (max(rows, r0) - r0) / (r1 - r0)
-    (r0, t0), (r1, t1) = GPU_STEP_MS[-2:]
-    return t1 + (t1 - t0) * (rows - r1) / (r1 - r0)
+    return GPU_STEP_MS + (GPU_SPEC_MS if rows > 1 else 0.0) + GPU_ROW_MS * (rows - 1)
 
 
 @dataclass
