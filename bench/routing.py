@@ -375,9 +375,10 @@ def build_prefix_workload(data: Path, mooncake: list[TraceRequest], num: int, ra
 
 
 def prefix_probe_texts(mooncake: list[TraceRequest], start: int, num: int, max_output: int,
-                       seed: int) -> list[str]:
+                       seed: int, skip: int = 0) -> list[str]:
     """``num`` prompts of the median scaled length of the 200 Mooncake requests from
-    ``start``, each of its own block ids (which the trace never uses): cold-cache probes."""
+    ``start``, each of its own block ids (which the trace never uses): cold-cache probes.
+    ``skip``: the first prompt is number ``skip`` of that sequence."""
     limit = MAX_MODEL_LEN - max_output
     lengths = sorted(min(round((r.prompt_tokens or 0) * MOONCAKE_PROMPT_SCALE), limit)
                      for r in mooncake[start:start + 200])
@@ -386,7 +387,7 @@ def prefix_probe_texts(mooncake: list[TraceRequest], start: int, num: int, max_o
     synth = PromptSynthesizer(load_token_counter(TINY_TARGET), block, seed)
     return [synth.prompt(median, PROBE_BLOCK_ID + i,
                          tuple(PROBE_BLOCK_ID + 1000 * i + j for j in range(median // block)))
-            for i in range(num)]
+            for i in range(skip, skip + num)]
 
 
 TRACE_WINDOWS = ("per-rate", "forward")
@@ -476,11 +477,11 @@ class Schedules:
         self.window = (start, self.cursor)
         return records
 
-    def probe_prompts(self, num: int) -> dict[str, list[str]]:
+    def probe_prompts(self, num: int, skip: int = 0) -> dict[str, list[str]]:
         if not self.prefix_mix:
             return {}
         return {PREFIX: prefix_probe_texts(self.mooncake, self.args.trace_start, num,
-                                           self.args.max_output, self.args.seed)}
+                                           self.args.max_output, self.args.seed, skip)}
 
     def describe(self, records: list[TraceRequest]) -> str:
         num_prefix = sum(1 for r in records if r.hash_ids)
@@ -517,13 +518,14 @@ async def probe_one(s: aiohttp.ClientSession, url: str, text: str, max_tokens: i
     return first - t0, (end - first) / max(num - 1, 1)
 
 
-def class_prompts(data: Path, num: int) -> dict[str, list[str]]:
-    """``num`` prompts per class, domains mixed (fixed shuffle, not the workload's)."""
+def class_prompts(data: Path, num: int, skip: int = 0) -> dict[str, list[str]]:
+    """``num`` prompts per class from the ``skip``-th, domains mixed (fixed shuffle, not the
+    workload's)."""
     prompts = load_prompts(data)
     random.Random(7).shuffle(prompts)
     # NOTE: the probe sends prompts whole; loadgen truncates the workload's to fit instead
     fits = [(t, d) for t, d in prompts if len(t) <= PROBE_MAX_CHARS]
-    return {c: [t for t, d in fits if domain_class(d) == c][:num] for c in CLASSES}
+    return {c: [t for t, d in fits if domain_class(d) == c][skip:skip + num] for c in CLASSES}
 
 
 async def probe_worker(s: aiohttp.ClientSession, url: str, picks: dict[str, list[str]],
@@ -541,12 +543,13 @@ async def probe_worker(s: aiohttp.ClientSession, url: str, picks: dict[str, list
 
 
 async def probe(urls: dict[str, str], data: Path, num: int, max_tokens: int, concurrency: int,
-                extra: dict[str, list[str]] | None = None
+                extra: dict[str, list[str]] | None = None, skip: int = 0
                 ) -> dict[str, dict[str, tuple[float, float]]]:
     """Median (TTFT, TPOT) per worker and class at the worker's default depth: ``num``
     rounds of ``concurrency`` requests of one class (1 = unloaded). The workers are
-    probed at the same time (each has its own cores). ``extra``: more classes' prompts."""
-    picks = {**class_prompts(data, num * concurrency), **(extra or {})}
+    probed at the same time (each has its own cores). ``extra``: more classes' prompts;
+    ``skip``: the class prompts from the ``skip``-th (:func:`class_prompts`)."""
+    picks = {**class_prompts(data, num * concurrency, skip), **(extra or {})}
     async with aiohttp.ClientSession() as s:
         res = await asyncio.gather(*(probe_worker(s, url, picks, concurrency, max_tokens)
                                      for url in urls.values()))
@@ -802,13 +805,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         urls = {n: f[0] for n, f in fleets.items()}
         first = urls[args.policies[0]]
         schedules = Schedules(args)
-        for i in range(args.probe_passes):
-            # NOTE: only the last pass counts; the ones before warm every worker up on every
-            # class's prompts (session 6: the same machine probed 1.5x slower at its start)
-            ref = await probe(first, args.data, args.probe_requests, args.max_output, 1,
-                              schedules.probe_prompts(args.probe_requests))
-            if i < args.probe_passes - 1:
-                print_fit(f"unloaded, warm-up pass {i + 1} (not used)", ref)
+        num = args.probe_requests
+        for i in reversed(range(args.probe_passes)):
+            # NOTE: only the last pass (i = 0) counts, on the prompts a one-pass probe sends;
+            # the ones before warm every worker up on other prompts of every class (the same
+            # ones would be prefix-cache hits in the last pass). Session 6: the same machine
+            # probed 1.5x slower at its start.
+            ref = await probe(first, args.data, num, args.max_output, 1,
+                              schedules.probe_prompts(num, skip=i * num), skip=i * num)
+            if i > 0:
+                print_fit(f"unloaded, warm-up pass (prompts from the {i * num}-th; not used)",
+                          ref)
         print_fit("unloaded, 1 request at a time", ref)
         out["probe"] = ref
         if args.fit_concurrency > 1:

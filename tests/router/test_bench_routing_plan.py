@@ -5,6 +5,7 @@ and the A/B's ratios in the reports (answers written out)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -118,3 +119,19 @@ def test_every_policy_gets_a_valid_proxy_config_with_the_run_s_slos(name: str) -
     assert [w.name for w in config.workers] == ["spec", "batch", "long"]
     assert config.routing.slo_tpot_s["chat"] == 0.01
     assert config.speculation.mode == ("adaptive" if name.startswith("adaptive") else "policy")
+
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+def test_a_warm_up_probe_pass_sends_other_prompts_than_the_pass_that_counts() -> None:
+    # the counting pass sends what a one-pass probe sends; a warm-up pass the next ones, so
+    # none of the counting pass's prompts is a prefix-cache hit
+    four, first, second = (BENCH.class_prompts(SHARED, n, skip) for n, skip in
+                           ((4, 0), (2, 0), (2, 2)))
+    for c in BENCH.CLASSES:
+        assert four[c] == first[c] + second[c] and not set(first[c]) & set(second[c])
+    trace = [BENCH.TraceRequest(line=i, prompt_tokens=640, hash_ids=(i,)) for i in range(10)]
+    texts = BENCH.prefix_probe_texts(trace, 0, 3, 96, seed=1)
+    assert BENCH.prefix_probe_texts(trace, 0, 2, 96, seed=1, skip=1) == texts[1:]
+    assert len(set(texts)) == 3
