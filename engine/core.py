@@ -243,7 +243,8 @@ class EngineCore:
         if decoding:  # NOTE: the whole step, so proposing and verifying are priced too
             drafted = [len(it.drafts) for it in decoding]
             stats.decode_step = DecodeStep(len(drafted), sum(drafted), max(drafted),
-                                           time.perf_counter() - t0, num_prefill)
+                                           time.perf_counter() - t0, num_prefill,
+                                           sum(1 for d in drafted if d))
         return outputs, stats
 
     def _launched(self) -> None:

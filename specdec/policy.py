@@ -16,15 +16,17 @@ no k beats plain decoding by ``min_gain`` (high load, low acceptance)::
 
 - acceptance per (worker, domain): a Beta posterior updated from the reported
   ``(num_draft_tokens, num_accepted_tokens)`` counts (see :meth:`AcceptanceEstimate.observe`);
-- a step-time model per worker, ``t = w . [1, batch, batch*d(k), k, k > 0]`` seconds,
+- a step-time model per worker, ``t = w . [1, batch, batch*d(k), k, k > 0, prefill,
+  batch*(k > 0)]`` seconds,
   where ``d(k) <= k`` is the draft tokens a sequence verifies per step at depth k
   (learned per domain with the acceptance: proposals are often shorter than k),
   fitted online by least squares on measured ``(batch, k, step seconds)`` samples
   (the engine's own steps, :mod:`specdec.step_feed`, or else per-request averages),
-  anchored by a prior expressed as pseudo-samples. The last feature is the fixed
+  anchored by a prior expressed as pseudo-samples. ``k > 0`` is the fixed
   cost of a verifying step: on the CPU a 2-token step costs ~1.35x a 1-token one
   while each further token adds only a few percent (``bench/specdec.py
-  --step-costs``), a step a line in k cannot fit. With ``price_row_buckets`` (for a GPU
+  --step-costs``), a step a line in k cannot fit; ``batch*(k > 0)`` the host work
+  each speculating sequence costs a step (see :func:`step_features`). With ``price_row_buckets`` (for a GPU
   with captured graphs, whose step cost is flat within a bucket of rows and not linear
   across them) the same fit adds one term per power-of-two bucket of the step's rows
   (:meth:`StepTimeModel.row_residual`).
@@ -45,8 +47,8 @@ from specdec.errors import ProposerConfigError
 
 logger = logging.getLogger(__name__)
 
-NUM_FEATURES = 6
-Features = tuple[float, float, float, float, float, float]
+NUM_FEATURES = 7
+Features = tuple[float, float, float, float, float, float, float]
 # Pseudo-samples of the prior step-time model sit on this grid.
 _PRIOR_BATCHES = (1, 4, 16, 64)
 _PRIOR_DEPTHS = (0, 1, 2, 4, 8)
@@ -54,18 +56,27 @@ _PRIOR_PREFILL = (0, 256)  # prompt tokens sharing the step
 
 
 def step_features(num_seqs: float, num_drafted: float, max_drafted: float,
-                  num_prefill: float = 0.0) -> Features:
+                  num_prefill: float = 0.0, num_verifying: float = 0.0) -> Features:
     """[1, decoding sequences, draft tokens verified, the longest proposal, any proposal,
-    prompt tokens of prefill chunks in the same step]."""
+    prompt tokens of prefill chunks in the same step, sequences verifying a proposal].
+
+    NOTE: the last is the host work a speculating sequence costs each step whatever its
+    proposal's length (its lookup, its acceptance, more tokens to hand over). On the H200,
+    where a graph replay's cost hardly grows with rows, it is most of what speculation
+    costs: at concurrency 16 a step at k=4 took ~2.3x a k=0 step, where a fit without this
+    term (a fixed cost per speculating step and a cost per draft token) predicted 1.6x and
+    kept speculating at a load where it no longer paid.
+    """
     return (1.0, num_seqs, num_drafted, max_drafted, 1.0 if max_drafted > 0 else 0.0,
-            num_prefill)
+            num_prefill, num_verifying)
 
 
 def _features(batch: float, k: float, drafted: float | None = None,
               prefill: float = 0.0) -> Features:
     """A step of ``batch`` sequences at depth k, each verifying ``drafted`` tokens (k if None)."""
     rows = k if drafted is None else drafted
-    return step_features(batch, batch * rows, longest_proposal(batch, k, rows), prefill)
+    return step_features(batch, batch * rows, longest_proposal(batch, k, rows), prefill,
+                         batch if k > 0 else 0.0)
 
 
 def longest_proposal(batch: float, k: float, drafted: float) -> float:
@@ -97,7 +108,8 @@ def _batch_bucket(batch: float) -> int:
 
 
 def _full_coefficients(coefficients: Sequence[float]) -> tuple[float, ...]:
-    """4, 5 or 6 coefficients; the missing ones (fixed speculation cost, prefill) are 0."""
+    """4 to 7 coefficients; the missing ones (fixed speculation cost, prefill, per
+    speculating sequence) are 0."""
     return (*coefficients, *[0.0] * (NUM_FEATURES - len(coefficients)))
 
 
@@ -128,7 +140,8 @@ class PolicyConfig:
     share_depth_under_load: bool = True
     mix_decay: float = 0.98
     # Prior step time in seconds, coefficients of [1, batch, batch*k, k] and optionally
-    # [k > 0] (the fixed cost of verifying) and prefill tokens in the step (0 when left out).
+    # [k > 0] (the fixed cost of verifying), prefill tokens in the step and sequences
+    # verifying a proposal (0 when left out).
     step_prior_s: tuple[float, ...] = (0.010, 0.0005, 0.0003, 0.0005, 0.0, 0.0002)
     step_prior_weight: float = 4.0  # prior weight, in measured samples
     step_decay: float = 0.99  # weight kept by older samples at each new one
@@ -151,9 +164,9 @@ class PolicyConfig:
             (self.max_evidence > self.prior_strength, "max_evidence", "> prior_strength"),
             (self.prior_steps_per_depth > 0, "prior_steps_per_depth", "> 0"),
             (0.0 < self.mix_decay <= 1.0, "mix_decay", "in (0, 1]"),
-            (len(self.step_prior_s) in (4, 5, NUM_FEATURES)
+            (4 <= len(self.step_prior_s) <= NUM_FEATURES
              and self.step_prior_s[0] > 0 and all(c >= 0 for c in self.step_prior_s),
-             "step_prior_s", "4 to 6 coefficients >= 0 with a positive intercept"),
+             "step_prior_s", "4 to 7 coefficients >= 0 with a positive intercept"),
             (self.step_prior_weight > 0, "step_prior_weight", "> 0"),
             (0.0 < self.step_decay <= 1.0, "step_decay", "in (0, 1]"),
             (0.0 < self.step_feed_decay <= 1.0, "step_feed_decay", "in (0, 1]"),
@@ -386,8 +399,9 @@ def _between_measured(expected: list[float], measured: list[int]) -> list[float]
 
 @dataclass
 class StepTimeModel:
-    """t(batch, k) = w . [1, batch, batch*d, k, k > 0] seconds (d draft tokens verified per
-    sequence, k when not known), least squares over decayed samples.
+    """t(batch, k) = w . [1, batch, batch*d, k, k > 0, prefill, batch*(k > 0)] seconds (d
+    draft tokens verified per sequence, k when not known), least squares over decayed
+    samples.
 
     NOTE: samples are weighted by 1 / t^2, i.e. the fit minimises relative error,
     so a 10 ms batch-1 step counts as much as a 200 ms batch-64 one (the policy
@@ -408,8 +422,8 @@ class StepTimeModel:
     (:meth:`overhead`), and added to every prediction.
     """
 
-    prior_xtx: np.ndarray  # [6, 6] prior pseudo-samples' X^T X (not decayed)
-    prior_xty: np.ndarray  # [6]
+    prior_xtx: np.ndarray  # [F, F] prior pseudo-samples' X^T X (not decayed), F features
+    prior_xty: np.ndarray  # [F]
     decay: float = 1.0
     xtx: np.ndarray = field(default_factory=lambda: np.zeros((NUM_FEATURES, NUM_FEATURES)))
     xty: np.ndarray = field(default_factory=lambda: np.zeros(NUM_FEATURES))
@@ -477,9 +491,9 @@ class StepTimeModel:
     def observe_sums(self, xtx: Sequence[Sequence[float]], xty: Sequence[float],
                      num_steps: int, num_prefill: float = 0.0,
                      row_sums: Mapping[int, Sequence[float]] | None = None) -> None:
-        """Engine-reported decode steps: their weighted sums X^T W X [6, 6], X^T W y [6], the
+        """Engine-reported decode steps: their weighted sums X^T W X [F, F], X^T W y [F], the
         prompt tokens of prefill chunks that shared those steps (unweighted), and per row
-        bucket ``[steps, sum w, sum w x (6), sum w y]`` (:mod:`specdec.step_feed`)."""
+        bucket ``[steps, sum w, sum w x (F), sum w y]`` (:mod:`specdec.step_feed`)."""
         a, b = np.asarray(xtx, dtype=float), np.asarray(xty, dtype=float)
         if num_steps <= 0 or a.shape != (NUM_FEATURES, NUM_FEATURES) \
                 or b.shape != (NUM_FEATURES,) or not (np.isfinite(a).all() and np.isfinite(b).all()):
@@ -587,12 +601,12 @@ class StepTimeModel:
 
     def _predict_step(self, batch: float, k: float, drafted: float | None,
                       prefill: float | None) -> float:
-        w0, wb, wbk, wk, w_spec, w_pre = self._w
+        w0, wb, wbk, wk, w_spec, w_pre, w_ver = self._w
         rows = k if drafted is None else drafted
         pre = self.mean_prefill if prefill is None else prefill
         longest = longest_proposal(batch, k, rows)
         return max(w0 + wb * batch + wbk * batch * rows + wk * longest
-                   + (w_spec if k > 0 else 0.0) + w_pre * pre
+                   + ((w_spec + w_ver * batch) if k > 0 else 0.0) + w_pre * pre
                    + self.row_residual(batch * (1.0 + rows) + pre), 1e-6)
 
 

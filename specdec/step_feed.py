@@ -10,7 +10,7 @@ exports them as counters on ``/metrics``; whoever scrapes the worker (the proxy'
 scrape loop, the bench) diffs two scrapes and hands the window to
 :meth:`specdec.policy.DepthPolicy.observe_step_sums`::
 
-    engine step  -> DecodeStep(num_seqs, num_drafted, max_drafted, seconds)
+    engine step  -> DecodeStep(num_seqs, num_drafted, max_drafted, seconds, ...)
                  -> StepSums.add (engine side, a few float adds per step)
     /metrics     -> polyinfer:decode_step_fit_total{term="xtx_0_1"} ...
     scrape       -> StepFeed.on_metrics(worker, text) -> policy.observe_step_sums
@@ -19,9 +19,10 @@ Every step with at least one decoding sequence is reported, prefill chunks besid
 them included: under load most decode rows share a step with a prompt chunk, where
 draft rows cost little against the step. Features are the policy's
 (:func:`specdec.policy.step_features`): ``[1, decoding sequences, draft tokens
-verified, the longest proposal, any proposal, prompt tokens]``; each step is weighted by ``1 / seconds^2``, as the
+verified, the longest proposal, any proposal, prompt tokens, sequences verifying a
+proposal]``; each step is weighted by ``1 / seconds^2``, as the
 policy's own samples (relative error). The sums are exact: the policy fits the
-same coefficients as if it had seen every step, at 29 numbers per scrape, plus 9
+same coefficients as if it had seen every step, at 37 numbers per scrape, plus 10
 per power-of-two bucket of the step's rows seen so far (:func:`row_bucket`): what
 the line misses per bucket, which a GPU's graph buckets make a step function of
 the rows (the policy uses it with ``PolicyConfig.price_row_buckets``).
@@ -51,6 +52,15 @@ class DecodeStep:
     max_drafted: int  # the longest proposal
     seconds: float  # the whole step: propose, schedule, forward, verify, postprocess
     num_prefill: int = 0  # prompt tokens of prefill chunks in the same step
+    # sequences verifying a proposal (at least one draft token); None: every decoding
+    # sequence when any drafted, else none
+    num_verifying: int | None = None
+
+    @property
+    def verifying(self) -> int:
+        if self.num_verifying is not None:
+            return self.num_verifying
+        return self.num_seqs if self.max_drafted > 0 else 0
 
     @property
     def num_rows(self) -> int:
@@ -85,7 +95,8 @@ class StepSums:
     def add(self, step: DecodeStep) -> None:
         if not (step.seconds > 0.0 and math.isfinite(step.seconds)) or step.num_seqs <= 0:
             return
-        x = step_features(step.num_seqs, step.num_drafted, step.max_drafted, step.num_prefill)
+        x = step_features(step.num_seqs, step.num_drafted, step.max_drafted, step.num_prefill,
+                          step.verifying)
         w = 1.0 / (step.seconds * step.seconds)
         v = self.values
         for n, (_, i, j) in enumerate(TERMS):
@@ -108,7 +119,7 @@ class StepSums:
                         rows)
 
     def matrices(self) -> tuple[list[list[float]], list[float]]:
-        """(X^T W X as a full symmetric [5][5], X^T W y [5])."""
+        """(X^T W X as a full symmetric [F][F], X^T W y [F]), F features."""
         xtx = [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)]
         xty = [0.0] * NUM_FEATURES
         for value, (_, i, j) in zip(self.values, TERMS, strict=True):

@@ -120,7 +120,7 @@ def test_step_model_learns_from_samples() -> None:
                 model.observe(batch, k, true[0] + true[1] * batch + true[2] * batch * k
                               + true[3] * k)
     assert model.num_samples == 240
-    assert model.coef.tolist() == pytest.approx([*true, 0.0, 0.0], rel=0.02, abs=2e-5)
+    assert model.coef.tolist() == pytest.approx([*true, 0.0, 0.0, 0.0], rel=0.02, abs=2e-5)
     # ignores garbage samples
     model.observe(4, 2, float("nan"))
     model.observe(0, 2, 0.1)

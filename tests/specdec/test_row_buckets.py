@@ -114,7 +114,7 @@ def test_row_sums_per_bucket_round_trip_and_window() -> None:
     sums.add(DecodeStep(1, 0, 0, 0.001))  # 1 row: bucket 0
     assert sorted(sums.rows) == [0, 3, 5]
     w = 1.0 / 0.002**2
-    assert sums.rows[3] == pytest.approx([1.0, w, w, w, 4 * w, 4 * w, w, 0.0, w * 0.002])
+    assert sums.rows[3] == pytest.approx([1.0, w, w, w, 4 * w, 4 * w, w, 0.0, w, w * 0.002])
     metrics = EngineMetrics("tiny")
     metrics.decode_steps.rows, metrics.decode_steps.num_steps = sums.rows, 3.0
     parsed = parse_step_sums(metrics.expose().decode())

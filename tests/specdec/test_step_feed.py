@@ -7,6 +7,7 @@ import pytest
 
 from engine.metrics import EngineMetrics
 from specdec.policy import (
+    NUM_FEATURES,
     DepthPolicy,
     PolicyConfig,
     StepTimeModel,
@@ -18,9 +19,10 @@ from specdec.step_feed import DecodeStep, StepFeed, StepSums, parse_step_sums
 
 def _true_t(b: int, num_drafted: int, max_drafted: int, num_prefill: int = 0) -> float:
     # 3 ms + 1 ms per sequence + 0.3 ms per draft token + 0.75 ms once anything is proposed
-    # + 0.1 ms per prompt token of a prefill chunk in the same step
+    # + 0.1 ms per prompt token of a prefill chunk in the same step + 0.2 ms per sequence
+    # verifying a proposal (here every sequence, once anything is proposed)
     return (0.003 + 0.001 * b + 0.0003 * num_drafted + (0.00075 if max_drafted else 0.0)
-            + 0.0001 * num_prefill)
+            + 0.0001 * num_prefill + (0.0002 * b if max_drafted else 0.0))
 
 
 def _steps() -> list[DecodeStep]:
@@ -33,8 +35,8 @@ def test_sums_are_the_weighted_normal_equations() -> None:
     sums = StepSums()
     for s in steps:
         sums.add(s)
-    x = np.array([step_features(s.num_seqs, s.num_drafted, s.max_drafted, s.num_prefill)
-                  for s in steps])
+    x = np.array([step_features(s.num_seqs, s.num_drafted, s.max_drafted, s.num_prefill,
+                                s.num_seqs if s.max_drafted else 0) for s in steps])
     y = np.array([s.seconds for s in steps])
     w = 1.0 / y**2
     xtx, xty = sums.matrices()
@@ -66,7 +68,8 @@ def test_engine_exposition_round_trips_and_the_policy_recovers_the_step_time() -
     model = policy.step_time("w")
     assert model.num_fed_steps == 500 and model.mean_prefill == 128.0
     # the prior (4 pseudo-samples against 500 steps) moves the fit by about 1%
-    np.testing.assert_allclose(model.coef, [0.003, 0.001, 0.0003, 0.0, 0.00075, 0.0001],
+    np.testing.assert_allclose(model.coef,
+                               [0.003, 0.001, 0.0003, 0.0, 0.00075, 0.0001, 0.0002],
                                rtol=0.02, atol=1e-6)
     assert model.predict(16, 4, prefill=0) == pytest.approx(_true_t(16, 64, 4), rel=0.01)
     # by default a step is priced beside the mean prefill its decode steps shared
@@ -105,7 +108,7 @@ def test_parse_sums_label_sets_and_skips_garbage() -> None:
     sums = parse_step_sums(text)
     assert sums is not None and sums.num_steps == 5.0 and sums.num_prefill == 64.0
     _, xty = sums.matrices()
-    assert xty == [0.0, 1.5, 0.0, 0.0, 0.0, 0.0]
+    assert xty == [0.0, 1.5, 0.0, 0.0, 0.0, 0.0, 0.0]
 
 
 def test_engine_steps_replace_the_client_averages() -> None:
@@ -149,8 +152,8 @@ def test_observe_sums_rejects_malformed_input() -> None:
     model = StepTimeModel.from_prior((0.010, 0.0005, 0.0003, 0.0005), 4.0)
     before = model.coef.copy()
     model.observe_sums([[1.0]], [1.0], 3)
-    model.observe_sums(np.full((6, 6), np.nan), np.zeros(6), 3)
-    model.observe_sums(np.eye(6), np.zeros(6), 0)
+    model.observe_sums(np.full((NUM_FEATURES, NUM_FEATURES), np.nan), np.zeros(NUM_FEATURES), 3)
+    model.observe_sums(np.eye(NUM_FEATURES), np.zeros(NUM_FEATURES), 0)
     assert model.num_fed_steps == 0
     np.testing.assert_array_equal(model.coef, before)
 
@@ -180,3 +183,38 @@ def test_the_clients_wait_beyond_the_engine_step_favours_a_deeper_k() -> None:
     for _ in range(100):  # a residual below zero (noise) never makes steps cheaper
         model.observe(16, 0, _true_t(16, 0, 0) * 0.5)
     assert model.overhead(16) == 0.0 and model.overhead(1) > 0.0
+
+
+def _host_bound_ms(b: int, k: int) -> float:
+    """A GPU step whose replay hardly grows with rows, so host work per speculating
+    sequence dominates what depth costs: 0.5 ms + 0.05 ms per sequence, and at k > 0
+    0.05 ms once + 0.08 ms per sequence verifying + 0.002 ms per draft token (k / 2
+    drafted per sequence: proposals run short of k)."""
+    if k == 0:
+        return 0.5 + 0.05 * b
+    return 0.5 + 0.05 * b + 0.05 + 0.08 * b + 0.002 * b * k / 2
+
+
+def test_the_cost_per_verifying_sequence_stops_speculation_under_load() -> None:
+    """t(1, 8) / t(1, 0) = 0.688 / 0.55 = 1.251 and t(16, 8) / t(16, 0) = 2.758 / 1.3 =
+    2.122. At qa-like 2.0 tokens per step from k=4 on, speculation pays at batch 1
+    (2.0 / (0.684 / 0.55) = 1.61x at k=4) and loses at batch 16 (at best 1.8 / (2.694 /
+    1.3) = 0.87x at k=2): k=0 there. Without the feature per verifying sequence the
+    line puts that cost on the draft tokens and the batch, and misprices both."""
+    steps = [DecodeStep(b, b * k // 2, k // 2, _host_bound_ms(b, k) / 1e3, 0,
+                        b if k else 0)
+             for _ in range(20) for b in (1, 2, 4, 8, 16) for k in (0, 2, 4, 8)]
+    sums = StepSums()
+    for s in steps:
+        sums.add(s)
+    model = StepTimeModel.from_prior(PolicyConfig().step_prior_s, 4.0)
+    xtx, xty = sums.matrices()
+    model.observe_sums(xtx, xty, int(sums.num_steps))
+    for b, k in ((1, 8), (16, 8), (16, 2)):
+        ratio = _host_bound_ms(b, k) / _host_bound_ms(b, 0)
+        assert model.predict(b, k, drafted=k / 2) / model.predict(b, 0) == pytest.approx(
+            ratio, rel=0.02), (b, k)
+    tokens = [1.0, 1.6, 1.8, 1.9, 2.0, 2.0, 2.0, 2.0, 2.0]
+    drafted = [k / 2 for k in range(9)]
+    assert choose_depth(0.5, 1, model, 8, 1.01, tokens, drafted) == 4  # 2.0 first at k=4
+    assert choose_depth(0.5, 16, model, 8, 1.01, tokens, drafted) == 0
