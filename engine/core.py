@@ -81,6 +81,7 @@ class EngineCore:
         self.requests: dict[str, Sequence] = {}
         self.detoks: dict[int, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs made between steps (reload)
+        self._to_prepare: list[Sequence] = []  # added, the proposer not yet told (_launched)
         self._threads_for: int | None = None  # thread whose torch thread count is set
         # called once a step's forward is launched asynchronously (a CUDA-graph replay):
         # engine.async_engine.StepLoop posts the previous step's outputs then
@@ -185,6 +186,9 @@ class EngineCore:
         self.detoks[seq.seq_id] = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output)
         self.scheduler.add(seq)
+        if (params.spec_depth > 0 and self.runner.graphs is not None
+                and hasattr(self.proposer, "prepare")):
+            self._to_prepare.append(seq)  # see _overlap_proposer_work
 
     def abort(self, request_id: str) -> None:
         seq = self.requests.get(request_id)
@@ -250,6 +254,29 @@ class EngineCore:
     def _launched(self) -> None:
         if self.on_launch is not None:
             self.on_launch()
+        self._overlap_proposer_work()
+
+    def _overlap_proposer_work(self) -> None:
+        """Proposer work done while the GPU runs the step just launched: index the prompts of
+        sequences added since the last launch, and the outputs of finished ones (the pool).
+
+        NOTE: done in the first proposal (a ~300-token prompt's index takes ~0.5 ms) or
+        when the pool flushes (~1 ms per 128-token output, in the first propose() after a
+        request ends unless the engine idled first), this host work delayed a step's launch
+        while the GPU idled; here it runs while the GPU computes. The CPU's eager forward
+        launches nothing, so there the first proposal and idle time still do it.
+        """
+        prepare = getattr(self.proposer, "prepare", None)
+        if prepare is None:
+            return
+        todo, self._to_prepare = self._to_prepare, []
+        for seq in todo:
+            if seq.finish_reason is None:
+                prepare(ProposalRequest(seq.seq_id, seq.token_ids, seq.params.spec_depth,
+                                        seq.params.sampling, seq.num_prompt_tokens))
+        flush = getattr(self.proposer, "flush_pool", None)
+        if flush is not None:
+            flush()
 
     def _spec_depth(self, seq: Sequence) -> int:
         """The speculative depth ``seq`` asks for this step (0 while prefilling)."""

@@ -257,14 +257,23 @@ class NgramProposer:
             self.flush_pool()
         return [self._propose_one(r) for r in requests]
 
-    def _propose_one(self, request: ProposalRequest) -> Proposal:
-        if request.depth <= 0:
-            return Proposal(request.seq_id, [])
-        c = self.config
+    def prepare(self, request: ProposalRequest) -> None:
+        """Index ``request``'s tokens now, ahead of its first :meth:`propose` (the engine
+        calls this while the GPU runs a step; see ``EngineCore._overlap_proposer_work``)."""
+        self._synced(request)
+
+    def _synced(self, request: ProposalRequest) -> _SeqState:
         state = self._indexes.get(request.seq_id)
         if state is None:
             state = self._indexes[request.seq_id] = self._new_state(request)
         state.index.sync(request.token_ids)
+        return state
+
+    def _propose_one(self, request: ProposalRequest) -> Proposal:
+        if request.depth <= 0:
+            return Proposal(request.seq_id, [])
+        c = self.config
+        state = self._synced(request)
         length, tokens = state.index.lookup(request.depth, c.window, c.periodic,
                                             c.weak_match_depth, c.context_depth_caps)
         return Proposal(request.seq_id, self._pooled(state, request.depth, length, tokens))

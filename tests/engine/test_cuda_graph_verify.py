@@ -265,6 +265,23 @@ def check_chunked_prefill_rows_equal_eager() -> None:
     assert paths["eager"] == 0 and paths["rows_prefill"] > 3, paths
 
 
+def check_prompts_are_indexed_while_the_rows_run() -> None:
+    """The n-gram proposer indexes a new request's prompt during its prefill step's launch
+    (EngineCore._overlap_proposer_work), before its first proposal."""
+    from engine.tokenizer import TextTokenizer
+    from tests.engine.prompts import chat_text, mixed_prompts
+
+    tok = TextTokenizer(str(TINY_TARGET), ())
+    core = _interpreter_core(True)
+    assert core.proposer is not None
+    for i, p in enumerate(mixed_prompts(2)):
+        core.add_request(f"r{i}", tok.encode(chat_text(p))[:40], GenerationParams(
+            max_tokens=6, sampling=SamplingParams(0.0), ignore_eos=True, spec_depth=3))
+    assert core.proposer.num_tracked == 0
+    core.step()  # both prompts in one step: no sequence decoded yet, so none proposed
+    assert core.proposer.num_tracked == 2
+
+
 @pytest.mark.timeout(180)
 def test_verify_rows_equal_eager_verify_in_the_interpreter() -> None:
     """The graph path's computation, uncaptured, with the Triton kernel interpreted on the CPU.
@@ -273,8 +290,9 @@ def test_verify_rows_equal_eager_verify_in_the_interpreter() -> None:
     """
     pytest.importorskip("triton")
     code = ("from tests.engine.test_cuda_graph_verify import check_rows_verify_equals_eager, "
-            "check_chunked_prefill_rows_equal_eager; check_rows_verify_equals_eager(); "
-            "check_chunked_prefill_rows_equal_eager()")
+            "check_chunked_prefill_rows_equal_eager, check_prompts_are_indexed_while_the_rows_run; "
+            "check_rows_verify_equals_eager(); check_chunked_prefill_rows_equal_eager(); "
+            "check_prompts_are_indexed_while_the_rows_run()")
     done = run_interpreted(code, timeout_s=170)
     assert done.returncode == 0, done.stderr[-3000:]
 

@@ -129,6 +129,20 @@ def test_proposer_incremental_equals_fresh() -> None:
         assert got.seq_id == 7 and got.probs is None
 
 
+def test_prepare_indexes_ahead_and_proposes_the_same() -> None:
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 5, 200).tolist()
+    ahead, lazy = NgramProposer(), NgramProposer()
+    ahead.prepare(ProposalRequest(3, prompt, 8, None, len(prompt)))
+    assert ahead.num_tracked == 1 and lazy.num_tracked == 0
+    tokens = list(prompt)
+    for step in range(20):
+        tokens.append(int(rng.integers(0, 5)))
+        a = ahead.propose([ProposalRequest(3, tokens, 8, None, len(prompt))])[0]
+        b = lazy.propose([ProposalRequest(3, tokens, 8, None, len(prompt))])[0]
+        assert a.tokens == b.tokens, step
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     chunks=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=1,
