@@ -264,20 +264,30 @@ class Cell:
 
 async def _one(url: str, bs: Any, prompt: Any, depth: int, max_tokens: int,
                cell: Cell) -> None:
+    await _block(url, bs, [prompt], depth, max_tokens, cell)
+
+
+async def _block(url: str, bs: Any, prompts: list[Any], depth: int, max_tokens: int,
+                 cell: Cell) -> None:
+    """``prompts`` sent together (concurrency ``len(prompts)``); the parts' time between the
+    stats taken before and after the block goes to ``cell``."""
     import aiohttp
 
     before = await _stats(url)
+    n = len(prompts)
     async with aiohttp.ClientSession() as session:
-        o = await bs.send(session, url, prompt, depth, max_tokens, 1, depth, 1)
+        outs = await asyncio.gather(*(bs.send(session, url, p, depth, max_tokens, n, depth, n)
+                                      for p in prompts))
     after = await _stats(url)
     for part, ms in after["ms"].items():
         cell.ms[part] += ms - before["ms"].get(part, 0.0)
     for role, ms in after["cpu"].items():
         cell.ms[f"cpu {role} thread"] += ms - before["cpu"].get(role, 0.0)
     cell.steps += after["calls"].get("step", 0) - before["calls"].get("step", 0)
-    cell.tokens += o.tokens
-    cell.ms["client wall"] += (o.e2e_s - o.ttft_s) * 1e3
-    cell.texts.append(o.text)
+    for o in outs:
+        cell.tokens += o.tokens
+        cell.ms["client wall"] += (o.e2e_s - o.ttft_s) * 1e3 / n  # per token: the block's
+        cell.texts.append(o.text)
 
 
 def _print(cells: dict[tuple[str, int], Cell]) -> None:
@@ -334,12 +344,17 @@ def bench(args: argparse.Namespace) -> None:
                 asyncio.run(_one(url, bs, p, max(args.depths), args.max_tokens, Cell()))
         cells = {(name, d): Cell() for name in trees for d in args.depths}
         order = list(cells)
-        for i, prompt in enumerate(prompts * args.rounds):
+        c = args.concurrency
+        stream = prompts * args.rounds
+        blocks = [[stream[(i + j) % len(stream)] for j in range(c)]
+                  for i in range(0, len(stream), c)]
+        for i, block in enumerate(blocks):
             for key in order if i % 2 == 0 else reversed(order):
-                asyncio.run(_one(urls[key[0]], bs, prompt, key[1], args.max_tokens, cells[key]))
+                asyncio.run(_block(urls[key[0]], bs, block, key[1], args.max_tokens, cells[key]))
         for url in urls.values():
             asyncio.run(_stats(url, dump=True))  # cProfile files (ENGINE_HOST_PROFILE=DIR)
-    print(f"{len(prompts)} prompts x {args.rounds} rounds, c=1, max_tokens {args.max_tokens}, "
+    print(f"{len(prompts)} prompts x {args.rounds} rounds, c={args.concurrency}, "
+          f"max_tokens {args.max_tokens}, "
           f"{args.device}/{args.execution}/{args.dtype}")
     _print(cells)
 
@@ -358,11 +373,16 @@ def main() -> int:
     parser.add_argument("--per-domain", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="prompts sent together per block (client wall: block wall per "
+                             "token, summed as if per request)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--execution", default="eager")
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
+    if args.concurrency < 1:
+        parser.error(f"--concurrency: expected >= 1, got {args.concurrency}")
     if args.serve:
         # NOTE: bench/ holds a specdec.py; the engine must import the specdec package
         here = Path(__file__).resolve().parent
