@@ -18,6 +18,16 @@ Two disjoint prompt sets: ``heldout`` is bench/specdec.py's own selection
 prompts per domain that no selection of bench/specdec.py with its default seed (0) and 1-6
 prompts per domain picks. Prints tokens per step per domain and variant, ratios over the
 current proposer side by side, and microseconds per propose call.
+
+``--top-m`` asks instead what verifying several candidates per step would give (forks of a
+sequence sharing its prefix, verified in one step): each step takes the proposer's own
+proposal plus every continuation the context and pool lookups find (:func:`gather`), ranks
+them without reading the answer (:func:`rank`: own first, then by match length or by vote),
+and accepts the longest run among the top m. m=1 is the current proposer exactly. It prints
+tokens per step, the rows a step verifies (as forks and as a token tree) and an indicative
+batch-1 GPU price (:func:`gpu_step_ms`)::
+
+    python bench/ngram_replay.py --set dev --top-m            # m = 1 2 3 4 8
 """
 
 from __future__ import annotations

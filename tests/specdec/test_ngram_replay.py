@@ -141,3 +141,17 @@ def test_gpu_step_price_is_the_fitted_line(replay_mod) -> None:  # type: ignore[
     assert price(1) == pytest.approx(0.512)  # no draft: no verify
     assert price(2) == pytest.approx(0.512 + 0.138 + 0.002)
     assert price(17) == pytest.approx(0.512 + 0.138 + 0.032)
+
+
+def test_top_m_edges_no_candidates_and_nothing_to_step(replay_mod) -> None:  # type: ignore[no-untyped-def]
+    index, pool = replay_mod._LatestEnds(4), replay_mod._candidate_pool()
+    assert replay_mod.gather(index, pool, 1, 8, "full") == []  # empty context, empty pool
+    index.sync([3, 4, 5])  # no n-gram occurs twice
+    assert replay_mod.gather(index, pool, 1, 8, "full") == []
+    assert replay_mod.rank([], [], "vote") == [()]
+    # one output token: prefill samples it, no step; m above the candidates found is fine
+    rule = replay_mod.TopMRule("vote", "full", 8)
+    none = replay_mod.replay_top_m([replay_mod.Record("qa", [1, 2], [7])], rule, 16, 1)["qa"]
+    assert (none.tokens, none.steps, none.rows) == (0, 0, 0)
+    two = replay_mod.replay_top_m([replay_mod.Record("qa", [1, 2], [7, 8])], rule, 16, 1)["qa"]
+    assert (two.tokens, two.steps, two.rows, two.drafted) == (1, 1, 1, 0)
