@@ -191,14 +191,14 @@ def process_cpu_s(pid: int) -> float:
 @contextlib.contextmanager
 def engine_process(method: str, max_depth: int, max_num_seqs: int,
                    device: str = "cpu", execution: str = "eager",
-                   dtype: str = "float32") -> Iterator[tuple[str, int]]:
+                   dtype: str = "float32", ngram_caps: str = "auto") -> Iterator[tuple[str, int]]:
     # NOTE: every mode replays the same prompts on one engine, so with prefix caching (on by
     # default since 61aa9c5) whichever mode runs a prompt first pays its prefill and the
     # others hit the cache: a confound that has nothing to do with depth. Off here.
     engine: dict[str, object] = {"max_num_seqs": max_num_seqs, "kv_cache_tokens": 32768,
                                  "spec_method": method, "spec_max_depth": max_depth,
                                  "device": device, "execution": execution, "dtype": dtype,
-                                 "enable_prefix_caching": False}
+                                 "enable_prefix_caching": False, "ngram_caps": ngram_caps}
     if method == "draft":
         engine["draft_model"] = str(REPO / "models" / "tiny-draft")
     config = {"backend": "engine", "model": str(REPO / "models" / "tiny-target"),
@@ -384,7 +384,7 @@ def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -
     policy = policies[ADAPTIVE]
     modes: list[int | str] = [*depths, *adaptive]
     with engine_process(method, max(depths), max(args.concurrency), args.device,
-                        args.execution, args.dtype) as (url, pid):
+                        args.execution, args.dtype, args.ngram_caps) as (url, pid):
         bench = Bench(url, pid, method, policies, args.max_tokens, max(depths))
         asyncio.run(bench.run(prompts[:2], 0, 2))  # warm-up
         for conc in args.concurrency:
@@ -884,22 +884,28 @@ def run_draft_confidence(prompts: list[Prompt], thresholds: list[float], depth: 
               f"{accepted / drafted if drafted else 0.0:6.2f} {drafted / tokens:6.2f}")
 
 
-def run_caps_ab(prompts: list[Prompt], depths: list[int], max_tokens: int) -> None:
+def run_caps_ab(prompts: list[Prompt], depths: list[int], max_tokens: int, device: str = "cpu",
+                execution: str = "eager", dtype: str = "float32") -> None:
     """In-process engine core, concurrency 1: the n-gram proposer with its depth caps by match
-    length (specdec.ngram NOTE) against the same proposer without them, at each depth, and
-    depth 0; interleaved per prompt in a rotating order. Each variant keeps its own output
-    pool, fed the same (greedy) outputs."""
-    from engine.config import TINY_TARGET, CompiledConfig, EngineConfig
+    length (specdec.ngram NOTE; the engine's ``ngram_caps="cpu"``) against the same proposer
+    without them (``"none"``), at each depth, and depth 0; interleaved per prompt in a rotating
+    order. Each variant keeps its own output pool, fed the same (greedy) outputs."""
+    import dataclasses as dc
+
+    from engine.config import TINY_TARGET, CompiledConfig, EngineConfig, build_dataclass
     from engine.loader import load_core
+    from engine.proposers import build_proposer
     from engine.sequence import GenerationParams
-    from specdec.ngram import NgramConfig, NgramProposer
     from specdec.sampling import SamplingParams
 
-    cfg = EngineConfig(spec_method="ngram", spec_max_depth=max(depths), kv_cache_tokens=16384,
-                       enable_prefix_caching=False)  # see engine_process
+    # prefix caching off: see engine_process
+    cfg = build_dataclass(EngineConfig, {
+        "spec_method": "ngram", "spec_max_depth": max(depths), "kv_cache_tokens": 16384,
+        "enable_prefix_caching": False, "device": device, "execution": execution,
+        "dtype": dtype}, "engine")
     core = load_core(CompiledConfig(model=str(TINY_TARGET), engine=cfg))
-    proposers = {"caps": NgramProposer(NgramConfig()),
-                 "no caps": NgramProposer(NgramConfig(context_depth_caps=(), pool_depth_caps=()))}
+    proposers = {"caps": build_proposer(dc.replace(cfg, ngram_caps="cpu"), core.spec, {}),
+                 "no caps": build_proposer(dc.replace(cfg, ngram_caps="none"), core.spec, {})}
     modes = [(0, "caps"), *((k, v) for k in depths for v in proposers)]
     totals: dict[tuple[str, int, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     warm = core.tokenizer.encode("warm up " * 40)
@@ -1047,6 +1053,8 @@ def main() -> int:
                         help=f"also run the policy with a step-time term per row bucket "
                              f"({ADAPTIVE_ROWS}; PolicyConfig.price_row_buckets)")
     parser.add_argument("--micro", action="store_true", help="micro-costs only, no engine")
+    parser.add_argument("--ngram-caps", choices=("auto", "cpu", "none"), default="auto",
+                        help="the engine's ngram_caps (auto: none under cuda_graph, else cpu)")
     parser.add_argument("--caps-ab", action="store_true",
                         help="n-gram depth caps on vs off, in-process, concurrency 1")
     parser.add_argument("--draft-confidence", nargs="+", type=float, default=None,
@@ -1086,7 +1094,8 @@ def main() -> int:
     if args.domains:
         prompts = [p for p in prompts if p.domain in args.domains]
     if args.caps_ab:
-        run_caps_ab(prompts, [k for k in args.depths if k > 0], args.max_tokens)
+        run_caps_ab(prompts, [k for k in args.depths if k > 0], args.max_tokens, args.device,
+                    args.execution, args.dtype)
         return 0
     if args.draft_confidence is not None:
         run_draft_confidence(prompts, args.draft_confidence, max(args.depths), args.max_tokens)
@@ -1094,7 +1103,7 @@ def main() -> int:
     print(f"bench/specdec.py  {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  prompts={len(prompts)} "
           f"max_tokens={args.max_tokens} rounds={args.rounds} concurrency={args.concurrency} "
           f"device={args.device} execution={args.execution} dtype={args.dtype} "
-          f"cpus={os.cpu_count()}")
+          f"ngram_caps={args.ngram_caps} cpus={os.cpu_count()}")
     for method in args.methods:
         bench_method(method, prompts, args)
     if args.json_out is not None:

@@ -37,6 +37,7 @@ import yaml
 DOMAINS = ("code", "math", "chat", "qa", "summarization", "translation", "rag", "extraction")
 BACKENDS = ("engine", "vllm", "external")
 SPEC_METHODS = ("none", "ngram", "draft")
+NGRAM_CAPS = ("auto", "cpu", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 EXECUTIONS = ("eager", "compiled", "cuda_graph")
 ATTENTIONS = ("sdpa", "naive", "triton")
@@ -70,6 +71,13 @@ class EngineConfig:
     spec_default_depth: int = 0  # used when the request names none (capped by spec_max_depth)
     ngram_min: int = 1  # shortest n-gram the prompt-lookup proposer matches
     ngram_max: int = 4  # longest n-gram the prompt-lookup proposer matches
+    # The n-gram proposer's caps on a proposal by its match length (specdec.ngram NOTE):
+    # "cpu" keeps them (a draft token is kept where it is accepted often enough to pay for
+    # its verify row, ~0.1 of a step on the CPU), "none" lifts them, "auto" is "none" under
+    # execution "cuda_graph" (a verify row replays for ~0.3% of a batch-1 step there, and the
+    # caps cost qa/chat ~12-16% of their tokens per step: bench/RESULTS.md, top-m replay)
+    # and "cpu" otherwise.
+    ngram_caps: Literal["auto", "cpu", "none"] = "auto"
     draft_model: str = ""  # path of the draft checkpoint when spec_method == "draft"
     # the draft stops proposing at a token it gives less than this probability (0 = never)
     draft_min_confidence: float = 0.2
@@ -104,6 +112,8 @@ class EngineConfig:
         _check(0 <= self.spec_max_depth <= 16, "engine.spec_max_depth", "0..16", self.spec_max_depth)
         _check(0 <= self.spec_default_depth <= self.spec_max_depth, "engine.spec_default_depth",
                f"0..spec_max_depth ({self.spec_max_depth})", self.spec_default_depth)
+        _check(self.ngram_caps in NGRAM_CAPS, "engine.ngram_caps", f"one of {NGRAM_CAPS}",
+               self.ngram_caps)
         _check(1 <= self.ngram_min <= self.ngram_max, "engine.ngram_min",
                f"1..ngram_max ({self.ngram_max})", self.ngram_min)
         _check(self.dtype in DTYPES, "engine.dtype", f"one of {DTYPES}", self.dtype)
@@ -137,6 +147,13 @@ class EngineConfig:
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_cache_tokens // self.block_size
+
+    @property
+    def ngram_capped(self) -> bool:
+        """Whether the n-gram proposer caps proposals by match length (see ngram_caps)."""
+        if self.ngram_caps == "auto":
+            return self.execution != "cuda_graph"
+        return self.ngram_caps == "cpu"
 
     @property
     def usable_model_len(self) -> int:

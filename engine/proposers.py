@@ -26,7 +26,11 @@ def build_proposer(cfg: EngineConfig, spec: ModelSpec,
     if cfg.spec_method == "none" or cfg.spec_max_depth == 0:
         return None
     if cfg.spec_method == "ngram":
-        return NgramProposer(NgramConfig(min_n=cfg.ngram_min, max_n=cfg.ngram_max))
+        if cfg.ngram_capped:
+            return NgramProposer(NgramConfig(min_n=cfg.ngram_min, max_n=cfg.ngram_max))
+        return NgramProposer(NgramConfig(min_n=cfg.ngram_min, max_n=cfg.ngram_max,
+                                         weak_match_depth=None, context_depth_caps=(),
+                                         pool_depth_caps=()))
     return _draft_proposer(cfg)
 
 

@@ -177,3 +177,25 @@ def test_decode_group_splits_only_when_padding_dominates() -> None:
     meta = build_metadata(mixed, 16, 2, 5)
     assert [g.rows for g in meta.groups] == [(0, 7), (7, 8)]
     assert [g.block_tables.shape[1] for g in meta.groups] == [1, 10]
+
+
+def test_ngram_caps_follow_the_execution_unless_named() -> None:
+    from engine.checkpoint import ModelSpec
+    from engine.config import ConfigError
+    from engine.proposers import build_proposer
+    from specdec.ngram import NgramProposer
+
+    def config_of(**engine: object) -> object:
+        proposer = build_proposer(EngineConfig(spec_method="ngram", **engine),  # type: ignore
+                                  ModelSpec.__new__(ModelSpec), {})
+        assert isinstance(proposer, NgramProposer)
+        c = proposer.config
+        return c.weak_match_depth, c.context_depth_caps, c.pool_depth_caps
+
+    capped, uncapped = (4, (2, 3), (0, 1, 1, 3)), (None, (), ())
+    assert config_of() == capped  # eager on the CPU: "auto" keeps the caps
+    assert config_of(device="cuda", execution="cuda_graph") == uncapped
+    assert config_of(device="cuda", execution="cuda_graph", ngram_caps="cpu") == capped
+    assert config_of(ngram_caps="none") == uncapped
+    with pytest.raises(ConfigError, match="engine.ngram_caps"):
+        EngineConfig(ngram_caps="off")  # type: ignore[arg-type]
