@@ -983,8 +983,25 @@ def print_report(out: dict[str, Any]) -> None:
         print(line)
     for rate, by_policy in out.get("requests", {}).items():
         for name, runs in by_policy.items():
-            print(f"misses {rate:>5} {name:<18} " + miss_line(
-                [row for rows in runs for row in rows], out["slos"]))
+            rows = [row for rows in runs for row in rows]
+            print(f"classes {rate:>5} {name:<18} " + class_line(rows))
+            print(f"misses {rate:>5} {name:<18} " + miss_line(rows, out["slos"]))
+
+
+def class_line(rows: list[dict[str, Any]]) -> str:
+    """Per class: met / sent, and how many were sent to each worker (met in brackets): where
+    a policy put the classes whose SLO only some workers can meet."""
+    cells: dict[str, dict[str, list[int]]] = {}
+    for row in rows:
+        cell = cells.setdefault(row["class"], {}).setdefault(row["worker"] or "none", [0, 0])
+        cell[0] += 1
+        cell[1] += row["good"]
+    parts = []
+    for cls, by_worker in sorted(cells.items()):
+        sent, good = (sum(c[i] for c in by_worker.values()) for i in (0, 1))
+        parts.append(f"{cls} {good}/{sent} (" + ", ".join(
+            f"{w} {n}({g})" for w, (n, g) in sorted(by_worker.items())) + ")")
+    return "; ".join(parts)
 
 
 def miss_line(rows: list[dict[str, Any]], slos: dict[str, dict[str, float]]) -> str:

@@ -135,3 +135,12 @@ def test_a_warm_up_probe_pass_sends_other_prompts_than_the_pass_that_counts() ->
     texts = BENCH.prefix_probe_texts(trace, 0, 3, 96, seed=1)
     assert BENCH.prefix_probe_texts(trace, 0, 2, 96, seed=1, skip=1) == texts[1:]
     assert len(set(texts)) == 3
+
+
+def test_the_class_line_shows_where_each_class_went_and_what_met() -> None:
+    rows = [{"class": "repetitive", "worker": "spec", "good": True},
+            {"class": "repetitive", "worker": "batch", "good": False},
+            {"class": "repetitive", "worker": "batch", "good": True},
+            {"class": "prefix", "worker": None, "good": False}]
+    assert BENCH.class_line(rows) == \
+        "prefix 0/1 (none 1(0)); repetitive 2/3 (batch 2(1), spec 1(1))"
