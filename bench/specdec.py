@@ -648,7 +648,8 @@ def print_acceptance(method: str, bench: Bench, policy: object) -> None:
         coef = model.coef
         print(f"  {mode} step-time model t = {coef[0] * 1e3:.2f} + {coef[1] * 1e3:.3f}*b + "
               f"{coef[2] * 1e3:.3f}*b*d + {coef[3] * 1e3:.3f}*k + {coef[4] * 1e3:.3f}*[k>0] + "
-              f"{coef[5] * 1e3:.4f}*prefill ms, mean prefill {model.mean_prefill:.0f} tokens "
+              f"{coef[5] * 1e3:.4f}*prefill + {coef[6] * 1e3:.3f}*b*[k>0] ms, "
+              f"mean prefill {model.mean_prefill:.0f} tokens "
               f"({model.num_fed_steps} engine steps, {model.num_samples} client samples); "
               f"clients wait {model.overhead(1) * 1e3:.2f} / {model.overhead(4) * 1e3:.2f} / "
               f"{model.overhead(16) * 1e3:.2f} ms more per step at batch 1 / 4 / 16")

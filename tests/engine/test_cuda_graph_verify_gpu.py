@@ -42,11 +42,13 @@ def gpu_core(model_dir: Path, execution: str, spec: str = "ngram", budget: int =
     from engine.loader import load_core
 
     extra = {"draft_model": str(TINY_DRAFT)} if spec == "draft" else {}
+    # NOTE: ngram_caps "auto" lifts the caps under cuda_graph only; graph and eager cores
+    # must propose alike for seeded sampling to repeat token for token across them.
     return load_core(CompiledConfig(model=str(model_dir), engine=EngineConfig(
         device="cuda", dtype=dtype, execution=execution,  # type: ignore[arg-type]
         max_num_seqs=8, max_num_batched_tokens=budget, kv_cache_tokens=8192,
         max_model_len=1024, spec_method=spec, spec_max_depth=DEPTH,  # type: ignore[arg-type]
-        enable_prefix_caching=prefix_caching, **extra)))
+        enable_prefix_caching=prefix_caching, ngram_caps="none", **extra)))
 
 
 def greedy(n: int, depth: int = 0) -> GenerationParams:
