@@ -73,6 +73,7 @@ requests went per (worker, class) with how many met the SLO, and the adaptive
 policy's depths and decision reasons per rate.
 
     python bench/routing.py --data .devdata --rates 4 6 8 --duration 20 --rounds 3 --warmup 20 --seed 100
+    python bench/routing.py --data .devdata --rate-multiples 5 8 12 17 --duration 15 --rounds 4 --warmup 10 --fit-concurrency 1 --probe-passes 2 --seed 100  # session 7
     python bench/routing.py --data .devdata --workload specbench --rates 7 9 --duration 15 --rounds 3 --warmup 20 --seed 100
 
 Needs ~13 free cores (four fleets of three one-core workers, plus this process; three
