@@ -122,6 +122,15 @@ class RunStats:
     num_draft: int = 0
     num_accepted: int = 0
     depths: list[int] = field(default_factory=list)
+    request_s: float = 0.0  # the requests' own seconds (send to last chunk), summed
+    blocks: list[float] = field(default_factory=list)  # wall tokens/s of each block run
+
+    @property
+    def tokens_per_request_s(self) -> float:
+        """Tokens per second of the requests' own time (summed): a ratio between modes at one
+        concurrency compares per-request speed, free of each block's start and drain (its
+        last requests run with fewer beside them, the more so the more their lengths vary)."""
+        return self.tokens / self.request_s if self.request_s else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -338,6 +347,7 @@ class Bench:
                     self._learn(o)
                     self.outcomes.append(o)
                     stats.tokens += o.tokens
+                    stats.request_s += o.e2e_s
                     stats.num_draft += o.num_draft
                     stats.num_accepted += o.num_accepted
                     stats.depths.append(depth)
@@ -352,6 +362,7 @@ class Bench:
                     await scraper
             stats.seconds = time.perf_counter() - t0
             stats.cpu_s = process_cpu_s(self.pid) - cpu0
+            stats.blocks.append(stats.tokens_per_s)
             await self.scrape(session)  # a proxy would get these at its next scrape
         return stats
 
@@ -433,18 +444,22 @@ def _add(total: RunStats, s: RunStats) -> None:
     total.num_draft += s.num_draft
     total.num_accepted += s.num_accepted
     total.depths += s.depths
+    total.request_s += s.request_s
+    total.blocks += s.blocks
 
 
 def print_concurrency(method: str, conc: int, n: int, totals: dict[int | str, RunStats]) -> None:
-    """Tokens per wall second and per engine CPU second (robust to other load on the box)."""
+    """Tokens per wall second, per engine CPU second (robust to other load on the box) and
+    per second of the requests' own time (free of each block's drain)."""
     print(f"\n[{method}] concurrency {conc}: {n} requests x rounds per mode "
-          f"(wall: tokens/s; cpu: tokens per engine CPU second)")
+          f"(wall: tokens/s; cpu: tokens per engine CPU second; req: tokens per request-second)")
     print(f"  {'mode':>9} {'tok/s':>8} {'vs k=0':>7} {'vs best k':>9} {'tok/cpu-s':>9} "
-          f"{'vs k=0':>7} {'vs best k':>9} {'accept':>7}  depths")
+          f"{'vs k=0':>7} {'vs best k':>9} {'tok/req-s':>9} {'vs k=0':>7} {'vs best k':>9} "
+          f"{'accept':>7}  depths")
     fixed = {m: t for m, t in totals.items() if m not in ADAPTIVE_MODES and m != 0}
     summary = []
     cells: dict[int | str, str] = {m: "" for m in totals}
-    for basis in ("tokens_per_s", "tokens_per_cpu_s"):
+    for basis in ("tokens_per_s", "tokens_per_cpu_s", "tokens_per_request_s"):
         def rate(t: RunStats, basis: str = basis) -> float:
             return float(getattr(t, basis))
         base = rate(totals[0]) or 1.0
@@ -466,6 +481,12 @@ def print_concurrency(method: str, conc: int, n: int, totals: dict[int | str, Ru
         print(f"  {label:>9}{cells[mode]} {acc:7.2f}  {depths}")
     for line in summary:
         print(f"  {line}")
+    if conc == 1:  # a block is one request there
+        return
+    spread = " ".join(f"{f'k={m}' if isinstance(m, int) else m}: "
+                      f"{min(t.blocks):.0f}-{max(t.blocks):.0f}"
+                      for m, t in totals.items() if t.blocks)
+    print(f"  wall tok/s per block, min-max (the noise a ratio above sits in): {spread}")
 
 
 def print_domains(method: str, outcomes: list[Outcome], modes: list[int | str]) -> None:
