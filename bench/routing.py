@@ -53,9 +53,12 @@ policy uses them. Every policy is scored by the trace's domain label. The
 and 5x TPOT of the best unloaded, cold-cache, one-request probe of a
 median-length prompt of the window on any worker); ``--prefix-slo`` overrides it.
 
-Policies (``--policies``, each on its own fleet): round_robin, least_outstanding, adaptive,
-and ``adaptive-nostall`` -- the adaptive policy with ``price_prefill_stalls=False`` (session
-5's pricing of prefill interference), the A/B of stall pricing in the same run.
+Policies (``--policies``, each on its own fleet; default round_robin, least_outstanding,
+adaptive, adaptive-r4): the baselines, adaptive, and its A/B variants in the same run --
+``adaptive-nostall``, with ``price_prefill_stalls=False`` (session 5's pricing of prefill
+interference), and ``adaptive-r4``, with ``step_scaled_batch=False`` (session 7 round 4's:
+TPOT's growth with the batch and the crowding charge from the request-level fit, not from
+the workers' measured steps).
 
 Rates: ``--rates`` in req/s, or ``--rate-multiples``: each m x this machine's speed index
 (the median ratio of the reference probe's latencies, ``REF_PROBE``, session 5 round 2's
@@ -73,7 +76,7 @@ requests went per (worker, class) with how many met the SLO, and the adaptive
 policy's depths and decision reasons per rate.
 
     python bench/routing.py --data .devdata --rates 4 6 8 --duration 20 --rounds 3 --warmup 20 --seed 100
-    python bench/routing.py --data .devdata --rate-multiples 5 8 12 17 --duration 15 --rounds 4 --warmup 10 --fit-concurrency 1 --probe-passes 2 --seed 100  # session 7
+    python bench/routing.py --data .devdata --rate-multiples 5 8 12 17 --duration 15 --rounds 4 --warmup 10 --fit-concurrency 1 --probe-passes 2 --seed 100 --policies round_robin least_outstanding adaptive adaptive-nostall  # session 7 round 4
     python bench/routing.py --data .devdata --workload specbench --rates 7 9 --duration 15 --rounds 3 --warmup 20 --seed 100
 
 Needs ~13 free cores (four fleets of three one-core workers, plus this process; three
@@ -143,16 +146,22 @@ CLASSES: dict[str, tuple[str, ...]] = {
     "long": ("summarization", "rag"),
 }
 CLASS_OF = {d: c for c, ds in CLASSES.items() for d in ds}
-# name -> the proxy's speculation mode. ``adaptive-nostall``: the adaptive policy with
-# ``price_prefill_stalls=False`` (session 5's pricing), on its own fleet: the stall-pricing A/B
-# in the same run as the baselines (make_policy).
+# name -> the proxy's speculation mode. The variants are the adaptive policy with one
+# setting changed, each on its own fleet: an A/B in the same run as the baselines
+# (make_policy): ``adaptive-nostall``, ``price_prefill_stalls=False`` (session 5's pricing);
+# ``adaptive-r4``, ``step_scaled_batch=False`` (session 7 round 4's: TPOT's growth with the
+# batch, and the crowding charge, from the request-level fit instead of the measured steps).
 POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive",
-    "adaptive-nostall": "adaptive"}
+    "adaptive-nostall": "adaptive", "adaptive-r4": "adaptive"}
 NOSTALL = "adaptive-nostall"
+R4 = "adaptive-r4"
+VARIANTS: dict[str, dict[str, bool]] = {NOSTALL: {"price_prefill_stalls": False},
+                                        R4: {"step_scaled_batch": False}}
+DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive", R4]
 # (policy, baseline) pairs whose goodput ratios the reports print, where both ran
 COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
-               ("adaptive", NOSTALL))
+               ("adaptive", NOSTALL), ("adaptive", R4))
 MAX_MODEL_LEN = 2048
 # NOTE: greedy decoding, as Spec-Bench and bench/specdec.py measure: the traces carry no
 # sampling parameters, and the engine's default (temperature 1, as OpenAI's) makes the
@@ -233,8 +242,8 @@ def fleet_configs(fleet: str, long_cores: int, device: str) -> dict[str, Compile
 
 def make_policy(name: str, seed: int) -> Any:
     """The policy behind a ``--policies`` name (:data:`POLICIES`)."""
-    if name == NOSTALL:
-        return AdaptivePolicy(AdaptiveConfig(price_prefill_stalls=False), seed=seed)
+    if name in VARIANTS:
+        return AdaptivePolicy(AdaptiveConfig(**VARIANTS[name]), seed=seed)
     return build_policy(name, seed=seed)
 
 
@@ -616,7 +625,7 @@ def proxy_config(name: str, urls: dict[str, str], configs: dict[str, CompiledCon
         # NOTE: every proxy is told the SLOs the run is judged by, as an operator would
         # configure them; only the adaptive policies use them. The policy object itself is
         # handed to the app (make_policy): the config only names its kind.
-        routing=slos.routing("adaptive" if name == NOSTALL else name),
+        routing=slos.routing("adaptive" if name in VARIANTS else name),
         speculation=SpeculationConfig(mode=POLICIES[name]),
         traces=ProxyTraceConfig(enabled=False),
         health=HealthConfig(interval_s=1.0, metrics_interval_s=0.25))
@@ -1080,9 +1089,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--long-cores", type=int, default=2,
                     help="fast-long fleet: engine-core processes (one thread each) of the "
                          "long-prompt worker")
-    ap.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES),
+    ap.add_argument("--policies", nargs="+", choices=list(POLICIES), default=DEFAULT_POLICIES,
                     help="each on its own fleet; adaptive-nostall: adaptive with "
-                         "price_prefill_stalls off (the A/B); a subset needs fewer cores")
+                         "price_prefill_stalls off, adaptive-r4: with step_scaled_batch off "
+                         "(A/Bs); a subset needs fewer cores")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="engine workers' torch device (cpu, cuda)")
     ap.add_argument("--json", type=Path, help="write the probe, SLOs and all rounds here")

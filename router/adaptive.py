@@ -80,7 +80,7 @@ from router.calibration import Calibration
 from router.inflight import Flight, InFlight
 from router.profiles import LatencyPrior, Prediction, PriorConfig, WorkerProfile, batch_capacity
 from router.stalls import Prefill, PrefillStalls, StallConfig
-from specdec.policy import DepthPolicy
+from specdec.policy import DepthPolicy, StepTimeModel
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,11 @@ class AdaptiveConfig:
     # prefill ahead spread over TPOT, each prompt's stall priced alone)
     price_prefill_stalls: bool = True
     stalls: StallConfig = field(default_factory=StallConfig)
+    # how TPOT grows with the batch, for the profiles and for crowding: the worker's own
+    # measured decode steps (the engine's step feed, in the depth policy's step-time model)
+    # when it reports them; off, or without a feed: the profiles' learned batch slope
+    # (session 7 round 4, which charged the spec worker ~15x its steps' slope)
+    step_scaled_batch: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore_prob < 1.0:
@@ -232,12 +237,15 @@ class AdaptivePolicy:
         d = depth or 0
         model_cached = self._model_cached_tokens(shape, view)
         cached = model_cached * self.prefix_cache.hit_ratio(view.name)
-        pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d, cached)
-        idle = prof.predict(shape.domain, shape.prompt_tokens, 0, 1, d, cached)
+        ratio = self.step_ratio(view.name, batch, d)
+        pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d, cached, ratio)
+        idle = prof.predict(shape.domain, shape.prompt_tokens, 0, 1, d, cached,
+                            None if ratio is None else 1.0)
         prefill_s = idle.prefill_s
         saved_s = 0.0
         if cached > 0:
-            full = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d)
+            full = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d,
+                                step_ratio=ratio)
             saved_s = max(full.ttft_s - pred.ttft_s, 0.0)
         now = self.clock()
         # past capacity the request waits for a slot: until enough of those ahead finish
@@ -247,13 +255,45 @@ class AdaptivePolicy:
         cost = ttft_s + max(shape.predicted_output_tokens - 1, 0) * tpot_s
         # NOTE: below capacity it joins the batch and slows every request running there
         # (crowding); at capacity it waits instead and slows no one.
-        crowd_s = prof.tpot_per_seq_s() if self.config.crowding and queue < cap else 0.0
-        harm = self._interference(view.name, now, prefill_s, crowd_s, self._cost(shape, pred))
+        crowd_s, crowd_frac = self._crowding(view.name, prof, queue, cap, d)
+        harm = self._interference(view.name, now, prefill_s, crowd_s, self._cost(shape, pred),
+                                  crowd_frac)
         penalty, meets = self._slo(shape, ttft_s, tpot_s)
         return Candidate(view.name, cost * penalty + harm,
                          self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
                          ttft_s, tpot_s, prefill_s, wait, model_cached, cached, saved_s * penalty,
                          ahead)
+
+    def step_ratio(self, worker: str, batch: float, depth: int) -> float | None:
+        """The worker's measured decode step time at ``batch`` over batch 1, at ``depth``
+        (the depth policy's step-time model, fed by the engine's own steps); None when the
+        worker has reported no steps (vLLM, an external server, before the first scrape)
+        or ``step_scaled_batch`` is off."""
+        model = self._fed_steps(worker)
+        if model is None:
+            return None
+        return model.predict(max(batch, 1.0), depth) / model.predict(1.0, depth)
+
+    def _fed_steps(self, worker: str) -> StepTimeModel | None:
+        if not self.config.step_scaled_batch:
+            return None
+        model = self.depth_policy.step_time(worker)
+        return model if model.num_fed_steps > 0 else None
+
+    def _crowding(self, worker: str, prof: WorkerProfile, queue: int, cap: int, depth: int
+                  ) -> tuple[float, float]:
+        """What joining the batch does to each request running there: (seconds per output
+        token, from the profile's batch slope; fraction of their time, from the measured
+        steps: t(queue + 1) / t(queue) - 1). One of the two is 0; both at capacity."""
+        if not self.config.crowding or queue >= cap:
+            return 0.0, 0.0
+        model = self._fed_steps(worker)
+        if model is None:
+            return prof.tpot_per_seq_s(), 0.0
+        if queue <= 0:
+            return 0.0, 0.0
+        frac = model.predict(queue + 1.0, depth) / model.predict(float(queue), depth) - 1.0
+        return 0.0, max(frac, 0.0)
 
     def _latency(self, shape: RequestShape, worker: str, now: float, pred: Prediction,
                  wait_s: float) -> tuple[float, float, float]:
@@ -290,31 +330,39 @@ class AdaptivePolicy:
         return float(self.config.prefix_cache_tokens)
 
     def _interference(self, worker: str, now: float, prefill_s: float, crowd_s: float,
-                      cost_s: float) -> float:
+                      cost_s: float, crowd_frac: float = 0.0) -> float:
         """The penalised delay this request adds to the requests running on the worker,
         seconds; see :mod:`router.inflight`.
 
         The delay to each running request is this prompt's prefill (it stalls their
         steps; times the worker's learned stall factor, :mod:`router.stalls`) plus
-        ``crowd_s`` per step they share with this one while both run (a bigger batch makes
-        every step slower): the externality that keeps the policy from piling requests
-        onto the worker that looks best for each one alone.
+        ``crowd_s`` per step they share with this one while both run, or ``crowd_frac`` of
+        the time they share (a bigger batch makes every step slower): the externality that
+        keeps the policy from piling requests onto the worker that looks best for each one
+        alone.
         """
         if not self.config.interference:
             return 0.0
         if not self.config.price_prefill_stalls:
-            return self._interference_s5(worker, now, prefill_s, crowd_s, cost_s)
+            return self._interference_s5(worker, now, prefill_s, crowd_s, cost_s, crowd_frac)
         harm = 0.0
         stall = prefill_s * self.stalls.factor(worker)
-        if stall <= 0 and crowd_s <= 0:
+        if stall <= 0 and crowd_s <= 0 and crowd_frac <= 0:
             return 0.0
         for f, received in self._inflight.stalled(worker, now):
             # NOTE: the prefill routed onto the flight since it was sent counts too, so each
             # further prompt sees it nearer its SLO (the penalty is convex)
-            shared_steps = min(f.remaining_s(now), cost_s) / max(f.tpot_s, 1e-4)
-            delay = received + stall + crowd_s * shared_steps
+            delay = received + stall + self._crowd_delay(f, now, cost_s, crowd_s, crowd_frac)
             harm += self._flight_cost(f, delay) - self._flight_cost(f, received)
         return harm
+
+    @staticmethod
+    def _crowd_delay(f: Flight, now: float, cost_s: float, crowd_s: float, crowd_frac: float
+                     ) -> float:
+        """Seconds a running request loses to this one's joining its batch: its steps while
+        both run, each ``crowd_s`` slower, or that time x ``crowd_frac``."""
+        shared_s = min(f.remaining_s(now), cost_s)
+        return crowd_s * shared_s / max(f.tpot_s, 1e-4) + crowd_frac * shared_s
 
     def _flight_cost(self, f: Flight, delay_s: float) -> float:
         """A routed request's penalised cost with ``delay_s`` more in its decode."""
@@ -323,13 +371,12 @@ class AdaptivePolicy:
         return (f.cost_s + delay_s) * penalty
 
     def _interference_s5(self, worker: str, now: float, prefill_s: float, crowd_s: float,
-                         cost_s: float) -> float:
+                         cost_s: float, crowd_frac: float = 0.0) -> float:
         """Session 5's harm: each flight as predicted when sent, this prompt's delay alone."""
         harm = 0.0
-        if prefill_s > 0 or crowd_s > 0:
+        if prefill_s > 0 or crowd_s > 0 or crowd_frac > 0:
             for f in self._inflight.active(worker, now):
-                shared_steps = min(f.remaining_s(now), cost_s) / max(f.tpot_s, 1e-4)
-                delay = prefill_s + crowd_s * shared_steps
+                delay = prefill_s + self._crowd_delay(f, now, cost_s, crowd_s, crowd_frac)
                 harm += self._flight_cost(f, delay) - f.cost_s * f.penalty
         return harm
 
@@ -409,6 +456,7 @@ class AdaptivePolicy:
         depth = outcome.spec_depth if outcome.spec_depth is not None else (
             pending.depth if pending else 0)
         cached = self._observe_cached(outcome, pending)
+        ratio = self.step_ratio(outcome.worker, batch, depth)
         ttft_s, tpot_s = outcome.ttft_s, outcome.tpot_s
         apart = pending.wait_s + pending.ahead_s if pending is not None else 0.0
         if ttft_s is not None and pending is not None and apart > 0:
@@ -418,11 +466,13 @@ class AdaptivePolicy:
             # overestimated).
             ttft_s = max(ttft_s - apart, 0.25 * (pending.ttft_s - apart))
         if tpot_s is not None and pending is not None:
-            tpot_s = self._observe_stalls(outcome, pending, prof, queue, batch, depth, cached)
+            tpot_s = self._observe_stalls(outcome, pending, prof, queue, batch, depth, cached,
+                                          ratio)
         if ttft_s is None and outcome.e2e_s is not None and outcome.completion_tokens > 1:
             # NOTE: a non-streamed request shows only e2e; attribute the predicted TTFT
             # to its prefill and learn TPOT from the rest (TTFT itself stays unobserved).
-            pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, depth, cached)
+            pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, depth, cached,
+                                ratio)
             decode_s = outcome.e2e_s - pred.ttft_s
             if decode_s <= 0:  # the TTFT prediction overshoots: split e2e by predicted shares
                 decode_pred = pred.tpot_s * (outcome.completion_tokens - 1)
@@ -430,11 +480,12 @@ class AdaptivePolicy:
                 decode_s = outcome.e2e_s * (decode_pred / total if total > 0 else 0.5)
             tpot_s = decode_s / (outcome.completion_tokens - 1)
         prof.observe(shape.domain, shape.prompt_tokens, queue, batch, depth, ttft_s, tpot_s,
-                     cached)
+                     cached, ratio)
         self._observe_depth(outcome, batch, depth)
 
     def _observe_stalls(self, outcome: RequestOutcome, pending: Flight, prof: WorkerProfile,
-                        queue: int, batch: int, depth: int, cached: float) -> float | None:
+                        queue: int, batch: int, depth: int, cached: float,
+                        ratio: float | None = None) -> float | None:
         """The request's TPOT without the prefill stalls it met, for its profile; and the
         worker's stall factor learns from them (router.stalls)."""
         tpot_s, ttft_s, e2e_s = outcome.tpot_s, outcome.ttft_s, outcome.e2e_s
@@ -449,7 +500,7 @@ class AdaptivePolicy:
         met = self.stalls.overlap_s(outcome.worker, start, end) - own.within_s(start, end)
         stall = max(met, 0.0) / (outcome.completion_tokens - 1)
         base = prof.predict(outcome.shape.domain, outcome.shape.prompt_tokens, queue, batch,
-                            depth, cached).tpot_s
+                            depth, cached, ratio).tpot_s
         self.stalls.observe(outcome.worker, stall, tpot_s - base)
         return max(tpot_s - self.stalls.factor(outcome.worker) * stall, 0.25 * tpot_s)
 

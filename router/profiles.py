@@ -9,7 +9,17 @@ Two linear models per (worker, shape bucket):
   capacity (the requests it shares steps with; the wait for a slot past the
   capacity is the policy's, from what is ahead: :mod:`router.inflight`);
 - TPOT (seconds per output token) against ``[1, batch / 8, k / 4]`` — batch
-  size and speculative depth.
+  size and speculative depth. When the worker reports its own decode steps (the
+  engine's step feed, :mod:`specdec.step_feed`), the caller passes ``step_ratio``:
+  the engine-measured step time at the sample's batch over batch 1, at its depth.
+  Then a sample is divided by it and learned at batch 1, and a prediction at batch b
+  is the batch-1 one times the ratio at b: how TPOT grows with the batch comes from
+  the steps, not from the requests' TPOT. NOTE: on the device (session 7 round 4)
+  the request-level fit charged the 4-sequence spec worker 8.4 ms per added
+  sequence where the steps grow ~0.5 ms: whatever rises with load in a request's
+  TPOT (prefill stalls the stall model leaves in, a lower depth under load) landed
+  on the batch term, and even the batch-1 prediction carried it (the feature is
+  ``batch / 8``, never 0).
 
 Each is Bayesian linear regression solved by recursive least squares with
 forgetting, whose *prior mean* is the coefficient vector that
@@ -58,6 +68,13 @@ def uncached(prompt_tokens: int, cached_tokens: float) -> int:
     """Prompt tokens left to prefill when ``cached_tokens`` are found in the prefix cache;
     at least one (an engine recomputes the last prompt token to sample the first output)."""
     return max(prompt_tokens - int(cached_tokens), 1) if cached_tokens > 0 else prompt_tokens
+
+
+def valid_ratio(step_ratio: float | None) -> float | None:
+    """A step-time ratio as used: None (not known) unless a positive finite number."""
+    if step_ratio is None or not (step_ratio > 0 and math.isfinite(step_ratio)):
+        return None
+    return step_ratio
 
 
 def prompt_band(prompt_tokens: int) -> int:
@@ -237,13 +254,17 @@ class WorkerProfile:
                        BayesianRLS(tpot, v, self._forgetting))
 
     def predict(self, domain: str, prompt_tokens: int, queue: float, batch: float,
-                depth: int, cached_tokens: float = 0.0) -> Prediction:
+                depth: int, cached_tokens: float = 0.0, step_ratio: float | None = None
+                ) -> Prediction:
         """TTFT and TPOT; the prefill part of TTFT counts only the ``prompt_tokens`` not
-        among the ``cached_tokens`` the worker is expected to find in its prefix cache."""
+        among the ``cached_tokens`` the worker is expected to find in its prefix cache.
+        ``step_ratio``: the worker's measured step time at ``batch`` over batch 1 (see the
+        module docstring); TPOT is then the batch-1 fit times it."""
         cap = batch_capacity(self.prior.config)
+        ratio = valid_ratio(step_ratio)
         new_tokens = uncached(prompt_tokens, cached_tokens)
         xt = ttft_features(new_tokens, min(queue, cap))
-        xp = tpot_features(min(batch, cap), depth)
+        xp = tpot_features(min(batch, cap) if ratio is None else 1, depth)
         bucket = self._buckets.get((domain, prompt_band(prompt_tokens)))
         if bucket is None:
             # NOTE: no model is built for a bucket without samples (predict runs several
@@ -256,7 +277,7 @@ class WorkerProfile:
         # NOTE: floors: a fit may extrapolate below zero far from its data.
         floor_ttft = 0.1 * ct[0] if ct[0] > 0 else 1e-4
         ttft = max(ct[0] + ct[1] * xt[1] + ct[2] * xt[2], floor_ttft, 1e-4)
-        tpot = max(cp[0] + cp[1] * xp[1] + cp[2] * xp[2], 1e-5)
+        tpot = max(cp[0] + cp[1] * xp[1] + cp[2] * xp[2], 1e-5) * (ratio or 1.0)
         prefill = max(ct[1] * xt[1], 0.0)
         if self._all.ttft.num_samples == 0:
             c = self.calibration.factor(ttft_key(new_tokens))
@@ -266,9 +287,16 @@ class WorkerProfile:
         return Prediction(ttft, tpot, n, prefill)
 
     def observe(self, domain: str, prompt_tokens: int, queue: float, batch: float, depth: int,
-                ttft_s: float | None, tpot_s: float | None, cached_tokens: float = 0.0) -> None:
+                ttft_s: float | None, tpot_s: float | None, cached_tokens: float = 0.0,
+                step_ratio: float | None = None) -> None:
+        """One finished request; with ``step_ratio`` (its batch's measured step time over
+        batch 1) its TPOT is learned at batch 1 (see the module docstring)."""
         has_ttft = ttft_s is not None and ttft_s >= 0 and math.isfinite(ttft_s)
         has_tpot = tpot_s is not None and tpot_s > 0 and math.isfinite(tpot_s)
+        ratio = valid_ratio(step_ratio)
+        if has_tpot and ratio is not None:
+            assert tpot_s is not None
+            tpot_s, batch = tpot_s / ratio, 1
         if has_tpot and self._all.tpot.num_samples == 0:
             # NOTE: the worker's first TPOT sample starts its fit from the calibrated prior.
             # TTFT is calibrated per prompt band, so no one factor fits its worker-level

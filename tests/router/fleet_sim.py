@@ -12,7 +12,9 @@ every decode on its worker. With ``cache_tokens`` set the worker keeps a prefix
 cache of that many tokens (LRU over the requests' prefix blocks, as the engine's
 automatic prefix caching): a request admitted there prefills only the prompt past
 its leading cached blocks and reports the rest as ``cached_tokens``. Policies see
-WorkerView snapshots and get RequestOutcomes, exactly as in the proxy.
+WorkerView snapshots and get RequestOutcomes, exactly as in the proxy; a policy with a
+``depth_policy`` also gets each worker's decode steps every ``feed_s`` simulated seconds,
+as the proxy's scrape hands it the engine's step sums (:mod:`specdec.step_feed`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,13 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.config import CompiledConfig
 from router.base import RequestOutcome, RequestShape, RoutingPolicy, WorkerView
+from specdec.policy import NUM_FEATURES, DepthPolicy, step_features
+
+FEED_S = 0.25  # simulated seconds between step feeds (the bench's metrics scrape interval)
 
 
 @dataclass
@@ -40,6 +47,7 @@ class SimWorker:
     cache: OrderedDict[int, float] = field(default_factory=OrderedDict)  # block -> tokens
     num_prompt_tokens: int = 0
     num_cached_tokens: float = 0.0
+    steps: StepSums = field(default_factory=lambda: StepSums())
 
     def admit(self, shape: RequestShape) -> float:
         """Prompt tokens found in the prefix cache; the request's blocks become cached."""
@@ -64,6 +72,35 @@ class SimWorker:
         return WorkerView(self.name, f"sim://{self.name}", "engine", self.config,
                           outstanding_requests=len(self.running) + len(self.waiting),
                           running=len(self.running), waiting=len(self.waiting))
+
+
+@dataclass
+class StepSums:
+    """A worker's decode steps since the last feed, as the engine sums them: X^T W X, X^T W y
+    with w = 1 / step^2 (each dt of simulated time is dt / step of a step)."""
+
+    xtx: np.ndarray = field(default_factory=lambda: np.zeros((NUM_FEATURES, NUM_FEATURES)))
+    xty: np.ndarray = field(default_factory=lambda: np.zeros(NUM_FEATURES))
+    num_steps: float = 0.0
+    prefill_tokens: float = 0.0
+
+    def add(self, num_decoding: int, prefill_tokens: float, step: float, dt: float) -> None:
+        if num_decoding <= 0:
+            return
+        x = np.array(step_features(num_decoding, 0, 0, prefill_tokens))
+        share = dt / step
+        self.xtx += share / step**2 * np.outer(x, x)
+        self.xty += share / step * x
+        self.num_steps += share
+        self.prefill_tokens += share * prefill_tokens
+
+    def feed(self, name: str, depth_policy: DepthPolicy) -> None:
+        """Hand the whole steps summed so far to ``depth_policy``, and start over."""
+        if self.num_steps < 1.0:
+            return
+        depth_policy.observe_step_sums(name, self.xtx.tolist(), self.xty.tolist(),
+                                       int(self.num_steps), self.prefill_tokens)
+        self.xtx[:], self.xty[:], self.num_steps, self.prefill_tokens = 0.0, 0.0, 0.0, 0.0
 
 
 class SimClock:
@@ -95,9 +132,15 @@ def simulate(policy: RoutingPolicy, workers: list[SimWorker], arrivals: list[tup
     if given, gets every finished request."""
     pending = sorted(arrivals, key=lambda a: a[0])
     now, i, num_good, num_done = 0.0, 0, 0, 0
+    depth_policy = getattr(policy, "depth_policy", None)
+    next_feed = FEED_S
     while num_done < len(arrivals):
         if clock is not None:
             clock.now = now
+        if isinstance(depth_policy, DepthPolicy) and now >= next_feed:
+            for w in workers:
+                w.steps.feed(w.name, depth_policy)
+            next_feed += FEED_S
         while i < len(pending) and pending[i][0] <= now:
             _route(policy, workers, pending[i][0], pending[i][1])
             i += 1
@@ -128,6 +171,7 @@ def _advance(w: SimWorker, now: float, dt: float) -> list[dict]:
     if w.chunk is not None:
         return _advance_chunked(w, now, dt)
     step = w.base_s + w.per_seq_s * len(w.running)
+    w.steps.add(sum(1 for r in w.running if r["left_prefill"] <= 0), 0.0, step, dt)
     done = []
     for req in w.running:
         if req["left_prefill"] > 0:
@@ -162,6 +206,7 @@ def _advance_chunked(w: SimWorker, now: float, dt: float) -> list[dict]:
         take[id(req)] = min(budget, float(req["shape"].prompt_tokens - req["cached"]))
         budget -= take[id(req)]
     step = w.base_s + w.per_seq_s * len(w.running) + w.prefill_s * (w.chunk - budget)
+    w.steps.add(len(w.running) - len(filling), w.chunk - budget, step, dt)
     done = []
     for req in w.running:
         if req["left_prefill"] > 0:
