@@ -863,6 +863,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             p.wait(timeout=30)
     adaptive: Any = policies.get("adaptive")
     out["adaptive_stats"] = adaptive.stats() if adaptive is not None else {}
+    out["variant_stats"] = {n: policies[n].stats() for n in VARIANTS if n in policies}
     return out
 
 

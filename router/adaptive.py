@@ -532,4 +532,15 @@ class AdaptivePolicy:
                 "prefix_cache": self.prefix_cache.snapshot(), "in_flight": len(self._inflight),
                 "prefill_stalls": self.stalls.snapshot(),
                 "calibration": self.calibration.snapshot(),
+                "step_ratios": self._step_ratios(),
                 "profiles": {n: p.snapshot() for n, p in self._profiles.items()}}
+
+    def _step_ratios(self) -> dict[str, list[float]]:
+        """worker -> measured step time at batch 2, 4 and 8 over batch 1 (depth 0), for the
+        workers that reported their steps."""
+        out = {}
+        for name in self._profiles:
+            ratios = [self.step_ratio(name, b, 0) for b in (2, 4, 8)]
+            if all(r is not None for r in ratios):
+                out[name] = [round(r, 4) for r in ratios if r is not None]
+        return out

@@ -93,6 +93,10 @@ def test_step_ratio_and_crowding_come_from_the_fed_steps() -> None:
     feed_linear_steps(off.depth_policy, "spec", 0.010, 0.002)
     assert off.step_ratio("spec", 3, 0) is None
     assert off._crowding("spec", prof, 2, 4, 0) == (prof.tpot_per_seq_s(), 0.0)
+    # /stats: t(2), t(4), t(8) over t(1) = 14 / 12, 18 / 12, 26 / 12
+    assert p.stats()["step_ratios"]["spec"] == pytest.approx([14 / 12, 18 / 12, 26 / 12],
+                                                             rel=0.02)
+    assert off.stats()["step_ratios"] == {}
 
 
 def test_crowd_delay_is_the_fraction_of_the_shared_time() -> None:
