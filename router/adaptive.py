@@ -154,6 +154,15 @@ class Candidate:
     ahead_s: float = 0.0  # prefill queued ahead of it on the worker, in ttft_s
 
 
+def engine_step_s(model: StepTimeModel, batch: float, depth: int) -> float:
+    """A decode step of ``batch`` sequences at ``depth`` as the engine measured its steps
+    (with its recent mean of prompt tokens per step), seconds. NOTE: without the client's
+    per-step overhead (StepTimeModel.overhead): that is learned per batch bucket from
+    requests' mean step times, which carry the same stalls the step feed is used to avoid
+    (a local run measured t(2) / t(1) = 1.9 and t(3) / t(1) = 1.07 with it)."""
+    return max(model.predict(batch, depth) - model.overhead(batch), 1e-6)
+
+
 def caches_prefixes(view: WorkerView) -> bool:
     """Whether the worker keeps prompt prefixes cached across requests: the built-in engine
     when its config turns automatic prefix caching on (the default), vLLM always (automatic
@@ -272,7 +281,7 @@ class AdaptivePolicy:
         model = self._fed_steps(worker)
         if model is None:
             return None
-        return model.predict(max(batch, 1.0), depth) / model.predict(1.0, depth)
+        return engine_step_s(model, max(batch, 1.0), depth) / engine_step_s(model, 1.0, depth)
 
     def _fed_steps(self, worker: str) -> StepTimeModel | None:
         if not self.config.step_scaled_batch:
@@ -292,7 +301,7 @@ class AdaptivePolicy:
             return prof.tpot_per_seq_s(), 0.0
         if queue <= 0:
             return 0.0, 0.0
-        frac = model.predict(queue + 1.0, depth) / model.predict(float(queue), depth) - 1.0
+        frac = engine_step_s(model, queue + 1.0, depth) / engine_step_s(model, queue, depth) - 1
         return 0.0, max(frac, 0.0)
 
     def _latency(self, shape: RequestShape, worker: str, now: float, pred: Prediction,

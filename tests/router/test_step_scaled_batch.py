@@ -99,6 +99,19 @@ def test_step_ratio_and_crowding_come_from_the_fed_steps() -> None:
     assert off.stats()["step_ratios"] == {}
 
 
+def test_the_step_ratio_ignores_the_client_side_overhead() -> None:
+    """The step model also learns, per batch bucket, what clients wait per step beyond the
+    engine's step (from requests' mean step times): not part of the batch's step cost."""
+    p = AdaptivePolicy(NO_EXPLORE)
+    feed_linear_steps(p.depth_policy, "spec", 0.010, 0.002)
+    before = [p.step_ratio("spec", b, 0) for b in (2, 3, 4)]
+    model = p.depth_policy.step_time("spec")
+    for _ in range(50):  # requests at batch 2 saw 20 ms per step beyond the 14-ms steps
+        model.observe(2, 0, 0.034)
+    assert model.overhead(2) == pytest.approx(0.020, rel=0.01)
+    assert [p.step_ratio("spec", b, 0) for b in (2, 3, 4)] == before
+
+
 def test_crowd_delay_is_the_fraction_of_the_shared_time() -> None:
     f = Flight("spec", 1, 2, 0, sent_s=0.0, ttft_s=0.1, tpot_s=0.002, num_tokens=101,
                prefill_s=0.0)  # predicted cost 0.3 s
