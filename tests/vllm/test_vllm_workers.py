@@ -127,14 +127,20 @@ def test_metrics_scraped_into_stats(fleet: FleetProxy):
         for t in threads:
             t.join(150)
 
-    runner = threading.Thread(target=burst, daemon=True)
-    runner.start()
-    while runner.is_alive():
-        for w in fleet.stats()["workers"]:
-            peak["running"] = max(peak["running"], w["running"])
-            peak["kv"] = max(peak["kv"], w["kv_cache_usage"])
-        time.sleep(0.1)
-    assert len(outcomes) == 4 and all(o.ok for o in outcomes), outcomes
+    # NOTE: the proxy scrapes every 0.3 s; on a quiet machine a burst can come and go without
+    # any scrape seeing it run (one dry run of the CI: peak running 0, all 4 requests fine).
+    # A burst is repeated, at most 3 times, until a scrape has caught one.
+    for _ in range(3):
+        runner = threading.Thread(target=burst, daemon=True)
+        runner.start()
+        while runner.is_alive():
+            for w in fleet.stats()["workers"]:
+                peak["running"] = max(peak["running"], w["running"])
+                peak["kv"] = max(peak["kv"], w["kv_cache_usage"])
+            time.sleep(0.1)
+        if peak["running"] >= 1 and peak["kv"] > 0.0:
+            break
+    assert len(outcomes) % 4 == 0 and all(o.ok for o in outcomes), outcomes
     assert peak["running"] >= 1 and 0.0 < peak["kv"] <= 1.0
     wait_until(lambda: "ngram" in fleet.stats()["acceptance"], 10, "scraped acceptance")
     stats = fleet.stats()
