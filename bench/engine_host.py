@@ -219,10 +219,12 @@ def _load_bench_specdec() -> Any:
 
 @contextlib.contextmanager
 def engine_server(tree: Path, args: argparse.Namespace) -> Iterator[str]:
-    engine = {"max_num_seqs": 16, "kv_cache_tokens": 32768, "spec_method": "ngram",
+    engine = {"max_num_seqs": 16, "kv_cache_tokens": 32768, "spec_method": args.method,
               "spec_max_depth": max(args.depths), "device": args.device,
               "execution": args.execution, "dtype": args.dtype,
               "enable_prefix_caching": False}
+    if args.method == "draft":
+        engine["draft_model"] = str(REPO / "models" / "tiny-draft")
     config = {"backend": "engine", "model": str(REPO / "models" / "tiny-target"),
               "engine": engine}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -377,6 +379,8 @@ def main() -> int:
                         help="prompts sent together per block (client wall: block wall per "
                              "token, summed as if per request)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--method", choices=("ngram", "draft"), default="ngram",
+                        help="the engine's spec_method")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--execution", default="eager")
     parser.add_argument("--dtype", default="float32")
