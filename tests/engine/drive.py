@@ -21,9 +21,10 @@ def run_interpreted(code: str, timeout_s: float) -> subprocess.CompletedProcess[
 
 
 def generate(core: Any, prompts: list[list[int]], params: list[GenerationParams],
-             cached: dict[str, int] | None = None) -> tuple[list[list[int]], int, int]:
+             cached: dict[str, int] | None = None, texts: dict[str, str] | None = None
+             ) -> tuple[list[list[int]], int, int]:
     """Outputs per prompt, drafted and accepted token counts; ``cached`` gets each
-    request's prompt tokens served from the prefix cache."""
+    request's prompt tokens served from the prefix cache, ``texts`` its detokenized text."""
     for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         core.add_request(f"r{i}", ids, p)
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
@@ -38,5 +39,7 @@ def generate(core: Any, prompts: list[list[int]], params: list[GenerationParams]
             out[o.request_id].extend(o.new_token_ids)
             if cached is not None:
                 cached[o.request_id] = o.num_cached_tokens
+            if texts is not None:
+                texts[o.request_id] = texts.get(o.request_id, "") + o.text
     assert not core.has_work
     return [out[f"r{i}"] for i in range(len(prompts))], drafted, accepted

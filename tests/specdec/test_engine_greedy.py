@@ -18,6 +18,7 @@ from engine.core import EngineCore
 from engine.loader import load_core
 from engine.sequence import GenerationParams
 from specdec.sampling import SamplingParams
+from tests.engine.drive import generate
 
 PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "prompts" / \
     "spec_bench_questions.jsonl"
@@ -48,24 +49,13 @@ def _prompts() -> list[str]:
 
 
 def _run(core: EngineCore, prompts: list[str], depths: list[int]) -> tuple[list[str], int, int]:
-    for i, (text, depth) in enumerate(zip(prompts, depths, strict=True)):
-        ids = core.tokenizer.encode(core.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], True))
-        core.add_request(f"r{i}", ids, GenerationParams(
-            max_tokens=MAX_TOKENS, sampling=SamplingParams(0.0), ignore_eos=True,
-            spec_depth=depth))
-    texts = {f"r{i}": "" for i in range(len(prompts))}
-    drafted = accepted = 0
-    for _ in range(10 * MAX_TOKENS * len(prompts)):
-        if not core.has_work:
-            break
-        outputs, stats = core.step()
-        drafted += stats.num_draft_tokens
-        accepted += stats.num_accepted_tokens
-        for out in outputs:
-            texts[out.request_id] += out.text
-    assert not core.has_work
-    return [texts[f"r{i}"] for i in range(len(prompts))], drafted, accepted
+    ids = [core.tokenizer.encode(core.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], True)) for text in prompts]
+    params = [GenerationParams(max_tokens=MAX_TOKENS, sampling=SamplingParams(0.0),
+                               ignore_eos=True, spec_depth=depth) for depth in depths]
+    texts: dict[str, str] = {}
+    _, drafted, accepted = generate(core, ids, params, texts=texts)
+    return [texts.get(f"r{i}", "") for i in range(len(prompts))], drafted, accepted
 
 
 def _core(**engine: object) -> EngineCore:
