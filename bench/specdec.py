@@ -262,9 +262,13 @@ async def send(session: aiohttp.ClientSession, url: str, prompt: Prompt, depth: 
                 continue
             chunk = orjson.loads(line[6:])
             for choice in chunk.get("choices") or []:
-                if not ttft:
+                text = choice.get("delta", {}).get("content") or ""
+                if not ttft and (text or choice.get("finish_reason")):
+                    # NOTE: the first chunk carries only the role, before the prefill; the
+                    # policies learn each request's decode time as e2e - ttft, as the proxy
+                    # does (its ttft is the first chunk with output).
                     ttft = time.perf_counter() - t0
-                parts.append(choice.get("delta", {}).get("content") or "")
+                parts.append(text)
             if chunk.get("usage"):
                 usage = chunk["usage"]
     spec = usage.get("spec_decode") or {}

@@ -64,6 +64,24 @@ def test_min_gain_requires_a_margin() -> None:
     assert choose_depth(0.01, 1, flat, 6, min_gain=1.03) == 0
 
 
+def test_prompt_tokens_in_a_step_are_not_spread_over_speculated_tokens() -> None:
+    # t(1, k) = 0.010 + 0.008 k + 0.0005 x prompt tokens in the step; E(1) = 1.5.
+    model = StepTimeModel.from_coefficients((0.010, 0.0, 0.0, 0.008, 0.0, 0.0005))
+    tokens = [1.0, 1.5]
+    # No prefill: 1 / .010 = 100 against 1.5 / .018 = 83.3 -> 0
+    assert choose_depth(0.5, 1, model, 1, tokens_per_step=tokens) == 0
+    # 100 prompt tokens per step on average: .050 s of every step
+    model.prefill_tokens, model.prefill_steps = 100.0, 1.0
+    assert model.prefill_part(1) == pytest.approx(0.050)
+    # Per token, k=0: .060; k=1: (.068 - .050) / 1.5 + .050 = .062 -> still 0.
+    # (Spread over E with the rest, 1.5 / .068 = 22.1 beat 1 / .060 = 16.7: k=1.)
+    assert choose_depth(0.5, 1, model, 1, tokens_per_step=tokens) == 0
+    # A cheaper draft: t(1, 1) = .0636, (.0136) / 1.5 + .050 = .0591 < .060 -> k=1
+    cheap = StepTimeModel.from_coefficients((0.010, 0.0, 0.0, 0.0036, 0.0, 0.0005))
+    cheap.prefill_tokens, cheap.prefill_steps = 100.0, 1.0
+    assert choose_depth(0.5, 1, cheap, 1, tokens_per_step=tokens) == 1
+
+
 def test_solve_acceptance() -> None:
     assert solve_acceptance(0.75, 2) == pytest.approx(0.5, abs=1e-9)  # .5 + .25
     assert solve_acceptance(0.0, 3) == 0.0
