@@ -60,7 +60,9 @@ Every decision's reason is counted (``stats()``, for the proxy's /stats):
 ``load`` (a different worker than the unloaded favourite, because of load),
 ``slo`` (the unloaded favourite would miss the SLO), ``affinity`` (the
 cheapest worker only because of its cached prefix: another would win without
-the prefix caches), ``explore``.
+the prefix caches), ``reserve`` (the cheapest worker's free slots are kept for
+the requests that meet their SLO only there, :mod:`router.reserve`, and another
+worker meets this one's), ``explore``.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from router.affinity import PrefixCacheModel
@@ -79,6 +81,7 @@ from router.base import RequestOutcome, RequestShape, RouteDecision, WorkerView
 from router.calibration import Calibration
 from router.inflight import Flight, InFlight
 from router.profiles import LatencyPrior, Prediction, PriorConfig, WorkerProfile, batch_capacity
+from router.reserve import ReserveConfig, SlotReserve
 from router.stalls import Prefill, PrefillStalls, StallConfig
 from specdec.policy import DepthPolicy, StepTimeModel
 
@@ -116,6 +119,11 @@ class AdaptiveConfig:
     # when it reports them; off, or without a feed: the profiles' learned batch slope
     # (session 7 round 4, which charged the spec worker ~15x its steps' slope)
     step_scaled_batch: bool = True
+    # keep slots of each worker for the requests predicted to meet their SLO only there
+    # (router.reserve): a request that meets its SLO elsewhere is refused a place that
+    # would leave fewer free slots than that traffic needs
+    reserve_slots: bool = True
+    reserve: ReserveConfig = field(default_factory=ReserveConfig)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore_prob < 1.0:
@@ -152,6 +160,12 @@ class Candidate:
     cached_tokens: float = 0.0  # the same x the worker's realised hit ratio: what TTFT counts
     saved_s: float = 0.0  # what the cached prefix takes off cost_s (0 without one)
     ahead_s: float = 0.0  # prefill queued ahead of it on the worker, in ttft_s
+    capacity: int = 1  # the worker's batch slots
+    meets_with_slot: bool = False  # meets the SLO there without the wait for a slot
+    service_s: float = 0.0  # predicted time in a slot there: cost without the slot wait
+    ttft_slack_s: float = math.inf  # TTFT SLO less the predicted TTFT without wait and ahead
+    reserve_s: float = 0.0  # in cost_s: the charge for the worker's reserve (router.reserve)
+    refused: bool = False  # kept for the worker's reserve (router.reserve, mode "refuse")
 
 
 def engine_step_s(model: StepTimeModel, batch: float, depth: int) -> float:
@@ -196,6 +210,7 @@ class AdaptivePolicy:
         self.clock = clock
         self._inflight = InFlight(self.config.max_pending)
         self.stalls = PrefillStalls(self.config.stalls)
+        self.reserve = SlotReserve(self.config.reserve)
         self.reasons: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
         self.depths: Counter[int] = Counter()
@@ -203,7 +218,7 @@ class AdaptivePolicy:
     # --- RoutingPolicy -------------------------------------------------------------------
 
     def choose(self, shape: RequestShape, workers: Sequence[WorkerView]) -> RouteDecision:
-        cands = [self.candidate(shape, w) for w in workers]
+        cands = self._charge_reserves([self.candidate(shape, w) for w in workers])
         pick, reason = self._pick(cands)
         self._remember(shape, pick, workers[cands.index(pick)])
         self.reasons[reason] += 1
@@ -229,6 +244,7 @@ class AdaptivePolicy:
             if prof is not None:
                 self.prefix_cache.forget_worker(view.name)
                 self.stalls.forget_worker(view.name)
+                self.reserve.forget_worker(view.name)
             prof = WorkerProfile(LatencyPrior(view.config, self.config.prior),
                                  self.config.forgetting, self.calibration)
             self._profiles[view.name] = prof
@@ -268,10 +284,15 @@ class AdaptivePolicy:
         harm = self._interference(view.name, now, prefill_s, crowd_s, self._cost(shape, pred),
                                   crowd_frac)
         penalty, meets = self._slo(shape, ttft_s, tpot_s)
+        # NOTE: what the worker offers a request it keeps room for: a free slot, and no
+        # prefill queued ahead (the slack-rich prompts the reserve keeps away)
+        ready_ttft_s = ttft_s - wait - ahead
+        _, meets_with_slot = self._slo(shape, ready_ttft_s, tpot_s)
+        slack = shape.slo_ttft_s - ready_ttft_s if shape.slo_ttft_s else math.inf
         return Candidate(view.name, cost * penalty + harm,
                          self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
                          ttft_s, tpot_s, prefill_s, wait, model_cached, cached, saved_s * penalty,
-                         ahead)
+                         ahead, cap, meets_with_slot, cost - wait, slack)
 
     def step_ratio(self, worker: str, batch: float, depth: int) -> float | None:
         """The worker's measured decode step time at ``batch`` over batch 1, at ``depth``
@@ -419,16 +440,46 @@ class AdaptivePolicy:
     def _pick(self, cands: list[Candidate]) -> tuple[Candidate, str]:
         if len(cands) == 1:
             return cands[0], "only"
-        best = min(cands, key=lambda c: c.cost_s)
+        best = min((c for c in cands if not c.refused), key=lambda c: c.cost_s)
         open_ = [c for c in cands if not c.saturated]
         if open_ and self._rng.random() < self.config.explore_prob:
             return self._rng.choice(open_), "explore"
+        if min(cands, key=lambda c: c.cost_s - c.reserve_s) is not best:
+            return best, "reserve"
         if best.saved_s > 0 and min(cands, key=lambda c: c.cost_s + c.saved_s) is not best:
             return best, "affinity"
         favourite = min(cands, key=lambda c: c.unloaded_cost_s)
         if best.name == favourite.name:
             return best, "fit"
         return best, ("slo" if not favourite.meets_slo and best.meets_slo else "load")
+
+    # --- slot reserves (router.reserve) ------------------------------------------------------
+
+    def _charge_reserves(self, cands: list[Candidate]) -> list[Candidate]:
+        """Count the request towards a worker's reserve when that worker alone is predicted
+        to meet its SLO (given a free slot and no prefill ahead); on every other worker
+        whose reserve it would hold, charge or refuse it (router.reserve)."""
+        if not self.config.reserve_slots or len(cands) < 2:
+            return cands
+        now = self.clock()
+        fits = [c for c in cands if c.meets_with_slot]
+        own = fits[0] if len(fits) == 1 else None
+        if own is not None:
+            loss = min(c.cost_s for c in cands if c is not own) - own.cost_s
+            self.reserve.observe(own.name, now, own.service_s, loss, own.ttft_slack_s)
+        holds = [0.0 if c is own else self.reserve.hold_s(
+            c.name, now, c.queue, c.capacity, c.service_s, c.prefill_s) for c in cands]
+        if self.config.reserve.mode == "refuse":
+            if not any(c.meets_slo and h == 0 for c, h in zip(cands, holds, strict=True)):
+                return cands  # no place that meets its SLO outside the reserves
+            return [replace(c, refused=True) if h > 0 else c
+                    for c, h in zip(cands, holds, strict=True)]
+        out = []
+        for c, h in zip(cands, holds, strict=True):
+            charge = self.reserve.charge_s(c.name, now, h) if h > 0 else 0.0
+            out.append(replace(c, cost_s=c.cost_s + charge, reserve_s=charge) if charge > 0
+                       else c)
+        return out
 
     # --- learning --------------------------------------------------------------------------
 
@@ -542,6 +593,7 @@ class AdaptivePolicy:
                 "prefill_stalls": self.stalls.snapshot(),
                 "calibration": self.calibration.snapshot(),
                 "step_ratios": self._step_ratios(),
+                "reserve": self.reserve.snapshot(self.clock()),
                 "profiles": {n: p.snapshot() for n, p in self._profiles.items()}}
 
     def _step_ratios(self) -> dict[str, list[float]]:

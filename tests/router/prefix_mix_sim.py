@@ -36,6 +36,10 @@ REPETITIVE, CONVERSATIONAL, LONG = ("translation", "code", "extraction"), ("chat
 # (TTFT s, TPOT s) per class: the bench's DEFAULT_SLOS, and its probe-derived prefix SLO
 SLOS = {"repetitive": (0.30, 0.0050), "conversational": (0.24, 0.0090), "long": (1.0, 0.023),
         "prefix": (0.97, 0.0142)}
+# session 8: a tight repetitive SLO that only ``spec`` meets (its unloaded repetitive TPOT is
+# (2.5 + 0.15) x 0.5 = 1.3 ms, batch's and long's 2.65 ms), as the SLO rule made it on the
+# device (session 7 rounds 4-5: 3.1-3.2 ms against spec's 1.2-1.3 and batch's 2.4-3.4)
+TIGHT_REPETITIVE = (0.15, 0.0024)
 CLASS_OF = {**{d: "repetitive" for d in REPETITIVE}, **{d: "conversational" for d in CONVERSATIONAL},
             **{d: "long" for d in LONG}}
 DT = 0.001  # simulation step, seconds
@@ -61,10 +65,15 @@ def class_of(shape: RequestShape) -> str:
     return "prefix" if shape.prefix_hashes else CLASS_OF.get(shape.domain, "conversational")
 
 
-def prefix_mix(rate: float, num: int, seed: int, num_docs: int = 60
+def prefix_mix(rate: float, num: int, seed: int, num_docs: int = 60, tight: bool = False
                ) -> list[tuple[float, RequestShape]]:
-    """``num`` Poisson arrivals at ``rate`` req/s, half shared-prefix, half short requests."""
+    """``num`` Poisson arrivals at ``rate`` req/s, half shared-prefix, half short requests.
+    ``tight``: the repetitive class gets :data:`TIGHT_REPETITIVE` (met on ``spec`` alone) and
+    the shared-prefix requests are labelled ``code``, one of spec's declared domains, as the
+    classifier labels the Mooncake prompts on the device."""
     rng = random.Random(seed)
+    slos = {**SLOS, "repetitive": TIGHT_REPETITIVE} if tight else SLOS
+    prefix_domain = "code" if tight else "rag"
     doc_blocks = [rng.randint(4, 24) for _ in range(num_docs)]  # 256-1,536-token documents
     weights = [1.0 / (1 + d) for d in range(num_docs)]
     t, out = 0.0, []
@@ -74,28 +83,36 @@ def prefix_mix(rate: float, num: int, seed: int, num_docs: int = 60
             doc = rng.choices(range(num_docs), weights)[0]
             blocks = (*(1000 * doc + b for b in range(doc_blocks[doc])), 10**6 + i)
             output = max(8, min(96, int(rng.lognormvariate(3.3, 1.2))))
-            ttft, tpot = SLOS["prefix"]
-            shape = RequestShape("rag", int(len(blocks) * BLOCK), None, output,
+            ttft, tpot = slos["prefix"]
+            shape = RequestShape(prefix_domain, int(len(blocks) * BLOCK), None, output,
                                  prefix_hashes=blocks, prefix_block_tokens=BLOCK,
                                  slo_ttft_s=ttft, slo_tpot_s=tpot)
         else:
             domain = rng.choices(REPETITIVE + CONVERSATIONAL + LONG,
                                  [1, 1, 1, 2, 2, 2, 1, 1])[0]
             prompt = rng.randint(600, 1500) if domain in LONG else rng.randint(30, 400)
-            ttft, tpot = SLOS[CLASS_OF[domain]]
+            ttft, tpot = slos[CLASS_OF[domain]]
             shape = RequestShape(domain, prompt, None, rng.choice((14, 24, 60, 96, 96)),
                                  slo_ttft_s=ttft, slo_tpot_s=tpot)
         out.append((t, shape))
     return out
 
 
+def run_results(make: Callable[[SimClock], RoutingPolicy],
+                arrivals: list[tuple[float, RequestShape]]) -> list[SimResult]:
+    """Every finished request of one simulated run."""
+    clock = SimClock()
+    results: list[SimResult] = []
+    simulate(make(clock), bench_fleet(), arrivals, 1.0, 1.0, dt=DT, clock=clock,
+             results=results)
+    return results
+
+
 def run(make: Callable[[SimClock], RoutingPolicy], arrivals: list[tuple[float, RequestShape]]
         ) -> tuple[float, Counter[str]]:
     """(share of requests meeting both SLOs, misses by kind: ttft, tpot, both)."""
-    clock = SimClock()
-    results: list[SimResult] = []
-    good = simulate(make(clock), bench_fleet(), arrivals, 1.0, 1.0, dt=DT, clock=clock,
-                    results=results)
+    results = run_results(make, arrivals)
+    good = sum(r.ttft_ok and r.tpot_ok for r in results) / len(arrivals)
     misses: Counter[str] = Counter()
     for r in results:
         if not (r.ttft_ok and r.tpot_ok):
@@ -114,12 +131,35 @@ def variant(**kwargs: object) -> Callable[[SimClock], RoutingPolicy]:
     return lambda clock: AdaptivePolicy(AdaptiveConfig(**kwargs), clock=clock)  # type: ignore[arg-type]
 
 
+def by_class(results: list[SimResult]) -> dict[str, tuple[int, int, int]]:
+    """class -> (met, sent, sent to spec)."""
+    out: dict[str, tuple[int, int, int]] = {}
+    for r in results:
+        met, sent, spec = out.get(class_of(r.shape), (0, 0, 0))
+        out[class_of(r.shape)] = (met + (r.ttft_ok and r.tpot_ok), sent + 1,
+                                  spec + (r.worker == "spec"))
+    return out
+
+
 def main(argv: list[str]) -> None:
-    rates = [float(a) for a in argv] or [12.0, 16.0, 20.0, 24.0]
+    """``[--tight] [rate ...]``: a side-by-side table; with ``--tight`` the workload has the
+    tight repetitive class, and the slot reserve is A/B'd, with per-class met / sent / spec."""
+    tight = "--tight" in argv
+    rates = [float(a) for a in argv if a != "--tight"] or [12.0, 16.0, 20.0, 24.0]
     policies = {**POLICIES, "adaptive-session-5": variant(price_prefill_stalls=False)}
+    if tight:
+        policies = {**POLICIES, "adaptive-noreserve": variant(reserve_slots=False)}
     for rate in rates:
         for seed in (1, 2, 3):
-            arrivals = prefix_mix(rate, int(rate * 40), seed)
+            arrivals = prefix_mix(rate, int(rate * 40), seed, tight=tight)
+            if tight:
+                for name, make in policies.items():
+                    results = run_results(make, arrivals)
+                    good = sum(r.ttft_ok and r.tpot_ok for r in results) / len(arrivals)
+                    print(f"rate {rate:g} seed {seed} {name} {good:.3f} " + " ".join(
+                        f"{c} {m}/{n}/{sp}" for c, (m, n, sp) in sorted(by_class(results).items())),
+                        flush=True)
+                continue
             cells = []
             for name, make in policies.items():
                 good, misses = run(make, arrivals)

@@ -35,6 +35,14 @@ def test_the_r4_variant_is_adaptive_with_step_scaled_batch_off_and_nothing_else(
     assert ("adaptive", "adaptive-r4") in BENCH.COMPARISONS
 
 
+def test_the_noreserve_variant_is_adaptive_with_the_slot_reserve_off_and_nothing_else() -> None:
+    on, off = BENCH.make_policy("adaptive", 3), BENCH.make_policy("adaptive-noreserve", 3)
+    assert on.config.reserve_slots and not off.config.reserve_slots
+    assert dataclasses.replace(off.config, reserve_slots=True) == on.config
+    assert BENCH.POLICIES["adaptive-noreserve"] == "adaptive"
+    assert ("adaptive", "adaptive-noreserve") in BENCH.COMPARISONS
+
+
 def test_the_nostall_variant_prices_the_prefill_ahead_as_session_5_did() -> None:
     view = WorkerView("w", "http://w", "engine", CompiledConfig().with_engine(max_num_seqs=8))
     clock = [0.0]
@@ -76,7 +84,7 @@ def parse(*argv: str) -> Any:
 
 def test_the_default_policies_are_the_baselines_adaptive_and_its_ab() -> None:
     args = parse()
-    assert args.policies == ["round_robin", "least_outstanding", "adaptive", "adaptive-r4"]
+    assert args.policies == ["round_robin", "least_outstanding", "adaptive", "adaptive-noreserve"]
     assert args.rates == [2.0] and args.rate_multiples is None and args.probe_passes == 1
 
 
