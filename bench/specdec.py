@@ -96,8 +96,12 @@ ADAPTIVE_CLIENT = "adapt-cli"
 # The policy with a step-time term per power-of-two bucket of a step's rows beside its line
 # (PolicyConfig.price_row_buckets: a GPU's graph buckets); --row-buckets adds it.
 ADAPTIVE_ROWS = "ad-rows"
-ADAPTIVE_MODES = (ADAPTIVE, ADAPTIVE_CLIENT, ADAPTIVE_ROWS)
-FED_MODES = (ADAPTIVE, ADAPTIVE_ROWS)  # policies that learn from the engine's step feed
+# The policy without its measured cost-per-token calibration
+# (PolicyConfig.calibrate_token_cost=False); --calibration-ab adds it.
+ADAPTIVE_NOCAL = "ad-nocal"
+ADAPTIVE_MODES = (ADAPTIVE, ADAPTIVE_CLIENT, ADAPTIVE_ROWS, ADAPTIVE_NOCAL)
+# policies that learn from the engine's step feed
+FED_MODES = (ADAPTIVE, ADAPTIVE_ROWS, ADAPTIVE_NOCAL)
 SCRAPE_INTERVAL_S = 1.0  # as the proxy's health.metrics_interval_s default
 # NOTE: "repetitive" is fixed before measuring, by a rule, not picked from this run's
 # results: the top half of the domains by n-gram acceptance measured in session 1
@@ -391,10 +395,12 @@ def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -
     depths = sorted({0, *args.depths})
     priors = NGRAM_DOMAIN_PRIORS if method == "ngram" else ()
     adaptive = [ADAPTIVE, *([ADAPTIVE_CLIENT] if args.client_fit else []),
-                *([ADAPTIVE_ROWS] if args.row_buckets else [])]
+                *([ADAPTIVE_ROWS] if args.row_buckets else []),
+                *([ADAPTIVE_NOCAL] if args.calibration_ab else [])]
     policies: dict[str, object] = {
         m: DepthPolicy(PolicyConfig(max_depth=max(depths), domain_priors=priors,
-                                    price_row_buckets=m == ADAPTIVE_ROWS))
+                                    price_row_buckets=m == ADAPTIVE_ROWS,
+                                    calibrate_token_cost=m != ADAPTIVE_NOCAL))
         for m in adaptive}
     policy = policies[ADAPTIVE]
     modes: list[int | str] = [*depths, *adaptive]
@@ -685,6 +691,9 @@ def print_acceptance(method: str, bench: Bench, policy: object) -> None:
             cells = " ".join(f"k={k}:{model.predict(b, k) / model.predict(b, 0):.2f}"
                              for k in (1, 2, 4, 8, 16) if k <= bench.max_depth)
             print(f"    batch {b:>2}: t(0) {model.predict(b, 0) * 1e3:.3f} ms, t(k) / t(0) {cells}")
+            factors = " ".join(f"k={k}:{model.calibration(b, k):.2f}"
+                               for k in (0, 1, 2, 4, 8, 16) if k <= bench.max_depth)
+            print(f"      measured / modelled cost per token (calibration) {factors}")
 
 
 def print_mismatches(method: str, bench: Bench) -> None:
@@ -1075,6 +1084,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one round, fewer requests")
     parser.add_argument("--client-fit", action="store_true",
                         help=f"also run the policy without the engine's step feed ({ADAPTIVE_CLIENT})")
+    parser.add_argument("--calibration-ab", action="store_true",
+                        help=f"also run the policy without its cost-per-token calibration "
+                             f"({ADAPTIVE_NOCAL}; PolicyConfig.calibrate_token_cost)")
     parser.add_argument("--row-buckets", action="store_true",
                         help=f"also run the policy with a step-time term per row bucket "
                              f"({ADAPTIVE_ROWS}; PolicyConfig.price_row_buckets)")

@@ -29,7 +29,9 @@ no k beats plain decoding by ``min_gain`` (high load, low acceptance)::
   each speculating sequence costs a step (see :func:`step_features`). With ``price_row_buckets`` (for a GPU
   with captured graphs, whose step cost is flat within a bucket of rows and not linear
   across them) the same fit adds one term per power-of-two bucket of the step's rows
-  (:meth:`StepTimeModel.row_residual`).
+  (:meth:`StepTimeModel.row_residual`);
+- a calibration per worker, batch bucket and depth: what a token cost finished requests as
+  their clients saw it, over what the model predicted (:meth:`StepTimeModel.calibration`).
 
 All methods are synchronous and cheap (a decision is a loop over k <= 16).
 """
@@ -152,6 +154,9 @@ class PolicyConfig:
     # of its rows, which the line cannot follow. Off keeps the pure line (the CPU's fit).
     price_row_buckets: bool = False
     row_prior_steps: float = 1.0  # ridge on a bucket's term, in steps of that bucket
+    # Scale each depth's predicted cost per token by what finished requests measured
+    # (StepTimeModel.calibration). Off keeps the model's prediction alone.
+    calibrate_token_cost: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -202,19 +207,27 @@ def choose_depth(acceptance: float, batch: int, step_time: StepTimeModel, max_de
     rest, 125 prompt tokens per step (52 of a 65-ms step) made k=4 look 1.06x faster than
     k=0 at concurrency 16 on the 2-core CPU, where it measured 0.84x.
     """
-    step0 = step_time.predict(batch, 0)
-    prefill = min(step_time.prefill_part(batch), 0.99 * step0)
-    best_k, best = 0, min_gain / step0
+    factors = step_time.calibrations(batch, max_depth)
+    best_k, best = 0, min_gain / (token_cost(step_time, batch, 0, 1.0) * factors[0])
     for k in range(1, max_depth + 1):
         expected = (tokens_per_step[k] if tokens_per_step is not None and k < len(tokens_per_step)
                     else expected_tokens_per_step(acceptance, k))
         drafted = (drafts_per_step[k] if drafts_per_step is not None and k < len(drafts_per_step)
                    else None)
-        step = max(step_time.predict(batch, k, drafted) - prefill, 1e-9)
-        goodput = 1.0 / (step / expected + prefill)
+        goodput = 1.0 / (token_cost(step_time, batch, k, expected, drafted) * factors[k])
         if goodput > best:
             best_k, best = k, goodput
     return best_k
+
+
+def token_cost(step_time: StepTimeModel, batch: float, k: float, expected: float,
+               drafted: float | None = None) -> float:
+    """Predicted seconds per emitted token of one sequence at depth k in a batch of ``batch``,
+    emitting ``expected`` tokens per step: ``(t(k) - prefill) / E + prefill`` (the prompt
+    tokens sharing a step are work per request; see :func:`choose_depth`)."""
+    step = step_time.predict(batch, k, drafted)
+    prefill = min(step_time.prefill_part(batch), 0.99 * step_time.predict(batch, 0))
+    return max(step - prefill, 1e-9) / max(expected, 1.0) + prefill
 
 
 def batch_tokens_per_step(own: Sequence[float], mix: Sequence[tuple[float, Sequence[float]]],
@@ -454,6 +467,10 @@ class StepTimeModel:
     row_prior_steps: float = 1.0
     row_sums: dict[int, np.ndarray] = field(default_factory=dict)
     row_terms: dict[int, float] = field(default_factory=dict)  # fitted seconds per row bucket
+    # per (batch bucket, depth): [mean log(client's seconds per token / token_cost), samples]
+    # (see calibration)
+    token_ratios: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    calibration_prior: float = 8.0  # samples a depth's own ratio needs to weigh as its bucket's
 
     def __post_init__(self) -> None:
         self._solve()
@@ -604,6 +621,49 @@ class StepTimeModel:
         nearest = min(self.residuals, key=lambda b: (abs(math.log2(b / bucket)), b))
         return max(self.residuals[nearest][0], 0.0)
 
+    def observe_token_cost(self, batch: int, k: int, ratio: float) -> None:
+        """One finished request: what a token cost it as a client saw it, over
+        :func:`token_cost` at its own batch, depth and measured tokens per step."""
+        if not (ratio > 0.0 and math.isfinite(ratio)) or batch <= 0 or k < 0:
+            return
+        key = (_batch_bucket(batch), int(k))
+        mean, n = self.token_ratios.setdefault(key, [0.0, 0.0])
+        n = min(n + 1.0, RESIDUAL_WINDOW)
+        log_ratio = math.log(min(max(ratio, 0.25), 4.0))
+        self.token_ratios[key] = [mean + (log_ratio - mean) / n, n]
+
+    def calibration(self, batch: float, k: int) -> float:
+        """The factor :func:`token_cost` at depth k is off by at ``batch``, as measured.
+
+        NOTE: the step model prices what the engine's steps and the client's waits per step
+        explain; what a depth costs beyond that (on the 2-core CPU at concurrency 16 a
+        k=2 step cycle came out ~20 ms over it: event-loop work per emitted token sharing the
+        engine's GIL and cores) shows only in the tokens per second requests get. So each
+        finished request's seconds per token over the model's are kept per batch bucket and
+        depth (a moving mean of the log, :meth:`observe_token_cost`), and a depth's factor is
+        its own mean shrunk toward its bucket's mean over all depths by ``calibration_prior``
+        samples. A factor common to every depth cancels in the argmax; a depth never run
+        takes its bucket's mean, so only measured differences between depths move a choice.
+        """
+        return self.calibrations(batch, k)[k]
+
+    def calibrations(self, batch: float, max_depth: int) -> list[float]:
+        """:meth:`calibration` for k = 0..max_depth (the bucket's mean computed once)."""
+        if not self.token_ratios:
+            return [1.0] * (max_depth + 1)
+        bucket = _batch_bucket(batch)
+        buckets = {b for b, _ in self.token_ratios}
+        nearest = min(buckets, key=lambda b: (abs(math.log2(b / bucket)), b))
+        cells = {k: v for (b, k), v in self.token_ratios.items() if b == nearest}
+        common = (sum(m * n for m, n in cells.values())
+                  / sum(n for _, n in cells.values()))
+        prior = self.calibration_prior
+        out = []
+        for k in range(max_depth + 1):
+            own_mean, own_n = cells.get(k, (0.0, 0.0))
+            out.append(math.exp((own_mean * own_n + common * prior) / (own_n + prior)))
+        return out
+
     def predict(self, batch: float, k: float, drafted: float | None = None,
                 prefill: float | None = None) -> float:
         """Seconds for a step of ``batch`` sequences at depth k, each verifying ``drafted``
@@ -702,5 +762,11 @@ class DepthPolicy:
         if depth > 0 and steps > 0:
             self.observe_acceptance(worker, domain, num_draft, num_accepted, depth, steps)
         if steps > 0 and decode_s > 0:
-            self.observe_step(worker, batch, depth, decode_s / steps,
-                              max(num_draft, 0) / steps if depth > 0 else None)
+            drafted = max(num_draft, 0) / steps if depth > 0 else None
+            if self.config.calibrate_token_cost:
+                model = self.step_time(worker)
+                predicted = token_cost(model, max(batch, 1), depth,
+                                       (num_output_tokens - 1) / steps, drafted)
+                model.observe_token_cost(max(batch, 1), depth,
+                                         decode_s / (num_output_tokens - 1) / predicted)
+            self.observe_step(worker, batch, depth, decode_s / steps, drafted)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from specdec.errors import ProposerConfigError
@@ -80,6 +82,42 @@ def test_prompt_tokens_in_a_step_are_not_spread_over_speculated_tokens() -> None
     cheap = StepTimeModel.from_coefficients((0.010, 0.0, 0.0, 0.0036, 0.0, 0.0005))
     cheap.prefill_tokens, cheap.prefill_steps = 100.0, 1.0
     assert choose_depth(0.5, 1, cheap, 1, tokens_per_step=tokens) == 1
+
+
+def test_measured_cost_per_token_moves_a_depth_only_by_how_it_differs_between_depths() -> None:
+    # A flat 10-ms step: a token costs .010 / E(k); E = 1, 1.5, 1.8 -> k=2 (180 vs 150, 100)
+    tokens = [1.0, 1.5, 1.8]
+    model = _model(0.010, 0.0, 0.0, 0.0)
+    assert choose_depth(0.5, 1, model, 2, tokens_per_step=tokens) == 2
+    # Clients measure the same 3x over the model at every depth: nothing changes
+    for k in (0, 1, 2):
+        for _ in range(20):
+            model.observe_token_cost(1, k, 3.0)
+    assert model.calibration(1, 0) == pytest.approx(3.0)
+    assert choose_depth(0.5, 1, model, 2, tokens_per_step=tokens) == 2
+    # k=0 as the model says, k=2 2x over it, k=1 never measured (20 samples each):
+    # common log mean (0 + ln 2) / 2 = .3466; k=0 (0 x 20 + .3466 x 8) / 28 = .0990 -> x1.104,
+    # k=2 (.6931 x 20 + .3466 x 8) / 28 = .5941 -> x1.812, k=1 the common x1.414
+    model = _model(0.010, 0.0, 0.0, 0.0)
+    for _ in range(20):
+        model.observe_token_cost(1, 0, 1.0)
+        model.observe_token_cost(1, 2, 2.0)
+    assert model.calibration(1, 0) == pytest.approx(1.1041, abs=1e-3)
+    assert model.calibration(1, 2) == pytest.approx(1.8115, abs=1e-3)
+    assert model.calibration(1, 1) == pytest.approx(1.4142, abs=1e-3)
+    assert model.calibration(2, 2) == model.calibration(1, 2)  # the nearest measured bucket
+    # tokens per cost: k=0 1 / 1.104 = .906, k=1 1.5 / 1.414 = 1.061, k=2 1.8 / 1.812 = .994
+    assert choose_depth(0.5, 1, model, 2, tokens_per_step=tokens) == 1
+
+
+def test_observe_request_calibrates_by_the_requests_own_tokens_per_step() -> None:
+    policy = DepthPolicy(PolicyConfig(step_prior_s=(0.010, 0.0, 0.0, 0.0),
+                                      step_prior_weight=1e12))
+    # 41 tokens at depth 2: 20 accepted -> 20 steps of 2 tokens; the model says .010 / 2 =
+    # 5 ms a token, the client saw .30 s / 40 = 7.5 ms: a ratio of 1.5
+    policy.observe_request("w", "code", 1, 2, 40, 20, 41, 0.30)
+    mean, n = policy.step_time("w").token_ratios[(1, 2)]
+    assert n == 1.0 and mean == pytest.approx(math.log(1.5))
 
 
 def test_solve_acceptance() -> None:
