@@ -129,7 +129,10 @@ class SlotReserve:
                 slack_s: float = math.inf) -> None:
         """A request exclusive to ``worker`` arrived; it would be in service there for
         ``service_s`` seconds, cost ``loss_s`` more on its best other worker, and meet its
-        TTFT SLO with ``slack_s`` to spare given a free slot (predicted; inf: no TTFT SLO)."""
+        TTFT SLO with ``slack_s`` to spare given a free slot (predicted; inf: no TTFT SLO).
+        A sample with a non-finite service or loss is ignored (it would poison the EWMAs)."""
+        if not (math.isfinite(service_s) and math.isfinite(loss_s)) or math.isnan(slack_s):
+            return
         self._demand.setdefault(worker, _Demand()).add(
             now_s, max(service_s, 0.0), max(slack_s, 0.0), max(loss_s, 0.0), self.config)
 

@@ -69,6 +69,17 @@ def test_service_and_slack_are_ewmas() -> None:
     assert snap["loss_s"] == pytest.approx(1.0 + 0.1 * 1.0)
 
 
+def test_non_finite_samples_are_ignored() -> None:
+    r = SlotReserve()
+    r.observe("w", 0.0, 0.3, 0.2, slack_s=0.1)
+    r.observe("w", 1.0, math.inf, 0.2)
+    r.observe("w", 1.0, 0.3, math.nan)
+    r.observe("w", 1.0, 0.3, 0.2, slack_s=math.nan)
+    snap = r.snapshot(0.0)["w"]
+    assert (snap["service_s"], snap["loss_s"], snap["ttft_slack_s"]) == (0.3, 0.2, 0.1)
+    assert snap["rate"] == pytest.approx(0.1)  # one arrival counted, a 10-s window
+
+
 def test_config_validation() -> None:
     for bad in ({"window_s": 0.0}, {"service_alpha": 0.0}, {"quantile": 1.0},
                 {"mode": "evict"}):
