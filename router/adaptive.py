@@ -477,8 +477,10 @@ class AdaptivePolicy:
         out = []
         for c, h in zip(cands, holds, strict=True):
             charge = self.reserve.charge_s(c.name, now, h) if h > 0 else 0.0
-            out.append(replace(c, cost_s=c.cost_s + charge, reserve_s=charge) if charge > 0
-                       else c)
+            # NOTE: a non-finite charge (an infinite predicted service) is not applied: the
+            # "reserve" label compares cost_s - reserve_s, which inf - inf would make NaN
+            ok = charge > 0 and math.isfinite(charge)
+            out.append(replace(c, cost_s=c.cost_s + charge, reserve_s=charge) if ok else c)
         return out
 
     # --- learning --------------------------------------------------------------------------
