@@ -208,25 +208,29 @@ def choose_depth(acceptance: float, batch: int, step_time: StepTimeModel, max_de
     k=0 at concurrency 16 on the 2-core CPU, where it measured 0.84x.
     """
     factors = step_time.calibrations(batch, max_depth)
-    best_k, best = 0, min_gain / (token_cost(step_time, batch, 0, 1.0) * factors[0])
+    wait = not step_time.token_ratios  # once calibrated, the factors carry the client's wait
+    best_k, best = 0, min_gain / (token_cost(step_time, batch, 0, 1.0, None, wait) * factors[0])
     for k in range(1, max_depth + 1):
         expected = (tokens_per_step[k] if tokens_per_step is not None and k < len(tokens_per_step)
                     else expected_tokens_per_step(acceptance, k))
         drafted = (drafts_per_step[k] if drafts_per_step is not None and k < len(drafts_per_step)
                    else None)
-        goodput = 1.0 / (token_cost(step_time, batch, k, expected, drafted) * factors[k])
+        goodput = 1.0 / (token_cost(step_time, batch, k, expected, drafted, wait) * factors[k])
         if goodput > best:
             best_k, best = k, goodput
     return best_k
 
 
 def token_cost(step_time: StepTimeModel, batch: float, k: float, expected: float,
-               drafted: float | None = None) -> float:
+               drafted: float | None = None, overhead: bool = True) -> float:
     """Predicted seconds per emitted token of one sequence at depth k in a batch of ``batch``,
     emitting ``expected`` tokens per step: ``(t(k) - prefill) / E + prefill`` (the prompt
-    tokens sharing a step are work per request; see :func:`choose_depth`)."""
-    step = step_time.predict(batch, k, drafted)
-    prefill = min(step_time.prefill_part(batch), 0.99 * step_time.predict(batch, 0))
+    tokens sharing a step are work per request; see :func:`choose_depth`). ``overhead``:
+    t includes the client's wait per step beyond the engine's step
+    (:meth:`StepTimeModel.overhead`); without it, the engine's step alone."""
+    wait = 0.0 if overhead else step_time.overhead(batch)
+    step = step_time.predict(batch, k, drafted) - wait
+    prefill = min(step_time.prefill_part(batch), 0.99 * (step_time.predict(batch, 0) - wait))
     return max(step - prefill, 1e-9) / max(expected, 1.0) + prefill
 
 
@@ -633,17 +637,22 @@ class StepTimeModel:
         self.token_ratios[key] = [mean + (log_ratio - mean) / n, n]
 
     def calibration(self, batch: float, k: int) -> float:
-        """The factor :func:`token_cost` at depth k is off by at ``batch``, as measured.
+        """The factor :func:`token_cost` of the engine's step alone (no client wait) at depth
+        k is off by at ``batch``, as measured.
 
-        NOTE: the step model prices what the engine's steps and the client's waits per step
-        explain; what a depth costs beyond that (on the 2-core CPU at concurrency 16 a
-        k=2 step cycle came out ~20 ms over it: event-loop work per emitted token sharing the
-        engine's GIL and cores) shows only in the tokens per second requests get. So each
-        finished request's seconds per token over the model's are kept per batch bucket and
-        depth (a moving mean of the log, :meth:`observe_token_cost`), and a depth's factor is
-        its own mean shrunk toward its bucket's mean over all depths by ``calibration_prior``
-        samples. A factor common to every depth cancels in the argmax; a depth never run
-        takes its bucket's mean, so only measured differences between depths move a choice.
+        NOTE: the step model prices what the engine's steps explain; what a depth costs
+        beyond that (on the 2-core CPU at concurrency 16 a k=2 step cycle came out ~20 ms
+        over it: event-loop work sharing the engine's GIL and cores; on the H200 at 16 a
+        k=16 cycle 0.5 ms over a fitted 2.6 ms, a k=0 one 0.1 ms under) shows only in the
+        tokens per second requests get. So each finished request's seconds per token over
+        the model's are kept per batch bucket and depth (a moving mean of the log,
+        :meth:`observe_token_cost`), and a depth's factor is its own mean shrunk toward its
+        bucket's mean over all depths by ``calibration_prior`` samples. A factor common to
+        every depth cancels in the argmax; a depth never run takes its bucket's mean, so
+        only measured differences between depths move a choice. The client's wait per step
+        (:meth:`overhead`) is a mean over all depths that moves with whichever depths ran
+        last, so ratios are taken against the engine's step alone and, once there are any,
+        the factors replace it (:func:`choose_depth`).
         """
         return self.calibrations(batch, k)[k]
 
@@ -766,7 +775,7 @@ class DepthPolicy:
             if self.config.calibrate_token_cost:
                 model = self.step_time(worker)
                 predicted = token_cost(model, max(batch, 1), depth,
-                                       (num_output_tokens - 1) / steps, drafted)
+                                       (num_output_tokens - 1) / steps, drafted, overhead=False)
                 model.observe_token_cost(max(batch, 1), depth,
                                          decode_s / (num_output_tokens - 1) / predicted)
             self.observe_step(worker, batch, depth, decode_s / steps, drafted)

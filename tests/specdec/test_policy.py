@@ -17,6 +17,7 @@ from specdec.policy import (
     expected_tokens_per_step,
     longest_proposal,
     solve_acceptance,
+    token_cost,
 )
 
 
@@ -113,11 +114,19 @@ def test_measured_cost_per_token_moves_a_depth_only_by_how_it_differs_between_de
 def test_observe_request_calibrates_by_the_requests_own_tokens_per_step() -> None:
     policy = DepthPolicy(PolicyConfig(step_prior_s=(0.010, 0.0, 0.0, 0.0),
                                       step_prior_weight=1e12))
-    # 41 tokens at depth 2: 20 accepted -> 20 steps of 2 tokens; the model says .010 / 2 =
-    # 5 ms a token, the client saw .30 s / 40 = 7.5 ms: a ratio of 1.5
+    model = policy.step_time("w")
+    model.residuals[1] = [0.004, 10.0]  # clients have waited 4 ms per step beyond the engine
+    assert token_cost(model, 1, 2, 2.0) == pytest.approx(0.007)  # (.010 + .004) / 2
+    assert token_cost(model, 1, 2, 2.0, overhead=False) == pytest.approx(0.005)
+    # 41 tokens at depth 2: 20 accepted -> 20 steps of 2 tokens; the engine's step says
+    # .010 / 2 = 5 ms a token, the client saw .30 s / 40 = 7.5 ms: a ratio of 1.5
     policy.observe_request("w", "code", 1, 2, 40, 20, 41, 0.30)
-    mean, n = policy.step_time("w").token_ratios[(1, 2)]
+    mean, n = model.token_ratios[(1, 2)]
     assert n == 1.0 and mean == pytest.approx(math.log(1.5))
+    # once calibrated the factors replace the wait: depth 2 costs 5 ms x 1.5 a token, and
+    # depth 0, never measured, takes the bucket's factor too: 10 ms x 1.5 -> k=2
+    assert model.calibration(1, 0) == pytest.approx(1.5)
+    assert choose_depth(0.5, 1, model, 2, tokens_per_step=[1.0, 1.5, 2.0]) == 2
 
 
 def test_solve_acceptance() -> None:
