@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,6 +102,12 @@ def row_bucket(num_rows: float) -> int:
 
 
 RESIDUAL_WINDOW = 50.0  # client samples a residual mean averages over (then a moving mean)
+
+
+def _weighted_mean(cells: Iterable[Sequence[float]]) -> float:
+    """Mean of ``[mean, samples]`` cells, weighted by their samples."""
+    pairs = list(cells)
+    return sum(m * n for m, n in pairs) / sum(n for _, n in pairs)
 
 
 def _batch_bucket(batch: float) -> int:
@@ -647,9 +653,13 @@ class StepTimeModel:
         tokens per second requests get. So each finished request's seconds per token over
         the model's are kept per batch bucket and depth (a moving mean of the log,
         :meth:`observe_token_cost`), and a depth's factor is its own mean shrunk toward its
-        bucket's mean over all depths by ``calibration_prior`` samples. A factor common to
-        every depth cancels in the argmax; a depth never run takes its bucket's mean, so
-        only measured differences between depths move a choice. The client's wait per step
+        bucket's mean by ``calibration_prior`` samples: over its speculating depths for k > 0
+        (what makes speculation dearer than modelled is mostly common to its depths: when
+        only k=0 and k=2 had run, a k=16 priced at the mean of the two was pushed below
+        k=2's measured cost, and adaptive sent 37 of 192 requests at k=2, 0.74x of k=16, at
+        c=4 on the H200), over all depths for k=0. A factor common to every depth cancels in
+        the argmax, so only measured differences between depths move a choice. The client's
+        wait per step
         (:meth:`overhead`) is a mean over all depths that moves with whichever depths ran
         last, so ratios are taken against the engine's step alone and, once there are any,
         the factors replace it (:func:`choose_depth`).
@@ -664,13 +674,15 @@ class StepTimeModel:
         buckets = {b for b, _ in self.token_ratios}
         nearest = min(buckets, key=lambda b: (abs(math.log2(b / bucket)), b))
         cells = {k: v for (b, k), v in self.token_ratios.items() if b == nearest}
-        common = (sum(m * n for m, n in cells.values())
-                  / sum(n for _, n in cells.values()))
+        common = _weighted_mean(cells.values())
+        speculating = [v for k, v in cells.items() if k > 0]
+        common_spec = _weighted_mean(speculating) if speculating else common
         prior = self.calibration_prior
         out = []
         for k in range(max_depth + 1):
             own_mean, own_n = cells.get(k, (0.0, 0.0))
-            out.append(math.exp((own_mean * own_n + common * prior) / (own_n + prior)))
+            toward = common_spec if k > 0 else common
+            out.append(math.exp((own_mean * own_n + toward * prior) / (own_n + prior)))
         return out
 
     def predict(self, batch: float, k: float, drafted: float | None = None,

@@ -96,18 +96,25 @@ def test_measured_cost_per_token_moves_a_depth_only_by_how_it_differs_between_de
             model.observe_token_cost(1, k, 3.0)
     assert model.calibration(1, 0) == pytest.approx(3.0)
     assert choose_depth(0.5, 1, model, 2, tokens_per_step=tokens) == 2
-    # k=0 as the model says, k=2 2x over it, k=1 never measured (20 samples each):
-    # common log mean (0 + ln 2) / 2 = .3466; k=0 (0 x 20 + .3466 x 8) / 28 = .0990 -> x1.104,
-    # k=2 (.6931 x 20 + .3466 x 8) / 28 = .5941 -> x1.812, k=1 the common x1.414
+    # k=0 as the model says, k=2 2x over it, k=1 never measured (20 samples each): log means
+    # over all depths (0 + ln 2) / 2 = .3466, over the speculating ones ln 2 = .6931;
+    # k=0 (0 x 20 + .3466 x 8) / 28 = .0990 -> x1.104, k=2 (.6931 x 20 + .6931 x 8) / 28 -> x2,
+    # k=1 the speculating depths' x2
     model = _model(0.010, 0.0, 0.0, 0.0)
     for _ in range(20):
         model.observe_token_cost(1, 0, 1.0)
         model.observe_token_cost(1, 2, 2.0)
     assert model.calibration(1, 0) == pytest.approx(1.1041, abs=1e-3)
-    assert model.calibration(1, 2) == pytest.approx(1.8115, abs=1e-3)
-    assert model.calibration(1, 1) == pytest.approx(1.4142, abs=1e-3)
+    assert model.calibration(1, 2) == pytest.approx(2.0)
+    assert model.calibration(1, 1) == pytest.approx(2.0)
     assert model.calibration(2, 2) == model.calibration(1, 2)  # the nearest measured bucket
-    # tokens per cost: k=0 1 / 1.104 = .906, k=1 1.5 / 1.414 = 1.061, k=2 1.8 / 1.812 = .994
+    # tokens per cost: k=0 1 / 1.104 = .906, k=1 1.5 / 2 = .75, k=2 1.8 / 2 = .9 -> 0
+    assert choose_depth(0.5, 1, model, 2, tokens_per_step=tokens) == 0
+    # k=1 measured as the model says (20 samples): speculating log mean ln 2 / 2 = .3466;
+    # k=1 (0 x 20 + .3466 x 8) / 28 -> x1.104: 1.5 / 1.104 = 1.36 -> 1
+    for _ in range(20):
+        model.observe_token_cost(1, 1, 1.0)
+    assert model.calibration(1, 1) == pytest.approx(1.1041, abs=1e-3)
     assert choose_depth(0.5, 1, model, 2, tokens_per_step=tokens) == 1
 
 
