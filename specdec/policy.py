@@ -214,7 +214,7 @@ def choose_depth(acceptance: float, batch: int, step_time: StepTimeModel, max_de
     k=0 at concurrency 16 on the 2-core CPU, where it measured 0.84x.
     """
     factors = step_time.calibrations(batch, max_depth)
-    wait = not step_time.token_ratios  # once calibrated, the factors carry the client's wait
+    wait = not step_time.token_costs  # once calibrated, the factors carry the client's wait
     best_k, best = 0, min_gain / (token_cost(step_time, batch, 0, 1.0, None, wait) * factors[0])
     for k in range(1, max_depth + 1):
         expected = (tokens_per_step[k] if tokens_per_step is not None and k < len(tokens_per_step)
@@ -477,9 +477,9 @@ class StepTimeModel:
     row_prior_steps: float = 1.0
     row_sums: dict[int, np.ndarray] = field(default_factory=dict)
     row_terms: dict[int, float] = field(default_factory=dict)  # fitted seconds per row bucket
-    # per (batch bucket, depth): [mean log(client's seconds per token / token_cost), samples]
-    # (see calibration)
-    token_ratios: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    # per (batch bucket, depth): moving means of [client's seconds per token, batch, 1 /
+    # tokens per step, draft tokens per step], and samples (see calibration)
+    token_costs: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     calibration_prior: float = 8.0  # samples a depth's own ratio needs to weigh as its bucket's
 
     def __post_init__(self) -> None:
@@ -631,16 +631,33 @@ class StepTimeModel:
         nearest = min(self.residuals, key=lambda b: (abs(math.log2(b / bucket)), b))
         return max(self.residuals[nearest][0], 0.0)
 
-    def observe_token_cost(self, batch: int, k: int, ratio: float) -> None:
-        """One finished request: what a token cost it as a client saw it, over
-        :func:`token_cost` at its own batch, depth and measured tokens per step."""
-        if not (ratio > 0.0 and math.isfinite(ratio)) or batch <= 0 or k < 0:
+    def observe_token_cost(self, batch: int, k: int, seconds: float, expected: float,
+                           drafted: float | None = None) -> None:
+        """One finished request: the ``seconds`` a token cost it as its client saw it, at its
+        batch, depth, measured tokens per step and draft tokens per step."""
+        if not (seconds > 0.0 and math.isfinite(seconds)) or batch <= 0 or k < 0 \
+                or not (expected >= 1.0 and math.isfinite(expected)):
             return
         key = (_batch_bucket(batch), int(k))
-        mean, n = self.token_ratios.setdefault(key, [0.0, 0.0])
-        n = min(n + 1.0, RESIDUAL_WINDOW)
-        log_ratio = math.log(min(max(ratio, 0.25), 4.0))
-        self.token_ratios[key] = [mean + (log_ratio - mean) / n, n]
+        cell = self.token_costs.setdefault(key, [0.0, 0.0, 0.0, 0.0, 0.0])
+        n = min(cell[4] + 1.0, RESIDUAL_WINDOW)
+        # NOTE: 1 / E, whose mean prices the cell exactly where a token costs t / E (a cell
+        # mixes domains: code at E = 3 and rag at 1.2 average to more than t / mean E)
+        sample = (seconds, float(batch), 1.0 / expected, drafted if drafted is not None else 0.0)
+        for i, x in enumerate(sample):
+            cell[i] += (x - cell[i]) / n
+        cell[4] = n
+
+    def _log_ratio(self, k: int, cell: Sequence[float]) -> float:
+        """log(measured seconds per token / the engine's step model's, now) for one cell.
+
+        NOTE: against the model as it is now, not as it was at each sample: early in a run the
+        fit moves, and ratios frozen against it misled (the first fixed-depth block's k=2
+        read cheap against an early fit, and adaptive then sent 46 of 48 requests at k=2)."""
+        seconds, batch, inverse_expected, drafted = cell[:4]
+        model = token_cost(self, batch, k, 1.0 / inverse_expected, drafted if k > 0 else None,
+                           overhead=False)
+        return math.log(min(max(seconds / model, 0.25), 4.0))
 
     def calibration(self, batch: float, k: int) -> float:
         """The factor :func:`token_cost` of the engine's step alone (no client wait) at depth
@@ -650,10 +667,11 @@ class StepTimeModel:
         beyond that (on the 2-core CPU at concurrency 16 a k=2 step cycle came out ~20 ms
         over it: event-loop work sharing the engine's GIL and cores; on the H200 at 16 a
         k=16 cycle 0.5 ms over a fitted 2.6 ms, a k=0 one 0.1 ms under) shows only in the
-        tokens per second requests get. So each finished request's seconds per token over
-        the model's are kept per batch bucket and depth (a moving mean of the log,
-        :meth:`observe_token_cost`), and a depth's factor is its own mean shrunk toward its
-        bucket's mean by ``calibration_prior`` samples: over its speculating depths for k > 0
+        tokens per second requests get. So finished requests' seconds per token are kept per
+        batch bucket and depth (moving means, with what the model needs to price them:
+        :meth:`observe_token_cost`), and a depth's factor is their ratio to the model's
+        (:meth:`_log_ratio`) shrunk toward its bucket's mean ratio by ``calibration_prior``
+        samples: over its speculating depths for k > 0
         (what makes speculation dearer than modelled is mostly common to its depths: when
         only k=0 and k=2 had run, a k=16 priced at the mean of the two was pushed below
         k=2's measured cost, and adaptive sent 37 of 192 requests at k=2, 0.74x of k=16, at
@@ -668,12 +686,13 @@ class StepTimeModel:
 
     def calibrations(self, batch: float, max_depth: int) -> list[float]:
         """:meth:`calibration` for k = 0..max_depth (the bucket's mean computed once)."""
-        if not self.token_ratios:
+        if not self.token_costs:
             return [1.0] * (max_depth + 1)
         bucket = _batch_bucket(batch)
-        buckets = {b for b, _ in self.token_ratios}
+        buckets = {b for b, _ in self.token_costs}
         nearest = min(buckets, key=lambda b: (abs(math.log2(b / bucket)), b))
-        cells = {k: v for (b, k), v in self.token_ratios.items() if b == nearest}
+        cells = {k: (self._log_ratio(k, v), v[4]) for (b, k), v in self.token_costs.items()
+                 if b == nearest}
         common = _weighted_mean(cells.values())
         speculating = [v for k, v in cells.items() if k > 0]
         common_spec = _weighted_mean(speculating) if speculating else common
@@ -785,9 +804,7 @@ class DepthPolicy:
         if steps > 0 and decode_s > 0:
             drafted = max(num_draft, 0) / steps if depth > 0 else None
             if self.config.calibrate_token_cost:
-                model = self.step_time(worker)
-                predicted = token_cost(model, max(batch, 1), depth,
-                                       (num_output_tokens - 1) / steps, drafted, overhead=False)
-                model.observe_token_cost(max(batch, 1), depth,
-                                         decode_s / (num_output_tokens - 1) / predicted)
+                self.step_time(worker).observe_token_cost(
+                    max(batch, 1), depth, decode_s / (num_output_tokens - 1),
+                    (num_output_tokens - 1) / steps, drafted)
             self.observe_step(worker, batch, depth, decode_s / steps, drafted)

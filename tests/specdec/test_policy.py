@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from specdec.errors import ProposerConfigError
@@ -93,7 +91,7 @@ def test_measured_cost_per_token_moves_a_depth_only_by_how_it_differs_between_de
     # Clients measure the same 3x over the model at every depth: nothing changes
     for k in (0, 1, 2):
         for _ in range(20):
-            model.observe_token_cost(1, k, 3.0)
+            model.observe_token_cost(1, k, 3 * 0.010 / tokens[k], tokens[k], float(k) or None)
     assert model.calibration(1, 0) == pytest.approx(3.0)
     assert choose_depth(0.5, 1, model, 2, tokens_per_step=tokens) == 2
     # k=0 as the model says, k=2 2x over it, k=1 never measured (20 samples each): log means
@@ -102,8 +100,8 @@ def test_measured_cost_per_token_moves_a_depth_only_by_how_it_differs_between_de
     # k=1 the speculating depths' x2
     model = _model(0.010, 0.0, 0.0, 0.0)
     for _ in range(20):
-        model.observe_token_cost(1, 0, 1.0)
-        model.observe_token_cost(1, 2, 2.0)
+        model.observe_token_cost(1, 0, 0.010, 1.0)
+        model.observe_token_cost(1, 2, 2 * 0.010 / 1.8, 1.8, 2.0)
     assert model.calibration(1, 0) == pytest.approx(1.1041, abs=1e-3)
     assert model.calibration(1, 2) == pytest.approx(2.0)
     assert model.calibration(1, 1) == pytest.approx(2.0)
@@ -113,9 +111,22 @@ def test_measured_cost_per_token_moves_a_depth_only_by_how_it_differs_between_de
     # k=1 measured as the model says (20 samples): speculating log mean ln 2 / 2 = .3466;
     # k=1 (0 x 20 + .3466 x 8) / 28 -> x1.104: 1.5 / 1.104 = 1.36 -> 1
     for _ in range(20):
-        model.observe_token_cost(1, 1, 1.0)
+        model.observe_token_cost(1, 1, 0.010 / 1.5, 1.5, 1.0)
     assert model.calibration(1, 1) == pytest.approx(1.1041, abs=1e-3)
     assert choose_depth(0.5, 1, model, 2, tokens_per_step=tokens) == 1
+
+
+def test_calibration_is_read_against_the_model_as_it_is_now() -> None:
+    # Measured 5 ms a token at k=2 (E = 2) when the model said a 10-ms step: x1 then.
+    model = _model(0.010, 0.0, 0.0, 0.0)
+    for _ in range(10):
+        model.observe_token_cost(1, 2, 0.005, 2.0, 2.0)
+    assert model.calibration(1, 2) == pytest.approx(1.0)
+    # The fit has since moved to a 20-ms step: the same measurement now reads x0.5
+    model.prior_xty = model.prior_xty * 2.0
+    model._solve()
+    assert model.predict(1, 2) == pytest.approx(0.020)
+    assert model.calibration(1, 2) == pytest.approx(0.5)
 
 
 def test_observe_request_calibrates_by_the_requests_own_tokens_per_step() -> None:
@@ -128,8 +139,8 @@ def test_observe_request_calibrates_by_the_requests_own_tokens_per_step() -> Non
     # 41 tokens at depth 2: 20 accepted -> 20 steps of 2 tokens; the engine's step says
     # .010 / 2 = 5 ms a token, the client saw .30 s / 40 = 7.5 ms: a ratio of 1.5
     policy.observe_request("w", "code", 1, 2, 40, 20, 41, 0.30)
-    mean, n = model.token_ratios[(1, 2)]
-    assert n == 1.0 and mean == pytest.approx(math.log(1.5))
+    assert model.token_costs[(1, 2)] == pytest.approx([0.0075, 1.0, 0.5, 2.0, 1.0])
+    assert model.calibration(1, 2) == pytest.approx(1.5)
     # once calibrated the factors replace the wait: depth 2 costs 5 ms x 1.5 a token, and
     # depth 0, never measured, takes the bucket's factor too: 10 ms x 1.5 -> k=2
     assert model.calibration(1, 0) == pytest.approx(1.5)
