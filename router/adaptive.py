@@ -124,6 +124,11 @@ class AdaptiveConfig:
     # would leave fewer free slots than that traffic needs
     reserve_slots: bool = True
     reserve: ReserveConfig = field(default_factory=ReserveConfig)
+    # a new shape bucket's TPOT starts from its worker's fit for the bucket's prompt band
+    # (else the prior x the fleet's calibration for the band), not from the worker-wide fit
+    # that long prompts' slower decode steps inflate (router.profiles; off: up to session 8
+    # round 6)
+    tpot_prior_by_band: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore_prob < 1.0:
@@ -246,7 +251,8 @@ class AdaptivePolicy:
                 self.stalls.forget_worker(view.name)
                 self.reserve.forget_worker(view.name)
             prof = WorkerProfile(LatencyPrior(view.config, self.config.prior),
-                                 self.config.forgetting, self.calibration)
+                                 self.config.forgetting, self.calibration,
+                                 self.config.tpot_prior_by_band)
             self._profiles[view.name] = prof
             # NOTE: a prefill on one engine core stalls the decodes on that core only
             cores = max(view.config.engine.data_parallel_size, 1) if view.backend == "engine" else 1

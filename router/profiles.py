@@ -31,10 +31,22 @@ a slope that the traffic never exercises (queue always 0, say) stays at the
 prior's value instead of drifting anywhere. Old samples fade with the
 forgetting factor, so a re-tuned worker is re-learned.
 
-A shape bucket is ``(domain, prompt-length band)``. A bucket model starts
-from the worker-level model's current fit (scaled by the bucket's prior
-factor), so one bucket's evidence informs the others until they have their
-own. A predict is a 3-term dot product; an update a few tens of microseconds.
+A shape bucket is ``(domain, prompt-length band)``. A bucket's TTFT model starts
+from the worker-level model's current fit (scaled by the bucket's prior factor),
+so one bucket's evidence informs the others until they have their own; TTFT has
+the prompt length as a feature. TPOT has none, and a long prompt's decode steps
+attend over its whole context: on the device (session 8 round 6) spec's
+shared-prefix prompts (800-2,000 tokens) decoded at 4.5 ms a token unloaded
+against 1.2 ms for the short repetitive ones, and the worker-level TPOT fit they
+dominated (9.9 ms at batch 1) was what a new short bucket started from, so short
+repetitive requests were predicted to miss a 2.9-ms SLO there and were sent
+where they surely missed it. So a new bucket's TPOT starts from the worker's fit
+*for its prompt band* (all domains of that band, ``band_tpot``), and before the
+band has samples from the config's prior times the fleet's TPOT calibration for
+that band (:mod:`router.calibration`); ``band_tpot=False`` keeps the worker-wide
+start (sessions 1-8 round 6). The worker-wide fit still gives the batch slope
+(:meth:`WorkerProfile.tpot_per_seq_s`). A predict is a 3-term dot product; an
+update a few tens of microseconds.
 """
 
 from __future__ import annotations
@@ -57,6 +69,11 @@ TPOT_KEY = "tpot"  # calibration keys (router.calibration): TPOT, and TTFT per p
 
 def ttft_key(prompt_tokens: int) -> str:
     return f"ttft/{prompt_band(prompt_tokens)}"
+
+
+def tpot_key(prompt_tokens: int) -> str:
+    """The TPOT calibration key of a prompt band (``TPOT_KEY`` is every band's)."""
+    return f"{TPOT_KEY}/{prompt_band(prompt_tokens)}"
 
 
 def batch_capacity(config: CompiledConfig) -> int:
@@ -229,23 +246,57 @@ class WorkerProfile:
     """
 
     def __init__(self, prior: LatencyPrior, forgetting: float = 0.98,
-                 calibration: Calibration | None = None) -> None:
+                 calibration: Calibration | None = None, band_tpot: bool = True) -> None:
         self.prior = prior
         self.calibration = calibration if calibration is not None else Calibration()
         self._forgetting = forgetting
+        self.band_tpot = band_tpot
         v = prior.prior.prior_variance
         self._all = _Models(BayesianRLS(prior.ttft_coef(), v, forgetting),
                             BayesianRLS(prior.tpot_coef("chat"), v, forgetting))
         self._buckets: dict[tuple[str, int], _Models] = {}
+        self._bands: dict[int, BayesianRLS] = {}  # band -> TPOT fit of all its domains
 
     def _bucket_coef(self, domain: str, prompt_tokens: int) -> tuple[Vec, Vec]:
-        """A new bucket's (TTFT, TPOT) coefficients: the worker-level fit, shaped by the
-        bucket's prior factors."""
+        """A new bucket's (TTFT, TPOT) coefficients: the worker-level fits (for TPOT, its
+        prompt band's: see the module docstring), shaped by the bucket's prior factors."""
         f = self.prior.factor(domain, prompt_tokens)
         spec = self.prior.tpot_coef(domain)[0] / self.prior.tpot_coef("chat")[0]
-        t, p = self._all.ttft.coef, self._all.tpot.coef
+        t, p = self._all.ttft.coef, self._tpot_start(prompt_tokens)
         fs = f * spec
         return (t[0] * f, t[1] * f, t[2] * f), (p[0] * fs, p[1] * fs, p[2] * fs)
+
+    def _tpot_start(self, prompt_tokens: int) -> Vec:
+        """TPOT coefficients (for a chat-like shape) a new bucket of this prompt length
+        starts from. Without ``band_tpot``: the worker-wide fit (uncalibrated before its
+        first sample; :meth:`predict` calibrates). With it: the band's fit once it has
+        samples, else the prior x the fleet's calibration for the band (every band's
+        before the band has any)."""
+        if not self.band_tpot:
+            return self._all.tpot.coef
+        band = self._bands.get(prompt_band(prompt_tokens))
+        if band is not None and band.num_samples > 0:
+            return band.coef
+        c, k = self.prior.tpot_coef("chat"), self._tpot_factor(prompt_tokens)
+        return (c[0] * k, c[1] * k, c[2] * k)
+
+    def _tpot_factor(self, prompt_tokens: int) -> float:
+        """The fleet's TPOT calibration for the prompt's band, else for every band."""
+        key = tpot_key(prompt_tokens)
+        if self.calibration.num_samples(key) > 0:
+            return self.calibration.factor(key)
+        return self.calibration.factor(TPOT_KEY)
+
+    def _band_model(self, prompt_tokens: int) -> BayesianRLS:
+        band = prompt_band(prompt_tokens)
+        model = self._bands.get(band)
+        if model is None:
+            # NOTE: starts from the prior calibrated as the band is when its first sample
+            # comes, as the worker-wide fit does
+            start = self._tpot_start(prompt_tokens)
+            model = self._bands[band] = BayesianRLS(start, self.prior.prior.prior_variance,
+                                                    self._forgetting)
+        return model
 
     def _bucket_init(self, domain: str, prompt_tokens: int) -> _Models:
         ttft, tpot = self._bucket_coef(domain, prompt_tokens)
@@ -282,7 +333,7 @@ class WorkerProfile:
         if self._all.ttft.num_samples == 0:
             c = self.calibration.factor(ttft_key(new_tokens))
             ttft, prefill = ttft * c, prefill * c
-        if self._all.tpot.num_samples == 0:
+        if self._all.tpot.num_samples == 0 and not self.band_tpot:
             tpot *= self.calibration.factor(TPOT_KEY)
         return Prediction(ttft, tpot, n, prefill)
 
@@ -306,6 +357,7 @@ class WorkerProfile:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = self._bucket_init(domain, prompt_tokens)
+        band = self._band_model(prompt_tokens) if has_tpot and self.band_tpot else None
         cap = batch_capacity(self.prior.config)
         new_tokens = uncached(prompt_tokens, cached_tokens)
         xt = ttft_features(new_tokens, min(queue, cap))
@@ -322,8 +374,11 @@ class WorkerProfile:
             assert tpot_s is not None
             bucket.tpot.update(xp, tpot_s)
             self._all.tpot.update(xp, tpot_s / (f * spec))
-            self.calibration.observe(TPOT_KEY, tpot_s,
-                                     self.prior.tpot_s(domain, prompt_tokens, batch, depth))
+            if band is not None:
+                band.update(xp, tpot_s / (f * spec))
+            prior_s = self.prior.tpot_s(domain, prompt_tokens, batch, depth)
+            self.calibration.observe(TPOT_KEY, tpot_s, prior_s)
+            self.calibration.observe(tpot_key(prompt_tokens), tpot_s, prior_s)
 
     def tpot_per_seq_s(self) -> float:
         """What one more sequence in the batch adds to every running request's TPOT,
@@ -341,5 +396,9 @@ class WorkerProfile:
         return {"num_samples": self._all.tpot.num_samples,
                 "calibration": self.calibration.snapshot(),
                 "buckets": {f"{d}/{b}": m.tpot.num_samples for (d, b), m in self._buckets.items()},
+                "bucket_tpot_coef": {f"{d}/{b}": [round(v, 6) for v in m.tpot.coef]
+                                     for (d, b), m in self._buckets.items()},
+                "band_tpot_coef": {str(b): [round(v, 6) for v in m.coef]
+                                   for b, m in sorted(self._bands.items())},
                 "ttft_coef": [round(v, 5) for v in self._all.ttft.coef],
                 "tpot_coef": [round(v, 6) for v in self._all.tpot.coef]}

@@ -11,7 +11,9 @@ tokens, which add ``prefill_s`` each to that step's time, so a long prompt slows
 every decode on its worker. With ``cache_tokens`` set the worker keeps a prefix
 cache of that many tokens (LRU over the requests' prefix blocks, as the engine's
 automatic prefix caching): a request admitted there prefills only the prompt past
-its leading cached blocks and reports the rest as ``cached_tokens``. Policies see
+its leading cached blocks and reports the rest as ``cached_tokens``. With ``context_s``
+set, a step also takes that many seconds per prompt token of every request decoding in
+it (attention over their contexts), so a long prompt decodes slower than a short one. Policies see
 WorkerView snapshots and get RequestOutcomes, exactly as in the proxy; a policy with a
 ``depth_policy`` also gets each worker's decode steps every ``feed_s`` simulated seconds,
 as the proxy's scrape hands it the engine's step sums (:mod:`specdec.step_feed`).
@@ -42,6 +44,8 @@ class SimWorker:
     factor: dict[str, float] = field(default_factory=dict)
     chunk: int | None = None  # prompt tokens per step (chunked prefill); None: prefill apart
     cache_tokens: int = 0  # prefix-cache capacity, tokens (0: no prefix cache)
+    context_s: float = 0.0  # step seconds per prompt token of each decoding request
+    prefix_factor: float | None = None  # step factor of shared-prefix requests (None: by domain)
     running: list[dict] = field(default_factory=list)
     waiting: list[dict] = field(default_factory=list)
     cache: OrderedDict[int, float] = field(default_factory=OrderedDict)  # block -> tokens
@@ -170,7 +174,7 @@ def _advance(w: SimWorker, now: float, dt: float) -> list[dict]:
         w.running.append(req)
     if w.chunk is not None:
         return _advance_chunked(w, now, dt)
-    step = w.base_s + w.per_seq_s * len(w.running)
+    step = w.base_s + w.per_seq_s * len(w.running) + _context_s(w, w.running)
     w.steps.add(sum(1 for r in w.running if r["left_prefill"] <= 0), 0.0, step, dt)
     done = []
     for req in w.running:
@@ -183,11 +187,23 @@ def _advance(w: SimWorker, now: float, dt: float) -> list[dict]:
     return done
 
 
+def _context_s(w: SimWorker, decoding: list[dict]) -> float:
+    """What the decoding requests' contexts add to a step, seconds (0 without context_s)."""
+    if not w.context_s:
+        return 0.0
+    return w.context_s * sum(r["shape"].prompt_tokens for r in decoding
+                             if r["left_prefill"] is not None and r["left_prefill"] <= 0)
+
+
 def _decode(w: SimWorker, req: dict, now: float, dt: float, step: float) -> bool:
     """One dt of decoding for a request past its prefill; True once it has all its tokens."""
     if req["first"] is None:
         req["first"] = now
-    req["tokens"] += dt / (step * w.factor.get(req["shape"].domain, 1.0))
+    shape = req["shape"]
+    factor = w.factor.get(shape.domain, 1.0)
+    if shape.prefix_hashes and w.prefix_factor is not None:
+        factor = w.prefix_factor
+    req["tokens"] += dt / (step * factor)
     if req["tokens"] >= req["shape"].predicted_output_tokens:
         req["end"] = now
         return True
@@ -205,7 +221,8 @@ def _advance_chunked(w: SimWorker, now: float, dt: float) -> list[dict]:
         # one step's budget finishes in one step (no geometric tail as it shrinks)
         take[id(req)] = min(budget, float(req["shape"].prompt_tokens - req["cached"]))
         budget -= take[id(req)]
-    step = w.base_s + w.per_seq_s * len(w.running) + w.prefill_s * (w.chunk - budget)
+    step = (w.base_s + w.per_seq_s * len(w.running) + w.prefill_s * (w.chunk - budget)
+            + _context_s(w, [r for r in w.running if r["left_prefill"] <= 0]))
     w.steps.add(len(w.running) - len(filling), w.chunk - budget, step, dt)
     done = []
     for req in w.running:

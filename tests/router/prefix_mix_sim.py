@@ -43,9 +43,18 @@ TIGHT_REPETITIVE = (0.15, 0.0024)
 CLASS_OF = {**{d: "repetitive" for d in REPETITIVE}, **{d: "conversational" for d in CONVERSATIONAL},
             **{d: "long" for d in LONG}}
 DT = 0.001  # simulation step, seconds
+# session 8 round 7: seconds a step takes per context token of each request decoding in it.
+# On the device spec decoded the shared-prefix prompts (800-2,000 tokens) at 4.5 ms a token
+# unloaded and the short conversational ones at 1.9 ms (round 6's probe): ~2 us per token.
+CONTEXT_S = 2e-6
 
 
-def bench_fleet() -> list[SimWorker]:
+def bench_fleet(context_s: float = 0.0) -> list[SimWorker]:
+    """``context_s``: step seconds per context token of each decoding request (0: a step's
+    time does not depend on the prompts decoding in it; :data:`CONTEXT_S` models the
+    device's long prompts decoding slower). With it, speculation does not speed up the
+    shared-prefix requests either (round 6's probe: 4.5 ms on spec, 6.5 on batch, where
+    the repetitive class took 1.2 and 4.6)."""
     spec = CompiledConfig(fit=DeclaredFit(domains=REPETITIVE, prompt_tokens=(0, 600))
                           ).with_engine(max_num_seqs=4, max_num_batched_tokens=256,
                                         spec_method="ngram", spec_max_depth=8)
@@ -56,7 +65,8 @@ def bench_fleet() -> list[SimWorker]:
     def worker(name: str, config: CompiledConfig, chunk: int, factor: dict[str, float]
                ) -> SimWorker:
         return SimWorker(name, config, base_s=0.0025, per_seq_s=0.00015, prefill_s=0.0002,
-                         factor=factor, chunk=chunk, cache_tokens=32768)
+                         factor=factor, chunk=chunk, cache_tokens=32768, context_s=context_s,
+                         prefix_factor=1.0 if context_s else None)
     return [worker("spec", spec, 256, {d: 0.5 for d in REPETITIVE}),
             worker("batch", batch, 256, {}), worker("long", long, 2048, {})]
 
@@ -99,11 +109,12 @@ def prefix_mix(rate: float, num: int, seed: int, num_docs: int = 60, tight: bool
 
 
 def run_results(make: Callable[[SimClock], RoutingPolicy],
-                arrivals: list[tuple[float, RequestShape]]) -> list[SimResult]:
+                arrivals: list[tuple[float, RequestShape]], context_s: float = 0.0
+                ) -> list[SimResult]:
     """Every finished request of one simulated run."""
     clock = SimClock()
     results: list[SimResult] = []
-    simulate(make(clock), bench_fleet(), arrivals, 1.0, 1.0, dt=DT, clock=clock,
+    simulate(make(clock), bench_fleet(context_s), arrivals, 1.0, 1.0, dt=DT, clock=clock,
              results=results)
     return results
 
@@ -142,30 +153,30 @@ def by_class(results: list[SimResult]) -> dict[str, tuple[int, int, int]]:
 
 
 def main(argv: list[str]) -> None:
-    """``[--tight] [rate ...]``: a side-by-side table; with ``--tight`` the workload has the
-    tight repetitive class, and the slot reserve is A/B'd, with per-class met / sent / spec."""
-    tight = "--tight" in argv
-    rates = [float(a) for a in argv if a != "--tight"] or [12.0, 16.0, 20.0, 24.0]
-    policies = {**POLICIES, "adaptive-session-5": variant(price_prefill_stalls=False)}
-    if tight:
-        policies = {**POLICIES, "adaptive-noreserve": variant(reserve_slots=False)}
+    """``[--tight] [--context] [--seeds A-B] [rate ...]``: a side-by-side table, one line per
+    (rate, seed, policy) with goodput share and per class met / sent / sent to spec.
+    ``--tight``: the tight repetitive class, and the slot reserve A/B'd; ``--context``: steps
+    pay :data:`CONTEXT_S` per context token (long prompts decode slower), and the TPOT
+    prior by prompt band is A/B'd (``adaptive-pooledprior``: the worker-wide start)."""
+    tight, context = "--tight" in argv, "--context" in argv
+    seeds = range(1, 4)
+    if "--seeds" in argv:
+        lo, hi = argv[argv.index("--seeds") + 1].split("-")
+        seeds = range(int(lo), int(hi) + 1)
+        argv = [a for a in argv if a != argv[argv.index("--seeds") + 1]]
+    rates = [float(a) for a in argv if not a.startswith("--")] or [12.0, 16.0, 20.0, 24.0]
+    policies = {**POLICIES, "adaptive-pooledprior": variant(tpot_prior_by_band=False)}
+    if tight and not context:
+        policies["adaptive-noreserve"] = variant(reserve_slots=False)
     for rate in rates:
-        for seed in (1, 2, 3):
+        for seed in seeds:
             arrivals = prefix_mix(rate, int(rate * 40), seed, tight=tight)
-            if tight:
-                for name, make in policies.items():
-                    results = run_results(make, arrivals)
-                    good = sum(r.ttft_ok and r.tpot_ok for r in results) / len(arrivals)
-                    print(f"rate {rate:g} seed {seed} {name} {good:.3f} " + " ".join(
-                        f"{c} {m}/{n}/{sp}" for c, (m, n, sp) in sorted(by_class(results).items())),
-                        flush=True)
-                continue
-            cells = []
             for name, make in policies.items():
-                good, misses = run(make, arrivals)
-                cells.append(f"{name} {good:.3f} (ttft {misses['ttft']} tpot {misses['tpot']} "
-                             f"both {misses['both']})")
-            print(f"rate {rate:g} seed {seed}: " + " | ".join(cells), flush=True)
+                results = run_results(make, arrivals, CONTEXT_S if context else 0.0)
+                good = sum(r.ttft_ok and r.tpot_ok for r in results) / len(arrivals)
+                print(f"rate {rate:g} seed {seed} {name} {good:.3f} " + " ".join(
+                    f"{c} {m}/{n}/{sp}" for c, (m, n, sp) in sorted(by_class(results).items())),
+                    flush=True)
 
 
 if __name__ == "__main__":

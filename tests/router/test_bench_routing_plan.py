@@ -43,6 +43,17 @@ def test_the_noreserve_variant_is_adaptive_with_the_slot_reserve_off_and_nothing
     assert ("adaptive", "adaptive-noreserve") in BENCH.COMPARISONS
 
 
+def test_the_pooledprior_variant_is_adaptive_with_the_band_tpot_prior_off_and_nothing_else(
+        ) -> None:
+    on, off = BENCH.make_policy("adaptive", 3), BENCH.make_policy("adaptive-pooledprior", 3)
+    assert on.config.tpot_prior_by_band and not off.config.tpot_prior_by_band
+    assert dataclasses.replace(off.config, tpot_prior_by_band=True) == on.config
+    assert BENCH.POLICIES["adaptive-pooledprior"] == "adaptive"
+    assert ("adaptive", "adaptive-pooledprior") in BENCH.COMPARISONS
+    view = WorkerView("w", "http://w", "engine", CompiledConfig())
+    assert not off.profile(view).band_tpot and on.profile(view).band_tpot
+
+
 def test_the_nostall_variant_prices_the_prefill_ahead_as_session_5_did() -> None:
     view = WorkerView("w", "http://w", "engine", CompiledConfig().with_engine(max_num_seqs=8))
     clock = [0.0]
@@ -84,7 +95,8 @@ def parse(*argv: str) -> Any:
 
 def test_the_default_policies_are_the_baselines_adaptive_and_its_ab() -> None:
     args = parse()
-    assert args.policies == ["round_robin", "least_outstanding", "adaptive", "adaptive-noreserve"]
+    assert args.policies == ["round_robin", "least_outstanding", "adaptive",
+                             "adaptive-pooledprior"]
     assert args.rates == [2.0] and args.rate_multiples is None and args.probe_passes == 1
 
 
