@@ -775,6 +775,30 @@ class DepthPolicy:
         return choose_depth(est.mean, max(batch, 1), self.step_time(worker), cap, c.min_gain,
                             expected, drafted)
 
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        """What has been learned, per worker (JSON-able, for /stats): the step-time model's
+        coefficients (ms, in :func:`step_features` order), the clients' wait per step and
+        the calibration factors per batch bucket, and per domain the acceptance and the
+        expected tokens per step for k = 0..max_depth."""
+        c = self.config
+        domains: dict[str, dict[str, object]] = {}
+        for (worker, domain), est in sorted(self._acceptance.items()):
+            domains.setdefault(worker, {})[domain] = {
+                "acceptance": round(float(est.mean), 4),
+                "tokens_per_step": [round(float(e), 3) for e in est.tokens_per_step(
+                    c.max_depth, c.prior_steps_per_depth)]}
+        out: dict[str, dict[str, object]] = {w: {"domains": d} for w, d in domains.items()}
+        for worker, model in self._step_time.items():
+            buckets = sorted({b for b, _ in model.token_costs} | set(model.residuals))
+            out.setdefault(worker, {"domains": {}}).update({
+                "step_ms": [round(float(w) * 1e3, 4) for w in model.coef],
+                "engine_steps": model.num_fed_steps,
+                "mean_prefill_tokens": round(float(model.mean_prefill), 1),
+                "client_wait_ms": {b: round(float(model.overhead(b)) * 1e3, 3) for b in buckets},
+                "calibration": {b: [round(float(f), 3) for f in model.calibrations(b, c.max_depth)]
+                                for b in buckets if model.token_costs}})
+        return out
+
     def observe_acceptance(self, worker: str, domain: str, num_draft: int, num_accepted: int,
                            depth: int = 0, num_steps: int | None = None) -> None:
         self.acceptance(worker, domain).observe(num_draft, num_accepted, depth,

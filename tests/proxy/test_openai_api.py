@@ -116,8 +116,10 @@ def test_stats_metrics_dashboard_health(proxy: ProxyThread) -> None:
         assert all(w["healthy"] for w in stats["workers"])
         assert stats["latency_s"]["e2e"]["all"]["count"] >= 1
         for key in ("requests_by_domain_worker", "spec_depths", "acceptance", "decision_reasons",
-                    "errors"):
+                    "errors", "depth_policy"):
             assert key in stats
+        # the depth policy's learned state: per worker it has picked depths for
+        assert set(stats["depth_policy"]) <= {"latency", "throughput"}
         text = h.get("/metrics").text
         assert "polyinfer_requests_total{" in text and "polyinfer_e2e_seconds_bucket" in text
         assert 'polyinfer_worker_healthy{backend="engine",worker="latency"} 1.0' in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from specdec.errors import ProposerConfigError
@@ -145,6 +146,19 @@ def test_observe_request_calibrates_by_the_requests_own_tokens_per_step() -> Non
     # depth 0, never measured, takes the bucket's factor too: 10 ms x 1.5 -> k=2
     assert model.calibration(1, 0) == pytest.approx(1.5)
     assert choose_depth(0.5, 1, model, 2, tokens_per_step=[1.0, 1.5, 2.0]) == 2
+
+
+def test_snapshot_shows_what_was_learned_per_worker() -> None:
+    policy = DepthPolicy(PolicyConfig(max_depth=2, step_prior_s=(0.010, 0.0, 0.0, 0.0),
+                                      step_prior_weight=1e12))
+    assert policy.snapshot() == {}
+    policy.observe_request("w", "code", 1, 2, 40, 20, 41, 0.30)  # the request above
+    doc = orjson.loads(orjson.dumps(policy.snapshot(), option=orjson.OPT_NON_STR_KEYS))["w"]
+    assert doc["step_ms"] == [10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert doc["calibration"] == {"1": [1.5, 1.5, 1.5]}
+    domains = doc["domains"]
+    assert isinstance(domains, dict) and list(domains) == ["code"]
+    assert len(domains["code"]["tokens_per_step"]) == 3
 
 
 def test_solve_acceptance() -> None:
