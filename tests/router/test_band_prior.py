@@ -109,3 +109,24 @@ def test_the_policy_sends_a_short_tight_request_to_spec_after_long_prompts_there
         policy.observe(outcome("spec", long, 0.009))
     tight = RequestShape("translation", 200, None, 64, slo_ttft_s=0.15, slo_tpot_s=0.0029)
     assert policy.choose(tight, views).worker == expected
+
+
+def test_bad_samples_leave_the_band_fits_alone_and_the_snapshot_is_json() -> None:
+    import orjson
+
+    spec, _ = history(band_tpot=True)
+    before = spec.snapshot()
+    for bad in (float("nan"), float("inf"), -0.001, 0.0, None):
+        spec.observe("extraction", 150, 0, 1, 0, 0.02, bad, step_ratio=1.0)
+    after = spec.snapshot()
+    assert after["band_tpot_coef"] == before["band_tpot_coef"]
+    assert tpot_ms(spec, "code", 1500) == pytest.approx(8.89, rel=0.01)
+    assert orjson.loads(orjson.dumps(after)) == after
+
+
+def test_the_batch_slope_still_comes_from_the_worker_wide_fit() -> None:
+    new, _ = history(band_tpot=True)
+    old, _ = history(band_tpot=False)
+    # the same samples reach the worker-wide fit either way: the crowding slope is unchanged
+    assert new.tpot_per_seq_s() == old.tpot_per_seq_s()
+    assert new.snapshot()["tpot_coef"] == old.snapshot()["tpot_coef"]
