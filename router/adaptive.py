@@ -583,7 +583,14 @@ class AdaptivePolicy:
         return realised
 
     def _observe_depth(self, outcome: RequestOutcome, batch: int, depth: int) -> None:
-        if outcome.spec_draft_tokens <= 0 or outcome.ttft_s is None or outcome.e2e_s is None:
+        """Hand the request to the depth policy, at depth 0 too.
+
+        NOTE: requests that drafted nothing used to be skipped; then the policy never saw
+        what a token costs at k=0, and its calibration (``StepTimeModel.calibration``) could
+        not tell a speculation dearer than modelled (the draft proposer on the H200: 7-15x
+        slower than k=0) from a cost common to every depth.
+        """
+        if outcome.ttft_s is None or outcome.e2e_s is None:
             return
         self.depth_policy.observe_request(
             outcome.worker, outcome.shape.domain, batch, depth, outcome.spec_draft_tokens,

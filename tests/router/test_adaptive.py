@@ -111,6 +111,17 @@ def test_observe_feeds_acceptance_to_the_depth_policy() -> None:
     assert est.mean != before and est.alpha + est.beta > 8  # the prior's 8 pseudo-tokens + data
 
 
+def test_observe_feeds_depth_0_requests_to_the_depth_policy_too() -> None:
+    dp = DepthPolicy()
+    p, ws = AdaptivePolicy(NO_EXPLORE, depth_policy=dp), views()
+    s = shape("code")
+    p.choose(s, [ws[1]])  # big does not speculate: depth 0
+    p.observe(RequestOutcome("big", s, "ok", completion_tokens=101, ttft_s=0.05, tpot_s=0.01,
+                             e2e_s=1.05, spec_depth=0))
+    # 100 tokens after the first in 1.0 s: 10 ms a token at depth 0, batch 1
+    assert dp.step_time("big").token_costs[(1, 0)][:3] == pytest.approx([0.010, 1.0, 1.0])
+
+
 def test_exploration_rate_and_reason_counts() -> None:
     p, ws = AdaptivePolicy(AdaptiveConfig(explore_prob=0.2), seed=1), views()
     for _ in range(500):
