@@ -18,38 +18,23 @@ from tests.bench_module import load_bench
 BENCH = load_bench("routing.py", "bench_routing_plan")
 
 
-def test_the_nostall_variant_is_adaptive_with_stall_pricing_off_and_nothing_else() -> None:
-    on, off = BENCH.make_policy("adaptive", 3), BENCH.make_policy("adaptive-nostall", 3)
+@pytest.mark.parametrize(("variant", "switch"), [
+    ("adaptive-nostall", "price_prefill_stalls"), ("adaptive-r4", "step_scaled_batch"),
+    ("adaptive-noreserve", "reserve_slots"), ("adaptive-pooledprior", "tpot_prior_by_band")])
+def test_each_variant_is_adaptive_with_its_switch_off_and_nothing_else(variant: str,
+                                                                       switch: str) -> None:
+    on, off = BENCH.make_policy("adaptive", 3), BENCH.make_policy(variant, 3)
     assert isinstance(on, AdaptivePolicy) and isinstance(off, AdaptivePolicy)
-    assert on.config.price_prefill_stalls and not off.config.price_prefill_stalls
-    assert dataclasses.replace(off.config, price_prefill_stalls=True) == on.config
-    assert BENCH.POLICIES["adaptive-nostall"] == BENCH.POLICIES["adaptive"] == "adaptive"
+    assert getattr(on.config, switch) and not getattr(off.config, switch)
+    assert dataclasses.replace(off.config, **{switch: True}) == on.config
+    assert BENCH.POLICIES[variant] == BENCH.POLICIES["adaptive"] == "adaptive"
+    assert ("adaptive", variant) in BENCH.COMPARISONS
+
+
+def test_round_robin_and_the_pooledprior_profiles() -> None:
     assert type(BENCH.make_policy("round_robin", 3)).__name__ == "RoundRobinPolicy"
-
-
-def test_the_r4_variant_is_adaptive_with_step_scaled_batch_off_and_nothing_else() -> None:
-    on, off = BENCH.make_policy("adaptive", 3), BENCH.make_policy("adaptive-r4", 3)
-    assert on.config.step_scaled_batch and not off.config.step_scaled_batch
-    assert dataclasses.replace(off.config, step_scaled_batch=True) == on.config
-    assert BENCH.POLICIES["adaptive-r4"] == "adaptive"
-    assert ("adaptive", "adaptive-r4") in BENCH.COMPARISONS
-
-
-def test_the_noreserve_variant_is_adaptive_with_the_slot_reserve_off_and_nothing_else() -> None:
-    on, off = BENCH.make_policy("adaptive", 3), BENCH.make_policy("adaptive-noreserve", 3)
-    assert on.config.reserve_slots and not off.config.reserve_slots
-    assert dataclasses.replace(off.config, reserve_slots=True) == on.config
-    assert BENCH.POLICIES["adaptive-noreserve"] == "adaptive"
-    assert ("adaptive", "adaptive-noreserve") in BENCH.COMPARISONS
-
-
-def test_the_pooledprior_variant_is_adaptive_with_the_band_tpot_prior_off_and_nothing_else(
-        ) -> None:
     on, off = BENCH.make_policy("adaptive", 3), BENCH.make_policy("adaptive-pooledprior", 3)
-    assert on.config.tpot_prior_by_band and not off.config.tpot_prior_by_band
-    assert dataclasses.replace(off.config, tpot_prior_by_band=True) == on.config
-    assert BENCH.POLICIES["adaptive-pooledprior"] == "adaptive"
-    assert ("adaptive", "adaptive-pooledprior") in BENCH.COMPARISONS
+    assert isinstance(on, AdaptivePolicy) and isinstance(off, AdaptivePolicy)
     view = WorkerView("w", "http://w", "engine", CompiledConfig())
     assert not off.profile(view).band_tpot and on.profile(view).band_tpot
 
