@@ -83,7 +83,8 @@ from router.inflight import Flight, InFlight
 from router.profiles import LatencyPrior, Prediction, PriorConfig, WorkerProfile, batch_capacity
 from router.reserve import ReserveConfig, SlotReserve
 from router.stalls import Prefill, PrefillStalls, StallConfig
-from specdec.policy import DepthPolicy, StepTimeModel
+from specdec.policy import DepthPolicy
+from specdec.step_model import StepTimeModel
 
 logger = logging.getLogger(__name__)
 

@@ -16,22 +16,9 @@ no k beats plain decoding by ``min_gain`` (high load, low acceptance)::
 
 - acceptance per (worker, domain): a Beta posterior updated from the reported
   ``(num_draft_tokens, num_accepted_tokens)`` counts (see :meth:`AcceptanceEstimate.observe`);
-- a step-time model per worker, ``t = w . [1, batch, batch*d(k), k, k > 0, prefill,
-  batch*(k > 0)]`` seconds,
-  where ``d(k) <= k`` is the draft tokens a sequence verifies per step at depth k
-  (learned per domain with the acceptance: proposals are often shorter than k),
-  fitted online by least squares on measured ``(batch, k, step seconds)`` samples
-  (the engine's own steps, :mod:`specdec.step_feed`, or else per-request averages),
-  anchored by a prior expressed as pseudo-samples. ``k > 0`` is the fixed
-  cost of a verifying step: on the CPU a 2-token step costs ~1.35x a 1-token one
-  while each further token adds only a few percent (``bench/specdec.py
-  --step-costs``), a step a line in k cannot fit; ``batch*(k > 0)`` the host work
-  each speculating sequence costs a step (see :func:`step_features`). With ``price_row_buckets`` (for a GPU
-  with captured graphs, whose step cost is flat within a bucket of rows and not linear
-  across them) the same fit adds one term per power-of-two bucket of the step's rows
-  (:meth:`StepTimeModel.row_residual`);
-- a calibration per worker, batch bucket and depth: what a token cost finished requests as
-  their clients saw it, over what the model predicted (:meth:`StepTimeModel.calibration`).
+- a step-time model per worker (:class:`specdec.step_model.StepTimeModel`): the engine's
+  step time at a batch and depth, fitted online, and its price per emitted token
+  (:func:`specdec.step_model.token_cost`) calibrated by what finished requests measured.
 
 All methods are synchronous and cheap (a decision is a loop over k <= 16).
 """
@@ -39,87 +26,13 @@ All methods are synchronous and cheap (a decision is a loop over k <= 16).
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from specdec.errors import ProposerConfigError
+from specdec.step_model import NUM_FEATURES, StepTimeModel, token_cost
 
 logger = logging.getLogger(__name__)
-
-NUM_FEATURES = 7
-Features = tuple[float, float, float, float, float, float, float]
-# Pseudo-samples of the prior step-time model sit on this grid.
-_PRIOR_BATCHES = (1, 4, 16, 64)
-_PRIOR_DEPTHS = (0, 1, 2, 4, 8)
-_PRIOR_PREFILL = (0, 256)  # prompt tokens sharing the step
-
-
-def step_features(num_seqs: float, num_drafted: float, max_drafted: float,
-                  num_prefill: float = 0.0, num_verifying: float = 0.0) -> Features:
-    """[1, decoding sequences, draft tokens verified, the longest proposal, any proposal,
-    prompt tokens of prefill chunks in the same step, sequences verifying a proposal].
-
-    NOTE: the last is the host work a speculating sequence costs each step whatever its
-    proposal's length (its lookup, its acceptance, more tokens to hand over). On the H200,
-    where a graph replay's cost hardly grows with rows, it is most of what speculation
-    costs: at concurrency 16 a step at k=4 took ~2.3x a k=0 step, where a fit without this
-    term (a fixed cost per speculating step and a cost per draft token) predicted 1.6x and
-    kept speculating at a load where it no longer paid.
-    """
-    return (1.0, num_seqs, num_drafted, max_drafted, 1.0 if max_drafted > 0 else 0.0,
-            num_prefill, num_verifying)
-
-
-def _features(batch: float, k: float, drafted: float | None = None,
-              prefill: float = 0.0) -> Features:
-    """A step of ``batch`` sequences at depth k, each verifying ``drafted`` tokens (k if None)."""
-    rows = k if drafted is None else drafted
-    return step_features(batch, batch * rows, longest_proposal(batch, k, rows), prefill,
-                         batch if k > 0 else 0.0)
-
-
-def longest_proposal(batch: float, k: float, drafted: float) -> float:
-    """The longest proposal in a step of ``batch`` sequences at depth k verifying ``drafted``
-    tokens each on average: ``drafted`` alone, at most k and the batch's total together.
-
-    NOTE: the engine's steps price the longest proposal (a feature of its own); charging k
-    there instead overpriced a deep k whose proposals run short: at batch 1 and k=16 with
-    3-token proposals, 13 x 0.11-0.16 ms on a ~5 ms step, and the policy kept chat and qa at
-    k=3-4 where 16 measured 2-10% faster.
-    """
-    return min(k, max(batch, 1.0) * drafted)
-
-
-NUM_ROW_BUCKETS = 12  # rows 1, 2, 3-4, 5-8, ..., 1025-2048, and above (the last)
-
-
-def row_bucket(num_rows: float) -> int:
-    """Power-of-two bucket of a step's rows: 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ..."""
-    return min(max(math.ceil(math.log2(max(num_rows, 1.0))), 0), NUM_ROW_BUCKETS - 1)
-
-
-RESIDUAL_WINDOW = 50.0  # client samples a residual mean averages over (then a moving mean)
-
-
-def _weighted_mean(cells: Iterable[Sequence[float]]) -> float:
-    """Mean of ``[mean, samples]`` cells, weighted by their samples."""
-    pairs = list(cells)
-    return sum(m * n for m, n in pairs) / sum(n for _, n in pairs)
-
-
-def _batch_bucket(batch: float) -> int:
-    """The power of two at or above ``batch`` (1, 2, 4, 8, ...)."""
-    return 1 << max(math.ceil(batch) - 1, 0).bit_length()
-
-
-def _full_coefficients(coefficients: Sequence[float]) -> tuple[float, ...]:
-    """4 to 7 coefficients; the missing ones (fixed speculation cost, prefill, per
-    speculating sequence) are 0."""
-    return (*coefficients, *[0.0] * (NUM_FEATURES - len(coefficients)))
-
 
 def expected_tokens_per_step(acceptance: float, k: int) -> float:
     """E[accepted + 1] = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)."""
@@ -228,19 +141,6 @@ def choose_depth(acceptance: float, batch: int, step_time: StepTimeModel, max_de
         if goodput > best:
             best_k, best = k, goodput
     return best_k
-
-
-def token_cost(step_time: StepTimeModel, batch: float, k: float, expected: float,
-               drafted: float | None = None, overhead: bool = True) -> float:
-    """Predicted seconds per emitted token of one sequence at depth k in a batch of ``batch``,
-    emitting ``expected`` tokens per step: ``(t(k) - prefill) / E + prefill`` (the prompt
-    tokens sharing a step are work per request; see :func:`choose_depth`). ``overhead``:
-    t includes the client's wait per step beyond the engine's step
-    (:meth:`StepTimeModel.overhead`); without it, the engine's step alone."""
-    wait = 0.0 if overhead else step_time.overhead(batch)
-    step = step_time.predict(batch, k, drafted) - wait
-    prefill = min(step_time.prefill_part(batch), 0.99 * (step_time.predict(batch, 0) - wait))
-    return max(step - prefill, 1e-9) / max(expected, 1.0) + prefill
 
 
 def batch_tokens_per_step(own: Sequence[float], mix: Sequence[tuple[float, Sequence[float]]],
@@ -433,302 +333,6 @@ def _between_measured(expected: list[float], measured: list[int]) -> list[float]
     return out
 
 
-@dataclass
-class StepTimeModel:
-    """t(batch, k) = w . [1, batch, batch*d, k, k > 0, prefill, batch*(k > 0)] seconds (d
-    draft tokens verified per sequence, k when not known), least squares over decayed
-    samples.
-
-    NOTE: samples are weighted by 1 / t^2, i.e. the fit minimises relative error,
-    so a 10 ms batch-1 step counts as much as a 200 ms batch-64 one (the policy
-    compares ratios of step times at one batch size).
-
-    Two sources of samples: per-request averages as a client sees them
-    (:meth:`observe`) and the engine's own per-step sums (:meth:`observe_sums`,
-    see :mod:`specdec.step_feed`). NOTE: once a worker reports its steps, the
-    per-request averages no longer enter the fit: they mix prefill chunks, other
-    requests' depths and queueing into the step time, and measured far off the
-    steps themselves. They still measure one thing the engine's steps cannot: the
-    time a client waits per step beyond the step itself (the engine loop handing
-    outputs over, detokenizing, streaming), ~1 ms on a 3.6 ms batch-1 step on the
-    2-core box. That cost is paid once per step whatever k is, so leaving it out
-    made deeper k look dearer than it is (at concurrency 1 the policy stayed at
-    k = 2-8 where k = 16 was 8% faster). It is learned per batch size, as the mean
-    residual of the client's step times against the fitted steps
-    (:meth:`overhead`), and added to every prediction.
-    """
-
-    prior_xtx: np.ndarray  # [F, F] prior pseudo-samples' X^T X (not decayed), F features
-    prior_xty: np.ndarray  # [F]
-    decay: float = 1.0
-    xtx: np.ndarray = field(default_factory=lambda: np.zeros((NUM_FEATURES, NUM_FEATURES)))
-    xty: np.ndarray = field(default_factory=lambda: np.zeros(NUM_FEATURES))
-    num_samples: int = 0
-    coef: np.ndarray = field(default_factory=lambda: np.zeros(NUM_FEATURES))
-    feed_decay: float = 1.0  # per engine-reported step
-    num_fed_steps: int = 0  # engine-reported decode steps seen (0: client samples only)
-
-    # decayed like the sums: prompt tokens that shared the engine's decode steps, and steps
-    prefill_tokens: float = 0.0
-    prefill_steps: float = 0.0
-    # per batch bucket (a power of two): [mean seconds a client waits per step beyond the
-    # fitted step, samples] (see the class NOTE)
-    residuals: dict[int, list[float]] = field(default_factory=dict)
-    # per row bucket (row_bucket): engine steps' [n, sum w, sum w x, sum w y], decayed like
-    # the sums; fitted as one term per bucket only with price_rows (see row_residual)
-    price_rows: bool = False
-    row_prior_steps: float = 1.0
-    row_sums: dict[int, np.ndarray] = field(default_factory=dict)
-    row_terms: dict[int, float] = field(default_factory=dict)  # fitted seconds per row bucket
-    # per (batch bucket, depth): moving means of [client's seconds per token, batch, 1 /
-    # tokens per step, draft tokens per step], and samples (see calibration)
-    token_costs: dict[tuple[int, int], list[float]] = field(default_factory=dict)
-    calibration_prior: float = 8.0  # samples a depth's own ratio needs to weigh as its bucket's
-
-    def __post_init__(self) -> None:
-        self._solve()
-
-    @property
-    def mean_prefill(self) -> float:
-        """Prompt tokens an engine decode step shares with prefill chunks, on average (0
-        until the engine reports its steps)."""
-        return self.prefill_tokens / self.prefill_steps if self.prefill_steps else 0.0
-
-    @classmethod
-    def from_prior(cls, coefficients: tuple[float, ...], weight: float,
-                   decay: float = 1.0, feed_decay: float = 1.0, price_rows: bool = False,
-                   row_prior_steps: float = 1.0) -> StepTimeModel:
-        grid = [_features(b, k, None, p) for b in _PRIOR_BATCHES for k in _PRIOR_DEPTHS
-                for p in _PRIOR_PREFILL]
-        x = np.array(grid)  # [G, 6]
-        y = x @ np.array(_full_coefficients(coefficients))  # [G]
-        w = weight / len(grid) / y**2  # [G] relative-error weights
-        return cls((x * w[:, None]).T @ x, (x * w[:, None]).T @ y, decay,
-                   feed_decay=feed_decay, price_rows=price_rows,
-                   row_prior_steps=row_prior_steps)
-
-    @classmethod
-    def from_coefficients(cls, coefficients: tuple[float, ...]) -> StepTimeModel:
-        """A fixed model (a prior so heavy that samples barely move it); for tests and docs."""
-        return cls.from_prior(coefficients, weight=1e12)
-
-    def observe(self, batch: int, k: int, step_s: float, drafted: float | None = None) -> None:
-        """One client-side sample: a request's mean step time at ``batch`` and depth ``k``
-        (``drafted`` draft tokens verified per step, k if None). Once the engine reports its
-        steps, only the residual over the fitted step is kept (:meth:`overhead`)."""
-        if not (step_s > 0.0 and math.isfinite(step_s)) or batch <= 0 or k < 0:
-            return
-        if self.num_fed_steps:
-            self._observe_residual(batch, step_s - self._predict_step(batch, k, drafted, None))
-            return
-        x = np.array(_features(batch, k, drafted))
-        w = 1.0 / step_s**2
-        self.xtx = self.decay * self.xtx + w * np.outer(x, x)
-        self.xty = self.decay * self.xty + w * x * step_s
-        self.num_samples += 1
-        self._solve()
-
-    def observe_sums(self, xtx: Sequence[Sequence[float]], xty: Sequence[float],
-                     num_steps: int, num_prefill: float = 0.0,
-                     row_sums: Mapping[int, Sequence[float]] | None = None) -> None:
-        """Engine-reported decode steps: their weighted sums X^T W X [F, F], X^T W y [F], the
-        prompt tokens of prefill chunks that shared those steps (unweighted), and per row
-        bucket ``[steps, sum w, sum w x (F), sum w y]`` (:mod:`specdec.step_feed`)."""
-        a, b = np.asarray(xtx, dtype=float), np.asarray(xty, dtype=float)
-        if num_steps <= 0 or a.shape != (NUM_FEATURES, NUM_FEATURES) \
-                or b.shape != (NUM_FEATURES,) or not (np.isfinite(a).all() and np.isfinite(b).all()):
-            return
-        if not self.num_fed_steps:  # the engine's steps replace the client's averages
-            self.xtx, self.xty = np.zeros_like(self.xtx), np.zeros_like(self.xty)
-        keep = self.feed_decay ** num_steps
-        self.xtx = keep * self.xtx + a
-        self.xty = keep * self.xty + b
-        self.prefill_tokens = keep * self.prefill_tokens + max(num_prefill, 0.0)
-        self.prefill_steps = keep * self.prefill_steps + num_steps
-        self.num_fed_steps += num_steps
-        self._observe_rows(keep, row_sums or {})
-        self._solve()
-
-    def _observe_rows(self, keep: float, row_sums: Mapping[int, Sequence[float]]) -> None:
-        for bucket in self.row_sums:
-            self.row_sums[bucket] = keep * self.row_sums[bucket]
-        for bucket, stats in row_sums.items():
-            v = np.asarray(stats, dtype=float)
-            if v.shape != (NUM_FEATURES + 3,) or not np.isfinite(v).all() or v[0] <= 0:
-                continue
-            self.row_sums[bucket] = self.row_sums.get(bucket, 0.0) + v
-
-    def _solve(self) -> None:
-        """Least squares with every coefficient >= 0 (a small active-set loop).
-
-        NOTE: each coefficient is a cost (per step, per sequence, per token); noisy
-        per-request averages from a shared machine can fit a negative one, which
-        would make deeper k look cheaper than shallower k and the argmax meaningless.
-        A feature whose coefficient comes out negative is dropped and the rest refit.
-        With ``price_rows`` the row-bucket terms join the same fit (:meth:`_normal_equations`);
-        they may be negative (a bucket cheaper than the line there) and are never dropped.
-        """
-        a, b, buckets = self._normal_equations()
-        coef = np.zeros(len(b))
-        active = list(range(len(b)))
-        while active:
-            sub = np.linalg.solve(a[np.ix_(active, active)], b[active])
-            base = [n for n, i in enumerate(active) if i < NUM_FEATURES]
-            if not base or sub[base].min() >= 0.0:
-                coef[active] = sub
-                break
-            active.pop(base[int(np.argmin(sub[base]))])
-        coef[0] = max(coef[0], 1e-6)  # t must stay positive
-        self.coef = coef[:NUM_FEATURES]
-        self._w = tuple(float(c) for c in self.coef)
-        self.row_terms = {r: float(c) for r, c in zip(buckets, coef[NUM_FEATURES:], strict=True)}
-
-    def _normal_equations(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """X^T W X and X^T W y over the features, plus (with ``price_rows``) one indicator per
-        row bucket the engine reported: its cross terms are the bucket's ``sum w x``, its
-        diagonal ``sum w`` plus a ridge of ``row_prior_steps`` of the bucket's mean step
-        weight, which pulls a bucket seen in few steps towards the line."""
-        a = self.prior_xtx + self.xtx
-        b = self.prior_xty + self.xty
-        buckets = sorted(r for r, v in self.row_sums.items() if v[0] > 0 and v[1] > 0) \
-            if self.price_rows else []
-        if not buckets:
-            return a, b, []
-        stats = np.array([self.row_sums[r] for r in buckets])  # [R, 3 + features]
-        n, sw, swx, swy = stats[:, 0], stats[:, 1], stats[:, 2:-1], stats[:, -1]
-        ridge = self.row_prior_steps * sw / n
-        full = np.block([[a, swx.T], [swx, np.diag(sw + ridge)]])
-        return full, np.concatenate([b, swy]), buckets
-
-    def prefill_part(self, batch: float) -> float:
-        """Seconds of a depth-0 step of ``batch`` sequences that its prompt tokens take (the
-        engine's recent mean per step; 0 before it reports its steps)."""
-        return max(self._predict_step(batch, 0, None, None)
-                   - self._predict_step(batch, 0, None, 0.0), 0.0)
-
-    def row_residual(self, num_rows: float) -> float:
-        """Seconds a step of ``num_rows`` rows costs beyond the fitted line (0 without
-        ``price_rows`` or before the engine reported a step in its row bucket).
-
-        NOTE: on a GPU a step replays the captured graph of the smallest fitting bucket,
-        whose time is flat within a bucket and not linear across them (H200, float32, tiny
-        model: 1 row 0.32 ms, 2-4 rows 0.41, 16 rows 0.69, 32 rows 0.52), so one line through
-        batch and draft tokens priced a batch-1 step at k=16 ~0.35 ms above k=4 where the
-        runner measured 0.04 ms. A term per power-of-two bucket of rows (one per decoding
-        sequence, its drafts, prompt tokens in the step), fitted with the line, follows it."""
-        if not self.price_rows:
-            return 0.0
-        return self.row_terms.get(row_bucket(num_rows), 0.0)
-
-    def _observe_residual(self, batch: int, residual_s: float) -> None:
-        mean, n = self.residuals.setdefault(_batch_bucket(batch), [0.0, 0.0])
-        n = min(n + 1.0, RESIDUAL_WINDOW)
-        self.residuals[_batch_bucket(batch)] = [mean + (residual_s - mean) / n, n]
-
-    def overhead(self, batch: float) -> float:
-        """Seconds a client waits per step beyond the engine's step, at ``batch`` (the nearest
-        measured batch bucket; 0 before any client sample after the engine's steps)."""
-        if not self.residuals:
-            return 0.0
-        bucket = _batch_bucket(batch)
-        nearest = min(self.residuals, key=lambda b: (abs(math.log2(b / bucket)), b))
-        return max(self.residuals[nearest][0], 0.0)
-
-    def observe_token_cost(self, batch: int, k: int, seconds: float, expected: float,
-                           drafted: float | None = None) -> None:
-        """One finished request: the ``seconds`` a token cost it as its client saw it, at its
-        batch, depth, measured tokens per step and draft tokens per step."""
-        if not (seconds > 0.0 and math.isfinite(seconds)) or batch <= 0 or k < 0 \
-                or not (expected >= 1.0 and math.isfinite(expected)):
-            return
-        key = (_batch_bucket(batch), int(k))
-        cell = self.token_costs.setdefault(key, [0.0, 0.0, 0.0, 0.0, 0.0])
-        n = min(cell[4] + 1.0, RESIDUAL_WINDOW)
-        # NOTE: 1 / E, whose mean prices the cell exactly where a token costs t / E (a cell
-        # mixes domains: code at E = 3 and rag at 1.2 average to more than t / mean E)
-        sample = (seconds, float(batch), 1.0 / expected, drafted if drafted is not None else 0.0)
-        for i, x in enumerate(sample):
-            cell[i] += (x - cell[i]) / n
-        cell[4] = n
-
-    def _log_ratio(self, k: int, cell: Sequence[float]) -> float:
-        """log(measured seconds per token / the engine's step model's, now) for one cell.
-
-        NOTE: against the model as it is now, not as it was at each sample: early in a run the
-        fit moves, and ratios frozen against it misled (the first fixed-depth block's k=2
-        read cheap against an early fit, and adaptive then sent 46 of 48 requests at k=2)."""
-        seconds, batch, inverse_expected, drafted = cell[:4]
-        model = token_cost(self, batch, k, 1.0 / inverse_expected, drafted if k > 0 else None,
-                           overhead=False)
-        return math.log(min(max(seconds / model, 0.25), 4.0))
-
-    def calibration(self, batch: float, k: int) -> float:
-        """The factor :func:`token_cost` of the engine's step alone (no client wait) at depth
-        k is off by at ``batch``, as measured.
-
-        NOTE: the step model prices what the engine's steps explain; what a depth costs
-        beyond that (on the 2-core CPU at concurrency 16 a k=2 step cycle came out ~20 ms
-        over it: event-loop work sharing the engine's GIL and cores; on the H200 at 16 a
-        k=16 cycle 0.5 ms over a fitted 2.6 ms, a k=0 one 0.1 ms under) shows only in the
-        tokens per second requests get. So finished requests' seconds per token are kept per
-        batch bucket and depth (moving means, with what the model needs to price them:
-        :meth:`observe_token_cost`), and a depth's factor is their ratio to the model's
-        (:meth:`_log_ratio`) shrunk toward its bucket's mean ratio by ``calibration_prior``
-        samples: over its speculating depths for k > 0
-        (what makes speculation dearer than modelled is mostly common to its depths: when
-        only k=0 and k=2 had run, a k=16 priced at the mean of the two was pushed below
-        k=2's measured cost, and adaptive sent 37 of 192 requests at k=2, 0.74x of k=16, at
-        c=4 on the H200), over all depths for k=0. A factor common to every depth cancels in
-        the argmax, so only measured differences between depths move a choice. The client's
-        wait per step
-        (:meth:`overhead`) is a mean over all depths that moves with whichever depths ran
-        last, so ratios are taken against the engine's step alone and, once there are any,
-        the factors replace it (:func:`choose_depth`).
-        """
-        return self.calibrations(batch, k)[k]
-
-    def calibrations(self, batch: float, max_depth: int) -> list[float]:
-        """:meth:`calibration` for k = 0..max_depth (the bucket's mean computed once)."""
-        if not self.token_costs:
-            return [1.0] * (max_depth + 1)
-        bucket = _batch_bucket(batch)
-        buckets = {b for b, _ in self.token_costs}
-        nearest = min(buckets, key=lambda b: (abs(math.log2(b / bucket)), b))
-        cells = {k: (self._log_ratio(k, v), v[4]) for (b, k), v in self.token_costs.items()
-                 if b == nearest}
-        common = _weighted_mean(cells.values())
-        speculating = [v for k, v in cells.items() if k > 0]
-        common_spec = _weighted_mean(speculating) if speculating else common
-        prior = self.calibration_prior
-        out = []
-        for k in range(max_depth + 1):
-            own_mean, own_n = cells.get(k, (0.0, 0.0))
-            toward = common_spec if k > 0 else common
-            out.append(math.exp((own_mean * own_n + toward * prior) / (own_n + prior)))
-        return out
-
-    def predict(self, batch: float, k: float, drafted: float | None = None,
-                prefill: float | None = None) -> float:
-        """Seconds for a step of ``batch`` sequences at depth k, each verifying ``drafted``
-        draft tokens (k when None: full proposals), beside ``prefill`` prompt tokens (the
-        engine's recent mean when None).
-
-        NOTE: under load most decode rows ride in steps with a prefill chunk (up to the
-        engine's token budget), where draft rows add little to a long step; priced against
-        pure decode steps alone, depth looked 5x dearer than it was at concurrency 16."""
-        return self._predict_step(batch, k, drafted, prefill) + self.overhead(batch)
-
-    def _predict_step(self, batch: float, k: float, drafted: float | None,
-                      prefill: float | None) -> float:
-        w0, wb, wbk, wk, w_spec, w_pre, w_ver = self._w
-        rows = k if drafted is None else drafted
-        pre = self.mean_prefill if prefill is None else prefill
-        longest = longest_proposal(batch, k, rows)
-        return max(w0 + wb * batch + wbk * batch * rows + wk * longest
-                   + ((w_spec + w_ver * batch) if k > 0 else 0.0) + w_pre * pre
-                   + self.row_residual(batch * (1.0 + rows) + pre), 1e-6)
-
-
 class DepthPolicy:
     """Learned acceptance per (worker, domain) and step time per worker -> k per request."""
 
@@ -785,7 +389,7 @@ class DepthPolicy:
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """What has been learned, per worker (JSON-able, for /stats): the step-time model's
-        coefficients (ms, in :func:`step_features` order), the clients' wait per step and
+        coefficients (ms, in :func:`specdec.step_model.step_features` order), the clients' wait per step and
         the calibration factors per batch bucket, and per domain the acceptance and the
         expected tokens per step for k = 0..max_depth."""
         c = self.config

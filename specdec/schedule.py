@@ -17,7 +17,7 @@ ran at load b (from traces: concurrency on the worker at each arrival),
 ``a_d`` the per-token acceptance of domain d (measured: the proxy's scraped
 ``vllm:spec_decode_*`` deltas, or the traces' counts), ``E(a, k) =
 (1 - a^(k+1)) / (1 - a)`` the tokens one step emits and ``t(b, k)`` the step
-time (:class:`specdec.policy.StepTimeModel`, a prior refined by the traces).
+time (:class:`specdec.step_model.StepTimeModel`, a prior refined by the traces).
 k is 0 unless it beats plain decoding by ``min_gain``. Runs of equal k become
 the ranges vLLM takes::
 
@@ -42,12 +42,8 @@ import numpy as np
 
 from engine.config import CompiledConfig
 from specdec.errors import ProposerConfigError
-from specdec.policy import (
-    PolicyConfig,
-    StepTimeModel,
-    expected_tokens_per_step,
-    solve_acceptance,
-)
+from specdec.policy import PolicyConfig, expected_tokens_per_step, solve_acceptance
+from specdec.step_model import StepTimeModel
 
 TraceRecord = Mapping[str, Any]  # one trace record (DESIGN.md schema)
 Range = tuple[int, int, int]  # (first batch size, last batch size, k), inclusive

@@ -18,7 +18,7 @@ scrape loop, the bench) diffs two scrapes and hands the window to
 Every step with at least one decoding sequence is reported, prefill chunks beside
 them included: under load most decode rows share a step with a prompt chunk, where
 draft rows cost little against the step. Features are the policy's
-(:func:`specdec.policy.step_features`): ``[1, decoding sequences, draft tokens
+(:func:`specdec.step_model.step_features`): ``[1, decoding sequences, draft tokens
 verified, the longest proposal, any proposal, prompt tokens, sequences verifying a
 proposal]``; each step is weighted by ``1 / seconds^2``, as the
 policy's own samples (relative error). The sums are exact: the policy fits the
@@ -34,7 +34,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from specdec.policy import NUM_FEATURES, NUM_ROW_BUCKETS, DepthPolicy, row_bucket, step_features
+from specdec.policy import DepthPolicy
+from specdec.step_model import NUM_FEATURES, NUM_ROW_BUCKETS, row_bucket, step_features
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class StepSums:
     """Weighted least-squares sums over decode steps: X^T W X (upper triangle), X^T W y, count;
     and per row bucket (:func:`row_bucket`) ``[steps, sum w, sum w x, sum w y]``, from which
     the policy prices what a line in the features misses in each bucket (graph buckets on a
-    GPU: :meth:`specdec.policy.StepTimeModel.row_residual`)."""
+    GPU: :meth:`specdec.step_model.StepTimeModel.row_residual`)."""
 
     values: list[float] = field(default_factory=lambda: [0.0] * len(TERMS))
     num_steps: float = 0.0

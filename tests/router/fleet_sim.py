@@ -29,7 +29,8 @@ import numpy as np
 
 from engine.config import CompiledConfig
 from router.base import RequestOutcome, RequestShape, RoutingPolicy, WorkerView
-from specdec.policy import NUM_FEATURES, DepthPolicy, step_features
+from specdec.policy import DepthPolicy
+from specdec.step_model import NUM_FEATURES, step_features
 
 FEED_S = 0.25  # simulated seconds between step feeds (the bench's metrics scrape interval)
 

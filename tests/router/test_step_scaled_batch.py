@@ -12,7 +12,8 @@ from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.base import RequestOutcome, RequestShape, WorkerView
 from router.inflight import Flight
 from router.profiles import LatencyPrior, PriorConfig, WorkerProfile
-from specdec.policy import NUM_FEATURES, DepthPolicy, step_features
+from specdec.policy import DepthPolicy
+from specdec.step_model import NUM_FEATURES, step_features
 
 SPEC = CompiledConfig().with_engine(max_num_seqs=4, max_num_batched_tokens=256,
                                     spec_method="ngram", spec_max_depth=4)

@@ -10,14 +10,12 @@ from specdec.policy import (
     AcceptanceEstimate,
     DepthPolicy,
     PolicyConfig,
-    StepTimeModel,
     batch_tokens_per_step,
     choose_depth,
     expected_tokens_per_step,
-    longest_proposal,
     solve_acceptance,
-    token_cost,
 )
+from specdec.step_model import StepTimeModel, longest_proposal, token_cost
 
 
 def _model(w0: float, wb: float, wbk: float, wk: float) -> StepTimeModel:

@@ -14,8 +14,9 @@ import pytest
 
 from engine.metrics import EngineMetrics
 from specdec.errors import ProposerConfigError
-from specdec.policy import DepthPolicy, PolicyConfig, StepTimeModel, choose_depth, row_bucket
+from specdec.policy import DepthPolicy, PolicyConfig, choose_depth
 from specdec.step_feed import ROW_STATS, DecodeStep, StepFeed, StepSums, parse_step_sums
+from specdec.step_model import StepTimeModel, row_bucket
 
 # device ms per row bucket: 1, 2, 3-4, 5-8, 9-16, 17-32, 33-64, 65-128, 129-256, 257-512
 DEVICE_MS = [0.30, 0.40, 0.42, 0.44, 0.46, 0.48, 0.55, 0.65, 0.80, 1.10]

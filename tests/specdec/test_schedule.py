@@ -8,7 +8,7 @@ import pytest
 
 from engine.config import CompiledConfig, VllmConfig
 from specdec.errors import ProposerConfigError
-from specdec.policy import StepTimeModel, expected_tokens_per_step
+from specdec.policy import expected_tokens_per_step
 from specdec.schedule import (
     ScheduleConfig,
     SpeculativeSchedule,
@@ -21,6 +21,7 @@ from specdec.schedule import (
     fit_step_time,
     with_schedule,
 )
+from specdec.step_model import StepTimeModel
 
 # t(b, k) = 10 ms + 1 ms per sequence + 0.5 ms per sequence per speculated token
 MODEL = StepTimeModel.from_coefficients((0.010, 0.001, 0.0005, 0.0))

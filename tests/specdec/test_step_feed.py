@@ -6,15 +6,9 @@ import numpy as np
 import pytest
 
 from engine.metrics import EngineMetrics
-from specdec.policy import (
-    NUM_FEATURES,
-    DepthPolicy,
-    PolicyConfig,
-    StepTimeModel,
-    choose_depth,
-    step_features,
-)
+from specdec.policy import DepthPolicy, PolicyConfig, choose_depth
 from specdec.step_feed import DecodeStep, StepFeed, StepSums, parse_step_sums
+from specdec.step_model import NUM_FEATURES, StepTimeModel, step_features
 
 
 def _true_t(b: int, num_drafted: int, max_drafted: int, num_prefill: int = 0) -> float:

@@ -22,8 +22,8 @@ import openai
 from engine.config import TINY_TARGET
 from proxy.config import ProxyConfig
 from proxy.server import ProxyServer
-from specdec.policy import StepTimeModel
 from specdec.schedule import ScheduleConfig, SpeculativeSchedule, fit_schedule
+from specdec.step_model import StepTimeModel
 from tests.proxy.servers import ProxyThread
 
 MODEL = "tiny-target"
