@@ -59,9 +59,6 @@ class PolicyConfig:
     # Under load, choose k for the worker's domain mix (see batch_tokens_per_step);
     # the mix forgets old requests by this factor per decision.
     share_depth_under_load: bool = True
-    # Under load, one depth for the worker's mix alone, the request's own domain counted only
-    # as part of the mix (see DepthPolicy.decide); off weighs it by its share of the batch.
-    one_depth_under_load: bool = False
     mix_decay: float = 0.98
     # Prior step time in seconds, coefficients of [1, batch, batch*k, k] and optionally
     # [k > 0] (the fixed cost of verifying), prefill tokens in the step and sequences
@@ -144,7 +141,7 @@ def choose_depth(acceptance: float, batch: int, step_time: StepTimeModel, max_de
 
 
 def batch_tokens_per_step(own: Sequence[float], mix: Sequence[tuple[float, Sequence[float]]],
-                          batch: int, own_weight: float | None = None) -> list[float]:
+                          batch: int) -> list[float]:
     """E[tokens per step] per k, averaged over a request and the ``batch - 1`` sharing its steps.
 
     ``mix`` is (weight, E per k) for each domain in the worker's recent traffic.
@@ -156,7 +153,7 @@ def batch_tokens_per_step(own: Sequence[float], mix: Sequence[tuple[float, Seque
     total = sum(w for w, _ in mix)
     if batch <= 1 or total <= 0.0:
         return list(own)
-    share = (batch - 1) / batch if own_weight is None else 1.0 - own_weight
+    share = (batch - 1) / batch
     return [(1.0 - share) * own[k] + share * sum(w * e[k] for w, e in mix) / total
             for k in range(len(own))]
 
@@ -371,16 +368,11 @@ class DepthPolicy:
         drafted = est.drafts_per_step(cap, steps)
         mix = self._mix.setdefault(worker, {})
         if c.share_depth_under_load and batch > 1:
-            # NOTE: with one_depth_under_load every request sharing the worker's steps gets the
-            # depth of the mix: weighing its own domain by its share of the batch, requests of
-            # different domains chose different depths in one batch (0, 1 and 4 at c=4 on the
-            # CPU), and each step paid for the deepest while the shallow ones gained nothing.
-            own = 0.0 if c.one_depth_under_load else None
             ests = [(w, self.acceptance(worker, d)) for d, w in mix.items()]
             expected = batch_tokens_per_step(
-                expected, [(w, e.tokens_per_step(cap, steps)) for w, e in ests], batch, own)
+                expected, [(w, e.tokens_per_step(cap, steps)) for w, e in ests], batch)
             drafted = batch_tokens_per_step(
-                drafted, [(w, e.drafts_per_step(cap, steps)) for w, e in ests], batch, own)
+                drafted, [(w, e.drafts_per_step(cap, steps)) for w, e in ests], batch)
         for d in mix:
             mix[d] *= c.mix_decay
         mix[domain] = mix.get(domain, 0.0) + 1.0

@@ -332,24 +332,6 @@ def test_batch_tokens_per_step_blends_the_domain_mix() -> None:
     assert batch_tokens_per_step(own, [], batch=8) == own
     # mix average [1, 1.5, 1.825]; batch 4 -> 1/4 own + 3/4 mix
     assert batch_tokens_per_step(own, mix, batch=4) == pytest.approx([1.0, 1.625, 2.11875])
-    # the own domain weighed 0: the mix alone
-    assert batch_tokens_per_step(own, mix, 4, own_weight=0.0) == pytest.approx([1.0, 1.5, 1.825])
-
-
-def test_one_depth_under_load_gives_every_domain_the_mixs_depth() -> None:
-    def run(one: bool) -> tuple[int, int]:
-        # t(b, k) = 10 ms + 3 ms per k: dear enough that the two domains part ways
-        policy = DepthPolicy(PolicyConfig(step_prior_s=(0.010, 0.0, 0.0, 0.003),
-                                          step_prior_weight=1e9, one_depth_under_load=one))
-        for _ in range(20):
-            policy.observe_acceptance("w", "code", 40, 36, depth=4)
-            policy.observe_acceptance("w", "chat", 40, 0, depth=4)
-        for _ in range(10):  # a mix of half code, half chat
-            policy.decide("w", "code", batch=4)
-            policy.decide("w", "chat", batch=4)
-        return policy.decide("w", "code", batch=4), policy.decide("w", "chat", batch=4)
-    assert run(one=False) == (6, 3)  # each weighs its own domain by 1/4 of the batch
-    assert run(one=True) == (5, 5)  # one depth: the mix's
 
 
 def test_under_load_a_request_follows_the_workers_depth() -> None:
