@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specdec.errors import ProposerConfigError
-from specdec.step_model import NUM_FEATURES, StepTimeModel, token_cost
+from specdec.step_model import NUM_FEATURES, StepTimeModel, batch_bucket, token_cost
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,12 @@ class PolicyConfig:
     # Scale each depth's predicted cost per token by what finished requests measured
     # (StepTimeModel.calibration). Off keeps the model's prediction alone.
     calibrate_token_cost: bool = True
+    # With the calibration, a request the policy would speculate for goes at k=0 every
+    # probe_depth0_every-th decision per worker and batch bucket while that bucket's k=0 cost
+    # rests on fewer than the calibration's prior samples, then every probe_depth0_refresh-th
+    # (0 = never): see DepthPolicy.decide.
+    probe_depth0_every: int = 10
+    probe_depth0_refresh: int = 250
 
     def __post_init__(self) -> None:
         checks = [
@@ -95,6 +101,8 @@ class PolicyConfig:
             (0.0 < self.step_decay <= 1.0, "step_decay", "in (0, 1]"),
             (0.0 < self.step_feed_decay <= 1.0, "step_feed_decay", "in (0, 1]"),
             (self.row_prior_steps > 0, "row_prior_steps", "> 0"),
+            (self.probe_depth0_every >= 0, "probe_depth0_every", ">= 0"),
+            (self.probe_depth0_refresh >= 0, "probe_depth0_refresh", ">= 0"),
         ]
         for ok, name, expected in checks:
             if not ok:
@@ -338,6 +346,7 @@ class DepthPolicy:
         self._acceptance: dict[tuple[str, str], AcceptanceEstimate] = {}
         self._step_time: dict[str, StepTimeModel] = {}
         self._mix: dict[str, dict[str, float]] = {}  # worker -> domain -> decayed request count
+        self._decisions: dict[tuple[str, int], int] = {}  # (worker, batch bucket) -> decisions
 
     def acceptance(self, worker: str, domain: str) -> AcceptanceEstimate:
         est = self._acceptance.get((worker, domain))
@@ -376,8 +385,27 @@ class DepthPolicy:
         for d in mix:
             mix[d] *= c.mix_decay
         mix[domain] = mix.get(domain, 0.0) + 1.0
-        return choose_depth(est.mean, max(batch, 1), self.step_time(worker), cap, c.min_gain,
-                            expected, drafted)
+        k = choose_depth(est.mean, max(batch, 1), self.step_time(worker), cap, c.min_gain,
+                         expected, drafted)
+        return 0 if k > 0 and self._probe_depth0(worker, batch) else k
+
+    def _probe_depth0(self, worker: str, batch: int) -> bool:
+        """Is this decision one that measures k=0 instead (see ``PolicyConfig``)?
+
+        NOTE: the calibration can tell a speculation dearer than modelled from a cost common
+        to every depth only where k=0 was measured too. A worker the policy always speculates
+        on would never measure it: the draft proposer on the H200, 7-15x slower than k=0, kept
+        drafting without a measured k=0. A probe costs one request's speculation gain.
+        """
+        c = self.config
+        if not c.calibrate_token_cost:
+            return False
+        key = (worker, batch_bucket(batch))
+        n = self._decisions[key] = self._decisions.get(key, 0) + 1
+        model = self.step_time(worker)
+        thin = model.samples_at(batch, 0) < model.calibration_prior
+        every = c.probe_depth0_every if thin else c.probe_depth0_refresh
+        return every > 0 and n % every == 0
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """What has been learned, per worker (JSON-able, for /stats): the step-time model's

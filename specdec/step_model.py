@@ -89,7 +89,7 @@ def _weighted_mean(cells: Iterable[Sequence[float]]) -> float:
     return sum(m * n for m, n in pairs) / sum(n for _, n in pairs)
 
 
-def _batch_bucket(batch: float) -> int:
+def batch_bucket(batch: float) -> int:
     """The power of two at or above ``batch`` (1, 2, 4, 8, ...)."""
     return 1 << max(math.ceil(batch) - 1, 0).bit_length()
 
@@ -301,16 +301,16 @@ class StepTimeModel:
         return self.row_terms.get(row_bucket(num_rows), 0.0)
 
     def _observe_residual(self, batch: int, residual_s: float) -> None:
-        mean, n = self.residuals.setdefault(_batch_bucket(batch), [0.0, 0.0])
+        mean, n = self.residuals.setdefault(batch_bucket(batch), [0.0, 0.0])
         n = min(n + 1.0, RESIDUAL_WINDOW)
-        self.residuals[_batch_bucket(batch)] = [mean + (residual_s - mean) / n, n]
+        self.residuals[batch_bucket(batch)] = [mean + (residual_s - mean) / n, n]
 
     def overhead(self, batch: float) -> float:
         """Seconds a client waits per step beyond the engine's step, at ``batch`` (the nearest
         measured batch bucket; 0 before any client sample after the engine's steps)."""
         if not self.residuals:
             return 0.0
-        bucket = _batch_bucket(batch)
+        bucket = batch_bucket(batch)
         nearest = min(self.residuals, key=lambda b: (abs(math.log2(b / bucket)), b))
         return max(self.residuals[nearest][0], 0.0)
 
@@ -321,7 +321,7 @@ class StepTimeModel:
         if not (seconds > 0.0 and math.isfinite(seconds)) or batch <= 0 or k < 0 \
                 or not (expected >= 1.0 and math.isfinite(expected)):
             return
-        key = (_batch_bucket(batch), int(k))
+        key = (batch_bucket(batch), int(k))
         cell = self.token_costs.setdefault(key, [0.0, 0.0, 0.0, 0.0, 0.0])
         n = min(cell[4] + 1.0, RESIDUAL_WINDOW)
         # NOTE: 1 / E, whose mean prices the cell exactly where a token costs t / E (a cell
@@ -367,13 +367,25 @@ class StepTimeModel:
         """
         return self.calibrations(batch, k)[k]
 
+    def samples_at(self, batch: float, k: int) -> float:
+        """Finished requests behind the calibration of depth k at ``batch`` (in the batch
+        bucket :meth:`calibrations` reads; 0 before any)."""
+        if not self.token_costs:
+            return 0.0
+        cell = self.token_costs.get((self._nearest_bucket(batch), int(k)))
+        return cell[4] if cell is not None else 0.0
+
+    def _nearest_bucket(self, batch: float) -> int:
+        """The measured batch bucket nearest ``batch``'s (``token_costs`` must not be empty)."""
+        bucket = batch_bucket(batch)
+        buckets = {b for b, _ in self.token_costs}
+        return min(buckets, key=lambda b: (abs(math.log2(b / bucket)), b))
+
     def calibrations(self, batch: float, max_depth: int) -> list[float]:
         """:meth:`calibration` for k = 0..max_depth (the bucket's mean computed once)."""
         if not self.token_costs:
             return [1.0] * (max_depth + 1)
-        bucket = _batch_bucket(batch)
-        buckets = {b for b, _ in self.token_costs}
-        nearest = min(buckets, key=lambda b: (abs(math.log2(b / bucket)), b))
+        nearest = self._nearest_bucket(batch)
         cells = {k: (self._log_ratio(k, v), v[4]) for (b, k), v in self.token_costs.items()
                  if b == nearest}
         common = _weighted_mean(cells.values())

@@ -146,6 +146,27 @@ def test_observe_request_calibrates_by_the_requests_own_tokens_per_step() -> Non
     assert choose_depth(0.5, 1, model, 2, tokens_per_step=[1.0, 1.5, 2.0]) == 2
 
 
+def test_k0_is_probed_while_unmeasured_then_refreshed_rarely() -> None:
+    # speculation is free here (a flat step), so every decision would speculate
+    policy = DepthPolicy(PolicyConfig(max_depth=4, step_prior_s=(0.010, 0.0, 0.0, 0.0),
+                                      step_prior_weight=1e12))
+    picks = [policy.decide("w", "code", batch=1) for _ in range(30)]
+    # no k=0 measured at batch 1: every 10th decision goes at k=0
+    assert [i + 1 for i, k in enumerate(picks) if k == 0] == [10, 20, 30]
+    assert all(k == 4 for i, k in enumerate(picks) if (i + 1) % 10)
+    for _ in range(8):  # 8 requests measured at k=0 (the calibration's prior weight)
+        policy.observe_request("w", "code", 1, 0, 0, 0, 41, 0.40)
+    picks = [policy.decide("w", "code", batch=1) for _ in range(470)]
+    # decisions 31..500: k=0 only at 250 and 500
+    assert [i + 31 for i, k in enumerate(picks) if k == 0] == [250, 500]
+    # batch 16 reads the nearest measured bucket's k=0 (measured): no probe in its first
+    # 10 decisions; and no probes without the calibration
+    assert [policy.decide("w", "code", batch=16) for _ in range(10)][-1] == 4
+    off = DepthPolicy(PolicyConfig(max_depth=4, step_prior_s=(0.010, 0.0, 0.0, 0.0),
+                                   step_prior_weight=1e12, calibrate_token_cost=False))
+    assert 0 not in [off.decide("w", "code", batch=1) for _ in range(30)]
+
+
 def test_snapshot_shows_what_was_learned_per_worker() -> None:
     policy = DepthPolicy(PolicyConfig(max_depth=2, step_prior_s=(0.010, 0.0, 0.0, 0.0),
                                       step_prior_weight=1e12))
