@@ -180,7 +180,7 @@ def engine_step_s(model: StepTimeModel, batch: float, depth: int) -> float:
     per-step overhead (StepTimeModel.overhead): that is learned per batch bucket from
     requests' mean step times, which carry the same stalls the step feed is used to avoid
     (a local run measured t(2) / t(1) = 1.9 and t(3) / t(1) = 1.07 with it)."""
-    return max(model.predict(batch, depth) - model.overhead(batch), 1e-6)
+    return model.engine_step(batch, depth)
 
 
 def caches_prefixes(view: WorkerView) -> bool:

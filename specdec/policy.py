@@ -136,13 +136,16 @@ def choose_depth(acceptance: float, batch: int, step_time: StepTimeModel, max_de
     """
     factors = step_time.calibrations(batch, max_depth)
     wait = not step_time.token_costs  # once calibrated, the factors carry the client's wait
-    best_k, best = 0, min_gain / (token_cost(step_time, batch, 0, 1.0, None, wait) * factors[0])
+    prefill = step_time.shared_prefill(batch, wait)
+    best_k, best = 0, min_gain / (token_cost(step_time, batch, 0, 1.0, None, wait, prefill)
+                                  * factors[0])
     for k in range(1, max_depth + 1):
         expected = (tokens_per_step[k] if tokens_per_step is not None and k < len(tokens_per_step)
                     else expected_tokens_per_step(acceptance, k))
         drafted = (drafts_per_step[k] if drafts_per_step is not None and k < len(drafts_per_step)
                    else None)
-        goodput = 1.0 / (token_cost(step_time, batch, k, expected, drafted, wait) * factors[k])
+        goodput = 1.0 / (token_cost(step_time, batch, k, expected, drafted, wait, prefill)
+                         * factors[k])
         if goodput > best:
             best_k, best = k, goodput
     return best_k

@@ -101,15 +101,19 @@ def _full_coefficients(coefficients: Sequence[float]) -> tuple[float, ...]:
 
 
 def token_cost(step_time: StepTimeModel, batch: float, k: float, expected: float,
-               drafted: float | None = None, overhead: bool = True) -> float:
+               drafted: float | None = None, overhead: bool = True,
+               prefill: float | None = None) -> float:
     """Predicted seconds per emitted token of one sequence at depth k in a batch of ``batch``,
     emitting ``expected`` tokens per step: ``(t(k) - prefill) / E + prefill`` (the prompt
-    tokens sharing a step are work per request; see :func:`specdec.policy.choose_depth`). ``overhead``:
-    t includes the client's wait per step beyond the engine's step
-    (:meth:`StepTimeModel.overhead`); without it, the engine's step alone."""
-    wait = 0.0 if overhead else step_time.overhead(batch)
-    step = step_time.predict(batch, k, drafted) - wait
-    prefill = min(step_time.prefill_part(batch), 0.99 * (step_time.predict(batch, 0) - wait))
+    tokens sharing a step are work per request; see :func:`specdec.policy.choose_depth`).
+    ``overhead``: t includes the client's wait per step beyond the engine's step
+    (:meth:`StepTimeModel.overhead`); without it, the engine's step alone. ``prefill``:
+    :meth:`StepTimeModel.shared_prefill` at the same batch and ``overhead``, when the caller
+    prices several depths at once."""
+    if prefill is None:
+        prefill = step_time.shared_prefill(batch, overhead)
+    step = step_time.predict(batch, k, drafted) if overhead else \
+        step_time.engine_step(batch, k, drafted)
     return max(step - prefill, 1e-9) / max(expected, 1.0) + prefill
 
 
@@ -163,6 +167,9 @@ class StepTimeModel:
     # per (batch bucket, depth): moving means of [client's seconds per token, batch, 1 /
     # tokens per step, draft tokens per step], and samples (see calibration)
     token_costs: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    # calibrations per (batch bucket, max depth), until the fit or a cell changes
+    _calibrated: dict[tuple[int, int], list[float]] = field(default_factory=dict, repr=False,
+                                                            compare=False)
     calibration_prior: float = 8.0  # samples a depth's own ratio needs to weigh as its bucket's
 
     def __post_init__(self) -> None:
@@ -199,7 +206,7 @@ class StepTimeModel:
         if not (step_s > 0.0 and math.isfinite(step_s)) or batch <= 0 or k < 0:
             return
         if self.num_fed_steps:
-            self._observe_residual(batch, step_s - self._predict_step(batch, k, drafted, None))
+            self._observe_residual(batch, step_s - self.engine_step(batch, k, drafted, None))
             return
         x = np.array(_features(batch, k, drafted))
         w = 1.0 / step_s**2
@@ -259,6 +266,7 @@ class StepTimeModel:
                 break
             active.pop(base[int(np.argmin(sub[base]))])
         coef[0] = max(coef[0], 1e-6)  # t must stay positive
+        self._calibrated.clear()
         self.coef = coef[:NUM_FEATURES]
         self._w = tuple(float(c) for c in self.coef)
         self.row_terms = {r: float(c) for r, c in zip(buckets, coef[NUM_FEATURES:], strict=True)}
@@ -283,8 +291,14 @@ class StepTimeModel:
     def prefill_part(self, batch: float) -> float:
         """Seconds of a depth-0 step of ``batch`` sequences that its prompt tokens take (the
         engine's recent mean per step; 0 before it reports its steps)."""
-        return max(self._predict_step(batch, 0, None, None)
-                   - self._predict_step(batch, 0, None, 0.0), 0.0)
+        return max(self.engine_step(batch, 0, None, None)
+                   - self.engine_step(batch, 0, None, 0.0), 0.0)
+
+    def shared_prefill(self, batch: float, overhead: bool = True) -> float:
+        """The prompt tokens' part of a depth-0 step (:meth:`prefill_part`), at most 0.99 of
+        the step (:meth:`predict`, or :meth:`engine_step` without ``overhead``)."""
+        step = self.predict(batch, 0) if overhead else self.engine_step(batch, 0)
+        return min(self.prefill_part(batch), 0.99 * step)
 
     def row_residual(self, num_rows: float) -> float:
         """Seconds a step of ``num_rows`` rows costs beyond the fitted line (0 without
@@ -322,6 +336,7 @@ class StepTimeModel:
                 or not (expected >= 1.0 and math.isfinite(expected)):
             return
         key = (batch_bucket(batch), int(k))
+        self._calibrated.clear()
         cell = self.token_costs.setdefault(key, [0.0, 0.0, 0.0, 0.0, 0.0])
         n = min(cell[4] + 1.0, RESIDUAL_WINDOW)
         # NOTE: 1 / E, whose mean prices the cell exactly where a token costs t / E (a cell
@@ -382,10 +397,21 @@ class StepTimeModel:
         return min(buckets, key=lambda b: (abs(math.log2(b / bucket)), b))
 
     def calibrations(self, batch: float, max_depth: int) -> list[float]:
-        """:meth:`calibration` for k = 0..max_depth (the bucket's mean computed once)."""
+        """:meth:`calibration` for k = 0..max_depth (the bucket's mean computed once).
+
+        NOTE: kept until the fit or a cell changes (decisions outnumber both): re-reading
+        every cell against the model at each decision, with the prompt share re-priced per
+        depth too, took a decision at max_depth 16 from 95 us (before the calibration) to
+        263 us; 131 us with this cache and the share priced once (``choose_depth``)."""
         if not self.token_costs:
             return [1.0] * (max_depth + 1)
         nearest = self._nearest_bucket(batch)
+        cached = self._calibrated.get((nearest, max_depth))
+        if cached is None:
+            cached = self._calibrated[(nearest, max_depth)] = self._calibrate(nearest, max_depth)
+        return cached
+
+    def _calibrate(self, nearest: int, max_depth: int) -> list[float]:
         cells = {k: (self._log_ratio(k, v), v[4]) for (b, k), v in self.token_costs.items()
                  if b == nearest}
         common = _weighted_mean(cells.values())
@@ -408,10 +434,11 @@ class StepTimeModel:
         NOTE: under load most decode rows ride in steps with a prefill chunk (up to the
         engine's token budget), where draft rows add little to a long step; priced against
         pure decode steps alone, depth looked 5x dearer than it was at concurrency 16."""
-        return self._predict_step(batch, k, drafted, prefill) + self.overhead(batch)
+        return self.engine_step(batch, k, drafted, prefill) + self.overhead(batch)
 
-    def _predict_step(self, batch: float, k: float, drafted: float | None,
-                      prefill: float | None) -> float:
+    def engine_step(self, batch: float, k: float, drafted: float | None = None,
+                    prefill: float | None = None) -> float:
+        """:meth:`predict` without the client's wait per step: the engine's step alone."""
         w0, wb, wbk, wk, w_spec, w_pre, w_ver = self._w
         rows = k if drafted is None else drafted
         pre = self.mean_prefill if prefill is None else prefill
