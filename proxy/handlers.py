@@ -15,7 +15,6 @@ from proxy.errors import ProxyError, error_body
 from proxy.exchange import REC_KEY, AiohttpExchange
 from proxy.relay import proxy_headers
 from proxy.validate import CHAT, COMPLETIONS
-from specdec.policy import DepthPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +93,9 @@ async def stats(request: web.Request) -> web.Response:
                      "dropped": app[keys.TRACES].num_dropped}
     for service in app[keys.OPTIMIZER]:
         doc["optimizer"] = service.snapshot()
-    depth_policy = relay.depth_policy or getattr(relay.policy, "depth_policy", None)
-    if isinstance(depth_policy, DepthPolicy):
-        doc["depth_policy"] = depth_policy.snapshot()
+    depth_policies = relay.depth_policies()
+    if depth_policies:  # the one that picks the depths
+        doc["depth_policy"] = depth_policies[0].snapshot()
     return _json(doc)
 
 

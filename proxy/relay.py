@@ -99,6 +99,12 @@ class Relay:
     def new_request_id(self) -> str:
         return f"pi-{self._id_prefix}-{next(self._ids)}"
 
+    def depth_policies(self) -> list[DepthPolicy]:
+        """The depth policies in use, the one that picks depths first: the routing policy's
+        (an adaptive router gives its decision a depth, which wins), then the relay's."""
+        found = (getattr(self.policy, "depth_policy", None), self.depth_policy)
+        return list({id(p): p for p in found if isinstance(p, DepthPolicy)}.values())
+
     async def handle(self, ex: ClientExchange, endpoint: str) -> None:
         """Serve one request; a :class:`ProxyError` raised means nothing was sent yet."""
         rid = ex.header("x-request-id")

@@ -32,8 +32,7 @@ class StepTimeFeeds:
         self._feeds: dict[int, StepFeed] = {}  # id(policy) -> its feed
 
     def policies(self) -> list[DepthPolicy]:
-        found = (self.relay.depth_policy, getattr(self.relay.policy, "depth_policy", None))
-        return list({id(p): p for p in found if isinstance(p, DepthPolicy)}.values())
+        return self.relay.depth_policies()
 
     def on_scrape(self, worker: Worker, text: str) -> None:
         try:
