@@ -174,15 +174,6 @@ class Candidate:
     refused: bool = False  # kept for the worker's reserve (router.reserve, mode "refuse")
 
 
-def engine_step_s(model: StepTimeModel, batch: float, depth: int) -> float:
-    """A decode step of ``batch`` sequences at ``depth`` as the engine measured its steps
-    (with its recent mean of prompt tokens per step), seconds. NOTE: without the client's
-    per-step overhead (StepTimeModel.overhead): that is learned per batch bucket from
-    requests' mean step times, which carry the same stalls the step feed is used to avoid
-    (a local run measured t(2) / t(1) = 1.9 and t(3) / t(1) = 1.07 with it)."""
-    return model.engine_step(batch, depth)
-
-
 def caches_prefixes(view: WorkerView) -> bool:
     """Whether the worker keeps prompt prefixes cached across requests: the built-in engine
     when its config turns automatic prefix caching on (the default), vLLM always (automatic
@@ -305,11 +296,16 @@ class AdaptivePolicy:
         """The worker's measured decode step time at ``batch`` over batch 1, at ``depth``
         (the depth policy's step-time model, fed by the engine's own steps); None when the
         worker has reported no steps (vLLM, an external server, before the first scrape)
-        or ``step_scaled_batch`` is off."""
+        or ``step_scaled_batch`` is off.
+
+        NOTE: the engine's steps alone (StepTimeModel.engine_step), without the client's
+        per-step wait: that is learned per batch bucket from requests' mean step times,
+        which carry the same stalls the step feed is used to avoid (a local run measured
+        t(2) / t(1) = 1.9 and t(3) / t(1) = 1.07 with it)."""
         model = self._fed_steps(worker)
         if model is None:
             return None
-        return engine_step_s(model, max(batch, 1.0), depth) / engine_step_s(model, 1.0, depth)
+        return model.engine_step(max(batch, 1.0), depth) / model.engine_step(1.0, depth)
 
     def _fed_steps(self, worker: str) -> StepTimeModel | None:
         if not self.config.step_scaled_batch:
@@ -329,7 +325,7 @@ class AdaptivePolicy:
             return prof.tpot_per_seq_s(), 0.0
         if queue <= 0:
             return 0.0, 0.0
-        frac = engine_step_s(model, queue + 1.0, depth) / engine_step_s(model, queue, depth) - 1
+        frac = model.engine_step(queue + 1.0, depth) / model.engine_step(queue, depth) - 1
         return 0.0, max(frac, 0.0)
 
     def _latency(self, shape: RequestShape, worker: str, now: float, pred: Prediction,
