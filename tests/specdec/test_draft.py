@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.config import TINY_DRAFT, EngineConfig
+from engine.cuda_graph import DecodeRow, RowDecoder, graph_buckets
 from specdec.base import ProposalRequest
 from specdec.draft import DraftConfig, DraftProposer, build_draft_proposer
 from specdec.errors import ProposerConfigError
@@ -117,6 +118,12 @@ def test_config_and_vocab_checks() -> None:
         DraftConfig(model_dir="x", kv_cache_tokens=8, block_size=16)
     with pytest.raises(ProposerConfigError, match="vocab"):
         DraftProposer.load(CONFIG, target_vocab=1000)
+    with pytest.raises(ProposerConfigError, match="execution"):
+        DraftConfig(model_dir="x", execution="compiled")
+    with pytest.raises(ProposerConfigError, match="CUDA"):
+        DraftConfig(model_dir="x", execution="cuda_graph", device="cpu")
+    with pytest.raises(ProposerConfigError, match="max_batch"):
+        DraftConfig(model_dir="x", max_batch=0)
 
 
 def test_sampled_drafts_return_their_distribution(proposer_model: DraftProposer) -> None:
@@ -167,3 +174,77 @@ def test_min_confidence_cuts_proposals_at_the_first_unsure_token(
     assert num_cut > 0  # the threshold did cut some proposals on these prompts
     with pytest.raises(ProposerConfigError, match="min_confidence"):
         DraftConfig(model_dir="x", min_confidence=1.0)
+
+
+# -- rounds through the row decoder (the forward the CUDA graphs capture) -------------------
+
+ROW_BUCKET_TOKENS = 40  # catch-up rounds above this many rows run eager
+
+
+class CountingRows(RowDecoder):
+    """The graphs' forward run uncaptured, counting the rounds it served."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.rounds = 0
+
+    def run(self, rows: list[DecodeRow]) -> torch.Tensor:  # type: ignore[override]
+        self.rounds += 1
+        return super().run(rows)
+
+
+def check_rows_draft_equals_eager() -> None:
+    """Run under Triton's interpreter: the same proposals, draft logits and sampled drafts'
+    distributions through the row decoder as eager, over accept/reject/skip cycles with
+    mixed depths, a greedy, a sampled and a long-prompt sequence (its first catch-up is
+    too many rows for a bucket and runs eager)."""
+    from specdec.sampling import SamplingParams
+
+    model = DraftProposer.load(CONFIG).model
+    decoder = CountingRows(model, model.new_kv_cache(1, CONFIG.block_size), [1], 16)
+
+    def build(m: object, kv: object) -> RowDecoder:
+        nonlocal decoder
+        decoder = CountingRows(m, kv, graph_buckets(4, max_tokens=ROW_BUCKET_TOKENS),
+                               CONFIG.max_model_len)
+        return decoder
+
+    rows = DraftProposer(model, CONFIG, decoder=build)
+    eager = DraftProposer(model, CONFIG)
+    rng = random.Random(4)
+    histories = _prompts(21, 2) + [[rng.randrange(4, 8192) for _ in range(70)]]
+
+    def sampling(i: int, step: int) -> SamplingParams:
+        # a fresh generator per call and proposer: both draw the same stream
+        return SamplingParams.seeded(100 + step, 0.9, top_p=0.95) if i == 1 else SamplingParams()
+
+    for step in range(6):
+        depths = [rng.choice([1, 2, 4]) if step else 3 for _ in histories]
+        got, got_logits = rows.propose_with_logits(
+            [ProposalRequest(i, list(h), depths[i], sampling(i, step))
+             for i, h in enumerate(histories)])
+        want, want_logits = eager.propose_with_logits(
+            [ProposalRequest(i, list(h), depths[i], sampling(i, step))
+             for i, h in enumerate(histories)])
+        for g, w, gl, wl in zip(got, want, got_logits, want_logits, strict=True):
+            assert g.tokens == w.tokens, (step, g.seq_id)
+            torch.testing.assert_close(gl, wl, rtol=1e-3, atol=1e-3)
+            assert (g.probs is None) == (w.probs is None) == (g.seq_id != 1)
+            if g.probs is not None and w.probs is not None:
+                torch.testing.assert_close(g.probs, w.probs, rtol=1e-3, atol=1e-3)
+        for i, p in enumerate(got):
+            accepted = rng.randint(0, len(p.tokens))
+            histories[i].extend(p.tokens[:accepted] + [rng.randrange(4, 8192)])
+            if rng.random() < 0.8:
+                rows.commit(i, accepted)
+                eager.commit(i, accepted)
+    assert decoder.rounds >= 6 * 2  # the rounds after the first catch-up ran as rows
+
+
+def test_rows_draft_equals_eager_under_the_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    from tests.engine.drive import run_interpreted
+
+    done = run_interpreted("from tests.specdec.test_draft import check_rows_draft_equals_eager; "
+                           "check_rows_draft_equals_eager()", timeout_s=170)
+    assert done.returncode == 0, done.stderr[-3000:]
