@@ -99,9 +99,12 @@ ADAPTIVE_ROWS = "ad-rows"
 # The policy without its measured cost-per-token calibration
 # (PolicyConfig.calibrate_token_cost=False); --calibration-ab adds it.
 ADAPTIVE_NOCAL = "ad-nocal"
-ADAPTIVE_MODES = (ADAPTIVE, ADAPTIVE_CLIENT, ADAPTIVE_ROWS, ADAPTIVE_NOCAL)
+# The policy choosing each request's k for its own domain's E[tokens per step] under load,
+# not the worker's domain mix (PolicyConfig.share_depth_under_load=False); --share-ab adds it.
+ADAPTIVE_OWN = "ad-own"
+ADAPTIVE_MODES = (ADAPTIVE, ADAPTIVE_CLIENT, ADAPTIVE_ROWS, ADAPTIVE_NOCAL, ADAPTIVE_OWN)
 # policies that learn from the engine's step feed
-FED_MODES = (ADAPTIVE, ADAPTIVE_ROWS, ADAPTIVE_NOCAL)
+FED_MODES = (ADAPTIVE, ADAPTIVE_ROWS, ADAPTIVE_NOCAL, ADAPTIVE_OWN)
 SCRAPE_INTERVAL_S = 1.0  # as the proxy's health.metrics_interval_s default
 # NOTE: "repetitive" is fixed before measuring, by a rule, not picked from this run's
 # results: the top half of the domains by n-gram acceptance measured in session 1
@@ -396,11 +399,13 @@ def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -
     priors = NGRAM_DOMAIN_PRIORS if method == "ngram" else ()
     adaptive = [ADAPTIVE, *([ADAPTIVE_CLIENT] if args.client_fit else []),
                 *([ADAPTIVE_ROWS] if args.row_buckets else []),
-                *([ADAPTIVE_NOCAL] if args.calibration_ab else [])]
+                *([ADAPTIVE_NOCAL] if args.calibration_ab else []),
+                *([ADAPTIVE_OWN] if args.share_ab else [])]
     policies: dict[str, object] = {
         m: DepthPolicy(PolicyConfig(max_depth=max(depths), domain_priors=priors,
                                     price_row_buckets=m == ADAPTIVE_ROWS,
-                                    calibrate_token_cost=m != ADAPTIVE_NOCAL))
+                                    calibrate_token_cost=m != ADAPTIVE_NOCAL,
+                                    share_depth_under_load=m != ADAPTIVE_OWN))
         for m in adaptive}
     policy = policies[ADAPTIVE]
     modes: list[int | str] = [*depths, *adaptive]
@@ -1087,6 +1092,9 @@ def main() -> int:
     parser.add_argument("--calibration-ab", action="store_true",
                         help=f"also run the policy without its cost-per-token calibration "
                              f"({ADAPTIVE_NOCAL}; PolicyConfig.calibrate_token_cost)")
+    parser.add_argument("--share-ab", action="store_true",
+                        help=f"also run the policy choosing k for each request's own domain "
+                             f"under load ({ADAPTIVE_OWN}; PolicyConfig.share_depth_under_load)")
     parser.add_argument("--row-buckets", action="store_true",
                         help=f"also run the policy with a step-time term per row bucket "
                              f"({ADAPTIVE_ROWS}; PolicyConfig.price_row_buckets)")
