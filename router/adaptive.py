@@ -6,8 +6,10 @@ current load, with the speculative depth the depth policy
 (:class:`specdec.policy.DepthPolicy`) would pick there, and scores
 
     cost = (TTFT + predicted_output_tokens * TPOT) x SLO penalty  +  interference
+           + context harm to the arrivals to come
 
-with TTFT = the profile's + the wait for a batch slot + the prefill ahead.
+with TTFT = the profile's + the wait for a batch slot + the prefill ahead, and TPOT the
+profile's + what the long prompts decoding there add to every step (:mod:`router.context`).
 
 TTFT's prefill part counts only the prompt tokens the worker would have to
 compute: the prompt less the leading blocks its prefix cache is expected to
@@ -62,7 +64,9 @@ Every decision's reason is counted (``stats()``, for the proxy's /stats):
 cheapest worker only because of its cached prefix: another would win without
 the prefix caches), ``reserve`` (the cheapest worker's free slots are kept for
 the requests that meet their SLO only there, :mod:`router.reserve`, and another
-worker meets this one's), ``explore``.
+worker meets this one's), ``context`` (the cheapest worker only because this prompt's
+context would slow the requests to arrive at the other, :mod:`router.context`),
+``explore``.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ from typing import Any
 from router.affinity import PrefixCacheModel
 from router.base import RequestOutcome, RequestShape, RouteDecision, WorkerView
 from router.calibration import Calibration
+from router.context import ContextConfig, ContextLoad
 from router.inflight import Flight, InFlight
 from router.profiles import LatencyPrior, Prediction, PriorConfig, WorkerProfile, batch_capacity
 from router.reserve import ReserveConfig, SlotReserve
@@ -130,6 +135,12 @@ class AdaptiveConfig:
     # that long prompts' slower decode steps inflate (router.profiles; off: up to session 8
     # round 6)
     tpot_prior_by_band: bool = True
+    # with interference: price what a long prompt's context adds to every step of its worker
+    # (router.context): in each request's predicted TPOT there, in the slowdown it causes the
+    # requests running there, and in the one it causes the arrivals to come (off: up to
+    # session 9; a long prompt's added sequence priced as any other's)
+    price_context: bool = True
+    context: ContextConfig = field(default_factory=ContextConfig)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore_prob < 1.0:
@@ -171,6 +182,9 @@ class Candidate:
     service_s: float = 0.0  # predicted time in a slot there: cost without the slot wait
     ttft_slack_s: float = math.inf  # TTFT SLO less the predicted TTFT without wait and ahead
     reserve_s: float = 0.0  # in cost_s: the charge for the worker's reserve (router.reserve)
+    context_extra_s: float = 0.0  # what its context adds to co-runners' TPOT there (router.context)
+    context_met_s: float = 0.0  # in tpot_s: what the co-runners' contexts add to its TPOT
+    context_future_s: float = 0.0  # in cost_s: its context's harm to the arrivals to come
     refused: bool = False  # kept for the worker's reserve (router.reserve, mode "refuse")
 
 
@@ -208,6 +222,7 @@ class AdaptivePolicy:
         self._inflight = InFlight(self.config.max_pending)
         self.stalls = PrefillStalls(self.config.stalls)
         self.reserve = SlotReserve(self.config.reserve)
+        self.context = ContextLoad(self.config.context)
         self.reasons: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
         self.depths: Counter[int] = Counter()
@@ -242,6 +257,7 @@ class AdaptivePolicy:
                 self.prefix_cache.forget_worker(view.name)
                 self.stalls.forget_worker(view.name)
                 self.reserve.forget_worker(view.name)
+                self.context.forget_worker(view.name)
             prof = WorkerProfile(LatencyPrior(view.config, self.config.prior),
                                  self.config.forgetting, self.calibration,
                                  self.config.tpot_prior_by_band)
@@ -275,22 +291,44 @@ class AdaptivePolicy:
         wait = self._inflight.slot_wait_s(view.name, now, queue + 1 - cap, cap,
                                           self._cost(shape, pred))
         ttft_s, tpot_s, ahead = self._latency(shape, view.name, now, pred, wait)
+        extra, met = self._context(shape, view.name, prof, now, ttft_s, tpot_s, d)
+        tpot_s += met
         cost = ttft_s + max(shape.predicted_output_tokens - 1, 0) * tpot_s
         # NOTE: below capacity it joins the batch and slows every request running there
         # (crowding); at capacity it waits instead and slows no one.
         crowd_s, crowd_frac = self._crowding(view.name, prof, queue, cap, d)
-        harm = self._interference(view.name, now, prefill_s, crowd_s, self._cost(shape, pred),
-                                  crowd_frac)
+        harm = self._interference(view.name, now, prefill_s, crowd_s + extra,
+                                  self._cost(shape, pred), crowd_frac)
+        future = self.context.future_harm(view.name, now, extra, cost - wait, self._harm_of)
         penalty, meets = self._slo(shape, ttft_s, tpot_s)
         # NOTE: what the worker offers a request it keeps room for: a free slot, and no
         # prefill queued ahead (the slack-rich prompts the reserve keeps away)
         ready_ttft_s = ttft_s - wait - ahead
         _, meets_with_slot = self._slo(shape, ready_ttft_s, tpot_s)
         slack = shape.slo_ttft_s - ready_ttft_s if shape.slo_ttft_s else math.inf
-        return Candidate(view.name, cost * penalty + harm,
+        return Candidate(view.name, cost * penalty + harm + future,
                          self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
                          ttft_s, tpot_s, prefill_s, wait, model_cached, cached, saved_s * penalty,
-                         ahead, cap, meets_with_slot, cost - wait, slack)
+                         ahead, cap, meets_with_slot, cost - wait, slack,
+                         context_extra_s=extra, context_met_s=met, context_future_s=future)
+
+    def _context(self, shape: RequestShape, worker: str, prof: WorkerProfile, now: float,
+                 ttft_s: float, tpot_s: float, depth: int) -> tuple[float, float]:
+        """(what this prompt's context adds to its co-runners' TPOT on the worker, what
+        theirs add to its own over its predicted decode), seconds per token
+        (:mod:`router.context`); zeros with ``price_context`` or ``interference`` off."""
+        if not (self.config.price_context and self.config.interference):
+            return 0.0, 0.0
+        extra = prof.context_extra_s(shape.domain, shape.prompt_tokens, depth,
+                                     self.config.context.min_samples)
+        start = now + ttft_s
+        met = self.context.mean_s(worker, start, start + max(
+            shape.predicted_output_tokens - 1, 1) * tpot_s)
+        return extra, met
+
+    def _harm_of(self, f: Flight, delay_s: float) -> float:
+        """The penalised cost of ``delay_s`` more seconds in the decode of ``f``."""
+        return self._flight_cost(f, delay_s) - self._flight_cost(f, 0.0)
 
     def step_ratio(self, worker: str, batch: float, depth: int) -> float | None:
         """The worker's measured decode step time at ``batch`` over batch 1, at ``depth``
@@ -449,6 +487,8 @@ class AdaptivePolicy:
             return self._rng.choice(open_), "explore"
         if min(cands, key=lambda c: c.cost_s - c.reserve_s) is not best:
             return best, "reserve"
+        if min(cands, key=lambda c: c.cost_s - c.context_future_s) is not best:
+            return best, "context"
         if best.saved_s > 0 and min(cands, key=lambda c: c.cost_s + c.saved_s) is not best:
             return best, "affinity"
         favourite = min(cands, key=lambda c: c.unloaded_cost_s)
@@ -500,16 +540,23 @@ class AdaptivePolicy:
             self._inflight.add_stall(pick.name, now,
                                      pick.prefill_s * self.stalls.factor(pick.name))
         self.stalls.record(pick.name, now, now + pick.ttft_s, pick.prefill_s)
-        self._inflight.add(id(shape), Flight(
+        flight = Flight(
             pick.name, pick.queue, pick.batch, pick.depth or 0, now, pick.ttft_s,
             pick.tpot_s, max(shape.predicted_output_tokens, 1), pick.prefill_s,
             shape.slo_ttft_s, shape.slo_tpot_s, penalty, wait_s=pick.wait_s,
-            model_cached_tokens=pick.model_cached_tokens, ahead_s=pick.ahead_s))
+            model_cached_tokens=pick.model_cached_tokens, ahead_s=pick.ahead_s,
+            context_s=pick.context_extra_s, context_met_s=pick.context_met_s)
+        self._inflight.add(id(shape), flight)
+        if self.config.price_context and self.config.interference:
+            self.context.record(pick.name, id(shape), now + pick.ttft_s, now + flight.cost_s,
+                                pick.context_extra_s)
+            self.context.arrive(pick.name, now, flight)
 
     def _observe(self, outcome: RequestOutcome) -> None:
         pending = self._inflight.pop(id(outcome.shape))
         if pending is not None and pending.worker != outcome.worker:
             pending = None  # a retry went elsewhere
+        own_context = self._finish_context(outcome, pending) if pending is not None else 0.0
         if outcome.status != "ok":
             return
         prof = self._profiles.get(outcome.worker)
@@ -533,6 +580,7 @@ class AdaptivePolicy:
         if tpot_s is not None and pending is not None:
             tpot_s = self._observe_stalls(outcome, pending, prof, queue, batch, depth, cached,
                                           ratio)
+            tpot_s = self._without_context(outcome, pending, tpot_s, own_context)
         if ttft_s is None and outcome.e2e_s is not None and outcome.completion_tokens > 1:
             # NOTE: a non-streamed request shows only e2e; attribute the predicted TTFT
             # to its prefill and learn TPOT from the rest (TTFT itself stays unobserved).
@@ -568,6 +616,36 @@ class AdaptivePolicy:
                             depth, cached, ratio).tpot_s
         self.stalls.observe(outcome.worker, stall, tpot_s - base)
         return max(tpot_s - self.stalls.factor(outcome.worker) * stall, 0.25 * tpot_s)
+
+    @staticmethod
+    def _decode_window(outcome: RequestOutcome, pending: Flight) -> tuple[float, float] | None:
+        """[first token, last token] of a finished request, policy clock; None unknown."""
+        ttft_s, e2e_s = outcome.ttft_s, outcome.e2e_s
+        if ttft_s is None or e2e_s is None or not e2e_s > ttft_s:
+            return None
+        return pending.sent_s + ttft_s, pending.sent_s + e2e_s
+
+    def _finish_context(self, outcome: RequestOutcome, pending: Flight) -> float:
+        """End the request's decode window where it ended (router.context), so the samples
+        of the requests beside it count it as it ran; returns its own extra per token."""
+        now = self.clock()
+        window = self._decode_window(outcome, pending)
+        if outcome.status != "ok" or window is None:
+            window = (pending.sent_s, now)
+        # NOTE: a request that reported its outcome decodes no more, whatever it measured
+        return self.context.finish(pending.worker, id(outcome.shape), window[0],
+                                   min(window[1], now))
+
+    def _without_context(self, outcome: RequestOutcome, pending: Flight,
+                         tpot_s: float | None, own_s: float) -> float | None:
+        """The request's TPOT without what its co-runners' contexts added (router.context),
+        for its profile: the recorded windows' extra over its decode, less its own."""
+        window = self._decode_window(outcome, pending)
+        if (not (self.config.price_context and self.config.interference) or tpot_s is None
+                or not tpot_s > 0 or window is None):
+            return tpot_s
+        met = self.context.mean_s(outcome.worker, *window) - own_s
+        return max(tpot_s - max(met, 0.0), 0.25 * tpot_s)
 
     def _observe_cached(self, outcome: RequestOutcome, pending: Flight | None) -> float:
         """Prompt tokens the request found cached: as the worker reported them (then the
@@ -606,6 +684,7 @@ class AdaptivePolicy:
                 "calibration": self.calibration.snapshot(),
                 "step_ratios": self._step_ratios(),
                 "reserve": self.reserve.snapshot(self.clock()),
+                "context": self.context.snapshot(self.clock()),
                 "profiles": {n: p.snapshot() for n, p in self._profiles.items()}}
 
     def _step_ratios(self) -> dict[str, list[float]]:

@@ -47,6 +47,8 @@ class Flight:
     wait_s: float = 0.0  # predicted wait for a batch slot, included in ttft_s
     ahead_s: float = 0.0  # predicted prefill queued ahead of it, included in ttft_s
     model_cached_tokens: float = 0.0  # prompt tokens the prefix-cache model said were cached
+    context_s: float = 0.0  # its own context's extra TPOT for its co-runners (router.context)
+    context_met_s: float = 0.0  # in tpot_s: the co-runners' extra TPOT predicted (router.context)
 
     @property
     def cost_s(self) -> float:

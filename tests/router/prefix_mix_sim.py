@@ -153,11 +153,13 @@ def by_class(results: list[SimResult]) -> dict[str, tuple[int, int, int]]:
 
 
 def main(argv: list[str]) -> None:
-    """``[--tight] [--context] [--seeds A-B] [rate ...]``: a side-by-side table, one line per
-    (rate, seed, policy) with goodput share and per class met / sent / sent to spec.
-    ``--tight``: the tight repetitive class, and the slot reserve A/B'd; ``--context``: steps
-    pay :data:`CONTEXT_S` per context token (long prompts decode slower), and the TPOT
-    prior by prompt band is A/B'd (``adaptive-pooledprior``: the worker-wide start)."""
+    """``[--tight] [--context] [--old-ab] [--seeds A-B] [rate ...]``: a side-by-side table,
+    one line per (rate, seed, policy) with goodput share and per class met / sent / sent to
+    spec; the A/B is the context pricing (``adaptive-nocontext``, router.context).
+    ``--tight``: the tight repetitive class; ``--context``: steps pay :data:`CONTEXT_S` per
+    context token (long prompts decode slower); ``--old-ab``: session 8's A/Bs too, the
+    TPOT prior by prompt band (``adaptive-pooledprior``) and, with ``--tight`` alone, the
+    slot reserve (``adaptive-noreserve``)."""
     tight, context = "--tight" in argv, "--context" in argv
     seeds = range(1, 4)
     if "--seeds" in argv:
@@ -165,9 +167,11 @@ def main(argv: list[str]) -> None:
         seeds = range(int(lo), int(hi) + 1)
         argv = [a for a in argv if a != argv[argv.index("--seeds") + 1]]
     rates = [float(a) for a in argv if not a.startswith("--")] or [12.0, 16.0, 20.0, 24.0]
-    policies = {**POLICIES, "adaptive-pooledprior": variant(tpot_prior_by_band=False)}
-    if tight and not context:
-        policies["adaptive-noreserve"] = variant(reserve_slots=False)
+    policies = {**POLICIES, "adaptive-nocontext": variant(price_context=False)}
+    if "--old-ab" in argv:  # session 8's A/Bs
+        policies["adaptive-pooledprior"] = variant(tpot_prior_by_band=False)
+        if tight and not context:
+            policies["adaptive-noreserve"] = variant(reserve_slots=False)
     for rate in rates:
         for seed in seeds:
             arrivals = prefix_mix(rate, int(rate * 40), seed, tight=tight)

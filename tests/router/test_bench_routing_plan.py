@@ -20,7 +20,8 @@ BENCH = load_bench("routing.py", "bench_routing_plan")
 
 @pytest.mark.parametrize(("variant", "switch"), [
     ("adaptive-nostall", "price_prefill_stalls"), ("adaptive-r4", "step_scaled_batch"),
-    ("adaptive-noreserve", "reserve_slots"), ("adaptive-pooledprior", "tpot_prior_by_band")])
+    ("adaptive-noreserve", "reserve_slots"), ("adaptive-pooledprior", "tpot_prior_by_band"),
+    ("adaptive-nocontext", "price_context")])
 def test_each_variant_is_adaptive_with_its_switch_off_and_nothing_else(variant: str,
                                                                        switch: str) -> None:
     on, off = BENCH.make_policy("adaptive", 3), BENCH.make_policy(variant, 3)
@@ -81,7 +82,7 @@ def parse(*argv: str) -> Any:
 def test_the_default_policies_are_the_baselines_adaptive_and_its_ab() -> None:
     args = parse()
     assert args.policies == ["round_robin", "least_outstanding", "adaptive",
-                             "adaptive-pooledprior"]
+                             "adaptive-nocontext"]
     assert args.rates == [2.0] and args.rate_multiples is None and args.probe_passes == 1
 
 
