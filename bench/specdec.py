@@ -60,9 +60,11 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -163,7 +165,7 @@ class Outcome:
     ttft_s: float
     e2e_s: float
     cpu_s: float = 0.0  # engine CPU seconds spent on this request (concurrency 1 only)
-    rnd: int = 0  # the round (concurrency 1)
+    rnd: int = 0  # the round
 
     @property
     def decode_s(self) -> float:
@@ -424,8 +426,13 @@ def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -
                     asyncio.run(bench.run_interleaved(batch, modes, rnd, totals))
                     continue
                 for mode in round_order(modes, rnd, args.rounds):
+                    first = len(bench.outcomes)
                     _add(totals[mode], asyncio.run(bench.run(batch, mode, conc)))
+                    bench.outcomes[first:] = [dataclasses.replace(o, rnd=rnd)
+                                              for o in bench.outcomes[first:]]
             print_concurrency(method, conc, n, totals)
+            if conc > 1:
+                print_held_out([o for o in bench.outcomes if o.concurrency == conc])
             args.results.setdefault(method, {})[str(conc)] = {
                 "n": n, "totals": {str(m): dataclasses.asdict(t) for m, t in totals.items()}}
         if 1 in args.concurrency:
@@ -569,21 +576,52 @@ def held_out_ratio(outcomes: list[Outcome], basis: str) -> float | None:
     as the best. Here the best k is chosen on rounds != r and both modes are measured on
     round r, pooled over r, so the noise that picked the winner does not count in its rate.
     """
+    pairs = held_out_pairs(outcomes, basis)
+    if not pairs:
+        return None
+    best_rate = _rate([o for _, p in pairs for o in p], basis)
+    return _rate([o for a, _ in pairs for o in a], basis) / best_rate if best_rate else None
+
+
+def held_out_pairs(outcomes: list[Outcome], basis: str
+                   ) -> list[tuple[list[Outcome], list[Outcome]]]:
+    """Per round: adaptive's outcomes and those of the fixed k that was best on the other
+    rounds (empty: fewer than 2 rounds, or no fixed k > 0 or no adaptive run)."""
     rounds = sorted({o.rnd for o in outcomes})
-    if len(rounds) < 2:
-        return None
     fixed_modes = sorted({o.mode for o in outcomes if isinstance(o.mode, int) and o.mode != 0})
-    if not fixed_modes or not any(o.mode == ADAPTIVE for o in outcomes):
-        return None
-    picked: list[Outcome] = []
-    adaptive: list[Outcome] = []
+    if len(rounds) < 2 or not fixed_modes or not any(o.mode == ADAPTIVE for o in outcomes):
+        return []
+    pairs = []
     for r in rounds:
         rest = [o for o in outcomes if o.rnd != r]
         best = max(fixed_modes, key=lambda m: _rate([o for o in rest if o.mode == m], basis))
-        picked += [o for o in outcomes if o.rnd == r and o.mode == best]
-        adaptive += [o for o in outcomes if o.rnd == r and o.mode == ADAPTIVE]
-    best_rate = _rate(picked, basis)
-    return _rate(adaptive, basis) / best_rate if best_rate else None
+        pairs.append(([o for o in outcomes if o.rnd == r and o.mode == ADAPTIVE],
+                      [o for o in outcomes if o.rnd == r and o.mode == best]))
+    return pairs
+
+
+def held_out_interval(ratios: list[float], level: float = 0.9) -> tuple[float, float, float]:
+    """Mean of per-round ratios and its two-sided Student-t interval at ``level``."""
+    from scipy.stats import t as student_t
+
+    mean = statistics.fmean(ratios)
+    half = (float(student_t.ppf(0.5 + level / 2, len(ratios) - 1))
+            * statistics.stdev(ratios) / math.sqrt(len(ratios)))
+    return mean, mean - half, mean + half
+
+
+def print_held_out(outcomes: list[Outcome], basis: str = "e2e_s") -> None:
+    """Under load: adaptive / the best fixed k picked on the other rounds, per request-second,
+    pooled and per round (each round's blocks ran back to back: a paired comparison)."""
+    pairs = held_out_pairs(outcomes, basis)
+    ratios = [_rate(a, basis) / _rate(p, basis) for a, p in pairs if _rate(p, basis)]
+    if len(ratios) < 2:
+        return
+    pooled = held_out_ratio(outcomes, basis)
+    mean, lo, hi = held_out_interval(ratios)
+    print(f"  held out (best fixed k picked on the other rounds), per request-second: adaptive / "
+          f"best = {pooled:.3f}; per round mean {mean:.3f}, 90% interval {lo:.3f}-{hi:.3f} "
+          f"over {len(ratios)} rounds")
 
 
 @dataclass

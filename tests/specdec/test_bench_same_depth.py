@@ -95,3 +95,29 @@ def test_held_out_best_k_is_picked_on_the_other_round(bench) -> None:  # type: i
 def test_held_out_needs_two_rounds(bench) -> None:  # type: ignore[no-untyped-def]
     outcomes = [_timed(bench, 4, 1.0, 0), _timed(bench, bench.ADAPTIVE, 1.0, 0)]
     assert bench.held_out_ratio(outcomes, "decode_s") is None
+
+
+def test_held_out_interval_is_student_t_over_the_rounds(bench) -> None:  # type: ignore[no-untyped-def]
+    # mean 1.0, sd 0.1 over 4 rounds: half width t(0.95, 3) = 2.3534 x 0.1 / 2
+    mean, lo, hi = bench.held_out_interval([0.9, 1.0, 1.0, 1.1])
+    assert mean == pytest.approx(1.0)
+    sd = (0.02 / 3) ** 0.5
+    assert hi - mean == pytest.approx(2.353363 * sd / 2, rel=1e-5)
+    assert mean - lo == pytest.approx(hi - mean)
+
+
+def test_print_held_out_pairs_each_round_with_the_other_rounds_winner(  # type: ignore[no-untyped-def]
+        bench, capsys) -> None:
+    # k=4 wins round 0 by noise, k=8 rounds 1 and 2; every round is compared with k=8, the
+    # best on the other rounds (k=4 sums 3.0 or 2.5 s there, k=8 2.0 or 2.25 s):
+    # adaptive / k=8 per round = 1.25 / 1.0, 1.0 / 1.0 and 1.0 / 1.1
+    outcomes = [_timed(bench, 4, 1.0, 0), _timed(bench, 8, 1.25, 0), _timed(bench, bench.ADAPTIVE, 1.0, 0),
+                _timed(bench, 4, 1.5, 1), _timed(bench, 8, 1.0, 1), _timed(bench, bench.ADAPTIVE, 1.0, 1),
+                _timed(bench, 4, 1.5, 2), _timed(bench, 8, 1.0, 2), _timed(bench, bench.ADAPTIVE, 1.1, 2)]
+    assert [len(a) == len(p) == 1 and p[0].mode == 8
+            for a, p in bench.held_out_pairs(outcomes, "e2e_s")] == [True, True, True]
+    bench.print_held_out(outcomes)
+    out = capsys.readouterr().out
+    mean = (1.25 + 1.0 + 1.0 / 1.1) / 3
+    assert f"adaptive / best = {3.25 / 3.1:.3f}" in out
+    assert f"per round mean {mean:.3f}" in out and "over 3 rounds" in out
