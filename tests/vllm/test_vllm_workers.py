@@ -42,6 +42,7 @@ from tests.vllm.fleet import (
     first_schedule,
     fleet_config,
     one_request,
+    tree_cpus,
     vllm_config,
     vllm_launch,
     wait_until,
@@ -96,6 +97,15 @@ def test_routes_by_domain_to_the_speculating_worker(fleet: FleetProxy):
     assert chat.model == MODEL and chat.usage is not None
     assert 0 < chat.usage.completion_tokens <= 8
     assert chat.system_fingerprint and chat.system_fingerprint.startswith("vllm-")
+
+
+def test_each_server_runs_only_on_its_own_core(fleet: FleetProxy):
+    """launch.cpus confines every process and thread of a server, vLLM's children too."""
+    workers = fleet.workers()
+    for name, core in (("plain", "0"), ("ngram", "1")):
+        cpus = tree_cpus(workers[name]["pid"])
+        assert len(cpus) > 10  # API server, engine core and worker threads were all seen
+        assert set(cpus.values()) == {core}, (name, cpus)
 
 
 def test_streaming_usage_is_relayed_when_asked_and_stripped_when_not(fleet: FleetProxy):
@@ -250,6 +260,7 @@ def test_blue_green_replacement_under_traffic_loses_nothing(fleet: FleetProxy):
     argv = Path(f"/proc/{new['pid']}/cmdline").read_bytes().decode().split("\0")
     launched = json.loads(argv[argv.index("--speculative-config") + 1])
     assert launched == json.loads(spec) != first_schedule().speculative_config(NGRAM_BASE)
+    assert set(tree_cpus(new["pid"]).values()) == {"0"}  # the candidate kept off core 1
 
 
 def test_blue_green_refuses_bad_requests_and_keeps_serving(fleet: FleetProxy):
