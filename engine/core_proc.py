@@ -107,6 +107,7 @@ def main(config: CompiledConfig, conn: Connection, log_level: int) -> None:
                         format=f"%(asctime)s core[{os.getpid()}] %(levelname)s %(name)s: "
                                "%(message)s")
     from engine.async_engine import StepLoop
+    from engine.heap import settle_heap
     from engine.loader import load_core
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us (Ctrl-C reaches both)
@@ -122,6 +123,7 @@ def main(config: CompiledConfig, conn: Connection, log_level: int) -> None:
     reader = threading.Thread(target=_read, args=(conn, inbox, sender), name="core-reader",
                               daemon=True)
     reader.start()
+    settle_heap()
     sender.send(("ready", os.getpid()))
     StepLoop(core, inbox, sender.post).run()
     logger.info("engine core stopped")

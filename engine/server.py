@@ -34,6 +34,7 @@ from engine.errors import (
     ReloadError,
     RequestError,
 )
+from engine.heap import settle_heap
 from engine.loader import load_core
 from engine.metrics import CONTENT_TYPE, EngineMetrics
 from engine.protocol import (
@@ -265,7 +266,8 @@ def create_app(config: CompiledConfig) -> web.Application:
 async def serve(config: CompiledConfig, host: str, port: int) -> None:
     """Run until cancelled or SIGTERM; handlers are cancelled when their client disconnects."""
     runner = web.AppRunner(create_app(config), handler_cancellation=True, access_log=None)
-    await runner.setup()
+    await runner.setup()  # builds the engine (_engine_ctx)
+    settle_heap()
     site = web.TCPSite(runner, host, port)
     await site.start()
     logger.info("engine serving %s on http://%s:%d", config.model_name, host, port)

@@ -9,7 +9,6 @@ then clean the app up (pool stopped, session closed, traces flushed).
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 import sys
@@ -19,14 +18,13 @@ from typing import cast
 
 from aiohttp import web
 
+from engine.heap import settle_heap
 from proxy import keys
 from proxy.app import create_app
 from proxy.config import ProxyConfig
 from proxy.fastpath import FastServer
 
 logger = logging.getLogger(__name__)
-
-GC_YOUNG_THRESHOLD = 20_000  # allocations between young-generation collections (default 700)
 
 
 class ProxyServer:
@@ -115,17 +113,7 @@ async def serve_until_signal(config: ProxyConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
-    # NOTE: everything built at start-up (config, tokenizer, classifier, imported modules:
-    # ~1e5 objects) lives as long as the process; freezing it keeps the collector from
-    # re-scanning it in every full collection (multi-ms pauses in the p99 of a busy loop).
-    gc.collect()
-    gc.freeze()
-    # NOTE: a request allocates a few hundred container objects, nearly all freed by
-    # reference counting when it ends; at the default threshold (700) the young
-    # generation was collected every ~2 requests and the collector took ~7% of the
-    # proxy's CPU (py-spy). A larger young generation mostly holds garbage already freed,
-    # so each collection costs about the same and runs ~30x less often.
-    gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
+    settle_heap()  # start-up objects frozen, larger young generation (engine.heap)
     try:
         await stop.wait()
         logger.info("signal received: draining %d in-flight requests",

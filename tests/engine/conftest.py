@@ -52,7 +52,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class EngineProcess:
     """A real `python -m engine` server on loopback, started from a compiled config."""
 
-    def __init__(self, config: dict, workdir: Path) -> None:
+    def __init__(self, config: dict, workdir: Path, log_level: str = "WARNING") -> None:
         import subprocess
         import sys
 
@@ -65,7 +65,7 @@ class EngineProcess:
         self.log = open(workdir / "engine.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "engine", "--config", str(path), "--port", str(self.port),
-             "--log-level", "WARNING"], stdout=self.log, stderr=subprocess.STDOUT)
+             "--log-level", log_level], stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         import time

@@ -1,0 +1,40 @@
+"""Short garbage-collector pauses for a long-running server process.
+
+Everything built at start-up (imported modules, the model's Python objects, CUDA
+graphs, the tokenizer, the config) lives as long as the process, yet a full
+collection re-scans all of it: ~2e5 objects in an engine process took ~200 ms per
+full collection on the 2-core dev box. Under load a full collection comes every few
+hundred steps and stalls the step thread and the event loop together (the GIL): on
+the H200 at concurrency 16 it showed as a block of 16 requests whose first token came
+240-350 ms late. :func:`settle_heap` collects once, freezes what survived (the
+collector never scans it again) and raises the young-generation threshold.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+# allocations between young-generation collections (CPython's default is 700). NOTE: a
+# request allocates a few hundred container objects, nearly all freed by reference counting
+# when it ends; at 700 the proxy's young generation was collected every ~2 requests and the
+# collector took ~7% of its CPU (py-spy). A larger young generation mostly holds garbage
+# already freed, so each collection costs about the same and runs ~30x less often.
+YOUNG_THRESHOLD = 20_000
+OLDER_THRESHOLD = 20  # collections of the younger generation before an older one is collected
+
+
+def settle_heap(young_threshold: int = YOUNG_THRESHOLD) -> int:
+    """Collect, freeze the survivors, raise the collection thresholds; returns the number of
+    frozen objects. Call once, after start-up built everything that lives for good."""
+    t0 = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(young_threshold, OLDER_THRESHOLD, OLDER_THRESHOLD)
+    frozen = gc.get_freeze_count()
+    logger.info("froze %d start-up objects (%.0f ms); gc thresholds %s", frozen,
+                (time.perf_counter() - t0) * 1e3, gc.get_threshold())
+    return frozen
