@@ -395,6 +395,7 @@ class Bench:
 
 
 def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -> None:
+    from engine.heap import settle_heap
     from specdec.policy import NGRAM_DOMAIN_PRIORS, DepthPolicy, PolicyConfig
 
     depths = sorted({0, *args.depths})
@@ -415,6 +416,7 @@ def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -
                         args.execution, args.dtype, args.ngram_caps) as (url, pid):
         bench = Bench(url, pid, method, policies, args.max_tokens, max(depths))
         asyncio.run(bench.run(prompts[:2], 0, 2))  # warm-up
+        settle_heap()  # as the engine: no full collection re-scans start-up objects mid-block
         for conc in args.concurrency:
             n = max(args.min_requests, args.requests_per_slot * conc)
             if conc == 1:
