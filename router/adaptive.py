@@ -232,7 +232,7 @@ class AdaptivePolicy:
     def choose(self, shape: RequestShape, workers: Sequence[WorkerView]) -> RouteDecision:
         cands = self._charge_reserves([self.candidate(shape, w) for w in workers])
         pick, reason = self._pick(cands)
-        self._remember(shape, pick, workers[cands.index(pick)])
+        self._remember(shape, pick, workers[cands.index(pick)], self._loss(pick, cands))
         self.reasons[reason] += 1
         self.decisions[pick.name] += 1
         if pick.depth is not None:
@@ -299,7 +299,8 @@ class AdaptivePolicy:
         crowd_s, crowd_frac = self._crowding(view.name, prof, queue, cap, d)
         harm = self._interference(view.name, now, prefill_s, crowd_s + extra,
                                   self._cost(shape, pred), crowd_frac)
-        future = self.context.future_harm(view.name, now, extra, cost - wait, self._harm_of)
+        future = self.context.future_harm(view.name, now, extra, cost - wait,
+                                          self._miss_harm_of)
         penalty, meets = self._slo(shape, ttft_s, tpot_s)
         # NOTE: what the worker offers a request it keeps room for: a free slot, and no
         # prefill queued ahead (the slack-rich prompts the reserve keeps away)
@@ -325,6 +326,12 @@ class AdaptivePolicy:
         met = self.context.mean_s(worker, start, start + max(
             shape.predicted_output_tokens - 1, 1) * tpot_s)
         return extra, met
+
+    def _miss_harm_of(self, f: Flight, delay_s: float) -> float:
+        """What ``delay_s`` more in the decode of a request predicted as ``f`` costs, counting
+        the SLO penalty only for one predicted to meet its SLO: a request that misses it
+        anyway loses nothing more to the goodput than the delay."""
+        return self._harm_of(f, delay_s) if f.penalty <= 1.0 else delay_s
 
     def _harm_of(self, f: Flight, delay_s: float) -> float:
         """The penalised cost of ``delay_s`` more seconds in the decode of ``f``."""
@@ -528,7 +535,17 @@ class AdaptivePolicy:
 
     # --- learning --------------------------------------------------------------------------
 
-    def _remember(self, shape: RequestShape, pick: Candidate, view: WorkerView) -> None:
+    @staticmethod
+    def _loss(pick: Candidate, cands: list[Candidate]) -> float:
+        """The picked request's own penalised cost on its best other worker less on the one
+        picked (without the charges for others' sake; inf without another), seconds."""
+        own = [c.cost_s - c.reserve_s - c.context_future_s for c in cands]
+        i = cands.index(pick)
+        others = own[:i] + own[i + 1:]
+        return max(min(others) - own[i], 0.0) if others else math.inf
+
+    def _remember(self, shape: RequestShape, pick: Candidate, view: WorkerView,
+                  loss_s: float = math.inf) -> None:
         if shape.prefix_hashes and caches_prefixes(view):
             self.prefix_cache.record(pick.name, shape.prefix_hashes, self._block_tokens(shape),
                                      self.cache_capacity_tokens(view))
@@ -545,7 +562,7 @@ class AdaptivePolicy:
             pick.tpot_s, max(shape.predicted_output_tokens, 1), pick.prefill_s,
             shape.slo_ttft_s, shape.slo_tpot_s, penalty, wait_s=pick.wait_s,
             model_cached_tokens=pick.model_cached_tokens, ahead_s=pick.ahead_s,
-            context_s=pick.context_extra_s, context_met_s=pick.context_met_s)
+            context_s=pick.context_extra_s, context_met_s=pick.context_met_s, loss_s=loss_s)
         self._inflight.add(id(shape), flight)
         if self.config.price_context and self.config.interference:
             self.context.record(pick.name, id(shape), now + pick.ttft_s, now + flight.cost_s,

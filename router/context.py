@@ -24,8 +24,11 @@ the same domain there (the profile's prompt-band fits, :meth:`WorkerProfile.cont
   routed, as predicted when sent) at the worker's decaying arrival rate:
   ``rate x service x mean over recent g of harm(g, extra x shared_g / tpot_g)``, with
   ``shared_g = min(service / 2, cost_g)`` (an arrival at a uniform time in the service shares
-  on average half of it, at most its own cost). This is what keeps a slack-rich long prompt
-  off a scarce fast worker whose traffic is tight but not running at the moment.
+  on average half of it, at most its own cost), each harm at most what ``g`` would have lost
+  on its best other worker when it was sent (an arrival with a good alternative takes it:
+  the reserve's exclusivity (:mod:`router.reserve`), made soft). This is what keeps a
+  slack-rich long prompt off a scarce fast worker whose traffic is tight but not running at
+  the moment.
 
 Example: spec's recent arrivals are short requests of 55 tokens predicted at 2.5 ms a token
 (cost 0.14 s) against a 3.9-ms SLO, arriving at 2 / s. A prefix request with an extra of
@@ -137,13 +140,18 @@ class ContextLoad:
                     harm: Callable[[Flight, float], float]) -> float:
         """What a request adding ``extra_s`` per token for ``service_s`` seconds on ``worker``
         costs the arrivals to come: ``harm(g, delay)`` is the policy's penalised cost of
-        ``delay`` more seconds in the decode of a request predicted as ``g``."""
+        ``delay`` more seconds in the decode of a request predicted as ``g``, at most what
+        ``g`` would have lost on its best other worker (``g.loss_s``: an arrival that meets
+        its SLO as well elsewhere is not harmed, it goes there)."""
         a = self._arrivals.get(worker)
         if (not self.config.future or a is None or not a.recent or not extra_s > 0
                 or not 0 < service_s < math.inf):
             return 0.0
-        mean = sum(harm(g, extra_s * min(0.5 * service_s, g.cost_s) / max(g.tpot_s, 1e-4))
-                   for g in a.recent) / len(a.recent)
+        total = 0.0
+        for g in a.recent:
+            delay_s = extra_s * min(0.5 * service_s, g.cost_s) / max(g.tpot_s, 1e-4)
+            total += min(harm(g, delay_s), g.loss_s)
+        mean = total / len(a.recent)
         return self.rate(worker, now_s) * service_s * mean
 
     def forget_worker(self, worker: str) -> None:

@@ -21,6 +21,7 @@ must not grow it forever) and ignored once far past their predicted end.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ class Flight:
     model_cached_tokens: float = 0.0  # prompt tokens the prefix-cache model said were cached
     context_s: float = 0.0  # its own context's extra TPOT for its co-runners (router.context)
     context_met_s: float = 0.0  # in tpot_s: the co-runners' extra TPOT predicted (router.context)
+    # its penalised cost on the best other worker less here, as decided (inf: no other), s
+    loss_s: float = math.inf
 
     @property
     def cost_s(self) -> float:

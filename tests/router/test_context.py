@@ -4,12 +4,13 @@ running there and in the harm to the arrivals to come. Answers written out."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from engine.config import CompiledConfig
-from router.adaptive import AdaptiveConfig, AdaptivePolicy
+from router.adaptive import AdaptiveConfig, AdaptivePolicy, Candidate
 from router.base import RequestOutcome, RequestShape, WorkerView
 from router.context import ContextConfig, ContextLoad
 from router.inflight import Flight
@@ -72,6 +73,15 @@ def test_future_harm_is_rate_x_service_x_the_recent_arrivals_harm() -> None:
         1.8 * 1.5654, rel=1e-4)
     # 0.5 ms of extra (the long worker's): 28 ms more, 3.02 ms a token, a meet: 1.8 x 0.028
     assert ctx.future_harm("spec", 0.0, 0.0005, 0.9, p._harm_of) == pytest.approx(1.8 * 0.028)
+    # arrivals that had another worker 0.1 s dearer lose at most that: they would go there
+    soft = ContextLoad()
+    for _ in range(20):
+        soft.arrive("spec", 0.0, dataclasses.replace(short_flight(), loss_s=0.1))
+    assert soft.future_harm("spec", 0.0, 0.0045, 0.9, p._harm_of) == pytest.approx(1.8 * 0.1)
+    # an arrival predicted to miss its SLO anyway loses the delay, no more: 0.252 s
+    late = dataclasses.replace(short_flight(), penalty=2.0)
+    assert p._miss_harm_of(late, 0.252) == pytest.approx(0.252)
+    assert p._miss_harm_of(short_flight(), 0.252) == pytest.approx(1.5654, rel=1e-4)
     # nothing without an extra, a service, arrivals, or with future pricing off
     assert ctx.future_harm("spec", 0.0, 0.0, 0.9, p._harm_of) == 0.0
     assert ctx.future_harm("spec", 0.0, 0.0045, math.inf, p._harm_of) == 0.0
@@ -79,6 +89,18 @@ def test_future_harm_is_rate_x_service_x_the_recent_arrivals_harm() -> None:
     off = ContextLoad(ContextConfig(future=False))
     off.arrive("spec", 0.0, short_flight())
     assert off.future_harm("spec", 0.0, 0.0045, 0.9, p._harm_of) == 0.0
+
+
+def test_a_requests_loss_is_its_own_cost_elsewhere_less_here() -> None:
+    a = Candidate("a", 1.0, 1.0, 0, 0, 1, False, True)
+    # b's 2.5 s carry 1 s charged for the reserve and 0.5 s for the arrivals to come: its own
+    # cost is 1.0, c's 1.8 s; picking a loses nothing against b
+    b = Candidate("b", 2.5, 1.0, 0, 0, 1, False, True, reserve_s=1.0, context_future_s=0.5)
+    c = Candidate("c", 1.8, 1.0, 0, 0, 1, False, True)
+    assert AdaptivePolicy._loss(a, [a, b, c]) == 0.0
+    assert AdaptivePolicy._loss(c, [a, b, c]) == 0.0
+    assert AdaptivePolicy._loss(a, [a, c]) == pytest.approx(0.8)
+    assert AdaptivePolicy._loss(a, [a]) == math.inf
 
 
 def test_config_rejects_bad_values() -> None:
