@@ -54,7 +54,7 @@ and 5x TPOT of the best unloaded, cold-cache, one-request probe of a
 median-length prompt of the window on any worker); ``--prefix-slo`` overrides it.
 
 Policies (``--policies``, each on its own fleet; default round_robin, least_outstanding,
-adaptive, adaptive-nocontext): the baselines, adaptive, and its A/B variants in the same run --
+adaptive, adaptive-context): the baselines, adaptive, and its A/B variants in the same run --
 ``adaptive-nostall``, with ``price_prefill_stalls=False`` (session 5's pricing of prefill
 interference), and ``adaptive-r4``, with ``step_scaled_batch=False`` (session 7 round 4's:
 TPOT's growth with the batch and the crowding charge from the request-level fit, not from
@@ -62,8 +62,8 @@ the workers' measured steps), ``adaptive-noreserve``, with ``reserve_slots=False
 (no slot reserves for the requests that meet their SLO on one worker alone, router.reserve),
 and ``adaptive-pooledprior``, with ``tpot_prior_by_band=False`` (a new shape bucket's TPOT
 starts from the worker-wide fit, as up to session 8 round 6, not from its prompt band's),
-and ``adaptive-nocontext``, with ``price_context=False`` (a long prompt's added sequence
-priced as any other's, as up to session 9: router.context).
+and ``adaptive-context``, with ``price_context=True`` (what a long prompt's context adds to
+every decode step of its worker priced, router.context; off by default).
 
 Rates: ``--rates`` in req/s, or ``--rate-multiples``: each m x this machine's speed index
 (the median ratio of the reference probe's latencies, ``REF_PROBE``, session 5 round 2's
@@ -158,27 +158,29 @@ CLASS_OF = {d: c for c, ds in CLASSES.items() for d in ds}
 # batch, and the crowding charge, from the request-level fit instead of the measured steps);
 # ``adaptive-noreserve``, ``reserve_slots=False`` (session 7 round 5's: no slot reserves);
 # ``adaptive-pooledprior``, ``tpot_prior_by_band=False`` (up to session 8 round 6: a new
-# bucket's TPOT from the worker-wide fit); ``adaptive-nocontext``, ``price_context=False`` (up
-# to session 9: no price for what a long prompt's context adds to its worker's steps).
+# bucket's TPOT from the worker-wide fit); ``adaptive-context``, ``price_context=True`` (session
+# 9: what a long prompt's context adds to its worker's steps priced; a switch ON, the others
+# turn one OFF).
 POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive",
     "adaptive-nostall": "adaptive", "adaptive-r4": "adaptive", "adaptive-noreserve": "adaptive",
-    "adaptive-pooledprior": "adaptive", "adaptive-nocontext": "adaptive"}
+    "adaptive-pooledprior": "adaptive", "adaptive-context": "adaptive"}
 NOSTALL = "adaptive-nostall"
 R4 = "adaptive-r4"
 NORESERVE = "adaptive-noreserve"
 POOLED = "adaptive-pooledprior"
-NOCONTEXT = "adaptive-nocontext"
+CONTEXT = "adaptive-context"
 VARIANTS: dict[str, dict[str, bool]] = {NOSTALL: {"price_prefill_stalls": False},
                                         R4: {"step_scaled_batch": False},
                                         NORESERVE: {"reserve_slots": False},
                                         POOLED: {"tpot_prior_by_band": False},
-                                        NOCONTEXT: {"price_context": False}}
-DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive", NOCONTEXT]
+                                        CONTEXT: {"price_context": True}}
+DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive", CONTEXT]
 # (policy, baseline) pairs whose goodput ratios the reports print, where both ran
 COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                ("adaptive", NOSTALL), ("adaptive", R4), ("adaptive", NORESERVE),
-               ("adaptive", POOLED), ("adaptive", NOCONTEXT))
+               ("adaptive", POOLED), (CONTEXT, "adaptive"), (CONTEXT, "round_robin"),
+               (CONTEXT, "least_outstanding"))
 MAX_MODEL_LEN = 2048
 # NOTE: greedy decoding, as Spec-Bench and bench/specdec.py measure: the traces carry no
 # sampling parameters, and the engine's default (temperature 1, as OpenAI's) makes the
@@ -1111,8 +1113,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="each on its own fleet; adaptive-nostall: adaptive with "
                          "price_prefill_stalls off, adaptive-r4: with step_scaled_batch off, "
                          "adaptive-noreserve: with reserve_slots off, adaptive-pooledprior: "
-                         "with tpot_prior_by_band off, adaptive-nocontext: with price_context "
-                         "off (A/Bs); a subset needs "
+                         "with tpot_prior_by_band off, adaptive-context: with price_context "
+                         "on (A/Bs); a subset needs "
                          "fewer cores")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="engine workers' torch device (cpu, cuda)")

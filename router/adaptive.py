@@ -137,9 +137,10 @@ class AdaptiveConfig:
     tpot_prior_by_band: bool = True
     # with interference: price what a long prompt's context adds to every step of its worker
     # (router.context): in each request's predicted TPOT there, in the slowdown it causes the
-    # requests running there, and in the one it causes the arrivals to come (off: up to
-    # session 9; a long prompt's added sequence priced as any other's)
-    price_context: bool = True
+    # requests running there, and in the one it causes the arrivals to come. Off (a long
+    # prompt's added sequence priced as any other's) until an A/B shows it wins: in the
+    # simulator it won only where steps pay for context, at the lower rate (session 9)
+    price_context: bool = False
     context: ContextConfig = field(default_factory=ContextConfig)
 
     def __post_init__(self) -> None:

@@ -20,8 +20,7 @@ BENCH = load_bench("routing.py", "bench_routing_plan")
 
 @pytest.mark.parametrize(("variant", "switch"), [
     ("adaptive-nostall", "price_prefill_stalls"), ("adaptive-r4", "step_scaled_batch"),
-    ("adaptive-noreserve", "reserve_slots"), ("adaptive-pooledprior", "tpot_prior_by_band"),
-    ("adaptive-nocontext", "price_context")])
+    ("adaptive-noreserve", "reserve_slots"), ("adaptive-pooledprior", "tpot_prior_by_band")])
 def test_each_variant_is_adaptive_with_its_switch_off_and_nothing_else(variant: str,
                                                                        switch: str) -> None:
     on, off = BENCH.make_policy("adaptive", 3), BENCH.make_policy(variant, 3)
@@ -30,6 +29,16 @@ def test_each_variant_is_adaptive_with_its_switch_off_and_nothing_else(variant: 
     assert dataclasses.replace(off.config, **{switch: True}) == on.config
     assert BENCH.POLICIES[variant] == BENCH.POLICIES["adaptive"] == "adaptive"
     assert ("adaptive", variant) in BENCH.COMPARISONS
+
+
+def test_the_context_variant_is_adaptive_with_context_pricing_on_and_nothing_else() -> None:
+    on, off = BENCH.make_policy("adaptive-context", 3), BENCH.make_policy("adaptive", 3)
+    assert isinstance(on, AdaptivePolicy) and isinstance(off, AdaptivePolicy)
+    assert on.config.price_context and not off.config.price_context
+    assert dataclasses.replace(on.config, price_context=False) == off.config
+    assert BENCH.POLICIES["adaptive-context"] == "adaptive"
+    for base in ("adaptive", "round_robin", "least_outstanding"):
+        assert ("adaptive-context", base) in BENCH.COMPARISONS
 
 
 def test_round_robin_and_the_pooledprior_profiles() -> None:
@@ -82,7 +91,7 @@ def parse(*argv: str) -> Any:
 def test_the_default_policies_are_the_baselines_adaptive_and_its_ab() -> None:
     args = parse()
     assert args.policies == ["round_robin", "least_outstanding", "adaptive",
-                             "adaptive-nocontext"]
+                             "adaptive-context"]
     assert args.rates == [2.0] and args.rate_multiples is None and args.probe_passes == 1
 
 
