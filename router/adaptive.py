@@ -9,7 +9,9 @@ current load, with the speculative depth the depth policy
            + context harm to the arrivals to come
 
 with TTFT = the profile's + the wait for a batch slot + the prefill ahead, and TPOT the
-profile's + what the long prompts decoding there add to every step (:mod:`router.context`).
+profile's; with ``price_context`` (off by default), TPOT also carries what the long prompts
+decoding there add to every step, and the cost the harm to the arrivals to come
+(:mod:`router.context`).
 
 TTFT's prefill part counts only the prompt tokens the worker would have to
 compute: the prompt less the leading blocks its prefix cache is expected to
