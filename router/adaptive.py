@@ -235,7 +235,9 @@ class AdaptivePolicy:
     def choose(self, shape: RequestShape, workers: Sequence[WorkerView]) -> RouteDecision:
         cands = self._charge_reserves([self.candidate(shape, w) for w in workers])
         pick, reason = self._pick(cands)
-        self._remember(shape, pick, workers[cands.index(pick)], self._loss(pick, cands))
+        view, loss_s = workers[cands.index(pick)], self._loss(pick, cands)
+        pick = self._commit_depth(shape, view, pick)
+        self._remember(shape, pick, view, loss_s)
         self.reasons[reason] += 1
         self.decisions[pick.name] += 1
         if pick.depth is not None:
@@ -486,7 +488,17 @@ class AdaptivePolicy:
             return 0
         if shape.speculative_depth is not None:
             return min(shape.speculative_depth, e.spec_max_depth)
-        return self.depth_policy.decide(view.name, shape.domain, batch, e.spec_max_depth)
+        # NOTE: every candidate is priced at its depth; only the pick's is recorded
+        # (_commit_depth), so a worker's domain mix and k=0 probe count its own requests.
+        return self.depth_policy.peek(view.name, shape.domain, batch, e.spec_max_depth)
+
+    def _commit_depth(self, shape: RequestShape, view: WorkerView, pick: Candidate) -> Candidate:
+        """The pick with the depth the depth policy records for it (0 when it probes k=0)."""
+        if pick.depth is None or shape.speculative_depth is not None \
+                or view.config.engine.spec_method == "none":
+            return pick
+        depth = self.depth_policy.commit(view.name, shape.domain, pick.batch, pick.depth)
+        return pick if depth == pick.depth else replace(pick, depth=depth)
 
     def _pick(self, cands: list[Candidate]) -> tuple[Candidate, str]:
         if len(cands) == 1:

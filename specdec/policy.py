@@ -371,25 +371,43 @@ class DepthPolicy:
         return model
 
     def decide(self, worker: str, domain: str, batch: int, max_depth: int | None = None) -> int:
-        """k for a request joining ``worker`` (``batch`` sequences running, counting itself)."""
+        """k for a request joining ``worker`` (``batch`` sequences running, counting itself):
+        :meth:`peek`, then :meth:`commit`."""
+        return self.commit(worker, domain, batch, self.peek(worker, domain, batch, max_depth))
+
+    def peek(self, worker: str, domain: str, batch: int, max_depth: int | None = None) -> int:
+        """The k :meth:`decide` would choose, recording nothing: for pricing a worker the
+        request may not go to.
+
+        NOTE: a router prices every candidate worker at the depth it would run there. When
+        that pricing recorded the decision, every worker's domain mix took in every request,
+        wherever it went, and the k=0 probe counted candidates, not requests: a probe then
+        priced the worker at k=0 and steered that very request away (routing round 8).
+        """
         c = self.config
         cap = c.max_depth if max_depth is None else min(max_depth, c.max_depth)
         est = self.acceptance(worker, domain)
         steps = c.prior_steps_per_depth
         expected = est.tokens_per_step(cap, steps)
         drafted = est.drafts_per_step(cap, steps)
-        mix = self._mix.setdefault(worker, {})
+        mix = self._mix.get(worker, {})
         if c.share_depth_under_load and batch > 1:
             ests = [(w, self.acceptance(worker, d)) for d, w in mix.items()]
             expected = batch_tokens_per_step(
                 expected, [(w, e.tokens_per_step(cap, steps)) for w, e in ests], batch)
             drafted = batch_tokens_per_step(
                 drafted, [(w, e.drafts_per_step(cap, steps)) for w, e in ests], batch)
+        return choose_depth(est.mean, max(batch, 1), self.step_time(worker), cap, c.min_gain,
+                            expected, drafted)
+
+    def commit(self, worker: str, domain: str, batch: int, k: int) -> int:
+        """Record that a request of ``domain`` joins ``worker`` at depth ``k`` (the worker's
+        domain mix; the k=0 probe's count); returns the depth to send: ``k``, or 0 when this
+        request is a probe (see :meth:`_probe_depth0`)."""
+        mix = self._mix.setdefault(worker, {})
         for d in mix:
-            mix[d] *= c.mix_decay
+            mix[d] *= self.config.mix_decay
         mix[domain] = mix.get(domain, 0.0) + 1.0
-        k = choose_depth(est.mean, max(batch, 1), self.step_time(worker), cap, c.min_gain,
-                         expected, drafted)
         return 0 if k > 0 and self._probe_depth0(worker, batch) else k
 
     def _probe_depth0(self, worker: str, batch: int) -> bool:

@@ -98,6 +98,25 @@ def test_depth_comes_from_the_depth_policy_and_client_depth_is_capped() -> None:
     assert p.candidate(shape("code"), ext).depth is None
 
 
+def test_only_the_picked_worker_records_the_depth_decision() -> None:
+    """Every candidate is priced at its depth, but only the pick counts toward its k=0
+    probe (and its domain mix): pricing a worker must not probe it or steer a request."""
+    # speculation is free under this step prior, so every committed decision is k=4 unless
+    # it is the worker's every-10th k=0 probe
+    dp = DepthPolicy(PolicyConfig(max_depth=4, step_prior_s=(0.010, 0.0, 0.0, 0.0),
+                                  step_prior_weight=1e12))
+    p = AdaptivePolicy(NO_EXPLORE, depth_policy=dp)
+    a = WorkerView("a", "http://a", "engine", SMALL)
+    b = WorkerView("b", "http://b", "engine", SMALL, running=4, waiting=20)  # a wins
+    both = [p.choose(shape("code"), [a, b]) for _ in range(15)]
+    assert {d.worker for d in both} == {"a"}
+    assert [i + 1 for i, d in enumerate(both) if d.spec_depth == 0] == [10]  # a's 10th
+    # b was priced 15 times and picked never: its own 10th request is its first probe
+    alone = [p.choose(shape("code"), [b]) for _ in range(10)]
+    assert [i + 1 for i, d in enumerate(alone) if d.spec_depth == 0] == [10]
+    assert [d.spec_depth for d in alone[:9]] == [4] * 9
+
+
 def test_observe_feeds_acceptance_to_the_depth_policy() -> None:
     dp = DepthPolicy()
     p, ws = AdaptivePolicy(NO_EXPLORE, depth_policy=dp), views()

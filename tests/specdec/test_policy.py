@@ -167,6 +167,39 @@ def test_k0_is_probed_while_unmeasured_then_refreshed_rarely() -> None:
     assert 0 not in [off.decide("w", "code", batch=1) for _ in range(30)]
 
 
+def test_peek_records_nothing_commit_records_the_request() -> None:
+    """A router prices every candidate worker with peek; only the pick is committed."""
+    def fresh() -> DepthPolicy:
+        return DepthPolicy(PolicyConfig(max_depth=6, calibrate_token_cost=False,
+                                        domain_priors=(("rag", 0.1), ("translation", 0.9))))
+
+    policy = fresh()
+    assert policy.peek("w", "rag", 8) == 0 and policy.peek("w", "translation", 8) == 6
+    # 50 translation requests priced on w that went elsewhere: w's mix is unchanged
+    for _ in range(50):
+        policy.peek("w", "translation", 8)
+    assert policy.peek("w", "rag", 8) == 0
+    # 50 that joined w: under load rag now shares their steps (the worker's mix) and goes
+    # deep with them; alone (batch 1) it keeps its own E
+    for _ in range(50):
+        assert policy.commit("w", "translation", 8, 6) == 6
+    assert policy.peek("w", "rag", 8) == 6 and policy.peek("w", "rag", 1) == 1
+    # decide is peek then commit
+    twin = fresh()
+    for _ in range(50):
+        twin.decide("w", "translation", 8)
+    assert twin.peek("w", "rag", 8) == 6
+
+
+def test_the_k0_probe_counts_committed_requests_not_peeks() -> None:
+    policy = DepthPolicy(PolicyConfig(max_depth=4, step_prior_s=(0.010, 0.0, 0.0, 0.0),
+                                      step_prior_weight=1e12))
+    assert [policy.peek("w", "code", batch=1) for _ in range(30)] == [4] * 30  # never probes
+    picks = [policy.commit("w", "code", 1, policy.peek("w", "code", batch=1)) for _ in range(20)]
+    assert [i + 1 for i, k in enumerate(picks) if k == 0] == [10, 20]  # as decide's
+    assert policy.commit("w", "code", 1, 0) == 0  # a k=0 pick stays 0 (and counts)
+
+
 def test_snapshot_shows_what_was_learned_per_worker() -> None:
     policy = DepthPolicy(PolicyConfig(max_depth=2, step_prior_s=(0.010, 0.0, 0.0, 0.0),
                                       step_prior_weight=1e12))
