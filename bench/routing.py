@@ -160,27 +160,30 @@ CLASS_OF = {d: c for c, ds in CLASSES.items() for d in ds}
 # ``adaptive-pooledprior``, ``tpot_prior_by_band=False`` (up to session 8 round 6: a new
 # bucket's TPOT from the worker-wide fit); ``adaptive-context``, ``price_context=True`` (session
 # 9: what a long prompt's context adds to its worker's steps priced; a switch ON, the others
-# turn one OFF).
+# turn one OFF); ``adaptive-twin``, adaptive exactly (an A/A: how far two identical fleets of
+# one run differ, the noise every A/B above sits in).
 POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive",
     "adaptive-nostall": "adaptive", "adaptive-r4": "adaptive", "adaptive-noreserve": "adaptive",
-    "adaptive-pooledprior": "adaptive", "adaptive-context": "adaptive"}
+    "adaptive-pooledprior": "adaptive", "adaptive-context": "adaptive",
+    "adaptive-twin": "adaptive"}
 NOSTALL = "adaptive-nostall"
 R4 = "adaptive-r4"
 NORESERVE = "adaptive-noreserve"
 POOLED = "adaptive-pooledprior"
 CONTEXT = "adaptive-context"
+TWIN = "adaptive-twin"
 VARIANTS: dict[str, dict[str, bool]] = {NOSTALL: {"price_prefill_stalls": False},
                                         R4: {"step_scaled_batch": False},
                                         NORESERVE: {"reserve_slots": False},
                                         POOLED: {"tpot_prior_by_band": False},
-                                        CONTEXT: {"price_context": True}}
+                                        CONTEXT: {"price_context": True}, TWIN: {}}
 DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive", CONTEXT]
 # (policy, baseline) pairs whose goodput ratios the reports print, where both ran
 COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                ("adaptive", NOSTALL), ("adaptive", R4), ("adaptive", NORESERVE),
                ("adaptive", POOLED), (CONTEXT, "adaptive"), (CONTEXT, "round_robin"),
-               (CONTEXT, "least_outstanding"))
+               (CONTEXT, "least_outstanding"), (TWIN, "adaptive"))
 MAX_MODEL_LEN = 2048
 # NOTE: greedy decoding, as Spec-Bench and bench/specdec.py measure: the traces carry no
 # sampling parameters, and the engine's default (temperature 1, as OpenAI's) makes the

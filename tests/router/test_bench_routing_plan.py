@@ -41,6 +41,13 @@ def test_the_context_variant_is_adaptive_with_context_pricing_on_and_nothing_els
         assert ("adaptive-context", base) in BENCH.COMPARISONS
 
 
+def test_the_twin_is_adaptive_exactly() -> None:
+    twin, adaptive = BENCH.make_policy("adaptive-twin", 3), BENCH.make_policy("adaptive", 3)
+    assert isinstance(twin, AdaptivePolicy) and twin.config == adaptive.config
+    assert twin is not adaptive and twin.depth_policy is not adaptive.depth_policy
+    assert ("adaptive-twin", "adaptive") in BENCH.COMPARISONS
+
+
 def test_round_robin_and_the_pooledprior_profiles() -> None:
     assert type(BENCH.make_policy("round_robin", 3)).__name__ == "RoundRobinPolicy"
     on, off = BENCH.make_policy("adaptive", 3), BENCH.make_policy("adaptive-pooledprior", 3)
