@@ -448,10 +448,15 @@ class AdaptivePolicy:
         return crowd_s * shared_s / max(f.tpot_s, 1e-4) + crowd_frac * shared_s
 
     def _flight_cost(self, f: Flight, delay_s: float) -> float:
-        """A routed request's penalised cost with ``delay_s`` more in its decode."""
-        tpot_s = f.tpot_s + delay_s / max(f.num_tokens - 1, 1)
-        penalty, _ = self._slo_of(f.slo_ttft_s, f.slo_tpot_s, f.ttft_s, tpot_s)
-        return (f.cost_s + delay_s) * penalty
+        """A routed request's penalised cost with ``delay_s`` more in its decode: ``_slo_of``
+        at its TPOT with the delay spread over its gaps, the TTFT part precomputed.
+
+        NOTE: runs twice per flight on the worker per candidate (``_interference``): written
+        out rather than through ``_slo_of``, with the same arithmetic in the same order."""
+        miss = f.ttft_miss
+        if f.slo_tpot_s:
+            miss += max(0.0, (f.tpot_s + delay_s / f.num_gaps) / f.slo_tpot_s - 1.0)
+        return (f.cost_s + delay_s) * (1.0 + self.config.slo_penalty * miss)
 
     def _interference_s5(self, worker: str, now: float, prefill_s: float, crowd_s: float,
                          cost_s: float, crowd_frac: float = 0.0) -> float:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 STALE_FACTOR = 4.0  # an entry counts until sent + STALE_FACTOR x its predicted e2e
 
@@ -52,10 +52,22 @@ class Flight:
     context_met_s: float = 0.0  # in tpot_s: the co-runners' extra TPOT predicted (router.context)
     # its penalised cost on the best other worker less here, as decided (inf: no other), s
     loss_s: float = math.inf
+    # NOTE: derived once (__post_init__): the policy reads them for every flight on a
+    # worker at every decision, which made them most of its cost at a few hundred in flight
+    cost_s: float = field(init=False, repr=False, compare=False)  # predicted e2e, seconds
+    active_until_s: float = field(init=False, repr=False, compare=False)  # see STALE_FACTOR
+    num_gaps: int = field(init=False, repr=False, compare=False)  # TPOT's gaps, at least 1
+    # its predicted relative TTFT SLO miss, max(0, TTFT / SLO - 1); 0 without the SLO
+    ttft_miss: float = field(init=False, repr=False, compare=False)
 
-    @property
-    def cost_s(self) -> float:
-        return self.ttft_s + max(self.num_tokens - 1, 0) * self.tpot_s
+    def __post_init__(self) -> None:
+        cost_s = self.ttft_s + max(self.num_tokens - 1, 0) * self.tpot_s
+        object.__setattr__(self, "cost_s", cost_s)
+        object.__setattr__(self, "active_until_s",
+                           self.sent_s + STALE_FACTOR * max(cost_s, 1e-3))
+        object.__setattr__(self, "num_gaps", max(self.num_tokens - 1, 1))
+        object.__setattr__(self, "ttft_miss", max(0.0, self.ttft_s / self.slo_ttft_s - 1.0)
+                           if self.slo_ttft_s else 0.0)
 
     def remaining_s(self, now_s: float) -> float:
         """Predicted time left; a request running late counts a tenth of its cost."""
@@ -99,25 +111,23 @@ class InFlight:
         earlier ones' prefill, inside everyone's steps)."""
         if seconds <= 0:
             return
+        stalled = self._stalled
         for key, f in self._by_worker.get(worker, {}).items():
-            if self._is_active(f, now_s):
-                self._stalled[key] = self._stalled.get(key, 0.0) + seconds
+            if now_s < f.active_until_s:  # active: not yet stale
+                stalled[key] = stalled.get(key, 0.0) + seconds
 
     def stalled(self, worker: str, now_s: float) -> Iterator[tuple[Flight, float]]:
         """Active flights on ``worker`` with the prefill seconds routed there since each
         was sent (:meth:`add_stall`)."""
+        stalled = self._stalled
         for key, f in self._by_worker.get(worker, {}).items():
-            if self._is_active(f, now_s):
-                yield f, self._stalled.get(key, 0.0)
-
-    @staticmethod
-    def _is_active(f: Flight, now_s: float) -> bool:
-        return now_s < f.sent_s + STALE_FACTOR * max(f.cost_s, 1e-3)
+            if now_s < f.active_until_s:
+                yield f, stalled.get(key, 0.0)
 
     def active(self, worker: str, now_s: float) -> Iterator[Flight]:
         """Flights on ``worker`` that should still be running at ``now_s``."""
         for f in self._by_worker.get(worker, {}).values():
-            if self._is_active(f, now_s):
+            if now_s < f.active_until_s:
                 yield f
 
     def slot_wait_s(self, worker: str, now_s: float, num_ahead: int, capacity: int,

@@ -58,6 +58,7 @@ import numpy as np
 
 from engine.config import CompiledConfig, DeclaredFit
 from router.calibration import Calibration
+from router.sym3 import Mat3, clip_eigenvalues
 
 PROMPT_BANDS = (256, 1024, 4096)  # bucket upper edges, tokens; last band is open
 Vec = tuple[float, float, float]
@@ -94,6 +95,10 @@ def valid_ratio(step_ratio: float | None) -> float | None:
     return step_ratio
 
 
+def _dot(a: Vec, b: Vec) -> float:
+    return a[0] * b[0] + a[1] * b[1] + a[2] * b[2]
+
+
 def prompt_band(prompt_tokens: int) -> int:
     for i, edge in enumerate(PROMPT_BANDS):
         if prompt_tokens < edge:
@@ -119,42 +124,62 @@ class BayesianRLS:
     def __init__(self, prior_mean: Vec, prior_variance: float = 1.0, forgetting: float = 0.98
                  ) -> None:
         self.scale = max(abs(prior_mean[0]), 1e-6)
-        self.theta = np.asarray(prior_mean, dtype=np.float64) / self.scale
-        self.p = np.eye(len(prior_mean)) * prior_variance
+        self.theta: Vec = (prior_mean[0] / self.scale, prior_mean[1] / self.scale,
+                           prior_mean[2] / self.scale)
+        v = prior_variance
+        self._p: Mat3 = ((v, 0.0, 0.0), (0.0, v, 0.0), (0.0, 0.0, v))
         self.forgetting = forgetting
         self.num_samples = 0
         self._p_cap = prior_variance
         self._w = self._weights()
 
+    @property
+    def p(self) -> np.ndarray:
+        """The coefficients' covariance (relative to the noise), [3, 3]."""
+        return np.array(self._p)
+
     def _weights(self) -> Vec:
-        t = self.theta * self.scale
-        return (float(t[0]), float(t[1]), float(t[2]))
+        t, s = self.theta, self.scale
+        return (t[0] * s, t[1] * s, t[2] * s)
 
     def update(self, x: Vec, y: float) -> None:
-        xv = np.asarray(x)
-        px = self.p @ xv
-        gain = px / (self.forgetting + xv @ px)
-        pred = float(xv @ self.theta)
+        # NOTE: plain floats, not numpy: on 3-vectors numpy's per-call overhead was most of
+        # the cost of an update, which runs up to five times per finished request
+        p, lam = self._p, self.forgetting
+        px = (_dot(p[0], x), _dot(p[1], x), _dot(p[2], x))
+        denom = lam + _dot(x, px)
+        gain = (px[0] / denom, px[1] / denom, px[2] / denom)
+        pred = _dot(x, self.theta)
         target = y / self.scale
         if pred > 0:
             # NOTE: latencies are heavy-tailed (a stall, a co-tenant); bound one sample's
             # pull to [pred / 4, 4 * pred] so a real shift is followed over a few samples
             # and a single outlier cannot swing the fit by orders of magnitude.
             target = min(max(target, pred / OUTLIER_FACTOR), pred * OUTLIER_FACTOR)
-        self.theta = self.theta + gain * (target - pred)
-        p = (self.p - np.outer(gain, px)) / self.forgetting
+        err = target - pred
+        t = self.theta
+        self.theta = (t[0] + gain[0] * err, t[1] + gain[1] * err, t[2] + gain[2] * err)
+        down = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(3)] for i in range(3)]
+        sym: Mat3 = tuple(tuple(0.5 * (down[i][j] + down[j][i]) for j in range(3))  # type: ignore[assignment]
+                          for i in range(3))
         # NOTE: forgetting inflates P along directions the data never excites; cap its
         # eigenvalues at the prior's variance so those slopes stay near the prior. The cap
         # must keep P positive semi-definite: an elementwise clip did not, and a TPOT fit
-        # diverged to coefficients of +-2e10 in the session-3 routing bench.
-        eig, vec = np.linalg.eigh(0.5 * (p + p.T))
-        self.p = (vec * np.clip(eig, 0.0, self._p_cap)) @ vec.T
+        # diverged to coefficients of +-2e10 in the session-3 routing bench. Closed form
+        # where it applies (router.sym3), eigh where it does not.
+        capped = clip_eigenvalues(sym, self._p_cap)
+        if capped is None:
+            eig, vec = np.linalg.eigh(np.array(sym))
+            full = (vec * np.clip(eig, 0.0, self._p_cap)) @ vec.T
+            capped = tuple(tuple(float(v) for v in row) for row in full)  # type: ignore[assignment]
+        self._p = capped  # type: ignore[assignment]
         self.num_samples += 1
         self._w = self._weights()
 
     def rescale(self, factor: float) -> None:
         """Multiply every coefficient (the fit's predictions) by ``factor``."""
-        self.theta = self.theta * factor
+        t = self.theta
+        self.theta = (t[0] * factor, t[1] * factor, t[2] * factor)
         self._w = self._weights()
 
     @property

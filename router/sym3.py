@@ -1,0 +1,88 @@
+"""Clipping the eigenvalues of a symmetric 3x3 matrix to [0, cap], in plain floats.
+
+The latency profiles' RLS (:class:`router.profiles.BayesianRLS`) caps its covariance's
+eigenvalues after every sample, up to five times per finished request on the proxy's
+event loop. ``numpy.linalg.eigh`` on a 3x3 matrix and the products around it cost tens of
+microseconds of call overhead each; this does the same in closed form:
+
+- the eigenvalues by the trigonometric formula for symmetric 3x3 matrices (Smith 1961);
+- nothing to do when they all lie in [0, cap] (the matrix is returned as given);
+- else only the eigenvectors of the clipped eigenvalues are needed, each as the largest
+  cross product of two rows of ``A - lambda I``, and the result is ``A`` less
+  ``(lambda - cap) v v^T`` for each eigenvalue above the cap (two above: ``cap I`` plus
+  ``(lambda_3 - cap) v_3 v_3^T``, from the one below).
+
+NOTE: a vector's error grows as its eigenvalue nears another, but the correction it
+carries is at most that gap (lambda just above the cap, the next at most the cap), so the
+result stays within a few ulps of ``||A||`` of eigh's. What is left -- an eigenvalue below 0
+(which the RLS's downdate may cause by rounding), a repeated eigenvalue that must be split
+-- returns None, and the caller falls back to ``eigh``.
+"""
+
+from __future__ import annotations
+
+import math
+
+Mat3 = tuple[tuple[float, float, float], tuple[float, float, float], tuple[float, float, float]]
+Vec3 = tuple[float, float, float]
+_DEGENERATE = 1e-12  # a squared cross product below this x ||A - lambda I||^4: no direction
+
+
+def eigvals(a: Mat3) -> tuple[float, float, float]:
+    """The eigenvalues of symmetric ``a``, largest first."""
+    p1 = a[0][1] ** 2 + a[0][2] ** 2 + a[1][2] ** 2
+    q = (a[0][0] + a[1][1] + a[2][2]) / 3.0
+    if p1 == 0.0:
+        d = sorted((a[0][0], a[1][1], a[2][2]), reverse=True)
+        return d[0], d[1], d[2]
+    p2 = (a[0][0] - q) ** 2 + (a[1][1] - q) ** 2 + (a[2][2] - q) ** 2 + 2.0 * p1
+    p = math.sqrt(p2 / 6.0)
+    b = [[(a[i][j] - (q if i == j else 0.0)) / p for j in range(3)] for i in range(3)]
+    det = (b[0][0] * (b[1][1] * b[2][2] - b[1][2] * b[2][1])
+           - b[0][1] * (b[1][0] * b[2][2] - b[1][2] * b[2][0])
+           + b[0][2] * (b[1][0] * b[2][1] - b[1][1] * b[2][0]))
+    phi = math.acos(min(max(det / 2.0, -1.0), 1.0)) / 3.0
+    hi = q + 2.0 * p * math.cos(phi)
+    lo = q + 2.0 * p * math.cos(phi + 2.0 * math.pi / 3.0)
+    return hi, 3.0 * q - hi - lo, lo
+
+
+def eigvec(a: Mat3, lam: float) -> Vec3 | None:
+    """A unit eigenvector of ``a`` for eigenvalue ``lam``; None if not one direction."""
+    r = [[a[i][j] - (lam if i == j else 0.0) for j in range(3)] for i in range(3)]
+    best, best_n = (0.0, 0.0, 0.0), 0.0
+    for u, v in ((r[0], r[1]), (r[0], r[2]), (r[1], r[2])):
+        c = (u[1] * v[2] - u[2] * v[1], u[2] * v[0] - u[0] * v[2], u[0] * v[1] - u[1] * v[0])
+        n = c[0] * c[0] + c[1] * c[1] + c[2] * c[2]
+        if n > best_n:
+            best, best_n = c, n
+    scale = sum(x * x for row in r for x in row)
+    if best_n <= _DEGENERATE * scale * scale or best_n == 0.0:
+        return None
+    s = 1.0 / math.sqrt(best_n)
+    return best[0] * s, best[1] * s, best[2] * s
+
+
+def clip_eigenvalues(a: Mat3, cap: float) -> Mat3 | None:
+    """``a`` with its eigenvalues clipped to [0, ``cap``] (``a`` itself when they are in
+    it); None where the closed form does not apply (see the module docstring)."""
+    hi, mid, lo = eigvals(a)
+    if lo < 0.0:
+        return None
+    if hi <= cap:
+        return a
+    if mid <= cap:  # one above: take its excess off along its vector
+        v = eigvec(a, hi)
+        if v is None:
+            return None
+        e = hi - cap
+        return tuple(tuple(a[i][j] - e * v[i] * v[j] for j in range(3))  # type: ignore[return-value]
+                     for i in range(3))
+    if lo >= cap:
+        return ((cap, 0.0, 0.0), (0.0, cap, 0.0), (0.0, 0.0, cap))
+    v = eigvec(a, lo)  # two above: cap everywhere but along the lowest one's vector
+    if v is None:
+        return None
+    e = lo - cap
+    return tuple(tuple((cap if i == j else 0.0) + e * v[i] * v[j] for j in range(3))  # type: ignore[return-value]
+                 for i in range(3))
