@@ -432,11 +432,24 @@ class AdaptivePolicy:
         stall = prefill_s * self.stalls.factor(worker)
         if stall <= 0 and crowd_s <= 0 and crowd_frac <= 0:
             return 0.0
+        crowds = crowd_s > 0 or crowd_frac > 0
+        k = self.config.slo_penalty
         for f, received in self._inflight.stalled(worker, now):
             # NOTE: the prefill routed onto the flight since it was sent counts too, so each
             # further prompt sees it nearer its SLO (the penalty is convex)
-            delay = received + stall + self._crowd_delay(f, now, cost_s, crowd_s, crowd_frac)
-            harm += self._flight_cost(f, delay) - self._flight_cost(f, received)
+            delay = received + stall
+            if crowds:  # (a crowd delay of 0 adds nothing: skipped, it runs per flight)
+                delay += self._crowd_delay(f, now, cost_s, crowd_s, crowd_frac)
+            # NOTE: _flight_cost(f, delay) - _flight_cost(f, received), written out: this
+            # body runs for every flight on the worker, for every candidate
+            if f.slo_tpot_s:
+                tpot, slo = f.tpot_s, f.slo_tpot_s
+                miss_d = f.ttft_miss + max(0.0, (tpot + delay / f.num_gaps) / slo - 1.0)
+                miss_r = f.ttft_miss + max(0.0, (tpot + received / f.num_gaps) / slo - 1.0)
+            else:
+                miss_d = miss_r = f.ttft_miss
+            harm += ((f.cost_s + delay) * (1.0 + k * miss_d)
+                     - (f.cost_s + received) * (1.0 + k * miss_r))
         return harm
 
     @staticmethod
@@ -444,7 +457,7 @@ class AdaptivePolicy:
                      ) -> float:
         """Seconds a running request loses to this one's joining its batch: its steps while
         both run, each ``crowd_s`` slower, or that time x ``crowd_frac``."""
-        shared_s = min(f.remaining_s(now), cost_s)
+        shared_s = min(max(f.sent_s + f.cost_s - now, 0.1 * f.cost_s), cost_s)  # remaining_s
         return crowd_s * shared_s / max(f.tpot_s, 1e-4) + crowd_frac * shared_s
 
     def _flight_cost(self, f: Flight, delay_s: float) -> float:

@@ -57,6 +57,7 @@ class Flight:
     cost_s: float = field(init=False, repr=False, compare=False)  # predicted e2e, seconds
     active_until_s: float = field(init=False, repr=False, compare=False)  # see STALE_FACTOR
     num_gaps: int = field(init=False, repr=False, compare=False)  # TPOT's gaps, at least 1
+    first_token_s: float = field(init=False, repr=False, compare=False)  # predicted, sent + TTFT
     # its predicted relative TTFT SLO miss, max(0, TTFT / SLO - 1); 0 without the SLO
     ttft_miss: float = field(init=False, repr=False, compare=False)
 
@@ -66,6 +67,7 @@ class Flight:
         object.__setattr__(self, "active_until_s",
                            self.sent_s + STALE_FACTOR * max(cost_s, 1e-3))
         object.__setattr__(self, "num_gaps", max(self.num_tokens - 1, 1))
+        object.__setattr__(self, "first_token_s", self.sent_s + self.ttft_s)
         object.__setattr__(self, "ttft_miss", max(0.0, self.ttft_s / self.slo_ttft_s - 1.0)
                            if self.slo_ttft_s else 0.0)
 
@@ -74,7 +76,7 @@ class Flight:
         return max(self.sent_s + self.cost_s - now_s, 0.1 * self.cost_s)
 
     def prefilling(self, now_s: float) -> bool:
-        return now_s < self.sent_s + self.ttft_s
+        return now_s < self.first_token_s
 
 
 class InFlight:
@@ -148,5 +150,10 @@ class InFlight:
 
     def prefill_ahead_s(self, worker: str, now_s: float) -> float:
         """Prefill time still to run on ``worker`` for requests sent before now."""
-        return sum(min(f.prefill_s, f.sent_s + f.ttft_s - now_s)
-                   for f in self.active(worker, now_s) if f.prefilling(now_s))
+        total = 0.0
+        for f in self._by_worker.get(worker, {}).values():
+            # NOTE: active and prefilling (the first token not yet due), tested inline: this
+            # runs over every flight on the worker for every candidate
+            if now_s < f.first_token_s and now_s < f.active_until_s:
+                total += min(f.prefill_s, f.first_token_s - now_s)
+        return total

@@ -99,6 +99,20 @@ def _dot(a: Vec, b: Vec) -> float:
     return a[0] * b[0] + a[1] * b[1] + a[2] * b[2]
 
 
+def _downdate(p: Mat3, gain: Vec, px: Vec, lam: float) -> Mat3:
+    """(P - gain px^T) / lam, symmetrised: 0.5 (M + M^T)."""
+    (p00, p01, p02), (p10, p11, p12), (p20, p21, p22) = p
+    g0, g1, g2 = gain
+    x0, x1, x2 = px
+    d01, d10 = (p01 - g0 * x1) / lam, (p10 - g1 * x0) / lam
+    d02, d20 = (p02 - g0 * x2) / lam, (p20 - g2 * x0) / lam
+    d12, d21 = (p12 - g1 * x2) / lam, (p21 - g2 * x1) / lam
+    s01, s02, s12 = 0.5 * (d01 + d10), 0.5 * (d02 + d20), 0.5 * (d12 + d21)
+    return (((p00 - g0 * x0) / lam, s01, s02),
+            (s01, (p11 - g1 * x1) / lam, s12),
+            (s02, s12, (p22 - g2 * x2) / lam))
+
+
 def prompt_band(prompt_tokens: int) -> int:
     for i, edge in enumerate(PROMPT_BANDS):
         if prompt_tokens < edge:
@@ -159,9 +173,7 @@ class BayesianRLS:
         err = target - pred
         t = self.theta
         self.theta = (t[0] + gain[0] * err, t[1] + gain[1] * err, t[2] + gain[2] * err)
-        down = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(3)] for i in range(3)]
-        sym: Mat3 = tuple(tuple(0.5 * (down[i][j] + down[j][i]) for j in range(3))  # type: ignore[assignment]
-                          for i in range(3))
+        sym = _downdate(p, gain, px, lam)
         # NOTE: forgetting inflates P along directions the data never excites; cap its
         # eigenvalues at the prior's variance so those slopes stay near the prior. The cap
         # must keep P positive semi-definite: an elementwise clip did not, and a TPOT fit

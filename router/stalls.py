@@ -107,7 +107,12 @@ class PrefillStalls:
     def overlap_s(self, worker: str, start_s: float, end_s: float) -> float:
         """Prefill seconds that ran on ``worker`` within [start_s, end_s], from every
         recorded prompt (:meth:`Prefill.within_s`)."""
-        return sum(e.within_s(start_s, end_s) for e in self._events.get(worker, ()))
+        total = 0.0
+        for e in self._events.get(worker, ()):
+            # NOTE: the events outside the window (most of them) tested here, not in a call
+            if e.end_s > start_s and e.start_s < end_s:
+                total += e.within_s(start_s, end_s)
+        return total
 
     def set_prior(self, worker: str, factor: float) -> None:
         """The factor before any sample (a new worker, or one whose config changed)."""

@@ -30,18 +30,18 @@ _DEGENERATE = 1e-12  # a squared cross product below this x ||A - lambda I||^4: 
 
 def eigvals(a: Mat3) -> tuple[float, float, float]:
     """The eigenvalues of symmetric ``a``, largest first."""
-    p1 = a[0][1] ** 2 + a[0][2] ** 2 + a[1][2] ** 2
-    q = (a[0][0] + a[1][1] + a[2][2]) / 3.0
+    (a00, a01, a02), (_, a11, a12), (_, _, a22) = a
+    p1 = a01 * a01 + a02 * a02 + a12 * a12
     if p1 == 0.0:
-        d = sorted((a[0][0], a[1][1], a[2][2]), reverse=True)
+        d = sorted((a00, a11, a22), reverse=True)
         return d[0], d[1], d[2]
-    p2 = (a[0][0] - q) ** 2 + (a[1][1] - q) ** 2 + (a[2][2] - q) ** 2 + 2.0 * p1
-    p = math.sqrt(p2 / 6.0)
-    b = [[(a[i][j] - (q if i == j else 0.0)) / p for j in range(3)] for i in range(3)]
-    det = (b[0][0] * (b[1][1] * b[2][2] - b[1][2] * b[2][1])
-           - b[0][1] * (b[1][0] * b[2][2] - b[1][2] * b[2][0])
-           + b[0][2] * (b[1][0] * b[2][1] - b[1][1] * b[2][0]))
-    phi = math.acos(min(max(det / 2.0, -1.0), 1.0)) / 3.0
+    q = (a00 + a11 + a22) / 3.0
+    b00, b11, b22 = a00 - q, a11 - q, a22 - q
+    p = math.sqrt((b00 * b00 + b11 * b11 + b22 * b22 + 2.0 * p1) / 6.0)
+    # det(A - qI) / p^3 / 2, in [-1, 1] but for rounding
+    det = (b00 * (b11 * b22 - a12 * a12) - a01 * (a01 * b22 - a12 * a02)
+           + a02 * (a01 * a12 - b11 * a02))
+    phi = math.acos(min(max(det / (2.0 * p * p * p), -1.0), 1.0)) / 3.0
     hi = q + 2.0 * p * math.cos(phi)
     lo = q + 2.0 * p * math.cos(phi + 2.0 * math.pi / 3.0)
     return hi, 3.0 * q - hi - lo, lo
@@ -49,14 +49,15 @@ def eigvals(a: Mat3) -> tuple[float, float, float]:
 
 def eigvec(a: Mat3, lam: float) -> Vec3 | None:
     """A unit eigenvector of ``a`` for eigenvalue ``lam``; None if not one direction."""
-    r = [[a[i][j] - (lam if i == j else 0.0) for j in range(3)] for i in range(3)]
+    (a00, a01, a02), (_, a11, a12), (_, _, a22) = a
+    r0, r1, r2 = (a00 - lam, a01, a02), (a01, a11 - lam, a12), (a02, a12, a22 - lam)
     best, best_n = (0.0, 0.0, 0.0), 0.0
-    for u, v in ((r[0], r[1]), (r[0], r[2]), (r[1], r[2])):
+    for u, v in ((r0, r1), (r0, r2), (r1, r2)):
         c = (u[1] * v[2] - u[2] * v[1], u[2] * v[0] - u[0] * v[2], u[0] * v[1] - u[1] * v[0])
         n = c[0] * c[0] + c[1] * c[1] + c[2] * c[2]
         if n > best_n:
             best, best_n = c, n
-    scale = sum(x * x for row in r for x in row)
+    scale = sum(x * x for row in (r0, r1, r2) for x in row)
     if best_n <= _DEGENERATE * scale * scale or best_n == 0.0:
         return None
     s = 1.0 / math.sqrt(best_n)
@@ -71,18 +72,23 @@ def clip_eigenvalues(a: Mat3, cap: float) -> Mat3 | None:
         return None
     if hi <= cap:
         return a
-    if mid <= cap:  # one above: take its excess off along its vector
-        v = eigvec(a, hi)
-        if v is None:
-            return None
-        e = hi - cap
-        return tuple(tuple(a[i][j] - e * v[i] * v[j] for j in range(3))  # type: ignore[return-value]
-                     for i in range(3))
     if lo >= cap:
         return ((cap, 0.0, 0.0), (0.0, cap, 0.0), (0.0, 0.0, cap))
-    v = eigvec(a, lo)  # two above: cap everywhere but along the lowest one's vector
+    # one above the cap: take its excess off along its vector; two: cap everywhere but
+    # along the lowest one's vector
+    one = mid <= cap
+    v = eigvec(a, hi if one else lo)
     if v is None:
         return None
+    if one:
+        e = hi - cap
+        return _sym(a[0][0] - e * v[0] * v[0], a[0][1] - e * v[0] * v[1],
+                    a[0][2] - e * v[0] * v[2], a[1][1] - e * v[1] * v[1],
+                    a[1][2] - e * v[1] * v[2], a[2][2] - e * v[2] * v[2])
     e = lo - cap
-    return tuple(tuple((cap if i == j else 0.0) + e * v[i] * v[j] for j in range(3))  # type: ignore[return-value]
-                 for i in range(3))
+    return _sym(cap + e * v[0] * v[0], e * v[0] * v[1], e * v[0] * v[2],
+                cap + e * v[1] * v[1], e * v[1] * v[2], cap + e * v[2] * v[2])
+
+
+def _sym(a00: float, a01: float, a02: float, a11: float, a12: float, a22: float) -> Mat3:
+    return (a00, a01, a02), (a01, a11, a12), (a02, a12, a22)
