@@ -1,0 +1,133 @@
+"""The adaptive policy's cheaper per-request paths (session 9) decide as before.
+
+Each rewritten path against the formula it replaced, on random inputs (bit-for-bit: the
+same arithmetic in the same order), and a seeded simulator run against the decisions the
+policy made before the rewrite (recorded at d18c4c9). The RLS update's own comparison is
+in test_sym3.py. bench/router_cost.py compares whole trees (``--baseline REV``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from router.adaptive import AdaptivePolicy
+from router.inflight import STALE_FACTOR, Flight, InFlight
+from router.stalls import PrefillStalls
+from tests.router import prefix_mix_sim as pm
+
+
+def _random_flight(rng: random.Random, worker: str = "w", sent_s: float | None = None
+                   ) -> Flight:
+    slo_ttft = rng.choice((None, 0.0, rng.uniform(0.05, 1.0)))
+    slo_tpot = rng.choice((None, 0.0, rng.uniform(0.001, 0.03)))
+    return Flight(worker, rng.randint(0, 40), rng.randint(1, 32), rng.randint(0, 4),
+                  rng.uniform(0, 10) if sent_s is None else sent_s, rng.uniform(0.001, 1.5),
+                  rng.uniform(0.0005, 0.04), rng.randint(1, 300), rng.uniform(0, 0.3),
+                  slo_ttft, slo_tpot, rng.uniform(1, 5))
+
+
+def _old_flight_cost(p: AdaptivePolicy, f: Flight, delay_s: float) -> float:
+    cost_s = f.ttft_s + max(f.num_tokens - 1, 0) * f.tpot_s
+    tpot_s = f.tpot_s + delay_s / max(f.num_tokens - 1, 1)
+    penalty, _ = p._slo_of(f.slo_ttft_s, f.slo_tpot_s, f.ttft_s, tpot_s)
+    return (cost_s + delay_s) * penalty
+
+
+def test_flight_cost_is_the_old_formula_bit_for_bit() -> None:
+    rng, p = random.Random(1), AdaptivePolicy()
+    for _ in range(5000):
+        f, delay = _random_flight(rng), rng.choice((0.0, rng.uniform(0, 2)))
+        assert p._flight_cost(f, delay) == _old_flight_cost(p, f, delay)
+        assert f.cost_s == f.ttft_s + max(f.num_tokens - 1, 0) * f.tpot_s
+
+
+def _populated(rng: random.Random, now: float) -> InFlight:
+    flights = InFlight(10_000)
+    for key in range(300):
+        f = _random_flight(rng, rng.choice("ab"), now - rng.uniform(0, 3))
+        flights.add(key, f)
+        if rng.random() < 0.5:
+            flights.add_stall(f.worker, f.sent_s + 0.01, rng.uniform(0, 0.2))
+    return flights
+
+
+def test_interference_is_the_old_loop_bit_for_bit() -> None:
+    rng = random.Random(2)
+    for trial in range(40):
+        p, now = AdaptivePolicy(), 10.0
+        p._inflight = _populated(rng, now)
+        prefill, cost = rng.uniform(0, 0.3), rng.uniform(0.01, 2)
+        crowd_s, frac = rng.choice(((0.0, 0.0), (rng.uniform(0, 1e-3), 0.0),
+                                    (0.0, rng.uniform(0, 0.3))))
+        old = 0.0
+        stall = prefill * p.stalls.factor("a")
+        for f, received in p._inflight.stalled("a", now):
+            shared = min(max(f.sent_s + f.cost_s - now, 0.1 * f.cost_s), cost)
+            delay = received + stall + (crowd_s * shared / max(f.tpot_s, 1e-4) + frac * shared)
+            old += _old_flight_cost(p, f, delay) - _old_flight_cost(p, f, received)
+        if stall <= 0 and crowd_s <= 0 and frac <= 0:
+            old = 0.0
+        assert p._interference("a", now, prefill, crowd_s, cost, frac) == old, trial
+
+
+def test_prefill_ahead_and_activity_are_the_old_scans() -> None:
+    rng = random.Random(3)
+    for now in (9.0, 10.0, 11.5):
+        flights = _populated(rng, 10.0)
+        for worker in "ab":
+            every = list(flights._by_worker[worker].values())
+            active = [f for f in every
+                      if now < f.sent_s + STALE_FACTOR * max(f.cost_s, 1e-3)]
+            assert list(flights.active(worker, now)) == active
+            old = sum(min(f.prefill_s, f.sent_s + f.ttft_s - now) for f in active
+                      if now < f.sent_s + f.ttft_s)
+            assert flights.prefill_ahead_s(worker, now) == old
+
+
+def test_stall_overlap_is_the_old_sum() -> None:
+    rng, stalls = random.Random(4), PrefillStalls()
+    for _ in range(400):
+        sent = rng.uniform(0, 20)
+        stalls.record("w", sent, sent + rng.uniform(0, 1), rng.uniform(0, 0.5))
+    for _ in range(200):
+        start = rng.uniform(-1, 21)
+        end = start + rng.uniform(0, 3)
+        old = sum(e.within_s(start, end) for e in stalls._events["w"])
+        assert stalls.overlap_s("w", start, end) == old
+
+
+# recorded at d18c4c9 (before the rewrite): prefix_mix(16 req/s, 240 requests, seed 1,
+# tight), the default adaptive policy on the simulated bench fleet
+RECORDED_FIRST = [("batch", 0, "fit"), ("spec", 3, "fit"), ("long", 0, "load"),
+                  ("spec", 2, "fit"), ("long", 0, "load"), ("batch", 0, "fit"),
+                  ("long", 0, "load"), ("batch", 0, "fit"), ("spec", 2, "load"),
+                  ("spec", 2, "load"), ("spec", 0, "fit"), ("batch", 0, "load")]
+RECORDED_COUNTS = {
+    ("batch", 0, "affinity"): 2, ("batch", 0, "explore"): 2, ("batch", 0, "fit"): 22,
+    ("batch", 0, "load"): 35, ("batch", 0, "reserve"): 2, ("batch", 0, "slo"): 5,
+    ("long", 0, "affinity"): 1, ("long", 0, "explore"): 5, ("long", 0, "fit"): 26,
+    ("long", 0, "load"): 35, ("long", 0, "reserve"): 1, ("long", 0, "slo"): 3,
+    ("spec", 0, "affinity"): 3, ("spec", 0, "fit"): 80, ("spec", 0, "load"): 10,
+    ("spec", 0, "slo"): 2, ("spec", 2, "fit"): 2, ("spec", 2, "load"): 2, ("spec", 3, "fit"): 2}
+
+
+def test_simulated_decisions_match_the_recorded_ones() -> None:
+    """A changed count here is a changed decision: find it and explain it (a near-tie
+    moved by rounding) before re-recording."""
+    log: list[tuple[str, int | None, str]] = []
+
+    def make(clock: pm.SimClock) -> AdaptivePolicy:
+        policy = AdaptivePolicy(clock=clock)
+        choose = policy.choose
+
+        def recording(shape, workers):  # type: ignore[no-untyped-def]
+            d = choose(shape, workers)
+            log.append((d.worker, d.spec_depth, d.reason))
+            return d
+        policy.choose = recording  # type: ignore[method-assign]
+        return policy
+
+    pm.run_results(make, pm.prefix_mix(16.0, 240, 1, tight=True))
+    assert log[:len(RECORDED_FIRST)] == RECORDED_FIRST
+    assert dict(Counter(log)) == RECORDED_COUNTS
