@@ -229,12 +229,14 @@ class LatencyPrior:
     def __init__(self, config: CompiledConfig, prior: PriorConfig) -> None:
         self.config = config
         self.prior = prior
+        fit = config.fit
+        # NOTE: the default fit (any domain, any length) declares nothing: no bonus.
+        self._declared = bool(fit.domains) or fit.prompt_tokens != DeclaredFit().prompt_tokens
 
     def factor(self, domain: str, prompt_tokens: int) -> float:
-        fit = self.config.fit
-        # NOTE: the default fit (any domain, any length) declares nothing: no bonus.
-        declared = bool(fit.domains) or fit.prompt_tokens != DeclaredFit().prompt_tokens
-        return self.prior.fit_bonus if declared and fit.covers(domain, prompt_tokens) else 1.0
+        if self._declared and self.config.fit.covers(domain, prompt_tokens):
+            return self.prior.fit_bonus
+        return 1.0
 
     def ttft_coef(self) -> Vec:
         """[s, s per 1000 prompt tokens, s per 8 queued requests] for an average shape."""

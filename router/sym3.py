@@ -57,7 +57,7 @@ def eigvec(a: Mat3, lam: float) -> Vec3 | None:
         n = c[0] * c[0] + c[1] * c[1] + c[2] * c[2]
         if n > best_n:
             best, best_n = c, n
-    scale = sum(x * x for row in (r0, r1, r2) for x in row)
+    scale = _dot(r0, r0) + _dot(r1, r1) + _dot(r2, r2)
     if best_n <= _DEGENERATE * scale * scale or best_n == 0.0:
         return None
     s = 1.0 / math.sqrt(best_n)
@@ -88,6 +88,10 @@ def clip_eigenvalues(a: Mat3, cap: float) -> Mat3 | None:
     e = lo - cap
     return _sym(cap + e * v[0] * v[0], e * v[0] * v[1], e * v[0] * v[2],
                 cap + e * v[1] * v[1], e * v[1] * v[2], cap + e * v[2] * v[2])
+
+
+def _dot(a: Vec3, b: Vec3) -> float:
+    return a[0] * b[0] + a[1] * b[1] + a[2] * b[2]
 
 
 def _sym(a00: float, a01: float, a02: float, a11: float, a12: float, a22: float) -> Mat3:
