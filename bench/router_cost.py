@@ -17,6 +17,7 @@ median microseconds per request (choose + observe) and new / base, and whether t
 trees made the same decisions (worker, depth, reason) on every request.
 
     python bench/router_cost.py --baseline HEAD          # this work tree against HEAD
+    python bench/router_cost.py --new HEAD --baseline HEAD~3   # two commits, no work tree
     python bench/router_cost.py --inflight 64 --repeats 3
 """
 
@@ -175,7 +176,7 @@ def _run_tree(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def bench(args: argparse.Namespace) -> None:
-    trees = {"new": REPO}
+    trees = {"new": _export(args.new) if args.new else REPO}
     if args.baseline or args.baseline_dir:
         trees["base"] = Path(args.baseline_dir).resolve() if args.baseline_dir \
             else _export(args.baseline)
@@ -208,6 +209,8 @@ def main() -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--baseline", help="git revision to compare against, side by side")
     parser.add_argument("--baseline-dir", help="an exported tree to compare against (no git)")
+    parser.add_argument("--new", help="git revision to run as 'new' (default: the work tree, "
+                        "with whatever is uncommitted in it, others' edits included)")
     parser.add_argument("--inflight", type=int, nargs="+", default=[0, 16, 64, 256])
     parser.add_argument("--num", type=int, default=300, help="timed requests per level")
     parser.add_argument("--repeats", type=int, default=3)
