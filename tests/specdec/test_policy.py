@@ -444,6 +444,11 @@ def test_drafts_per_step_are_learned_per_depth_and_stay_monotone() -> None:
     assert drafts[1] == 1.0 and drafts[2] == 2.0
     assert drafts[4] == pytest.approx(drafts[8])
     assert drafts == sorted(drafts)
+    # cached until the next observation, which the next read then reflects
+    assert est.drafts_per_step(8, prior_steps=50.0) is drafts
+    est.observe(400, 20, depth=8, max_evidence=1e6, num_steps=40)  # 10 drafts a step
+    assert est.drafts_per_step(8, prior_steps=50.0)[8] == pytest.approx(
+        (1200 + 50 * 8) / (440 + 50))
 
 
 def test_observe_request_prices_client_samples_by_draft_tokens() -> None:
