@@ -433,25 +433,13 @@ class AdaptivePolicy:
         if stall <= 0 and crowd_s <= 0 and crowd_frac <= 0:
             return 0.0
         crowds = crowd_s > 0 or crowd_frac > 0
-        k = self.config.slo_penalty
         for f, received in self._inflight.stalled(worker, now):
             # NOTE: the prefill routed onto the flight since it was sent counts too, so each
             # further prompt sees it nearer its SLO (the penalty is convex)
             delay = received + stall
-            # NOTE: what follows is _crowd_delay and _flight_cost(f, delay) -
-            # _flight_cost(f, received), written out: it runs for every flight on the worker
-            # for every candidate (a crowd delay of 0 adds nothing: skipped)
-            if crowds:
-                shared_s = min(max(f.sent_s + f.cost_s - now, 0.1 * f.cost_s), cost_s)
-                delay += crowd_s * shared_s / max(f.tpot_s, 1e-4) + crowd_frac * shared_s
-            if f.slo_tpot_s:
-                tpot, slo = f.tpot_s, f.slo_tpot_s
-                miss_d = f.ttft_miss + max(0.0, (tpot + delay / f.num_gaps) / slo - 1.0)
-                miss_r = f.ttft_miss + max(0.0, (tpot + received / f.num_gaps) / slo - 1.0)
-            else:
-                miss_d = miss_r = f.ttft_miss
-            harm += ((f.cost_s + delay) * (1.0 + k * miss_d)
-                     - (f.cost_s + received) * (1.0 + k * miss_r))
+            if crowds:  # (a crowd delay of 0 adds nothing: skipped, it runs per flight)
+                delay += self._crowd_delay(f, now, cost_s, crowd_s, crowd_frac)
+            harm += self._flight_cost(f, delay) - self._flight_cost(f, received)
         return harm
 
     @staticmethod
