@@ -447,7 +447,7 @@ class AdaptivePolicy:
                      ) -> float:
         """Seconds a running request loses to this one's joining its batch: its steps while
         both run, each ``crowd_s`` slower, or that time x ``crowd_frac``."""
-        shared_s = min(max(f.sent_s + f.cost_s - now, 0.1 * f.cost_s), cost_s)  # remaining_s
+        shared_s = min(f.remaining_s(now), cost_s)
         return crowd_s * shared_s / max(f.tpot_s, 1e-4) + crowd_frac * shared_s
 
     def _flight_cost(self, f: Flight, delay_s: float) -> float:
