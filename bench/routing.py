@@ -163,14 +163,12 @@ CLASS_OF = {d: c for c, ds in CLASSES.items() for d in ds}
 # 9: what a long prompt's context adds to its worker's steps priced; a switch ON, the others
 # turn one OFF); ``adaptive-twin``, adaptive exactly (an A/A: how far two identical fleets of
 # one run differ, the noise every A/B above sits in); ``adaptive-held``, exclusivity to a
-# worker judged as if its reserve held (ReserveConfig.exclusive="held", session 10), and
-# ``adaptive-heldstall``, that and a prompt whose prefill would stall the exclusive requests
-# decoding beside it past their TPOT slack charged for it (hold="stall").
+# worker judged as if its reserve held (ReserveConfig.exclusive="held", session 10).
 POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive",
     "adaptive-nostall": "adaptive", "adaptive-r4": "adaptive", "adaptive-noreserve": "adaptive",
     "adaptive-pooledprior": "adaptive", "adaptive-context": "adaptive",
-    "adaptive-twin": "adaptive", "adaptive-held": "adaptive", "adaptive-heldstall": "adaptive"}
+    "adaptive-twin": "adaptive", "adaptive-held": "adaptive"}
 NOSTALL = "adaptive-nostall"
 R4 = "adaptive-r4"
 NORESERVE = "adaptive-noreserve"
@@ -178,23 +176,19 @@ POOLED = "adaptive-pooledprior"
 CONTEXT = "adaptive-context"
 TWIN = "adaptive-twin"
 HELD = "adaptive-held"
-HELDSTALL = "adaptive-heldstall"
 VARIANTS: dict[str, dict[str, Any]] = {NOSTALL: {"price_prefill_stalls": False},
                                         R4: {"step_scaled_batch": False},
                                         NORESERVE: {"reserve_slots": False},
                                         POOLED: {"tpot_prior_by_band": False},
                                         CONTEXT: {"price_context": True}, TWIN: {},
-                                        HELD: {"reserve": ReserveConfig(exclusive="held")},
-                                        HELDSTALL: {"reserve": ReserveConfig(exclusive="held",
-                                                                             hold="stall")}}
+                                        HELD: {"reserve": ReserveConfig(exclusive="held")}}
 DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive", CONTEXT]
 # (policy, baseline) pairs whose goodput ratios the reports print, where both ran
 COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                ("adaptive", NOSTALL), ("adaptive", R4), ("adaptive", NORESERVE),
                ("adaptive", POOLED), (CONTEXT, "adaptive"), (CONTEXT, "round_robin"),
                (CONTEXT, "least_outstanding"), (TWIN, "adaptive"),
-               *((v, b) for v in (HELD, HELDSTALL)
-                 for b in ("round_robin", "least_outstanding", "adaptive")), (HELDSTALL, HELD))
+               (HELD, "round_robin"), (HELD, "least_outstanding"), (HELD, "adaptive"))
 MAX_MODEL_LEN = 2048
 # NOTE: greedy decoding, as Spec-Bench and bench/specdec.py measure: the traces carry no
 # sampling parameters, and the engine's default (temperature 1, as OpenAI's) makes the

@@ -191,7 +191,6 @@ class Candidate:
     refused: bool = False  # kept for the worker's reserve (router.reserve, mode "refuse")
     meets_if_held: bool = False  # meets it there were the worker's reserve held (reserve.exclusive)
     held_cost_s: float = math.inf  # its cost there were the reserve held (reserve.exclusive)
-    held_tpot_s: float = math.inf  # its TPOT there were the reserve held (reserve.exclusive)
 
 
 def caches_prefixes(view: WorkerView) -> bool:
@@ -236,7 +235,7 @@ class AdaptivePolicy:
     # --- RoutingPolicy -------------------------------------------------------------------
 
     def choose(self, shape: RequestShape, workers: Sequence[WorkerView]) -> RouteDecision:
-        cands = self._charge_reserves(shape, [self.candidate(shape, w) for w in workers])
+        cands = self._charge_reserves([self.candidate(shape, w) for w in workers])
         pick, reason = self._pick(cands)
         view, loss_s = workers[cands.index(pick)], self._loss(pick, cands)
         pick = self._commit_depth(shape, view, pick)
@@ -315,34 +314,32 @@ class AdaptivePolicy:
         ready_ttft_s = ttft_s - wait - ahead
         _, meets_with_slot = self._slo(shape, ready_ttft_s, tpot_s)
         slack = shape.slo_ttft_s - ready_ttft_s if shape.slo_ttft_s else math.inf
-        meets_if_held, held_cost, held_tpot = self._if_held(shape, view.name, prof, now, cap, d,
-                                                            cached)
+        meets_if_held, held_cost = self._if_held(shape, view.name, prof, now, cap, d, cached)
         return Candidate(view.name, cost * penalty + harm + future,
                          self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
                          ttft_s, tpot_s, prefill_s, wait, model_cached, cached, saved_s * penalty,
                          ahead, cap, meets_with_slot, cost - wait, slack,
                          context_extra_s=extra, context_met_s=met, context_future_s=future,
-                         meets_if_held=meets_if_held, held_cost_s=held_cost,
-                         held_tpot_s=held_tpot)
+                         meets_if_held=meets_if_held, held_cost_s=held_cost)
 
     def _if_held(self, shape: RequestShape, worker: str, prof: WorkerProfile, now: float,
-                 cap: int, depth: int, cached: float) -> tuple[bool, float, float]:
-        """(whether the request would meet its SLO on the worker, its penalised cost, its TPOT)
+                 cap: int, depth: int, cached: float) -> tuple[bool, float]:
+        """(whether the request would meet its SLO on the worker, its penalised cost there)
         were the worker's reserve held: a free slot, no prefill ahead, and a batch of the
         worker's exclusive traffic alone (its mean in service, rounded up, and this one);
-        (False, inf, inf) unless ``reserve.exclusive`` is "held".
+        (False, inf) unless ``reserve.exclusive`` is "held".
 
         NOTE: judged as the worker is now, a tight request misses on the fast worker that
         slack-rich long prompts crowd, as it does everywhere else, so it is exclusive to no
         worker, nothing is reserved, and the crowding goes on (session 9 on the device: the
         tight classes met 0 of 44 there). Judged as if held, it stays exclusive to it."""
         if not self.config.reserve_slots or self.config.reserve.exclusive != "held":
-            return False, math.inf, math.inf
+            return False, math.inf
         batch = min(1 + math.ceil(self.reserve.mean_in_service(worker, now) - 1e-9), cap)
         pred = prof.predict(shape.domain, shape.prompt_tokens, batch - 1, batch, depth, cached,
                             self.step_ratio(worker, batch, depth))
         penalty, meets = self._slo(shape, pred.ttft_s, pred.tpot_s)
-        return meets, self._cost(shape, pred) * penalty, pred.tpot_s
+        return meets, self._cost(shape, pred) * penalty
 
     def _context(self, shape: RequestShape, worker: str, prof: WorkerProfile, now: float,
                  ttft_s: float, tpot_s: float, depth: int) -> tuple[float, float]:
@@ -554,7 +551,7 @@ class AdaptivePolicy:
 
     # --- slot reserves (router.reserve) ------------------------------------------------------
 
-    def _charge_reserves(self, shape: RequestShape, cands: list[Candidate]) -> list[Candidate]:
+    def _charge_reserves(self, cands: list[Candidate]) -> list[Candidate]:
         """Count the request towards a worker's reserve when it is exclusive to that worker
         (ReserveConfig.exclusive); on every other worker whose reserve it would hold, charge
         or refuse it (router.reserve)."""
@@ -568,10 +565,7 @@ class AdaptivePolicy:
             service = own.held_cost_s if held else own.service_s
             loss = min(c.cost_s for c in cands if c is not own) - (
                 own.held_cost_s if held else own.cost_s)
-            tpot = own.held_tpot_s if held else own.tpot_s
-            decode_slack = (shape.slo_tpot_s - tpot) * max(shape.predicted_output_tokens - 1, 1) \
-                if shape.slo_tpot_s else math.inf
-            self.reserve.observe(own.name, now, service, loss, own.ttft_slack_s, decode_slack)
+            self.reserve.observe(own.name, now, service, loss, own.ttft_slack_s)
         holds = [0.0 if c is own else self.reserve.hold_s(
             c.name, now, c.queue, c.capacity, c.service_s, c.prefill_s) for c in cands]
         if self.config.reserve.mode == "refuse":

@@ -54,20 +54,9 @@ class ReserveConfig:
     # were W's reserve held (a free slot, no prefill ahead, a batch of W's exclusive traffic
     # alone), and on no other worker as they are now
     exclusive: str = "now"
-    # how long a request that is not exclusive to W keeps W's reserve not ready: "slot",
-    # its time in service if it takes a reserved slot, else the part of its prefill beyond
-    # the exclusive traffic's TTFT slack (hold_s); "stall", that, or, when its prefill would
-    # stall an exclusive request's decode by more than that request's TPOT slack (the
-    # engine runs a prompt's chunks in the steps of the requests decoding beside it), its
-    # prefill and an exclusive request's time in service: any exclusive request decoding
-    # during that prefill misses
-    hold: str = "slot"
-
     def __post_init__(self) -> None:
         if self.exclusive not in ("now", "held"):
             raise ValueError(f"exclusive: expected 'now' or 'held', got {self.exclusive!r}")
-        if self.hold not in ("slot", "stall"):
-            raise ValueError(f"hold: expected 'slot' or 'stall', got {self.hold!r}")
         if self.mode not in ("charge", "refuse"):
             raise ValueError(f"mode: expected 'charge' or 'refuse', got {self.mode!r}")
         if not self.window_s > 0:
@@ -115,12 +104,10 @@ class _Demand:
     last_s: float = 0.0
     service_s: float = 0.0  # EWMA of predicted time in service, seconds
     slack_s: float = math.inf  # EWMA of TTFT slack (SLO - predicted, free slot), seconds
-    # EWMA of decode slack: (TPOT SLO - predicted TPOT) x the tokens after the first, s
-    stall_slack_s: float = math.inf
     loss_s: float = 0.0  # EWMA of the extra penalised cost on the best other worker, s
 
     def add(self, now_s: float, service_s: float, slack_s: float, loss_s: float,
-            config: ReserveConfig, stall_slack_s: float = math.inf) -> None:
+            config: ReserveConfig) -> None:
         first = self.count == 0.0
         self.count = decayed(self.count, now_s - self.last_s, config.window_s) + 1.0
         self.last_s = now_s
@@ -131,10 +118,6 @@ class _Demand:
             self.slack_s = slack_s
         elif not math.isinf(slack_s):  # a request without a TTFT SLO tells nothing of it
             self.slack_s += a * (slack_s - self.slack_s)
-        if math.isinf(self.stall_slack_s):
-            self.stall_slack_s = stall_slack_s
-        elif not math.isinf(stall_slack_s):  # nor one without a TPOT SLO of its decode
-            self.stall_slack_s += a * (stall_slack_s - self.stall_slack_s)
 
     def rate(self, now_s: float, config: ReserveConfig) -> float:
         """Exclusive arrivals per second, as of ``now_s``."""
@@ -149,18 +132,15 @@ class SlotReserve:
         self._demand: dict[str, _Demand] = {}
 
     def observe(self, worker: str, now_s: float, service_s: float, loss_s: float,
-                slack_s: float = math.inf, stall_slack_s: float = math.inf) -> None:
+                slack_s: float = math.inf) -> None:
         """A request exclusive to ``worker`` arrived; it would be in service there for
         ``service_s`` seconds, cost ``loss_s`` more on its best other worker, and meet its
-        TTFT SLO with ``slack_s`` to spare given a free slot (predicted; inf: no TTFT SLO),
-        and its TPOT SLO with ``stall_slack_s`` seconds of decode to spare (inf: no TPOT SLO).
+        TTFT SLO with ``slack_s`` to spare given a free slot (predicted; inf: no TTFT SLO).
         A sample with a non-finite service or loss is ignored (it would poison the EWMAs)."""
-        if not (math.isfinite(service_s) and math.isfinite(loss_s)) \
-                or math.isnan(slack_s) or math.isnan(stall_slack_s):
+        if not (math.isfinite(service_s) and math.isfinite(loss_s)) or math.isnan(slack_s):
             return
         self._demand.setdefault(worker, _Demand()).add(
-            now_s, max(service_s, 0.0), max(slack_s, 0.0), max(loss_s, 0.0), self.config,
-            max(stall_slack_s, 0.0))
+            now_s, max(service_s, 0.0), max(slack_s, 0.0), max(loss_s, 0.0), self.config)
 
     def mean_in_service(self, worker: str, now_s: float) -> float:
         """Little's law: exclusive requests in service on ``worker`` on average."""
@@ -181,10 +161,7 @@ class SlotReserve:
         if d is None:
             return 0.0
         reserved = self.slots(worker, now_s, capacity)
-        held = hold_s(capacity - queue - 1, reserved, service_s, prefill_s, d.slack_s)
-        if self.config.hold == "stall" and prefill_s > d.stall_slack_s:
-            held = max(held, prefill_s + d.service_s)
-        return held
+        return hold_s(capacity - queue - 1, reserved, service_s, prefill_s, d.slack_s)
 
     def charge_s(self, worker: str, now_s: float, hold_s: float) -> float:
         """What holding ``worker``'s reserve ``hold_s`` seconds costs its exclusive traffic,
@@ -200,8 +177,6 @@ class SlotReserve:
         return {w: {"rate": round(d.rate(now_s, self.config), 4),
                     "service_s": round(d.service_s, 4),
                     "ttft_slack_s": None if math.isinf(d.slack_s) else round(d.slack_s, 4),
-                    "decode_slack_s": None if math.isinf(d.stall_slack_s)
-                    else round(d.stall_slack_s, 4),
                     "loss_s": round(d.loss_s, 4),
                     "in_service": round(self.mean_in_service(w, now_s), 4)}
                 for w, d in self._demand.items()}
