@@ -54,6 +54,7 @@ class ReserveConfig:
     # were W's reserve held (a free slot, no prefill ahead, a batch of W's exclusive traffic
     # alone), and on no other worker as they are now
     exclusive: str = "now"
+
     def __post_init__(self) -> None:
         if self.exclusive not in ("now", "held"):
             raise ValueError(f"exclusive: expected 'now' or 'held', got {self.exclusive!r}")
