@@ -141,7 +141,6 @@ from proxy.routing import build_policy
 from proxy.supervisor import free_port
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.corpus import SPEC_BENCH_MAP
-from router.reserve import ReserveConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # Domain classes: what this hardware rewards per shape (bench/RESULTS.md, specdec runs:
@@ -162,33 +161,29 @@ CLASS_OF = {d: c for c, ds in CLASSES.items() for d in ds}
 # bucket's TPOT from the worker-wide fit); ``adaptive-context``, ``price_context=True`` (session
 # 9: what a long prompt's context adds to its worker's steps priced; a switch ON, the others
 # turn one OFF); ``adaptive-twin``, adaptive exactly (an A/A: how far two identical fleets of
-# one run differ, the noise every A/B above sits in); ``adaptive-held``, exclusivity to a
-# worker judged as if its reserve held (ReserveConfig.exclusive="held", session 10).
+# one run differ, the noise every A/B above sits in).
 POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive",
     "adaptive-nostall": "adaptive", "adaptive-r4": "adaptive", "adaptive-noreserve": "adaptive",
     "adaptive-pooledprior": "adaptive", "adaptive-context": "adaptive",
-    "adaptive-twin": "adaptive", "adaptive-held": "adaptive"}
+    "adaptive-twin": "adaptive"}
 NOSTALL = "adaptive-nostall"
 R4 = "adaptive-r4"
 NORESERVE = "adaptive-noreserve"
 POOLED = "adaptive-pooledprior"
 CONTEXT = "adaptive-context"
 TWIN = "adaptive-twin"
-HELD = "adaptive-held"
-VARIANTS: dict[str, dict[str, Any]] = {NOSTALL: {"price_prefill_stalls": False},
+VARIANTS: dict[str, dict[str, bool]] = {NOSTALL: {"price_prefill_stalls": False},
                                         R4: {"step_scaled_batch": False},
                                         NORESERVE: {"reserve_slots": False},
                                         POOLED: {"tpot_prior_by_band": False},
-                                        CONTEXT: {"price_context": True}, TWIN: {},
-                                        HELD: {"reserve": ReserveConfig(exclusive="held")}}
+                                        CONTEXT: {"price_context": True}, TWIN: {}}
 DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive", CONTEXT]
 # (policy, baseline) pairs whose goodput ratios the reports print, where both ran
 COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                ("adaptive", NOSTALL), ("adaptive", R4), ("adaptive", NORESERVE),
                ("adaptive", POOLED), (CONTEXT, "adaptive"), (CONTEXT, "round_robin"),
-               (CONTEXT, "least_outstanding"), (TWIN, "adaptive"),
-               (HELD, "round_robin"), (HELD, "least_outstanding"), (HELD, "adaptive"))
+               (CONTEXT, "least_outstanding"), (TWIN, "adaptive"))
 MAX_MODEL_LEN = 2048
 # NOTE: greedy decoding, as Spec-Bench and bench/specdec.py measure: the traces carry no
 # sampling parameters, and the engine's default (temperature 1, as OpenAI's) makes the

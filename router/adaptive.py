@@ -189,8 +189,6 @@ class Candidate:
     context_met_s: float = 0.0  # in tpot_s: what the co-runners' contexts add to its TPOT
     context_future_s: float = 0.0  # in cost_s: its context's harm to the arrivals to come
     refused: bool = False  # kept for the worker's reserve (router.reserve, mode "refuse")
-    meets_if_held: bool = False  # meets it there were the worker's reserve held (reserve.exclusive)
-    held_cost_s: float = math.inf  # its cost there were the reserve held (reserve.exclusive)
 
 
 def caches_prefixes(view: WorkerView) -> bool:
@@ -314,32 +312,11 @@ class AdaptivePolicy:
         ready_ttft_s = ttft_s - wait - ahead
         _, meets_with_slot = self._slo(shape, ready_ttft_s, tpot_s)
         slack = shape.slo_ttft_s - ready_ttft_s if shape.slo_ttft_s else math.inf
-        meets_if_held, held_cost = self._if_held(shape, view.name, prof, now, cap, d, cached)
         return Candidate(view.name, cost * penalty + harm + future,
                          self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
                          ttft_s, tpot_s, prefill_s, wait, model_cached, cached, saved_s * penalty,
                          ahead, cap, meets_with_slot, cost - wait, slack,
-                         context_extra_s=extra, context_met_s=met, context_future_s=future,
-                         meets_if_held=meets_if_held, held_cost_s=held_cost)
-
-    def _if_held(self, shape: RequestShape, worker: str, prof: WorkerProfile, now: float,
-                 cap: int, depth: int, cached: float) -> tuple[bool, float]:
-        """(whether the request would meet its SLO on the worker, its penalised cost there)
-        were the worker's reserve held: a free slot, no prefill ahead, and a batch of the
-        worker's exclusive traffic alone (its mean in service, rounded up, and this one);
-        (False, inf) unless ``reserve.exclusive`` is "held".
-
-        NOTE: judged as the worker is now, a tight request misses on the fast worker that
-        slack-rich long prompts crowd, as it does everywhere else, so it is exclusive to no
-        worker, nothing is reserved, and the crowding goes on (session 9 on the device: the
-        tight classes met 0 of 44 there). Judged as if held, it stays exclusive to it."""
-        if not self.config.reserve_slots or self.config.reserve.exclusive != "held":
-            return False, math.inf
-        batch = min(1 + math.ceil(self.reserve.mean_in_service(worker, now) - 1e-9), cap)
-        pred = prof.predict(shape.domain, shape.prompt_tokens, batch - 1, batch, depth, cached,
-                            self.step_ratio(worker, batch, depth))
-        penalty, meets = self._slo(shape, pred.ttft_s, pred.tpot_s)
-        return meets, self._cost(shape, pred) * penalty
+                         context_extra_s=extra, context_met_s=met, context_future_s=future)
 
     def _context(self, shape: RequestShape, worker: str, prof: WorkerProfile, now: float,
                  ttft_s: float, tpot_s: float, depth: int) -> tuple[float, float]:
@@ -552,20 +529,17 @@ class AdaptivePolicy:
     # --- slot reserves (router.reserve) ------------------------------------------------------
 
     def _charge_reserves(self, cands: list[Candidate]) -> list[Candidate]:
-        """Count the request towards a worker's reserve when it is exclusive to that worker
-        (ReserveConfig.exclusive); on every other worker whose reserve it would hold, charge
-        or refuse it (router.reserve)."""
+        """Count the request towards a worker's reserve when that worker alone is predicted
+        to meet its SLO (given a free slot and no prefill ahead); on every other worker
+        whose reserve it would hold, charge or refuse it (router.reserve)."""
         if not self.config.reserve_slots or len(cands) < 2:
             return cands
         now = self.clock()
-        own = self._exclusive_to(cands)
+        fits = [c for c in cands if c.meets_with_slot]
+        own = fits[0] if len(fits) == 1 else None
         if own is not None:
-            # NOTE: judged as if held, its time and cost there are as if held too
-            held = self.config.reserve.exclusive == "held"
-            service = own.held_cost_s if held else own.service_s
-            loss = min(c.cost_s for c in cands if c is not own) - (
-                own.held_cost_s if held else own.cost_s)
-            self.reserve.observe(own.name, now, service, loss, own.ttft_slack_s)
+            loss = min(c.cost_s for c in cands if c is not own) - own.cost_s
+            self.reserve.observe(own.name, now, own.service_s, loss, own.ttft_slack_s)
         holds = [0.0 if c is own else self.reserve.hold_s(
             c.name, now, c.queue, c.capacity, c.service_s, c.prefill_s) for c in cands]
         if self.config.reserve.mode == "refuse":
@@ -581,15 +555,6 @@ class AdaptivePolicy:
             ok = charge > 0 and math.isfinite(charge)
             out.append(replace(c, cost_s=c.cost_s + charge, reserve_s=charge) if ok else c)
         return out
-
-    def _exclusive_to(self, cands: list[Candidate]) -> Candidate | None:
-        """The worker the request is exclusive to (ReserveConfig.exclusive), or None."""
-        now_fits = [c for c in cands if c.meets_with_slot]
-        if self.config.reserve.exclusive == "now":
-            return now_fits[0] if len(now_fits) == 1 else None
-        owners = [c for c in cands if c.meets_if_held
-                  and not any(o is not c for o in now_fits)]
-        return owners[0] if len(owners) == 1 else None
 
     # --- learning --------------------------------------------------------------------------
 

@@ -49,15 +49,8 @@ class ReserveConfig:
     # worker; "refuse": it goes to the cheapest other worker that meets its SLO and holds
     # no reserve, when there is one
     mode: str = "charge"
-    # what makes a request exclusive to a worker W: "now", it meets its SLO on W given a
-    # free slot and no prefill ahead, and on no other worker so; "held", it would meet on W
-    # were W's reserve held (a free slot, no prefill ahead, a batch of W's exclusive traffic
-    # alone), and on no other worker as they are now
-    exclusive: str = "now"
 
     def __post_init__(self) -> None:
-        if self.exclusive not in ("now", "held"):
-            raise ValueError(f"exclusive: expected 'now' or 'held', got {self.exclusive!r}")
         if self.mode not in ("charge", "refuse"):
             raise ValueError(f"mode: expected 'charge' or 'refuse', got {self.mode!r}")
         if not self.window_s > 0:
