@@ -320,24 +320,19 @@ def _print(cells: dict[tuple[str, int], Cell]) -> None:
             print(f"k={d} outputs identical {b} vs {a}: {same} of {len(ca.texts)}")
 
 
-def _export(rev: str) -> Path:
-    out = Path(tempfile.mkdtemp(prefix="engine-host-"))
-    archive = subprocess.run(["git", "archive", rev], cwd=REPO, check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
-    return out
-
-
 def bench(args: argparse.Namespace) -> None:
+    # NOTE: before bench/specdec.py loads: it takes bench/ off the path
+    from revtree import export  # bench/, on the path when this file runs as a script
+
     bs = _load_bench_specdec()
     path = Path(args.data) / "prompts" / "spec_bench_questions.jsonl"
     prompts = [p for p in bs.load_prompts(path, args.per_domain, args.seed)
                if args.domains is None or p.domain in args.domains]
-    trees = {"new": _export(args.new) if args.new else REPO}
-    if args.baseline or args.baseline_dir:
-        trees["base"] = (Path(args.baseline_dir).resolve() if args.baseline_dir
-                         else _export(args.baseline))
     with contextlib.ExitStack() as stack:
+        trees = {"new": export(args.new, stack, "engine-host-") if args.new else REPO}
+        if args.baseline or args.baseline_dir:
+            trees["base"] = (Path(args.baseline_dir).resolve() if args.baseline_dir
+                             else export(args.baseline, stack, "engine-host-"))
         urls = {name: stack.enter_context(engine_server(tree, args))
                 for name, tree in trees.items()}
         for name, url in urls.items():

@@ -24,15 +24,16 @@ trees made the same decisions (worker, depth, reason) on every request.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,14 +160,6 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
-def _export(rev: str) -> Path:
-    out = Path(tempfile.mkdtemp(prefix="router-cost-"))
-    archive = subprocess.run(["git", "archive", rev], cwd=REPO, check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
-    return out
-
-
 def _run_tree(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--num", str(args.num),
            "--seed", str(args.seed), "--inflight", *map(str, args.inflight)]
@@ -176,10 +169,17 @@ def _run_tree(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def bench(args: argparse.Namespace) -> None:
-    trees = {"new": _export(args.new) if args.new else REPO}
+    from revtree import export  # bench/, on the path when this file runs as a script
+
+    with contextlib.ExitStack() as stack:
+        _bench(args, lambda rev: export(rev, stack, "router-cost-"))
+
+
+def _bench(args: argparse.Namespace, export_rev: Callable[[str], Path]) -> None:
+    trees = {"new": export_rev(args.new) if args.new else REPO}
     if args.baseline or args.baseline_dir:
         trees["base"] = Path(args.baseline_dir).resolve() if args.baseline_dir \
-            else _export(args.baseline)
+            else export_rev(args.baseline)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     order = list(trees)
     for r in range(args.repeats):
