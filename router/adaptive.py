@@ -144,6 +144,10 @@ class AdaptiveConfig:
     # simulator it won only where steps pay for context, at the lower rate (session 9)
     price_context: bool = False
     context: ContextConfig = field(default_factory=ContextConfig)
+    # a request whose TPOT SLO the depth policy's depth (chosen for the worker's whole domain
+    # mix, so its throughput) would miss goes at the depth fastest for the request itself,
+    # by its own domain's acceptance (DepthPolicy.token_times). Off until an A/B shows it wins
+    slo_depth: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore_prob < 1.0:
@@ -283,6 +287,7 @@ class AdaptivePolicy:
         cached = model_cached * self.prefix_cache.hit_ratio(view.name)
         ratio = self.step_ratio(view.name, batch, d)
         pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d, cached, ratio)
+        depth, pred = self._slo_depth(shape, view, batch, depth, pred)
         idle = prof.predict(shape.domain, shape.prompt_tokens, 0, 1, d, cached,
                             None if ratio is None else 1.0)
         prefill_s = idle.prefill_s
@@ -296,6 +301,7 @@ class AdaptivePolicy:
         wait = self._inflight.slot_wait_s(view.name, now, queue + 1 - cap, cap,
                                           self._cost(shape, pred))
         ttft_s, tpot_s, ahead = self._latency(shape, view.name, now, pred, wait)
+        d = depth or 0
         extra, met = self._context(shape, view.name, prof, now, ttft_s, tpot_s, d)
         tpot_s += met
         cost = ttft_s + max(shape.predicted_output_tokens - 1, 0) * tpot_s
@@ -499,6 +505,29 @@ class AdaptivePolicy:
         # NOTE: every candidate is priced at its depth; only the pick's is recorded
         # (_commit_depth), so a worker's domain mix and k=0 probe count its own requests.
         return self.depth_policy.peek(view.name, shape.domain, batch, e.spec_max_depth)
+
+    def _slo_depth(self, shape: RequestShape, view: WorkerView, batch: int, depth: int | None,
+                   pred: Prediction) -> tuple[int | None, Prediction]:
+        """(depth, prediction) for the request on the worker: with ``slo_depth``, where the
+        TPOT predicted at the depth policy's ``depth`` misses the request's TPOT SLO, the
+        depth fastest for the request itself and the TPOT scaled by the depth policy's token
+        times (DepthPolicy.token_times); else both unchanged.
+
+        NOTE: the depth policy picks one depth for the worker's domain mix under load (its
+        tokens per second), which can leave a request of a well-accepted domain short of a
+        tight TPOT SLO that a deeper depth would meet: on the device (session 10) the spec
+        worker ran at k=0 in one call and its repetitive requests met 2 of 55, at k=3 in
+        another and they met 37 of 80."""
+        if not self.config.slo_depth or depth is None or shape.speculative_depth is not None \
+                or not shape.slo_tpot_s or pred.tpot_s <= shape.slo_tpot_s \
+                or view.config.engine.spec_method == "none":
+            return depth, pred
+        times = self.depth_policy.token_times(view.name, shape.domain, batch,
+                                              view.config.engine.spec_max_depth)
+        own = min(range(len(times)), key=times.__getitem__)
+        if own == depth or depth >= len(times):
+            return depth, pred
+        return own, replace(pred, tpot_s=pred.tpot_s * times[own] / times[depth])
 
     def _commit_depth(self, shape: RequestShape, view: WorkerView, pick: Candidate) -> Candidate:
         """The pick with the depth the depth policy records for it (0 when it probes k=0)."""

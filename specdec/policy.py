@@ -410,6 +410,26 @@ class DepthPolicy:
         return choose_depth(est.mean, max(batch, 1), self.step_time(worker), cap, c.min_gain,
                             expected, drafted)
 
+    def token_times(self, worker: str, domain: str, batch: int, max_depth: int | None = None
+                    ) -> list[float]:
+        """Predicted seconds per emitted token of one request of ``domain`` on ``worker`` at
+        each depth k = 0..cap, ``batch`` sequences running (counting it): by its own
+        domain's tokens per step, not the worker's mix, and the step time of the whole
+        batch at k (an upper bound when only this request speculates that deep). What a
+        router compares to the request's TPOT SLO; records nothing."""
+        c = self.config
+        cap = c.max_depth if max_depth is None else min(max_depth, c.max_depth)
+        est = self.acceptance(worker, domain)
+        expected = est.tokens_per_step(cap, c.prior_steps_per_depth)
+        drafted = est.drafts_per_step(cap, c.prior_steps_per_depth)
+        model = self.step_time(worker)
+        b = max(batch, 1)
+        factors = model.calibrations(b, cap)
+        wait = not model.token_costs  # as choose_depth: calibrated factors carry the wait
+        prefill = model.shared_prefill(b, wait)
+        return [token_cost(model, b, k, expected[k], drafted[k], wait, prefill) * factors[k]
+                for k in range(cap + 1)]
+
     def commit(self, worker: str, domain: str, batch: int, k: int) -> int:
         """Record that a request of ``domain`` joins ``worker`` at depth ``k`` (the worker's
         domain mix; the k=0 probe's count); returns the depth to send: ``k``, or 0 when this

@@ -194,3 +194,36 @@ def test_profile_survives_equal_config_copies_and_resets_on_a_new_config() -> No
     assert p.profile(same).num_samples("code", 100) == 5  # an equal copy: kept
     retuned = WorkerView("small", "http://s", "engine", SMALL.with_engine(max_num_seqs=8))
     assert p.profile(retuned).num_samples("code", 100) == 0  # optimizer reload: relearn
+
+
+def test_slo_depth_speculates_for_a_tight_tpot_that_the_mix_depth_would_miss() -> None:
+    """With ``slo_depth``, a request whose TPOT SLO the worker's mix depth (k=0 here: a
+    rag-heavy mix) would miss goes at the depth fastest for its own domain, its TPOT scaled by
+    the depth policy's token times; a request that meets its SLO, or has none, keeps the
+    mix depth. Off: the mix depth for all."""
+    dp = DepthPolicy(PolicyConfig(max_depth=4, step_prior_s=(0.010, 0.0005, 0.001375, 0.0005),
+                                  step_prior_weight=1e12, calibrate_token_cost=False,
+                                  domain_priors=(("translation", 0.9), ("rag", 0.05))))
+    for _ in range(50):
+        dp.commit("spec", "rag", 4, 0)
+    spec = WorkerView("spec", "http://s", "engine", SMALL, running=3)  # a batch of 4
+    on = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, slo_depth=True), depth_policy=dp)
+    off = AdaptivePolicy(NO_EXPLORE, depth_policy=dp)
+    times = dp.token_times("spec", "translation", 4, 4)
+    own = min(range(5), key=times.__getitem__)
+    assert own > 0
+
+    tight = shape("translation", slo_tpot_s=1e-6)  # missed at any depth: the fastest one
+    base = off.candidate(tight, spec)
+    fast = on.candidate(tight, spec)
+    assert base.depth == 0 and fast.depth == own
+    assert fast.tpot_s == pytest.approx(base.tpot_s * times[own] / times[0])
+    assert fast.cost_s < base.cost_s
+
+    for s in (shape("translation", slo_tpot_s=10.0), shape("translation")):  # met; no SLO
+        assert on.candidate(s, spec).depth == 0
+        assert on.candidate(s, spec).tpot_s == pytest.approx(off.candidate(s, spec).tpot_s)
+    # a client's own depth is never overridden
+    assert on.candidate(shape("translation", slo_tpot_s=1e-6, speculative_depth=1), spec).depth == 1
+    # and the pick records the depth it goes at
+    assert on.choose(tight, [spec]).spec_depth == own

@@ -495,3 +495,26 @@ def test_the_longest_proposal_is_priced_by_the_drafts_a_step_verifies_not_by_k()
     drafts = [0.0, 1.0, 1.4, 1.7, 2.0] + [2.0 + 0.6 * (k - 4) / 12 for k in range(5, 17)]
     # E / t: k=4 1.72 / 6.2 ms = 277.4 per s, k=16 1.85 / 6.47 ms = 285.9 (was 218.2: k=4)
     assert choose_depth(0.5, 1, model, 16, tokens_per_step=tokens, drafts_per_step=drafts) == 16
+
+
+def test_token_times_are_the_requests_own_by_its_domain_not_the_workers_mix() -> None:
+    """Seconds per token of one request at each depth, by its own domain's acceptance: what
+    a router holds against the request's TPOT SLO, where ``peek`` picks one depth for the
+    worker's whole mix. Pricing records nothing."""
+    dp = DepthPolicy(PolicyConfig(max_depth=4, step_prior_s=(0.010, 0.0005, 0.0003, 0.0005),
+                                  step_prior_weight=1e12, calibrate_token_cost=False,
+                                  domain_priors=(("translation", 0.9), ("rag", 0.05))))
+    for _ in range(50):
+        dp.commit("w", "rag", 8, 0)
+    assert dp.peek("w", "translation", 8, 4) == 0  # the rag-heavy mix: speculation does not pay
+    own = dp.token_times("w", "translation", 8, 4)
+    rag = dp.token_times("w", "rag", 8, 4)
+    assert len(own) == len(rag) == 5
+    # k=0 emits one token a step whatever the domain: t(8, 0) = 0.010 + 8 x 0.0005 = 14 ms
+    assert own[0] == pytest.approx(rag[0]) == pytest.approx(token_cost(dp.step_time("w"), 8, 0, 1.0))
+    assert own[0] == pytest.approx(0.014)
+    best = min(range(5), key=own.__getitem__)
+    assert best > 0 and own[best] < 0.8 * own[0]  # translation alone would speculate
+    assert min(range(5), key=rag.__getitem__) == 0
+    assert dp.token_times("w", "translation", 8, 2) == pytest.approx(own[:3])  # capped
+    assert dp.peek("w", "translation", 8, 4) == 0  # nothing was recorded
