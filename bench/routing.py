@@ -63,9 +63,11 @@ the workers' measured steps), ``adaptive-noreserve``, with ``reserve_slots=False
 and ``adaptive-pooledprior``, with ``tpot_prior_by_band=False`` (a new shape bucket's TPOT
 starts from the worker-wide fit, as up to session 8 round 6, not from its prompt band's),
 and ``adaptive-context``, with ``price_context=True`` (what a long prompt's context adds to
-every decode step of its worker priced, router.context; off by default), ``adaptive-slodepth``,
-with ``slo_depth=True`` (a request whose TPOT SLO its worker's mix depth would miss goes at the
-depth fastest for it; off by default), and ``adaptive-twin``, adaptive exactly (an A/A).
+every decode step of its worker priced, router.context; off by default),
+``adaptive-noslodepth``, with ``slo_depth=False`` (every request on a speculating worker at the
+depth policy's depth for the worker's mix, as up to session 9; on by default, a request whose
+TPOT SLO that depth would miss goes at the depth fastest for it), and ``adaptive-twin``,
+adaptive exactly (an A/A).
 
 Rates: ``--rates`` in req/s, or ``--rate-multiples``: each m x this machine's speed index
 (the median ratio of the reference probe's latencies, ``REF_PROBE``, session 5 round 2's
@@ -163,34 +165,33 @@ CLASS_OF = {d: c for c, ds in CLASSES.items() for d in ds}
 # bucket's TPOT from the worker-wide fit); ``adaptive-context``, ``price_context=True`` (session
 # 9: what a long prompt's context adds to its worker's steps priced; a switch ON, the others
 # turn one OFF); ``adaptive-twin``, adaptive exactly (an A/A: how far two identical fleets of
-# one run differ, the noise every A/B above sits in); ``adaptive-slodepth``, ``slo_depth=True``
-# (session 10: a request whose TPOT SLO the worker's mix depth would miss goes at its own
-# fastest depth).
+# one run differ, the noise every A/B above sits in); ``adaptive-noslodepth``,
+# ``slo_depth=False`` (up to session 9: every request at the worker's mix depth; session 10's
+# device A/B ran the switch the other way round, as ``adaptive-slodepth``).
 POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive",
     "adaptive-nostall": "adaptive", "adaptive-r4": "adaptive", "adaptive-noreserve": "adaptive",
     "adaptive-pooledprior": "adaptive", "adaptive-context": "adaptive",
-    "adaptive-twin": "adaptive", "adaptive-slodepth": "adaptive"}
+    "adaptive-twin": "adaptive", "adaptive-noslodepth": "adaptive"}
 NOSTALL = "adaptive-nostall"
 R4 = "adaptive-r4"
 NORESERVE = "adaptive-noreserve"
 POOLED = "adaptive-pooledprior"
 CONTEXT = "adaptive-context"
 TWIN = "adaptive-twin"
-SLODEPTH = "adaptive-slodepth"
+NOSLODEPTH = "adaptive-noslodepth"
 VARIANTS: dict[str, dict[str, bool]] = {NOSTALL: {"price_prefill_stalls": False},
                                         R4: {"step_scaled_batch": False},
                                         NORESERVE: {"reserve_slots": False},
                                         POOLED: {"tpot_prior_by_band": False},
                                         CONTEXT: {"price_context": True}, TWIN: {},
-                                        SLODEPTH: {"slo_depth": True}}
+                                        NOSLODEPTH: {"slo_depth": False}}
 DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive", CONTEXT]
 # (policy, baseline) pairs whose goodput ratios the reports print, where both ran
 COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                ("adaptive", NOSTALL), ("adaptive", R4), ("adaptive", NORESERVE),
                ("adaptive", POOLED), (CONTEXT, "adaptive"), (CONTEXT, "round_robin"),
-               (CONTEXT, "least_outstanding"), (TWIN, "adaptive"), (SLODEPTH, "round_robin"),
-               (SLODEPTH, "least_outstanding"), (SLODEPTH, "adaptive"))
+               (CONTEXT, "least_outstanding"), (TWIN, "adaptive"), ("adaptive", NOSLODEPTH))
 MAX_MODEL_LEN = 2048
 # NOTE: greedy decoding, as Spec-Bench and bench/specdec.py measure: the traces carry no
 # sampling parameters, and the engine's default (temperature 1, as OpenAI's) makes the

@@ -197,7 +197,7 @@ def test_profile_survives_equal_config_copies_and_resets_on_a_new_config() -> No
 
 
 def test_slo_depth_speculates_for_a_tight_tpot_that_the_mix_depth_would_miss() -> None:
-    """With ``slo_depth``, a request whose TPOT SLO the worker's mix depth (k=0 here: a
+    """With ``slo_depth`` (the default), a request whose TPOT SLO the worker's mix depth (k=0 here: a
     rag-heavy mix) would miss goes at the depth fastest for its own domain, its TPOT scaled by
     the depth policy's token times; a request that meets its SLO, or has none, keeps the
     mix depth. Off: the mix depth for all."""
@@ -207,8 +207,8 @@ def test_slo_depth_speculates_for_a_tight_tpot_that_the_mix_depth_would_miss() -
     for _ in range(50):
         dp.commit("spec", "rag", 4, 0)
     spec = WorkerView("spec", "http://s", "engine", SMALL, running=3)  # a batch of 4
-    on = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, slo_depth=True), depth_policy=dp)
-    off = AdaptivePolicy(NO_EXPLORE, depth_policy=dp)
+    on = AdaptivePolicy(NO_EXPLORE, depth_policy=dp)  # slo_depth is on by default
+    off = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, slo_depth=False), depth_policy=dp)
     times = dp.token_times("spec", "translation", 4, 4)
     own = min(range(5), key=times.__getitem__)
     assert own > 0
