@@ -134,21 +134,34 @@ def choose_depth(acceptance: float, batch: int, step_time: StepTimeModel, max_de
     rest, 125 prompt tokens per step (52 of a 65-ms step) made k=4 look 1.06x faster than
     k=0 at concurrency 16 on the 2-core CPU, where it measured 0.84x.
     """
+    times = depth_token_times(acceptance, batch, step_time, max_depth, tokens_per_step,
+                              drafts_per_step)
+    best_k, best = 0, min_gain / times[0]
+    for k in range(1, max_depth + 1):
+        goodput = 1.0 / times[k]
+        if goodput > best:
+            best_k, best = k, goodput
+    return best_k
+
+
+def depth_token_times(acceptance: float, batch: int, step_time: StepTimeModel, max_depth: int,
+                      tokens_per_step: Sequence[float] | None = None,
+                      drafts_per_step: Sequence[float] | None = None) -> list[float]:
+    """Predicted seconds per emitted token of a sequence at each k in 0..max_depth (what
+    :func:`choose_depth` compares; the arguments are its own): the step's token cost,
+    times the calibration factor measured for k."""
     factors = step_time.calibrations(batch, max_depth)
     wait = not step_time.token_costs  # once calibrated, the factors carry the client's wait
     prefill = step_time.shared_prefill(batch, wait)
-    best_k, best = 0, min_gain / (token_cost(step_time, batch, 0, 1.0, None, wait, prefill)
-                                  * factors[0])
+    times = [token_cost(step_time, batch, 0, 1.0, None, wait, prefill) * factors[0]]
     for k in range(1, max_depth + 1):
         expected = (tokens_per_step[k] if tokens_per_step is not None and k < len(tokens_per_step)
                     else expected_tokens_per_step(acceptance, k))
         drafted = (drafts_per_step[k] if drafts_per_step is not None and k < len(drafts_per_step)
                    else None)
-        goodput = 1.0 / (token_cost(step_time, batch, k, expected, drafted, wait, prefill)
-                         * factors[k])
-        if goodput > best:
-            best_k, best = k, goodput
-    return best_k
+        times.append(token_cost(step_time, batch, k, expected, drafted, wait, prefill)
+                     * factors[k])
+    return times
 
 
 def batch_tokens_per_step(own: Sequence[float], mix: Sequence[tuple[float, Sequence[float]]],
@@ -420,15 +433,9 @@ class DepthPolicy:
         c = self.config
         cap = c.max_depth if max_depth is None else min(max_depth, c.max_depth)
         est = self.acceptance(worker, domain)
-        expected = est.tokens_per_step(cap, c.prior_steps_per_depth)
-        drafted = est.drafts_per_step(cap, c.prior_steps_per_depth)
-        model = self.step_time(worker)
-        b = max(batch, 1)
-        factors = model.calibrations(b, cap)
-        wait = not model.token_costs  # as choose_depth: calibrated factors carry the wait
-        prefill = model.shared_prefill(b, wait)
-        return [token_cost(model, b, k, expected[k], drafted[k], wait, prefill) * factors[k]
-                for k in range(cap + 1)]
+        return depth_token_times(est.mean, max(batch, 1), self.step_time(worker), cap,
+                                 est.tokens_per_step(cap, c.prior_steps_per_depth),
+                                 est.drafts_per_step(cap, c.prior_steps_per_depth))
 
     def commit(self, worker: str, domain: str, batch: int, k: int) -> int:
         """Record that a request of ``domain`` joins ``worker`` at depth ``k`` (the worker's
