@@ -16,7 +16,12 @@ set, a step also takes that many seconds per prompt token of every request decod
 it (attention over their contexts), so a long prompt decodes slower than a short one. Policies see
 WorkerView snapshots and get RequestOutcomes, exactly as in the proxy; a policy with a
 ``depth_policy`` also gets each worker's decode steps every ``feed_s`` simulated seconds,
-as the proxy's scrape hands it the engine's step sums (:mod:`specdec.step_feed`).
+as the proxy's scrape hands it the engine's step sums (:mod:`specdec.step_feed`). With
+``acceptance`` set (per domain), speculation follows the depth each request is sent at instead
+of ``factor``: a request of acceptance a at depth k emits E(a, k) = (1 - a^(k+1)) / (1 - a)
+tokens a step, each step costs ``verify_s`` more per draft token verified in it and
+``spec_seq_s`` more per sequence speculating, and the outcome reports the draft and accepted
+tokens as the engine does.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import numpy as np
 
 from engine.config import CompiledConfig
 from router.base import RequestOutcome, RequestShape, RoutingPolicy, WorkerView
-from specdec.policy import DepthPolicy
+from specdec.policy import DepthPolicy, expected_tokens_per_step
 from specdec.step_model import NUM_FEATURES, step_features
 
 FEED_S = 0.25  # simulated seconds between step feeds (the bench's metrics scrape interval)
@@ -47,6 +52,9 @@ class SimWorker:
     cache_tokens: int = 0  # prefix-cache capacity, tokens (0: no prefix cache)
     context_s: float = 0.0  # step seconds per prompt token of each decoding request
     prefix_factor: float | None = None  # step factor of shared-prefix requests (None: by domain)
+    acceptance: dict[str, float] = field(default_factory=dict)  # per domain: depth-driven spec
+    verify_s: float = 0.0  # step seconds per draft token verified (with ``acceptance``)
+    spec_seq_s: float = 0.0  # step seconds per sequence speculating (with ``acceptance``)
     running: list[dict] = field(default_factory=list)
     waiting: list[dict] = field(default_factory=list)
     cache: OrderedDict[int, float] = field(default_factory=OrderedDict)  # block -> tokens
@@ -89,10 +97,13 @@ class StepSums:
     num_steps: float = 0.0
     prefill_tokens: float = 0.0
 
-    def add(self, num_decoding: int, prefill_tokens: float, step: float, dt: float) -> None:
+    def add(self, num_decoding: int, prefill_tokens: float, step: float, dt: float,
+            depths: list[int] | None = None) -> None:
         if num_decoding <= 0:
             return
-        x = np.array(step_features(num_decoding, 0, 0, prefill_tokens))
+        ks = [k for k in depths or () if k > 0]
+        x = np.array(step_features(num_decoding, sum(ks), max(ks, default=0), prefill_tokens,
+                                   len(ks)))
         share = dt / step
         self.xtx += share / step**2 * np.outer(x, x)
         self.xty += share / step * x
@@ -175,8 +186,10 @@ def _advance(w: SimWorker, now: float, dt: float) -> list[dict]:
         w.running.append(req)
     if w.chunk is not None:
         return _advance_chunked(w, now, dt)
-    step = w.base_s + w.per_seq_s * len(w.running) + _context_s(w, w.running)
-    w.steps.add(sum(1 for r in w.running if r["left_prefill"] <= 0), 0.0, step, dt)
+    decoding = [r for r in w.running if r["left_prefill"] <= 0]
+    step = w.base_s + w.per_seq_s * len(w.running) + _context_s(w, w.running) \
+        + _spec_s(w, decoding)
+    w.steps.add(len(decoding), 0.0, step, dt, [_depth(w, r) for r in decoding])
     done = []
     for req in w.running:
         if req["left_prefill"] > 0:
@@ -196,6 +209,24 @@ def _context_s(w: SimWorker, decoding: list[dict]) -> float:
                              if r["left_prefill"] is not None and r["left_prefill"] <= 0)
 
 
+def _depth(w: SimWorker, req: dict) -> int:
+    """The depth a request speculates at on the worker (0 without ``acceptance``)."""
+    if not w.acceptance or w.config.engine.spec_method == "none":
+        return 0
+    return min(req["depth"] or 0, w.config.engine.spec_max_depth)
+
+
+def _tokens_per_step(w: SimWorker, req: dict) -> float:
+    a = w.acceptance.get(req["shape"].domain, 0.0)
+    return expected_tokens_per_step(a, _depth(w, req))
+
+
+def _spec_s(w: SimWorker, decoding: list[dict]) -> float:
+    """What the decoding requests' speculation adds to a step, seconds."""
+    ks = [_depth(w, r) for r in decoding]
+    return w.verify_s * sum(ks) + w.spec_seq_s * sum(1 for k in ks if k > 0)
+
+
 def _decode(w: SimWorker, req: dict, now: float, dt: float, step: float) -> bool:
     """One dt of decoding for a request past its prefill; True once it has all its tokens."""
     if req["first"] is None:
@@ -204,6 +235,8 @@ def _decode(w: SimWorker, req: dict, now: float, dt: float, step: float) -> bool
     factor = w.factor.get(shape.domain, 1.0)
     if shape.prefix_hashes and w.prefix_factor is not None:
         factor = w.prefix_factor
+    if w.acceptance:
+        factor = 1.0 / _tokens_per_step(w, req)
     req["tokens"] += dt / (step * factor)
     if req["tokens"] >= req["shape"].predicted_output_tokens:
         req["end"] = now
@@ -222,9 +255,10 @@ def _advance_chunked(w: SimWorker, now: float, dt: float) -> list[dict]:
         # one step's budget finishes in one step (no geometric tail as it shrinks)
         take[id(req)] = min(budget, float(req["shape"].prompt_tokens - req["cached"]))
         budget -= take[id(req)]
+    decoding = [r for r in w.running if r["left_prefill"] <= 0]
     step = (w.base_s + w.per_seq_s * len(w.running) + w.prefill_s * (w.chunk - budget)
-            + _context_s(w, [r for r in w.running if r["left_prefill"] <= 0]))
-    w.steps.add(len(w.running) - len(filling), w.chunk - budget, step, dt)
+            + _context_s(w, decoding) + _spec_s(w, decoding))
+    w.steps.add(len(decoding), w.chunk - budget, step, dt, [_depth(w, r) for r in decoding])
     done = []
     for req in w.running:
         if req["left_prefill"] > 0:
@@ -245,9 +279,13 @@ def _report(policy: RoutingPolicy, w: SimWorker, req: dict, slo_ttft_s: float,
     ttft = req["first"] - req["arrival"]
     tpot = (req["end"] - req["first"]) / max(n - 1, 1)
     extra = {"cached_tokens": req["cached"]} if w.cache_tokens else {}
+    k = _depth(w, req)
+    steps = n / _tokens_per_step(w, req) if k else 0.0  # as the engine counts them
     policy.observe(RequestOutcome(w.name, shape, "ok", completion_tokens=n, ttft_s=ttft,
                                   tpot_s=tpot, e2e_s=req["end"] - req["arrival"],
-                                  spec_depth=req["depth"], batch_size=req["batch"], extra=extra))
+                                  spec_depth=req["depth"], batch_size=req["batch"], extra=extra,
+                                  spec_draft_tokens=round(k * steps),
+                                  spec_accepted_tokens=round((n - steps) if k else 0)))
     return SimResult(w.name, shape, ttft, tpot, ttft <= (shape.slo_ttft_s or slo_ttft_s),
                      tpot <= (shape.slo_tpot_s or slo_tpot_s))
 
