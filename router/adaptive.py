@@ -331,7 +331,7 @@ class AdaptivePolicy:
         """(what this prompt's context adds to its co-runners' TPOT on the worker, what
         theirs add to its own over its predicted decode), seconds per token
         (:mod:`router.context`); zeros with ``price_context`` or ``interference`` off."""
-        if not (self.config.price_context and self.config.interference):
+        if not self._prices_context:
             return 0.0, 0.0
         extra = prof.context_extra_s(shape.domain, shape.prompt_tokens, depth,
                                      self.config.context.min_samples)
@@ -339,6 +339,11 @@ class AdaptivePolicy:
         met = self.context.mean_s(worker, start, start + max(
             shape.predicted_output_tokens - 1, 1) * tpot_s)
         return extra, met
+
+    @property
+    def _prices_context(self) -> bool:
+        """Whether context is priced (router.context): ``price_context`` with interference."""
+        return self.config.price_context and self.config.interference
 
     def _miss_harm_of(self, f: Flight, delay_s: float) -> float:
         """What ``delay_s`` more in the decode of a request predicted as ``f`` costs, counting
@@ -618,7 +623,7 @@ class AdaptivePolicy:
             model_cached_tokens=pick.model_cached_tokens, ahead_s=pick.ahead_s,
             context_s=pick.context_extra_s, context_met_s=pick.context_met_s, loss_s=loss_s)
         self._inflight.add(id(shape), flight)
-        if self.config.price_context and self.config.interference:
+        if self._prices_context:
             self.context.record(pick.name, id(shape), now + pick.ttft_s, now + flight.cost_s,
                                 pick.context_extra_s)
             self.context.arrive(pick.name, now, flight)
@@ -627,7 +632,9 @@ class AdaptivePolicy:
         pending = self._inflight.pop(id(outcome.shape))
         if pending is not None and pending.worker != outcome.worker:
             pending = None  # a retry went elsewhere
-        own_context = self._finish_context(outcome, pending) if pending is not None else 0.0
+        # NOTE: without context pricing nothing was recorded to finish
+        own_context = self._finish_context(outcome, pending) \
+            if pending is not None and self._prices_context else 0.0
         if outcome.status != "ok":
             return
         prof = self._profiles.get(outcome.worker)
@@ -712,7 +719,7 @@ class AdaptivePolicy:
         """The request's TPOT without what its co-runners' contexts added (router.context),
         for its profile: the recorded windows' extra over its decode, less its own."""
         window = self._decode_window(outcome, pending)
-        if (not (self.config.price_context and self.config.interference) or tpot_s is None
+        if (not self._prices_context or tpot_s is None
                 or not tpot_s > 0 or window is None):
             return tpot_s
         met = self.context.mean_s(outcome.worker, *window) - own_s

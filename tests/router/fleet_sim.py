@@ -187,9 +187,10 @@ def _advance(w: SimWorker, now: float, dt: float) -> list[dict]:
     if w.chunk is not None:
         return _advance_chunked(w, now, dt)
     decoding = [r for r in w.running if r["left_prefill"] <= 0]
+    depths = [_depth(w, r) for r in decoding]
     step = w.base_s + w.per_seq_s * len(w.running) + _context_s(w, w.running) \
-        + _spec_s(w, decoding)
-    w.steps.add(len(decoding), 0.0, step, dt, [_depth(w, r) for r in decoding])
+        + _spec_s(w, depths)
+    w.steps.add(len(decoding), 0.0, step, dt, depths)
     done = []
     for req in w.running:
         if req["left_prefill"] > 0:
@@ -221,10 +222,9 @@ def _tokens_per_step(w: SimWorker, req: dict) -> float:
     return expected_tokens_per_step(a, _depth(w, req))
 
 
-def _spec_s(w: SimWorker, decoding: list[dict]) -> float:
-    """What the decoding requests' speculation adds to a step, seconds."""
-    ks = [_depth(w, r) for r in decoding]
-    return w.verify_s * sum(ks) + w.spec_seq_s * sum(1 for k in ks if k > 0)
+def _spec_s(w: SimWorker, depths: list[int]) -> float:
+    """What the decoding requests' speculation (their ``depths``) adds to a step, seconds."""
+    return w.verify_s * sum(depths) + w.spec_seq_s * sum(1 for k in depths if k > 0)
 
 
 def _decode(w: SimWorker, req: dict, now: float, dt: float, step: float) -> bool:
@@ -256,9 +256,10 @@ def _advance_chunked(w: SimWorker, now: float, dt: float) -> list[dict]:
         take[id(req)] = min(budget, float(req["shape"].prompt_tokens - req["cached"]))
         budget -= take[id(req)]
     decoding = [r for r in w.running if r["left_prefill"] <= 0]
+    depths = [_depth(w, r) for r in decoding]
     step = (w.base_s + w.per_seq_s * len(w.running) + w.prefill_s * (w.chunk - budget)
-            + _context_s(w, decoding) + _spec_s(w, decoding))
-    w.steps.add(len(decoding), w.chunk - budget, step, dt, [_depth(w, r) for r in decoding])
+            + _context_s(w, decoding) + _spec_s(w, depths))
+    w.steps.add(len(decoding), w.chunk - budget, step, dt, depths)
     done = []
     for req in w.running:
         if req["left_prefill"] > 0:
