@@ -227,3 +227,61 @@ def test_slo_depth_speculates_for_a_tight_tpot_that_the_mix_depth_would_miss() -
     assert on.candidate(shape("translation", slo_tpot_s=1e-6, speculative_depth=1), spec).depth == 1
     # and the pick records the depth it goes at
     assert on.choose(tight, [spec]).spec_depth == own
+
+
+GOODPUT = AdaptiveConfig(explore_prob=0.0, objective="goodput")
+
+
+def test_goodput_objective_chance_of_meeting_an_slo() -> None:
+    p = AdaptivePolicy(GOODPUT)
+    assert p._meet_p(None, 5.0) == 1.0 and p._meet_p(0.01, 0.0) == 1.0
+    assert p._meet_p(0.01, 0.01) == pytest.approx(0.5)
+    assert p._meet_p(0.01, 0.0125) == pytest.approx(1 / (1 + 1.25 ** (1 / 0.15)))  # ~0.18
+    assert p._meet_p(0.01, 0.008) == pytest.approx(1 / (1 + 0.8 ** (1 / 0.15)))  # ~0.82
+    assert p._meet_p(1e-9, 1e9) == 0.0  # far past the SLO: no overflow
+    with pytest.raises(ValueError, match="objective"):
+        AdaptiveConfig(objective="latency")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        AdaptiveConfig(meet_spread=0.0)
+
+
+def test_goodput_objective_values_a_met_slo_at_the_typical_unloaded_latency() -> None:
+    p, ws = AdaptivePolicy(GOODPUT), views()
+    assert p.value_s == 0.0  # nothing seen yet
+    first = min(p.candidate(shape("code"), w).unloaded_cost_s for w in ws)
+    p.choose(shape("code"), ws)
+    assert p.value_s == pytest.approx(4.0 * first)
+    second = min(p.candidate(shape("code", out=300), w).unloaded_cost_s for w in ws)
+    p.choose(shape("code", out=300), ws)
+    assert p.value_s == pytest.approx(4.0 * (0.95 * first + 0.05 * second))
+    # a request's own cost: its latency + value x the chance it misses
+    c = p.candidate(shape("code", slo_tpot_s=1e-6), ws[1])
+    assert c.cost_s == pytest.approx(c.service_s + p.value_s, rel=1e-6)
+    assert not c.meets_slo
+
+
+def test_goodput_objective_sends_a_doomed_request_where_it_slows_no_one() -> None:
+    """A long prompt whose TPOT SLO neither worker can meet: the penalty objective sends it to
+    the worker 4x faster for long prompts (its penalised cost is lowest there) although its
+    prefill stalls three requests decoding there near their TPOT SLO; the goodput objective
+    counts it as lost on both and sends it where it stalls no one."""
+    def teach_long(p: AdaptivePolicy, view: WorkerView, tpot_s: float) -> None:
+        for _ in range(30):
+            s = shape("rag", prompt=2000)
+            p.choose(s, [view])
+            p.observe(RequestOutcome(view.name, s, "ok", completion_tokens=100, ttft_s=0.3,
+                                     tpot_s=tpot_s, e2e_s=0.3 + 99 * tpot_s))
+
+    picks = {}
+    for name, config in (("penalty", NO_EXPLORE), ("goodput", GOODPUT)):
+        p, ws = AdaptivePolicy(config), views()
+        teach(p, ws, "small", "code", tpot_s=0.005)
+        teach_long(p, ws[0], 0.006)
+        teach_long(p, ws[1], 0.020)
+        for _ in range(3):  # decoding on small at 5-8 ms against an 8 ms SLO
+            p.choose(shape("code", slo_tpot_s=0.008), [ws[0]])
+            ws[0].outstanding_requests += 1
+        doomed = shape("rag", prompt=2000, slo_tpot_s=0.001)
+        assert not any(p.candidate(doomed, w).meets_slo for w in ws)
+        picks[name] = p.choose(doomed, ws).worker
+    assert picks == {"penalty": "small", "goodput": "big"}
