@@ -66,10 +66,8 @@ and ``adaptive-context``, with ``price_context=True`` (what a long prompt's cont
 every decode step of its worker priced, router.context; off by default),
 ``adaptive-noslodepth``, with ``slo_depth=False`` (every request on a speculating worker at the
 depth policy's depth for the worker's mix, as up to session 9; on by default, a request whose
-TPOT SLO that depth would miss goes at the depth fastest for it), ``adaptive-goodput``, with
-``objective="goodput"`` (a request's own cost its latency + the value of a met SLO x the chance
-it misses, instead of its latency x the SLO penalty), and ``adaptive-twin``, adaptive exactly
-(an A/A).
+TPOT SLO that depth would miss goes at the depth fastest for it), and ``adaptive-twin``,
+adaptive exactly (an A/A).
 
 Rates: ``--rates`` in req/s, or ``--rate-multiples``: each m x this machine's speed index
 (the median ratio of the reference probe's latencies, ``REF_PROBE``, session 5 round 2's
@@ -169,15 +167,12 @@ CLASS_OF = {d: c for c, ds in CLASSES.items() for d in ds}
 # turn one OFF); ``adaptive-twin``, adaptive exactly (an A/A: how far two identical fleets of
 # one run differ, the noise every A/B above sits in); ``adaptive-noslodepth``,
 # ``slo_depth=False`` (up to session 9: every request at the worker's mix depth; session 10's
-# device A/B ran the switch the other way round, as ``adaptive-slodepth``); ``adaptive-goodput``,
-# ``objective="goodput"`` (session 11: what a met SLO is worth x the chance of a miss, in
-# place of the penalty that grows without bound with the miss).
+# device A/B ran the switch the other way round, as ``adaptive-slodepth``).
 POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive",
     "adaptive-nostall": "adaptive", "adaptive-r4": "adaptive", "adaptive-noreserve": "adaptive",
     "adaptive-pooledprior": "adaptive", "adaptive-context": "adaptive",
-    "adaptive-twin": "adaptive", "adaptive-noslodepth": "adaptive",
-    "adaptive-goodput": "adaptive"}
+    "adaptive-twin": "adaptive", "adaptive-noslodepth": "adaptive"}
 NOSTALL = "adaptive-nostall"
 R4 = "adaptive-r4"
 NORESERVE = "adaptive-noreserve"
@@ -185,21 +180,18 @@ POOLED = "adaptive-pooledprior"
 CONTEXT = "adaptive-context"
 TWIN = "adaptive-twin"
 NOSLODEPTH = "adaptive-noslodepth"
-GOODPUT = "adaptive-goodput"
-VARIANTS: dict[str, dict[str, Any]] = {NOSTALL: {"price_prefill_stalls": False},
+VARIANTS: dict[str, dict[str, bool]] = {NOSTALL: {"price_prefill_stalls": False},
                                         R4: {"step_scaled_batch": False},
                                         NORESERVE: {"reserve_slots": False},
                                         POOLED: {"tpot_prior_by_band": False},
                                         CONTEXT: {"price_context": True}, TWIN: {},
-                                        NOSLODEPTH: {"slo_depth": False},
-                                        GOODPUT: {"objective": "goodput"}}
+                                        NOSLODEPTH: {"slo_depth": False}}
 DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive", CONTEXT]
 # (policy, baseline) pairs whose goodput ratios the reports print, where both ran
 COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                ("adaptive", NOSTALL), ("adaptive", R4), ("adaptive", NORESERVE),
                ("adaptive", POOLED), (CONTEXT, "adaptive"), (CONTEXT, "round_robin"),
-               (CONTEXT, "least_outstanding"), (TWIN, "adaptive"), ("adaptive", NOSLODEPTH),
-               (GOODPUT, "adaptive"), (GOODPUT, "round_robin"), (GOODPUT, "least_outstanding"))
+               (CONTEXT, "least_outstanding"), (TWIN, "adaptive"), ("adaptive", NOSLODEPTH))
 MAX_MODEL_LEN = 2048
 # NOTE: greedy decoding, as Spec-Bench and bench/specdec.py measure: the traces carry no
 # sampling parameters, and the engine's default (temperature 1, as OpenAI's) makes the

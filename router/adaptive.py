@@ -80,7 +80,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 from router.affinity import PrefixCacheModel
 from router.base import RequestOutcome, RequestShape, RouteDecision, WorkerView
@@ -150,18 +150,6 @@ class AdaptiveConfig:
     # A/B: 1.10x the goodput of it off (pooled; 1.12x median of rounds), the tight classes'
     # SLOs met on the fast worker 51 against 29 (off: session 9's policy)
     slo_depth: bool = True
-    # what a request's own cost counts of its SLO: "penalty" (up to session 11), its predicted
-    # latency x (1 + slo_penalty x the relative miss), which grows without bound for a request
-    # that misses anyway and so keeps sending the doomed ones to the fastest worker, and
-    # weighs a delay to a doomed request running there above one to a request about to miss;
-    # "goodput", its latency + met_value x the typical request's unloaded latency x the
-    # chance that it misses (a logistic in log(predicted / SLO) of width meet_spread), so
-    # that a request counts once, met or not, whatever its size, and a doomed one goes
-    # where it slows the others least
-    objective: Literal["penalty", "goodput"] = "penalty"
-    met_value: float = 4.0
-    meet_spread: float = 0.15
-    typical_alpha: float = 0.05  # weight of each request in the typical unloaded latency
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore_prob < 1.0:
@@ -176,12 +164,6 @@ class AdaptiveConfig:
             raise ValueError(f"forgetting: expected (0.5, 1], got {self.forgetting}")
         if self.max_pending <= 0:
             raise ValueError("max_pending must be > 0")
-        if self.objective not in ("penalty", "goodput"):
-            raise ValueError(f"objective: expected 'penalty' or 'goodput', got {self.objective!r}")
-        if not self.met_value >= 0 or not self.meet_spread > 0:
-            raise ValueError("met_value must be >= 0 and meet_spread > 0")
-        if not 0.0 < self.typical_alpha <= 1.0:
-            raise ValueError(f"typical_alpha: expected (0, 1], got {self.typical_alpha}")
 
 
 @dataclass(frozen=True)
@@ -189,7 +171,7 @@ class Candidate:
     """One worker's predicted cost for the request at hand."""
 
     name: str
-    cost_s: float  # seconds: its own cost (the objective's) with the slot wait + interference
+    cost_s: float  # predicted seconds, with saturation wait, SLO penalty and interference
     unloaded_cost_s: float  # the same at zero load: what the worker's fit alone predicts
     depth: int | None  # speculative depth to send (engine workers)
     queue: int
@@ -253,14 +235,11 @@ class AdaptivePolicy:
         self.reasons: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
         self.depths: Counter[int] = Counter()
-        # the typical request's unloaded latency on its best worker (objective "goodput")
-        self._typical_s: float | None = None
 
     # --- RoutingPolicy -------------------------------------------------------------------
 
     def choose(self, shape: RequestShape, workers: Sequence[WorkerView]) -> RouteDecision:
         cands = self._charge_reserves([self.candidate(shape, w) for w in workers])
-        self._learn_typical(cands)
         pick, reason = self._pick(cands)
         view, loss_s = workers[cands.index(pick)], self._loss(pick, cands)
         pick = self._commit_depth(shape, view, pick)
@@ -335,16 +314,15 @@ class AdaptivePolicy:
                                   self._cost(shape, pred), crowd_frac)
         future = self.context.future_harm(view.name, now, extra, cost - wait,
                                           self._miss_harm_of)
-        own, meets = self._own_cost(shape, ttft_s, tpot_s, cost)
+        penalty, meets = self._slo(shape, ttft_s, tpot_s)
         # NOTE: what the worker offers a request it keeps room for: a free slot, and no
         # prefill queued ahead (the slack-rich prompts the reserve keeps away)
         ready_ttft_s = ttft_s - wait - ahead
         _, meets_with_slot = self._slo(shape, ready_ttft_s, tpot_s)
         slack = shape.slo_ttft_s - ready_ttft_s if shape.slo_ttft_s else math.inf
-        scale = own / cost if cost > 0 else 1.0
-        return Candidate(view.name, own + harm + future,
+        return Candidate(view.name, cost * penalty + harm + future,
                          self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
-                         ttft_s, tpot_s, prefill_s, wait, model_cached, cached, saved_s * scale,
+                         ttft_s, tpot_s, prefill_s, wait, model_cached, cached, saved_s * penalty,
                          ahead, cap, meets_with_slot, cost - wait, slack,
                          context_extra_s=extra, context_met_s=met, context_future_s=future)
 
@@ -370,11 +348,8 @@ class AdaptivePolicy:
     def _miss_harm_of(self, f: Flight, delay_s: float) -> float:
         """What ``delay_s`` more in the decode of a request predicted as ``f`` costs, counting
         the SLO penalty only for one predicted to meet its SLO: a request that misses it
-        anyway loses nothing more to the goodput than the delay (objective "goodput": its
-        harm, which counts that already)."""
-        if self.config.objective == "goodput" or f.penalty <= 1.0:
-            return self._harm_of(f, delay_s)
-        return delay_s
+        anyway loses nothing more to the goodput than the delay."""
+        return self._harm_of(f, delay_s) if f.penalty <= 1.0 else delay_s
 
     def _harm_of(self, f: Flight, delay_s: float) -> float:
         """The penalised cost of ``delay_s`` more seconds in the decode of ``f``."""
@@ -489,16 +464,11 @@ class AdaptivePolicy:
         return crowd_s * shared_s / max(f.tpot_s, 1e-4) + crowd_frac * shared_s
 
     def _flight_cost(self, f: Flight, delay_s: float) -> float:
-        """A routed request's own cost (``_own_cost``) with ``delay_s`` more in its decode,
-        spread over its gaps.
+        """A routed request's penalised cost with ``delay_s`` more in its decode: ``_slo_of``
+        at its TPOT with the delay spread over its gaps, the TTFT part precomputed.
 
-        NOTE: runs twice per flight on the worker per candidate (``_interference``): the
-        penalty is written out rather than through ``_slo_of``, with the same arithmetic in
-        the same order, its TTFT part precomputed."""
-        if self.config.objective == "goodput":
-            p = self._meet_p(f.slo_ttft_s, f.ttft_s) * self._meet_p(
-                f.slo_tpot_s, f.tpot_s + delay_s / f.num_gaps)
-            return f.cost_s + delay_s + self.value_s * (1.0 - p)
+        NOTE: runs twice per flight on the worker per candidate (``_interference``): written
+        out rather than through ``_slo_of``, with the same arithmetic in the same order."""
         miss = f.ttft_miss
         if f.slo_tpot_s:
             miss += max(0.0, (f.tpot_s + delay_s / f.num_gaps) / f.slo_tpot_s - 1.0)
@@ -511,49 +481,12 @@ class AdaptivePolicy:
         if prefill_s > 0 or crowd_s > 0 or crowd_frac > 0:
             for f in self._inflight.active(worker, now):
                 delay = prefill_s + self._crowd_delay(f, now, cost_s, crowd_s, crowd_frac)
-                harm += self._flight_cost(f, delay) - self._flight_cost(f, 0.0)
+                harm += self._flight_cost(f, delay) - f.cost_s * f.penalty
         return harm
 
     @staticmethod
     def _cost(shape: RequestShape, pred: Prediction) -> float:
         return pred.ttft_s + max(shape.predicted_output_tokens - 1, 0) * pred.tpot_s
-
-    def _own_cost(self, shape: RequestShape, ttft_s: float, tpot_s: float, cost_s: float
-                  ) -> tuple[float, bool]:
-        """(the request's own cost at this predicted TTFT, TPOT and latency ``cost_s``, whether
-        it meets its SLO): objective "penalty", ``cost_s`` x the SLO penalty; "goodput",
-        ``cost_s`` + ``value_s`` x the chance it misses (``_meet_p``)."""
-        penalty, meets = self._slo(shape, ttft_s, tpot_s)
-        if self.config.objective == "penalty":
-            return cost_s * penalty, meets
-        p = self._meet_p(shape.slo_ttft_s, ttft_s) * self._meet_p(shape.slo_tpot_s, tpot_s)
-        return cost_s + self.value_s * (1.0 - p), meets
-
-    def _meet_p(self, slo_s: float | None, predicted_s: float) -> float:
-        """The chance that a latency predicted as ``predicted_s`` meets ``slo_s`` (1 without
-        an SLO): 1 / (1 + (predicted / SLO) ^ (1 / meet_spread)), a logistic in the log
-        ratio: 1/2 at the SLO, ~0.18 at 1.25x it and ~0.84 at 0.8x (width 0.15)."""
-        if not slo_s:
-            return 1.0
-        ratio = predicted_s / slo_s
-        if ratio <= 0.0:
-            return 1.0
-        if ratio >= 50.0:  # (~1e-11 at the default width; no float overflow past it)
-            return 0.0
-        return 1.0 / (1.0 + ratio ** (1.0 / self.config.meet_spread))
-
-    @property
-    def value_s(self) -> float:
-        """What a met SLO is worth (objective "goodput"): ``met_value`` x the typical request's
-        unloaded latency on its best worker, seconds; 0 before the first request."""
-        return self.config.met_value * (self._typical_s or 0.0)
-
-    def _learn_typical(self, cands: list[Candidate]) -> None:
-        best = min((c.unloaded_cost_s for c in cands), default=math.inf)
-        if not math.isfinite(best) or best < 0:
-            return
-        a = self.config.typical_alpha
-        self._typical_s = best if self._typical_s is None else (1 - a) * self._typical_s + a * best
 
     def _slo(self, shape: RequestShape, ttft_s: float, tpot_s: float) -> tuple[float, bool]:
         return self._slo_of(shape.slo_ttft_s, shape.slo_tpot_s, ttft_s, tpot_s)

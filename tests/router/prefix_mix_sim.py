@@ -153,14 +153,13 @@ def by_class(results: list[SimResult]) -> dict[str, tuple[int, int, int]]:
 
 
 def main(argv: list[str]) -> None:
-    """``[--tight] [--context] [--old-ab] [--goodput] [--seeds A-B] [rate ...]``: a side-by-side table,
+    """``[--tight] [--context] [--old-ab] [--seeds A-B] [rate ...]``: a side-by-side table,
     one line per (rate, seed, policy) with goodput share and per class met / sent / sent to
     spec; the A/B is the context pricing (``adaptive-context``, router.context).
     ``--tight``: the tight repetitive class; ``--context``: steps pay :data:`CONTEXT_S` per
     context token (long prompts decode slower); ``--old-ab``: session 8's A/Bs too, the
     TPOT prior by prompt band (``adaptive-pooledprior``) and, with ``--tight`` alone, the
-    slot reserve (``adaptive-noreserve``); ``--goodput``: the A/B is the goodput objective
-    (``adaptive-goodput``, AdaptiveConfig.objective) instead."""
+    slot reserve (``adaptive-noreserve``)."""
     tight, context = "--tight" in argv, "--context" in argv
     seeds = range(1, 4)
     if "--seeds" in argv:
@@ -169,8 +168,6 @@ def main(argv: list[str]) -> None:
         argv = [a for a in argv if a != argv[argv.index("--seeds") + 1]]
     rates = [float(a) for a in argv if not a.startswith("--")] or [12.0, 16.0, 20.0, 24.0]
     policies = {**POLICIES, "adaptive-context": variant(price_context=True)}
-    if "--goodput" in argv:  # session 11: the goodput objective
-        policies = {**POLICIES, "adaptive-goodput": variant(objective="goodput")}
     if "--old-ab" in argv:  # session 8's A/Bs
         policies["adaptive-pooledprior"] = variant(tpot_prior_by_band=False)
         if tight and not context:
