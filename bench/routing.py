@@ -54,7 +54,7 @@ and 5x TPOT of the best unloaded, cold-cache, one-request probe of a
 median-length prompt of the window on any worker); ``--prefix-slo`` overrides it.
 
 Policies (``--policies``, each on its own fleet; default round_robin, least_outstanding,
-adaptive, adaptive-context): the baselines, adaptive, and its A/B variants in the same run --
+adaptive): the baselines, adaptive, and its A/B variants in the same run --
 ``adaptive-nostall``, with ``price_prefill_stalls=False`` (session 5's pricing of prefill
 interference), and ``adaptive-r4``, with ``step_scaled_batch=False`` (session 7 round 4's:
 TPOT's growth with the batch and the crowding charge from the request-level fit, not from
@@ -67,7 +67,12 @@ every decode step of its worker priced, router.context; off by default),
 ``adaptive-noslodepth``, with ``slo_depth=False`` (every request on a speculating worker at the
 depth policy's depth for the worker's mix, as up to session 9; on by default, a request whose
 TPOT SLO that depth would miss goes at the depth fastest for it), and ``adaptive-twin``,
-adaptive exactly (an A/A).
+adaptive exactly (an A/A). Diagnostics, not policies (``SplitDiagnostic``, session 11): adaptive
+over a hand-made split of the fleet by the request's TPOT SLO (tight: at most the repetitive
+and conversational classes' TPOT SLO) -- ``split-soft`` keeps the loose requests off ``spec``,
+``split-hard`` also keeps the tight ones on it alone, ``split-tight`` keeps the tight ones on
+``spec`` alone and lets the loose ones go anywhere: what segregating the fast worker for the
+tight classes is worth against the policy's own placement (on the device: 0.77-0.87x).
 
 Rates: ``--rates`` in req/s, or ``--rate-multiples``: each m x this machine's speed index
 (the median ratio of the reference probe's latencies, ``REF_PROBE``, session 5 round 2's
@@ -172,7 +177,8 @@ POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive",
     "adaptive-nostall": "adaptive", "adaptive-r4": "adaptive", "adaptive-noreserve": "adaptive",
     "adaptive-pooledprior": "adaptive", "adaptive-context": "adaptive",
-    "adaptive-twin": "adaptive", "adaptive-noslodepth": "adaptive"}
+    "adaptive-twin": "adaptive", "adaptive-noslodepth": "adaptive",
+    "split-soft": "adaptive", "split-hard": "adaptive", "split-tight": "adaptive"}
 NOSTALL = "adaptive-nostall"
 R4 = "adaptive-r4"
 NORESERVE = "adaptive-noreserve"
@@ -180,18 +186,25 @@ POOLED = "adaptive-pooledprior"
 CONTEXT = "adaptive-context"
 TWIN = "adaptive-twin"
 NOSLODEPTH = "adaptive-noslodepth"
-VARIANTS: dict[str, dict[str, bool]] = {NOSTALL: {"price_prefill_stalls": False},
+VARIANTS: dict[str, dict[str, Any]] = {NOSTALL: {"price_prefill_stalls": False},
                                         R4: {"step_scaled_batch": False},
                                         NORESERVE: {"reserve_slots": False},
                                         POOLED: {"tpot_prior_by_band": False},
                                         CONTEXT: {"price_context": True}, TWIN: {},
                                         NOSLODEPTH: {"slo_depth": False}}
-DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive", CONTEXT]
+# NOTE: adaptive-context was a default until session 11: its A/B was decided (session 9,
+# 0.96x of adaptive pooled), and a fleet per policy costs three cores
+DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive"]
 # (policy, baseline) pairs whose goodput ratios the reports print, where both ran
 COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                ("adaptive", NOSTALL), ("adaptive", R4), ("adaptive", NORESERVE),
                ("adaptive", POOLED), (CONTEXT, "adaptive"), (CONTEXT, "round_robin"),
-               (CONTEXT, "least_outstanding"), (TWIN, "adaptive"), ("adaptive", NOSLODEPTH))
+               (CONTEXT, "least_outstanding"), (TWIN, "adaptive"), ("adaptive", NOSLODEPTH),
+               ("split-soft", "adaptive"), ("split-hard", "adaptive"),
+               ("split-soft", "least_outstanding"), ("split-hard", "least_outstanding"),
+               ("split-soft", "round_robin"), ("split-hard", "round_robin"),
+               ("split-tight", "adaptive"), ("split-tight", "least_outstanding"),
+               ("split-tight", "round_robin"))
 MAX_MODEL_LEN = 2048
 # NOTE: greedy decoding, as Spec-Bench and bench/specdec.py measure: the traces carry no
 # sampling parameters, and the engine's default (temperature 1, as OpenAI's) makes the
@@ -270,8 +283,38 @@ def fleet_configs(fleet: str, long_cores: int, device: str) -> dict[str, Compile
     return {"spec": spec, "batch": batch, "long": long}
 
 
+class SplitDiagnostic:
+    """DIAGNOSTIC, not a product policy: adaptive over a hand-made split of the fleet by the
+    request's TPOT SLO, to measure what keeping the loose-SLO traffic off the fast worker
+    is worth. ``split-soft``: a request whose TPOT SLO is above ``tight_tpot_s`` never goes
+    to ``spec``; ``split-hard``: also, one at or below it goes only to ``spec``;
+    ``split-tight``: one at or below it goes only to ``spec``, the others anywhere."""
+
+    def __init__(self, name: str, seed: int) -> None:
+        self.name = name
+        self.inner = AdaptivePolicy(seed=seed)
+        self.tight_tpot_s: float | None = None  # set once the run's SLOs are known
+
+    def choose(self, shape: Any, workers: Any) -> Any:
+        tight = (self.tight_tpot_s is not None and shape.slo_tpot_s is not None
+                 and shape.slo_tpot_s <= self.tight_tpot_s)
+        if tight:
+            allowed = [w for w in workers if w.name == "spec" or self.name == "split-soft"]
+        else:
+            allowed = [w for w in workers if w.name != "spec" or self.name == "split-tight"]
+        return self.inner.choose(shape, allowed or workers)
+
+    def observe(self, outcome: Any) -> None:
+        self.inner.observe(outcome)
+
+    def stats(self) -> dict[str, Any]:
+        return self.inner.stats()
+
+
 def make_policy(name: str, seed: int) -> Any:
     """The policy behind a ``--policies`` name (:data:`POLICIES`)."""
+    if name.startswith("split-"):
+        return SplitDiagnostic(name, seed)
     if name in VARIANTS:
         return AdaptivePolicy(AdaptiveConfig(**VARIANTS[name]), seed=seed)
     return build_policy(name, seed=seed)
@@ -655,7 +698,8 @@ def proxy_config(name: str, urls: dict[str, str], configs: dict[str, CompiledCon
         # NOTE: every proxy is told the SLOs the run is judged by, as an operator would
         # configure them; only the adaptive policies use them. The policy object itself is
         # handed to the app (make_policy): the config only names its kind.
-        routing=slos.routing("adaptive" if name in VARIANTS else name),
+        routing=slos.routing("adaptive" if name in VARIANTS or name.startswith("split-")
+                             else name),
         speculation=SpeculationConfig(mode=POLICIES[name]),
         traces=ProxyTraceConfig(enabled=False),
         health=HealthConfig(interval_s=1.0, metrics_interval_s=0.25))
@@ -874,6 +918,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             schedules = Schedules(args)  # the trace must cover the rates now set
         slos = slos_from(args, ref)
         out["slos"] = {"ttft_s": slos.ttft_s, "tpot_s": slos.tpot_s}
+        for p in policies.values():
+            if isinstance(p, SplitDiagnostic):
+                p.tight_tpot_s = max(slos.tpot_s["repetitive"], slos.tpot_s["conversational"])
         rule = "given" if args.slo_seconds else "fixed" if args.fixed_slos else "rule"
         print(f"SLOs ({rule}): {slos.describe()}",
               flush=True)
@@ -1125,7 +1172,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "price_prefill_stalls off, adaptive-r4: with step_scaled_batch off, "
                          "adaptive-noreserve: with reserve_slots off, adaptive-pooledprior: "
                          "with tpot_prior_by_band off, adaptive-context: with price_context "
-                         "on (A/Bs); a subset needs "
+                         "on, adaptive-noslodepth: with slo_depth off, adaptive-twin: adaptive "
+                         "(A/Bs); split-soft, split-hard, split-tight: adaptive over a hand-made "
+                         "split of the fleet (diagnostics, SplitDiagnostic); a subset needs "
                          "fewer cores")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="engine workers' torch device (cpu, cuda)")

@@ -95,10 +95,9 @@ def parse(*argv: str) -> Any:
     return args
 
 
-def test_the_default_policies_are_the_baselines_adaptive_and_its_ab() -> None:
+def test_the_default_policies_are_the_baselines_and_adaptive() -> None:
     args = parse()
-    assert args.policies == ["round_robin", "least_outstanding", "adaptive",
-                             "adaptive-context"]
+    assert args.policies == ["round_robin", "least_outstanding", "adaptive"]
     assert args.rates == [2.0] and args.rate_multiples is None and args.probe_passes == 1
 
 
@@ -148,7 +147,28 @@ def test_every_policy_gets_a_valid_proxy_config_with_the_run_s_slos(name: str) -
     config = BENCH.proxy_config(name, {n: f"http://{n}" for n in configs}, configs, slos)
     assert [w.name for w in config.workers] == ["spec", "batch", "long"]
     assert config.routing.slo_tpot_s["chat"] == 0.01
-    assert config.speculation.mode == ("adaptive" if name.startswith("adaptive") else "policy")
+    baseline = name in ("round_robin", "least_outstanding")
+    assert config.speculation.mode == ("policy" if baseline else "adaptive")
+    assert config.routing.policy == (name if baseline else "adaptive")
+
+
+@pytest.mark.parametrize("name, tight, loose", [
+    ("split-soft", {"spec", "batch", "long"}, {"batch", "long"}),
+    ("split-hard", {"spec"}, {"batch", "long"}),
+    ("split-tight", {"spec"}, {"spec", "batch", "long"})])
+def test_the_split_diagnostics_keep_to_their_part_of_the_fleet(name: str, tight: set[str],
+                                                                 loose: set[str]) -> None:
+    configs = BENCH.fleet_configs("equal", 2, "cpu")
+    policy = BENCH.make_policy(name, 0)
+    policy.tight_tpot_s = 0.0075
+    for slo_tpot_s, allowed in ((0.005, tight), (0.017, loose)):
+        views = [WorkerView(n, f"http://{n}", "engine", c) for n, c in configs.items()]
+        sent = set()
+        for _ in range(60):  # nothing finishes: the load spreads over what is allowed
+            d = policy.choose(RequestShape("chat", 100, None, 50, slo_tpot_s=slo_tpot_s), views)
+            sent.add(d.worker)
+            next(v for v in views if v.name == d.worker).outstanding_requests += 1
+        assert sent <= allowed and (len(sent) > 1 or len(allowed) == 1)
 
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
