@@ -19,6 +19,7 @@ not a measurement.
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 from collections import Counter
@@ -28,6 +29,7 @@ from engine.config import CompiledConfig, DeclaredFit
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.base import RequestShape, RoutingPolicy
 from router.baselines import LeastOutstandingPolicy, RoundRobinPolicy
+from tests.bench_module import load_bench
 from tests.router.fleet_sim import SimClock, SimResult, SimWorker, simulate
 
 BLOCK = 64.0  # prompt tokens per prefix block
@@ -71,18 +73,51 @@ def bench_fleet(context_s: float = 0.0) -> list[SimWorker]:
             worker("batch", batch, 256, {}), worker("long", long, 2048, {})]
 
 
+# prompt tokens of a class's median request in prefix_mix: the short classes 30-400, the long
+# ones 600-1,500, a shared-prefix one 4-24 document blocks and its own
+MEDIAN_PROMPT = {"repetitive": 215, "conversational": 215, "long": 1050, "prefix": 15 * 64}
+
+
+def rule_slos(context_s: float = 0.0) -> dict[str, tuple[float, float]]:
+    """(TTFT, TPOT) per class by bench/routing.py's SLO rule (SLO_RULE x the class's best
+    unloaded latency on any worker) on this model's fleet, as the bench sets them on the
+    device from its probe: a median prompt's prefill + one step, and one sequence's step x
+    the worker's factor for the class (+ its context with ``context_s``). Both short classes
+    come out tight, as on the device (conversational 2.5 x its best TPOT, where
+    :data:`SLOS` gives it 3.4x)."""
+    bench = load_bench("routing.py", "_bench_routing_rule")
+    domain = {"repetitive": REPETITIVE[0], "conversational": CONVERSATIONAL[0], "long": LONG[0],
+              "prefix": "code"}
+    out = {}
+    for c, (k_ttft, k_tpot) in bench.SLO_RULE.items():
+        prompt = MEDIAN_PROMPT[c]
+        ttft, tpot = math.inf, math.inf
+        for w in bench_fleet(context_s):
+            factor = w.factor.get(domain[c], 1.0)
+            if c == "prefix" and w.prefix_factor is not None:
+                factor = w.prefix_factor
+            step = w.base_s + w.per_seq_s + w.context_s * prompt
+            ttft = min(ttft, prompt * w.prefill_s + step)
+            tpot = min(tpot, step * factor)
+        out[c] = (k_ttft * ttft, k_tpot * tpot)
+    return out
+
+
 def class_of(shape: RequestShape) -> str:
     return "prefix" if shape.prefix_hashes else CLASS_OF.get(shape.domain, "conversational")
 
 
-def prefix_mix(rate: float, num: int, seed: int, num_docs: int = 60, tight: bool = False
+def prefix_mix(rate: float, num: int, seed: int, num_docs: int = 60, tight: bool = False,
+               slos: dict[str, tuple[float, float]] | None = None
                ) -> list[tuple[float, RequestShape]]:
     """``num`` Poisson arrivals at ``rate`` req/s, half shared-prefix, half short requests.
     ``tight``: the repetitive class gets :data:`TIGHT_REPETITIVE` (met on ``spec`` alone) and
     the shared-prefix requests are labelled ``code``, one of spec's declared domains, as the
-    classifier labels the Mooncake prompts on the device."""
+    classifier labels the Mooncake prompts on the device. ``slos``: every class's SLO (e.g.
+    :func:`rule_slos`) in place of those."""
     rng = random.Random(seed)
-    slos = {**SLOS, "repetitive": TIGHT_REPETITIVE} if tight else SLOS
+    if slos is None:
+        slos = {**SLOS, "repetitive": TIGHT_REPETITIVE} if tight else SLOS
     prefix_domain = "code" if tight else "rag"
     doc_blocks = [rng.randint(4, 24) for _ in range(num_docs)]  # 256-1,536-token documents
     weights = [1.0 / (1 + d) for d in range(num_docs)]
@@ -153,14 +188,19 @@ def by_class(results: list[SimResult]) -> dict[str, tuple[int, int, int]]:
 
 
 def main(argv: list[str]) -> None:
-    """``[--tight] [--context] [--old-ab] [--seeds A-B] [rate ...]``: a side-by-side table,
+    """``[--tight | --rule] [--context] [--old-ab] [--seeds A-B] [rate ...]``: a side-by-side table,
     one line per (rate, seed, policy) with goodput share and per class met / sent / sent to
     spec; the A/B is the context pricing (``adaptive-context``, router.context).
-    ``--tight``: the tight repetitive class; ``--context``: steps pay :data:`CONTEXT_S` per
+    ``--tight``: the tight repetitive class; ``--rule``: labelled as with ``--tight``, every
+    class's SLO by the bench's rule (:func:`rule_slos`); ``--context``: steps pay :data:`CONTEXT_S` per
     context token (long prompts decode slower); ``--old-ab``: session 8's A/Bs too, the
     TPOT prior by prompt band (``adaptive-pooledprior``) and, with ``--tight`` alone, the
     slot reserve (``adaptive-noreserve``)."""
-    tight, context = "--tight" in argv, "--context" in argv
+    tight, context = "--tight" in argv or "--rule" in argv, "--context" in argv
+    slos = rule_slos(CONTEXT_S if context else 0.0) if "--rule" in argv else None
+    if slos is not None:
+        print("SLOs (rule): " + "; ".join(f"{c} {t:.3f} s / {p * 1e3:.1f} ms"
+                                           for c, (t, p) in slos.items()), flush=True)
     seeds = range(1, 4)
     if "--seeds" in argv:
         lo, hi = argv[argv.index("--seeds") + 1].split("-")
@@ -174,7 +214,7 @@ def main(argv: list[str]) -> None:
             policies["adaptive-noreserve"] = variant(reserve_slots=False)
     for rate in rates:
         for seed in seeds:
-            arrivals = prefix_mix(rate, int(rate * 40), seed, tight=tight)
+            arrivals = prefix_mix(rate, int(rate * 40), seed, tight=tight, slos=slos)
             for name, make in policies.items():
                 results = run_results(make, arrivals, CONTEXT_S if context else 0.0)
                 good = sum(r.ttft_ok and r.tpot_ok for r in results) / len(arrivals)
