@@ -179,6 +179,7 @@ POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "adaptive-pooledprior": "adaptive", "adaptive-context": "adaptive",
     "adaptive-twin": "adaptive", "adaptive-noslodepth": "adaptive",
     "split-soft": "adaptive", "split-hard": "adaptive", "split-tight": "adaptive"}
+SPLITS = ("split-soft", "split-hard", "split-tight")  # diagnostics (SplitDiagnostic)
 NOSTALL = "adaptive-nostall"
 R4 = "adaptive-r4"
 NORESERVE = "adaptive-noreserve"
@@ -200,11 +201,8 @@ COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                ("adaptive", NOSTALL), ("adaptive", R4), ("adaptive", NORESERVE),
                ("adaptive", POOLED), (CONTEXT, "adaptive"), (CONTEXT, "round_robin"),
                (CONTEXT, "least_outstanding"), (TWIN, "adaptive"), ("adaptive", NOSLODEPTH),
-               ("split-soft", "adaptive"), ("split-hard", "adaptive"),
-               ("split-soft", "least_outstanding"), ("split-hard", "least_outstanding"),
-               ("split-soft", "round_robin"), ("split-hard", "round_robin"),
-               ("split-tight", "adaptive"), ("split-tight", "least_outstanding"),
-               ("split-tight", "round_robin"))
+               *((s, base) for s in SPLITS
+                 for base in ("adaptive", "least_outstanding", "round_robin")))
 MAX_MODEL_LEN = 2048
 # NOTE: greedy decoding, as Spec-Bench and bench/specdec.py measure: the traces carry no
 # sampling parameters, and the engine's default (temperature 1, as OpenAI's) makes the
@@ -294,14 +292,16 @@ class SplitDiagnostic:
         self.name = name
         self.inner = AdaptivePolicy(seed=seed)
         self.tight_tpot_s: float | None = None  # set once the run's SLOs are known
+        self.tight_anywhere = name == "split-soft"
+        self.loose_anywhere = name == "split-tight"
 
     def choose(self, shape: Any, workers: Any) -> Any:
         tight = (self.tight_tpot_s is not None and shape.slo_tpot_s is not None
                  and shape.slo_tpot_s <= self.tight_tpot_s)
         if tight:
-            allowed = [w for w in workers if w.name == "spec" or self.name == "split-soft"]
+            allowed = [w for w in workers if w.name == "spec" or self.tight_anywhere]
         else:
-            allowed = [w for w in workers if w.name != "spec" or self.name == "split-tight"]
+            allowed = [w for w in workers if w.name != "spec" or self.loose_anywhere]
         return self.inner.choose(shape, allowed or workers)
 
     def observe(self, outcome: Any) -> None:
@@ -313,7 +313,7 @@ class SplitDiagnostic:
 
 def make_policy(name: str, seed: int) -> Any:
     """The policy behind a ``--policies`` name (:data:`POLICIES`)."""
-    if name.startswith("split-"):
+    if name in SPLITS:
         return SplitDiagnostic(name, seed)
     if name in VARIANTS:
         return AdaptivePolicy(AdaptiveConfig(**VARIANTS[name]), seed=seed)
@@ -698,8 +698,7 @@ def proxy_config(name: str, urls: dict[str, str], configs: dict[str, CompiledCon
         # NOTE: every proxy is told the SLOs the run is judged by, as an operator would
         # configure them; only the adaptive policies use them. The policy object itself is
         # handed to the app (make_policy): the config only names its kind.
-        routing=slos.routing("adaptive" if name in VARIANTS or name.startswith("split-")
-                             else name),
+        routing=slos.routing("adaptive" if name in VARIANTS or name in SPLITS else name),
         speculation=SpeculationConfig(mode=POLICIES[name]),
         traces=ProxyTraceConfig(enabled=False),
         health=HealthConfig(interval_s=1.0, metrics_interval_s=0.25))

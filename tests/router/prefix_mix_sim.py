@@ -19,6 +19,7 @@ not a measurement.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import sys
@@ -78,6 +79,12 @@ def bench_fleet(context_s: float = 0.0) -> list[SimWorker]:
 MEDIAN_PROMPT = {"repetitive": 215, "conversational": 215, "long": 1050, "prefix": 15 * 64}
 
 
+@functools.cache
+def _slo_rule() -> dict[str, tuple[float, float]]:
+    """bench/routing.py's SLO_RULE (the bench script loaded once)."""
+    return load_bench("routing.py", "_bench_routing_rule").SLO_RULE
+
+
 def rule_slos(context_s: float = 0.0) -> dict[str, tuple[float, float]]:
     """(TTFT, TPOT) per class by bench/routing.py's SLO rule (SLO_RULE x the class's best
     unloaded latency on any worker) on this model's fleet, as the bench sets them on the
@@ -85,11 +92,10 @@ def rule_slos(context_s: float = 0.0) -> dict[str, tuple[float, float]]:
     the worker's factor for the class (+ its context with ``context_s``). Both short classes
     come out tight, as on the device (conversational 2.5 x its best TPOT, where
     :data:`SLOS` gives it 3.4x)."""
-    bench = load_bench("routing.py", "_bench_routing_rule")
     domain = {"repetitive": REPETITIVE[0], "conversational": CONVERSATIONAL[0], "long": LONG[0],
               "prefix": "code"}
     out = {}
-    for c, (k_ttft, k_tpot) in bench.SLO_RULE.items():
+    for c, (k_ttft, k_tpot) in _slo_rule().items():
         prompt = MEDIAN_PROMPT[c]
         ttft, tpot = math.inf, math.inf
         for w in bench_fleet(context_s):
