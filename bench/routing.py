@@ -66,7 +66,10 @@ and ``adaptive-context``, with ``price_context=True`` (what a long prompt's cont
 every decode step of its worker priced, router.context; off by default),
 ``adaptive-noslodepth``, with ``slo_depth=False`` (every request on a speculating worker at the
 depth policy's depth for the worker's mix, as up to session 9; on by default, a request whose
-TPOT SLO that depth would miss goes at the depth fastest for it), and ``adaptive-twin``,
+TPOT SLO that depth would miss goes at the depth fastest for it), ``adaptive-noslos``, whose
+proxy sends the engine workers no SLOs (``routing.forward_slos=False``: no prompt chunk is
+paced for a decode's TPOT SLO, engine.pacing; every other policy's proxy sends them, the
+baselines' too), and ``adaptive-twin``,
 adaptive exactly (an A/A). Diagnostics, not policies (``SplitDiagnostic``, session 11): adaptive
 over a hand-made split of the fleet by the request's TPOT SLO (tight: at most the repetitive
 and conversational classes' TPOT SLO) -- ``split-soft`` keeps the loose requests off ``spec``,
@@ -172,12 +175,14 @@ CLASS_OF = {d: c for c, ds in CLASSES.items() for d in ds}
 # turn one OFF); ``adaptive-twin``, adaptive exactly (an A/A: how far two identical fleets of
 # one run differ, the noise every A/B above sits in); ``adaptive-noslodepth``,
 # ``slo_depth=False`` (up to session 9: every request at the worker's mix depth; session 10's
-# device A/B ran the switch the other way round, as ``adaptive-slodepth``).
+# device A/B ran the switch the other way round, as ``adaptive-slodepth``); ``adaptive-noslos``,
+# the proxy's ``routing.forward_slos=False`` (session 12: the engine workers get no SLOs, so
+# they pace no prompt chunks, engine.pacing; every other policy's proxy forwards them).
 POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive",
     "adaptive-nostall": "adaptive", "adaptive-r4": "adaptive", "adaptive-noreserve": "adaptive",
     "adaptive-pooledprior": "adaptive", "adaptive-context": "adaptive",
-    "adaptive-twin": "adaptive", "adaptive-noslodepth": "adaptive",
+    "adaptive-twin": "adaptive", "adaptive-noslodepth": "adaptive", "adaptive-noslos": "adaptive",
     "split-soft": "adaptive", "split-hard": "adaptive", "split-tight": "adaptive"}
 SPLITS = ("split-soft", "split-hard", "split-tight")  # diagnostics (SplitDiagnostic)
 NOSTALL = "adaptive-nostall"
@@ -187,12 +192,15 @@ POOLED = "adaptive-pooledprior"
 CONTEXT = "adaptive-context"
 TWIN = "adaptive-twin"
 NOSLODEPTH = "adaptive-noslodepth"
+NOSLOS = "adaptive-noslos"
 VARIANTS: dict[str, dict[str, Any]] = {NOSTALL: {"price_prefill_stalls": False},
                                         R4: {"step_scaled_batch": False},
                                         NORESERVE: {"reserve_slots": False},
                                         POOLED: {"tpot_prior_by_band": False},
                                         CONTEXT: {"price_context": True}, TWIN: {},
-                                        NOSLODEPTH: {"slo_depth": False}}
+                                        NOSLODEPTH: {"slo_depth": False}, NOSLOS: {}}
+# variants of the proxy's routing config beside the policy's (proxy_config)
+ROUTING_VARIANTS: dict[str, dict[str, Any]] = {NOSLOS: {"forward_slos": False}}
 # NOTE: adaptive-context was a default until session 11: its A/B was decided (session 9,
 # 0.96x of adaptive pooled), and a fleet per policy costs three cores
 DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive"]
@@ -201,6 +209,7 @@ COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                ("adaptive", NOSTALL), ("adaptive", R4), ("adaptive", NORESERVE),
                ("adaptive", POOLED), (CONTEXT, "adaptive"), (CONTEXT, "round_robin"),
                (CONTEXT, "least_outstanding"), (TWIN, "adaptive"), ("adaptive", NOSLODEPTH),
+               ("adaptive", NOSLOS),
                *((s, base) for s in SPLITS
                  for base in ("adaptive", "least_outstanding", "round_robin")))
 MAX_MODEL_LEN = 2048
@@ -698,7 +707,9 @@ def proxy_config(name: str, urls: dict[str, str], configs: dict[str, CompiledCon
         # NOTE: every proxy is told the SLOs the run is judged by, as an operator would
         # configure them; only the adaptive policies use them. The policy object itself is
         # handed to the app (make_policy): the config only names its kind.
-        routing=slos.routing("adaptive" if name in VARIANTS or name in SPLITS else name),
+        routing=dataclasses.replace(
+            slos.routing("adaptive" if name in VARIANTS or name in SPLITS else name),
+            **ROUTING_VARIANTS.get(name, {})),
         speculation=SpeculationConfig(mode=POLICIES[name]),
         traces=ProxyTraceConfig(enabled=False),
         health=HealthConfig(interval_s=1.0, metrics_interval_s=0.25))

@@ -263,6 +263,8 @@ class OutputRouter:
             m.prompt_tokens_cached.inc(stats.num_prefix_hits)
         if stats.num_preempted:
             m.preemptions.inc(stats.num_preempted)
+        if stats.paced:
+            m.paced_steps.inc()
         if stats.decode_step is not None:
             self.metrics.decode_steps.add(stats.decode_step)
         if stats.num_drafts:

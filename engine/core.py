@@ -25,6 +25,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthError, ReloadError
 from engine.kv_cache import BlockAllocator
 from engine.model import LlamaModel
+from engine.pacing import step_terms
 from engine.proposers import build_proposer
 from engine.runner import ModelRunner, StepResult
 from engine.scheduler import ScheduledSeq, Scheduler
@@ -68,6 +69,7 @@ class StepStats:
     num_waiting: int = 0
     kv_usage: float = 0.0
     decode_step: DecodeStep | None = None  # set when any scheduled sequence decoded
+    paced: bool = False  # a prompt chunk was held to a TPOT SLO (engine.pacing)
 
 
 class EngineCore:
@@ -239,11 +241,17 @@ class EngineCore:
             return outputs, stats
         decoding = [it for it in plan.scheduled if it.num_new == 1 and it.samples]
         num_prefill = sum(it.num_new for it in plan.scheduled if it.seq.is_prefilling)
+        terms = step_terms(len(decoding), sum(it.q_len for it in decoding),
+                           sum(it.seq.num_computed for it in decoding),
+                           [(it.seq.num_computed, it.num_new) for it in plan.scheduled
+                            if not (it.num_new == 1 and it.samples)])
         results = {id(r.item): r for r in self.runner.execute(plan.scheduled)}
         for item in plan.scheduled:
             out = self._postprocess(item, results.get(id(item)), stats)
             if out is not None:
                 outputs.append(out)
+        self.scheduler.pacer.model.observe(terms, time.perf_counter() - t0)
+        stats.paced = plan.paced
         if decoding:  # NOTE: the whole step, so proposing and verifying are priced too
             drafted = [len(it.drafts) for it in decoding]
             stats.decode_step = DecodeStep(len(drafted), sum(drafted), max(drafted),
@@ -313,6 +321,10 @@ class EngineCore:
         if item.drafts:
             self._count_spec(seq, len(item.drafts), result.num_accepted, stats)
         new = self._append(seq, result.tokens)
+        if new and seq.first_token_s is None:
+            seq.first_token_s = time.monotonic()
+        elif new:
+            seq.num_decode_steps += 1
         stats.num_generated += new
         text = self.detoks[seq.seq_id].push(self._visible(seq, new))
         if text.stop_string is not None and seq.finish_reason is None:

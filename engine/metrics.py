@@ -73,6 +73,10 @@ class EngineMetrics:
                                              "Accepted speculative tokens by position.",
                                              ("position",))
 
+        self.paced_steps = counter(
+            "polyinfer:prefill_paced_steps",
+            "Steps whose prompt chunks were held to a decode's TPOT SLO (engine.pacing).")
+
         self.decode_steps = StepSums()  # added to per pure decode step (engine.async_engine)
         r.register(_StepFitCollector(model_name, self.decode_steps))
 
@@ -81,7 +85,7 @@ class EngineMetrics:
                        self.prefix_cache_hits,
                        self.generation_tokens, self.preemptions, self.ttft, self.itl, self.tpot,
                        self.e2e, self.spec_drafts, self.spec_draft_tokens,
-                       self.spec_accepted_tokens):
+                       self.spec_accepted_tokens, self.paced_steps):
             metric.labels(model_name=model_name)  # export zeros before the first request
 
     def expose(self) -> bytes:

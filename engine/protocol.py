@@ -4,11 +4,15 @@ Parsing is strict about types and ranges (every problem is a
 :class:`~engine.errors.RequestError` naming the field) and explicit about what
 is not implemented: an option that would change the output (``n > 1``,
 ``logprobs``, penalties...) is refused with a 400 rather than silently ignored.
-Unknown fields are ignored, as vLLM does, so a proxy may add its own.
+Unknown fields are ignored, as vLLM does, so a proxy may add its own. Beside OpenAI's,
+the engine reads ``speculative_depth``, ``slo_tpot_s`` and ``slo_ttft_s`` (the request's
+SLOs in seconds: a TPOT SLO paces the prompt chunks beside it, a TTFT SLO sets the least pace
+of its own prompt; engine.pacing).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -66,6 +70,17 @@ def _number(body: Mapping[str, Any], key: str, default: float, lo: float, hi: fl
         bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
         raise InvalidRequestError(f"'{key}' must be in {bound}, got {value}", key)
     return value
+
+
+def _slo(body: Mapping[str, Any], key: str) -> float | None:
+    """A positive, finite number of seconds, or None when absent."""
+    value = _field(body, key, (int, float), None, "a number of seconds")
+    if value is None:
+        return None
+    if not 0 < value < math.inf:
+        raise InvalidRequestError(f"'{key}' must be a positive number of seconds, got {value}",
+                                  key)
+    return float(value)
 
 
 def _check_unsupported(body: Mapping[str, Any]) -> None:
@@ -182,6 +197,8 @@ class RequestParser:
             spec_depth=self._spec_depth(body),
             include_stop_str_in_output=_field(body, "include_stop_str_in_output", bool, False,
                                               "true or false"),
+            slo_tpot_s=_slo(body, "slo_tpot_s"),
+            slo_ttft_s=_slo(body, "slo_ttft_s"),
         )
 
     def _sampling(self, body: Mapping[str, Any]) -> SamplingParams:

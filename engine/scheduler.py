@@ -22,6 +22,7 @@ tokens only, so a registered block never holds a rejected draft's K/V.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache import BlockAllocator, blocks_needed, extend_block_hashes
+from engine.pacing import PrefillBudget, PrefillPacer
 from engine.sequence import Sequence, Status
 from specdec.base import Proposal
 
@@ -58,6 +60,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     num_prefix_queries: int = 0  # tokens of first-time admissions looked up in the cache
     num_prefix_hits: int = 0  # of which found cached
+    paced: bool = False  # a prompt chunk got fewer tokens than it asked for (engine.pacing)
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +81,7 @@ class Scheduler:
         self.allocator = allocator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.pacer = PrefillPacer()  # fitted afresh per build: a reload changes step costs
 
     @property
     def has_work(self) -> bool:
@@ -110,10 +114,25 @@ class Scheduler:
         """Pick this step's sequences; ``proposals`` holds drafts of decoding sequences."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(proposals, budget, out)
+        paced = self._prefill_budget(proposals)
+        budget = self._schedule_running(proposals, budget, out, paced)
         if not out.preempted:
-            self._admit_waiting(budget, out)
+            self._admit_waiting(budget, out, paced)
+        out.paced = paced is not None and paced.paced
         return out
+
+    def _prefill_budget(self, proposals: dict[int, Proposal]) -> PrefillBudget | None:
+        """What the decodes' TPOT SLOs leave for prompt chunks this step; None: no limit."""
+        decoding, prefill = [], bool(self.waiting)
+        for seq in self.running:
+            if seq.num_tokens - seq.num_computed == 1:
+                prop = proposals.get(seq.seq_id)
+                decoding.append((seq, 1 + (len(prop.tokens) if prop is not None else 0)))
+            else:
+                prefill = True
+        if not prefill or not any(seq.params.slo_tpot_s is not None for seq, _ in decoding):
+            return None
+        return self.pacer.budget(decoding, time.monotonic())
 
     def trim_blocks(self, seq: Sequence) -> None:
         """Free blocks past the sequence's tokens (rejected speculative positions)."""
@@ -123,7 +142,7 @@ class Scheduler:
             del seq.block_table[keep:]
 
     def _schedule_running(self, proposals: dict[int, Proposal], budget: int,
-                          out: SchedulerOutput) -> int:
+                          out: SchedulerOutput, paced: PrefillBudget | None) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -131,6 +150,11 @@ class Scheduler:
             prop = proposals.get(seq.seq_id) if num_new == 1 else None
             num_drafts = len(prop.tokens) if prop is not None else 0
             q_len = min(num_new + num_drafts, budget)
+            if paced is not None and num_new > 1:
+                q_len = paced.take(seq, seq.num_computed, q_len)
+                if q_len == 0:  # a prompt chunk held back; the decodes after it still run
+                    i += 1
+                    continue
             if not self._reserve(seq, q_len, out):
                 break  # seq itself was preempted: it was the last one running
             out.scheduled.append(_scheduled(seq, min(num_new, q_len), prop,
@@ -152,13 +176,18 @@ class Scheduler:
             seq.block_table.extend(self.allocator.allocate(need))
         return True
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+    def _admit_waiting(self, budget: int, out: SchedulerOutput,
+                       paced: PrefillBudget | None) -> None:
         bs = self.config.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             hits = self._prefix_hits(seq)
             start = seq.num_computed + len(hits) * bs
             q_len = min(seq.num_tokens - start, budget)
+            if paced is not None:
+                q_len = paced.take(seq, start, q_len)
+                if q_len == 0:
+                    break
             num_fresh = blocks_needed(start + q_len, bs) - len(seq.block_table) - len(hits)
             # NOTE: taking an unreferenced cached block removes it from the allocatable pool
             if not self.allocator.can_allocate(num_fresh + self.allocator.num_evictable(hits)):

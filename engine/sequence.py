@@ -19,6 +19,10 @@ class GenerationParams:
     ignore_eos: bool = False
     spec_depth: int = 0  # speculative tokens per step, already capped by the config
     include_stop_str_in_output: bool = False
+    # the request's TPOT SLO, seconds: prompt chunks beside it are paced to keep it
+    # (engine.pacing); None = not protected
+    slo_tpot_s: float | None = None
+    slo_ttft_s: float | None = None  # its TTFT SLO, seconds: the least pace of its prompt
 
 
 class Status(enum.Enum):
@@ -51,6 +55,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     num_cached_tokens: int | None = None  # prompt tokens found cached at first admission
+    first_token_s: float | None = None  # time.monotonic() when its first output token came
+    num_decode_steps: int = 0  # steps since then that produced tokens (engine.pacing)
 
     @property
     def num_tokens(self) -> int:

@@ -95,6 +95,8 @@ class Relay:
         self._api_keys = frozenset(f"Bearer {k}" for k in config.auth.api_keys)
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
+        self._slo_tables = {key: config.routing.slo_by_domain(key)
+                            for key in ("slo_ttft_s", "slo_tpot_s")}
 
     def new_request_id(self) -> str:
         return f"pi-{self._id_prefix}-{next(self._ids)}"
@@ -290,12 +292,26 @@ class Relay:
         return self.depth_policy.decide(worker.name, rec.shape.domain, worker.view.running + 1,
                                         engine.spec_max_depth)
 
+    def _engine_slos(self, rec: RequestRecord, body: dict[str, Any]) -> None:
+        """The request's SLOs (its own, else its domain's) for the engine, which paces prompt
+        chunks by them (engine.pacing); none with ``routing.forward_slos`` off."""
+        assert rec.shape is not None
+        routing = self.config.routing
+        for key in ("slo_ttft_s", "slo_tpot_s"):
+            value = getattr(rec.shape, key) or self._slo_tables[key].get(rec.shape.domain)
+            if routing.forward_slos and value is not None:
+                body[key] = value
+            else:
+                body.pop(key, None)
+
     async def _attempt(self, ex: ClientExchange, rec: RequestRecord, worker: Worker,
                        body: dict[str, Any], strip_usage: bool) -> None:
         if rec.spec_depth is not None:
             body["speculative_depth"] = rec.spec_depth
         else:
             body.pop("speculative_depth", None)
+        if worker.backend == "engine":
+            self._engine_slos(rec, body)
         view = worker.view
         assert rec.shape is not None
         num_tokens = rec.shape.prompt_tokens + rec.shape.predicted_output_tokens
