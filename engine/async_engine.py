@@ -304,6 +304,7 @@ class _Children:
         self.prefix_cache_hits = metrics.prefix_cache_hits.labels(**lab)
         self.prompt_tokens_cached = metrics.prompt_tokens_cached.labels(**lab)
         self.preemptions = metrics.preemptions.labels(**lab)
+        self.paced_steps = metrics.paced_steps.labels(**lab)
         self.spec_drafts = metrics.spec_drafts.labels(**lab)
         self.spec_draft_tokens = metrics.spec_draft_tokens.labels(**lab)
         self.spec_accepted_tokens = metrics.spec_accepted_tokens.labels(**lab)

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from engine.sequence import GenerationParams
 from specdec.step_feed import METRIC as STEP_FIT_METRIC
 from specdec.step_feed import StepSums
 
@@ -73,6 +74,9 @@ class EngineMetrics:
                                              "Accepted speculative tokens by position.",
                                              ("position",))
 
+        self.slo_requests = counter(
+            "polyinfer:slo_requests", "Requests that named an SLO, by which (ttft, tpot).",
+            ("slo",))
         self.paced_steps = counter(
             "polyinfer:prefill_paced_steps",
             "Steps whose prompt chunks were held to a decode's TPOT SLO (engine.pacing).")
@@ -87,6 +91,11 @@ class EngineMetrics:
                        self.e2e, self.spec_drafts, self.spec_draft_tokens,
                        self.spec_accepted_tokens, self.paced_steps):
             metric.labels(model_name=model_name)  # export zeros before the first request
+
+    def count_slos(self, params: GenerationParams) -> None:
+        for slo, value in (("ttft", params.slo_ttft_s), ("tpot", params.slo_tpot_s)):
+            if value is not None:
+                self.slo_requests.labels(model_name=self.model_name, slo=slo).inc()
 
     def expose(self) -> bytes:
         return generate_latest(self.registry)

@@ -115,6 +115,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if not _has_cores(state):
         return _error(EngineUnavailableError("no engine core process is running"))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    state.metrics.count_slos(parsed.params)
     outputs = state.engine.generate(rid, parsed.prompt_ids, parsed.params)
     model = state.parser.config.model_name
     async with contextlib.aclosing(outputs):

@@ -1,7 +1,8 @@
 """Request-body checks at the API boundary: wrong input becomes a 4xx naming the field.
 
 Only what the proxy itself depends on is checked (model, messages/prompt,
-stream, token limits, speculative_depth); every other field passes through to
+stream, token limits, speculative_depth, the SLO fields it routes by and forwards);
+every other field passes through to
 the worker untouched, and the worker judges it.
 """
 
@@ -90,6 +91,10 @@ def _is_spec_depth(v: Any) -> bool:
     return _is_int(v) and 0 <= v <= MAX_SPEC_DEPTH
 
 
+def _is_seconds(v: Any) -> bool:
+    return _is_number(v) and 0 < v < float("inf")
+
+
 def _is_object(v: Any) -> bool:
     return isinstance(v, dict)
 
@@ -106,6 +111,8 @@ _FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "frequency_penalty": (_is_number, "a number"),
     "stream_options": (_is_object, "an object"),
     "speculative_depth": (_is_spec_depth, f"an integer 0..{MAX_SPEC_DEPTH}"),
+    "slo_ttft_s": (_is_seconds, "a positive number of seconds"),
+    "slo_tpot_s": (_is_seconds, "a positive number of seconds"),
 }
 
 
