@@ -27,8 +27,8 @@ finish by ``SLO_TARGET`` of it, were every step to come like this one: while the
 it waits, then goes just in time. Any other prompt (no TTFT SLO, or one it cannot meet even
 at full speed) shares a floor of ``MIN_CHUNK`` tokens a step: slowed, never starved.
 
-NOTE: no pacing until the cost model has seen ``MIN_FIT_STEPS`` steps with prompt tokens:
-an unfitted model would either starve prompts or protect nothing.
+NOTE: no pacing until the cost model has seen ``MIN_FIT_STEPS`` steps with prompt tokens and
+as many with decodes: an unfitted model would either starve prompts or protect nothing.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from engine.sequence import Sequence
 SLO_TARGET = 0.8  # of the TPOT SLO, the mean TPOT pacing aims at
 BANK_SPEND = 0.5  # of a sequence's bank one step may spend
 MIN_CHUNK = 16  # prompt tokens a paced step always grants (one KV block at the default size)
-MIN_FIT_STEPS = 8  # steps with prompt tokens before the cost model paces anything
+MIN_FIT_STEPS = 8  # steps with prompt tokens, and with decodes, before anything is paced
 CONTEXT_UNIT = 1024.0  # tokens: the unit of the context terms, to keep the fit well scaled
 NUM_TERMS = 6
 
@@ -65,7 +65,8 @@ def step_terms(num_decodes: int, decode_rows: int, decode_context: int,
 class StepCostModel:
     """Seconds of one engine step from :func:`step_terms`: least squares over this engine's
     steps, older ones forgotten by ``decay`` per step (a reload or a busier host shifts
-    costs), a small ridge keeping terms the recent steps do not vary at their prior of 0."""
+    costs), a small ridge (relative to each term's own scale) keeping terms the recent steps do
+not vary at their prior of 0."""
 
     def __init__(self, decay: float = 0.998, ridge: float = 1e-6) -> None:
         self.decay = decay
@@ -73,7 +74,8 @@ class StepCostModel:
         self._xtx = np.zeros((NUM_TERMS, NUM_TERMS))
         self._xty = np.zeros(NUM_TERMS)
         self._coef: np.ndarray | None = None
-        self.num_prefill_steps = 0
+        self.num_prefill_steps = 0  # steps seen with prompt tokens
+        self.num_decode_steps = 0  # steps seen with decoding sequences
 
     def observe(self, terms: np.ndarray, seconds: float) -> None:
         if not math.isfinite(seconds) or seconds <= 0:
@@ -85,16 +87,17 @@ class StepCostModel:
         self._coef = None
         if terms[4] > 0:
             self.num_prefill_steps += 1
+        if terms[1] > 0:
+            self.num_decode_steps += 1
 
     @property
     def ready(self) -> bool:
-        return self.num_prefill_steps >= MIN_FIT_STEPS
+        return min(self.num_prefill_steps, self.num_decode_steps) >= MIN_FIT_STEPS
 
     @property
     def coef(self) -> np.ndarray:
         if self._coef is None:
-            scale = max(float(np.trace(self._xtx)) / NUM_TERMS, 1.0)
-            a = self._xtx + self.ridge * scale * np.eye(NUM_TERMS)
+            a = self._xtx + np.diag(self.ridge * np.diag(self._xtx) + 1e-9)
             self._coef = np.linalg.solve(a, self._xty)
         return self._coef
 

@@ -139,6 +139,12 @@ def parser(tokenizer: TextTokenizer, **engine: object) -> RequestParser:
     ({"prompt": "hi", "speculative_depth": -1}, InvalidRequestError),
     ({"prompt": "hi", "stream": "yes"}, InvalidRequestError),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, InvalidRequestError),
+    ({"prompt": "hi", "slo_tpot_s": 0}, InvalidRequestError),
+    ({"prompt": "hi", "slo_tpot_s": -0.01}, InvalidRequestError),
+    ({"prompt": "hi", "slo_tpot_s": "0.05"}, InvalidRequestError),
+    ({"prompt": "hi", "slo_tpot_s": True}, InvalidRequestError),
+    ({"prompt": "hi", "slo_ttft_s": float("inf")}, InvalidRequestError),
+    ({"prompt": "hi", "slo_ttft_s": [1]}, InvalidRequestError),
 ])
 def test_bad_completion_requests(tokenizer: TextTokenizer, body: object,
                                  error: type[Exception]) -> None:
@@ -164,6 +170,14 @@ def test_parse_caps_speculative_depth_and_defaults(tokenizer: TextTokenizer) -> 
     assert chat.params.sampling.greedy and chat.params.stop == ("x",)
     assert parser(tokenizer).parse({"prompt": "hi", "speculative_depth": 4},
                                    False).params.spec_depth == 0
+
+
+def test_parse_reads_the_slo_fields(tokenizer: TextTokenizer) -> None:
+    params = parser(tokenizer).parse({"prompt": "hi", "slo_tpot_s": 0.05, "slo_ttft_s": 2},
+                                     False).params
+    assert (params.slo_tpot_s, params.slo_ttft_s) == (0.05, 2.0)
+    params = parser(tokenizer).parse({"prompt": "hi", "slo_tpot_s": None}, False).params
+    assert (params.slo_tpot_s, params.slo_ttft_s) == (None, None)
 
 
 def test_decode_group_splits_only_when_padding_dominates() -> None:

@@ -28,6 +28,8 @@ wrong_types = {
         isinstance(v, int) and not isinstance(v, bool) and v >= 1)),
     "temperature": st.text(max_size=5) | st.lists(st.integers(), max_size=2),
     "speculative_depth": st.integers(17, 10**6) | st.integers(-10**6, -1) | st.text(max_size=3),
+    "slo_tpot_s": st.floats(max_value=0, allow_infinity=False) | st.booleans() | st.text(max_size=3),
+    "slo_ttft_s": st.integers(-10**6, 0) | st.lists(st.floats(0.1, 1), min_size=1, max_size=2),
 }
 
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import keys
-from tests.proxy.servers import ProxyThread, eventually, read_traces
+from tests.proxy.servers import EngineProcess, ProxyThread, eventually, external_config, read_traces
 
 MODEL = "tiny-target"
 CODE_PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return"
@@ -213,3 +215,33 @@ def test_bare_worker_url_discovers_models_and_engine_config(engines, tmp_path) -
                                                              max_tokens=4)
         assert raw.headers["x-polyinfer-worker"] == "w0"
         assert raw.headers["x-polyinfer-spec-depth"] != "default"  # adaptive depth was sent
+
+
+def slo_requests(engines: list[EngineProcess]) -> dict[str, float]:
+    """polyinfer:slo_requests_total by SLO, summed over the engine workers."""
+    total = {"ttft": 0.0, "tpot": 0.0}
+    for e in engines:
+        for family in text_string_to_metric_families(httpx.get(f"{e.url}/metrics").text):
+            if family.name == "polyinfer:slo_requests":
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        total[sample.labels["slo"]] += sample.value
+    return total
+
+
+@pytest.mark.parametrize("forward", [True, False])
+def test_engine_workers_get_the_request_slos(engines: list[EngineProcess], tmp_path: Path,
+                                             forward: bool) -> None:
+    """Each request's SLOs reach the engine (engine.pacing), its own field or else its
+    domain's from the routing config; ``forward_slos: false`` strips both."""
+    routing = {"slo_tpot_s": {"*": 0.5}, "forward_slos": forward}
+    with ProxyThread(external_config(engines, tmp_path, routing=routing)) as p:
+        before = slo_requests(engines)
+        c = client(p)
+        for _ in range(2):  # the domain's TPOT SLO only
+            c.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        c.completions.create(model=MODEL, prompt="hi", max_tokens=2,  # its own, both
+                             extra_body={"slo_ttft_s": 3.0, "slo_tpot_s": 0.2})
+        after = slo_requests(engines)
+    got = {k: after[k] - before[k] for k in before}
+    assert got == ({"ttft": 1, "tpot": 3} if forward else {"ttft": 0, "tpot": 0})
