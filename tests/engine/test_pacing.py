@@ -222,7 +222,7 @@ def generate(core: EngineCore, slo_tpot: float | None) -> tuple[dict[str, list[i
     for i in range(3):
         core.add_request(f"d{i}", [10 + i, 20, 30, 40] * 10, GenerationParams(
             max_tokens=60, sampling=greedy, ignore_eos=True, spec_depth=2, slo_tpot_s=slo_tpot))
-    out: dict[str, list[int]] = {f"d{i}": [] for i in range(3)} | {"p": []}
+    out: dict[str, list[int]] = {name: [] for name in ("d0", "d1", "d2", "p")}
     num_paced = 0
     for step in range(2000):
         if step == 3:
