@@ -292,14 +292,15 @@ class Relay:
         return self.depth_policy.decide(worker.name, rec.shape.domain, worker.view.running + 1,
                                         engine.spec_max_depth)
 
-    def _engine_slos(self, rec: RequestRecord, body: dict[str, Any]) -> None:
-        """The request's SLOs (its own, else its domain's) for the engine, which paces prompt
-        chunks by them (engine.pacing); none with ``routing.forward_slos`` off."""
+    def _slos(self, worker: Worker, rec: RequestRecord, body: dict[str, Any]) -> None:
+        """The request's SLOs (its own, else its domain's) for an engine worker, which paces
+        prompt chunks by them (engine.pacing); stripped for other backends, as other
+        polyinfer-only fields are, and with ``routing.forward_slos`` off."""
         assert rec.shape is not None
-        routing = self.config.routing
+        forward = self.config.routing.forward_slos and worker.backend == "engine"
         for key in ("slo_ttft_s", "slo_tpot_s"):
             value = getattr(rec.shape, key) or self._slo_tables[key].get(rec.shape.domain)
-            if routing.forward_slos and value is not None:
+            if forward and value is not None:
                 body[key] = value
             else:
                 body.pop(key, None)
@@ -310,8 +311,7 @@ class Relay:
             body["speculative_depth"] = rec.spec_depth
         else:
             body.pop("speculative_depth", None)
-        if worker.backend == "engine":
-            self._engine_slos(rec, body)
+        self._slos(worker, rec, body)
         view = worker.view
         assert rec.shape is not None
         num_tokens = rec.shape.prompt_tokens + rec.shape.predicted_output_tokens
