@@ -27,11 +27,6 @@ finish by ``SLO_TARGET`` of it, were every step to come like this one: while the
 it waits, then goes just in time. Any other prompt (no TTFT SLO, or one it cannot meet even
 at full speed) shares a floor of ``MIN_CHUNK`` tokens a step: slowed, never starved.
 
-Batching is the other half of a decode's step: a waiting sequence whose own decoding (at its
-speculative depth) would not fit what the protected decodes allow a step stays waiting while
-its TTFT SLO leaves it time (:meth:`PrefillBudget.holds`); the sequences behind it are
-considered in turn. One without a TTFT SLO, or past meeting it, is admitted as before.
-
 NOTE: no pacing until the cost model has seen ``MIN_FIT_STEPS`` steps with prompt tokens and
 as many with decodes: an unfitted model would either starve prompts or protect nothing.
 """
@@ -40,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -109,12 +104,6 @@ not vary at their prior of 0."""
     def predict(self, terms: np.ndarray) -> float:
         return float(terms @ self.coef)
 
-    def decode_cost(self, seq: Sequence) -> float:
-        """Seconds ``seq``'s decoding would add to every step, at its speculative depth."""
-        c = self.coef
-        rows = 1 + seq.params.spec_depth
-        return max(float(c[1] + c[2] * rows + c[3] * seq.num_tokens / CONTEXT_UNIT), 0.0)
-
     def prefill_cost(self, start: int, num: int) -> float:
         """Seconds ``num`` prompt tokens from position ``start`` add to a step."""
         c = self.coef
@@ -145,12 +134,6 @@ class PrefillBudget:
     now: float
     floor: int = MIN_CHUNK
     paced: bool = False  # some chunk got less than it asked for
-    # what the protected decodes allow one more decoding sequence a step: the seconds before
-    # any prompt chunk of this step took its share
-    decode_room: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.decode_room = self.seconds
 
     def take(self, seq: Sequence, start: int, want: int) -> int:
         """Grant up to ``want`` tokens of ``seq``'s chunk starting at ``start``."""
@@ -165,16 +148,6 @@ class PrefillBudget:
         if n < want:
             self.paced = True
         return n
-
-    def holds(self, seq: Sequence, start: int) -> bool:
-        """Whether waiting ``seq`` stays waiting this step: its decoding would not fit what the
-        protected decodes allow a step, and its TTFT SLO leaves it time (it needs fewer than
-        ``MIN_CHUNK`` prompt tokens a step). A sequence without a TTFT SLO, or one it can no
-        longer meet, is never held."""
-        need = self._ttft_need(seq, start)
-        if need is None or need >= MIN_CHUNK:
-            return False
-        return self.model.decode_cost(seq) > self.decode_room
 
     def _ttft_need(self, seq: Sequence, start: int) -> int | None:
         """Tokens a step must give ``seq``'s prompt to finish by its TTFT target, were every

@@ -178,14 +178,6 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput,
                        paced: PrefillBudget | None) -> None:
-        held: list[Sequence] = []  # waiting for the protected decodes (engine.pacing)
-        try:
-            self._admit(budget, out, paced, held)
-        finally:
-            self.waiting.extendleft(reversed(held))  # back in front, in their order
-
-    def _admit(self, budget: int, out: SchedulerOutput, paced: PrefillBudget | None,
-               held: list[Sequence]) -> None:
         bs = self.config.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -193,9 +185,6 @@ class Scheduler:
             start = seq.num_computed + len(hits) * bs
             q_len = min(seq.num_tokens - start, budget)
             if paced is not None:
-                if paced.holds(seq, start):
-                    held.append(self.waiting.popleft())
-                    continue
                 q_len = paced.take(seq, start, q_len)
                 if q_len == 0:
                     break

@@ -245,36 +245,8 @@ def test_pacing_changes_when_prompts_run_not_what_anyone_gets(core: EngineCore) 
     assert num_free == 0 and core.scheduler.pacer.model.ready
     # an SLO a step with a full prompt chunk breaks but decode-only steps keep
     decode_only = core.scheduler.pacer.model.predict(step_terms(3, 9, 150, ()))
-    tight, num_tight = generate(core, slo_tpot=3 * decode_only / SLO_TARGET)
+    tight, num_tight = generate(core, slo_tpot=1.5 * decode_only / SLO_TARGET)
     assert num_tight > 0, "a tight TPOT SLO held prompt chunks back"
     loose, num_loose = generate(core, slo_tpot=10.0)  # one no step comes near
     assert num_loose == 0
     assert tight == free and loose == free, "pacing must not change any output"
-
-
-def test_scheduler_holds_a_waiting_sequence_whose_decode_would_not_fit() -> None:
-    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, kv_cache_tokens=8192)
-    s = Scheduler(cfg, BlockAllocator(cfg.num_kv_blocks))
-    s.pacer = PrefillPacer(fitted())
-    now = time.monotonic()
-    # 6 ms behind its target, one token a step: it may spend under 0.5 ms more a step
-    tight = decoding(0, slo=0.010, after_first=40, elapsed=40 * 0.010 * SLO_TARGET + 0.006,
-                     now=now)
-    tight.block_table = s.allocator.allocate(-(-tight.num_tokens // cfg.block_size))
-    s.running.append(tight)
-    tight.status = tight.status.RUNNING
-    patient = prompt(1, 100, now, slo_ttft=30.0)  # its TTFT SLO leaves it time: it waits
-    pressed = prompt(2, 100, now - 7.16, slo_ttft=9.0)  # 40 ms to its target: needs them now
-    no_slo = prompt(3, 100, now)  # never held
-    for p in (patient, pressed, no_slo):
-        s.add(p)
-    budget = s._prefill_budget({})
-    assert budget is not None and budget.holds(patient, 0)
-    assert not budget.holds(pressed, 0) and not budget.holds(no_slo, 0)
-    out = s.schedule({})
-    assert {x.seq.request_id for x in out.scheduled} == {"d0", "p2", "p3"}
-    assert list(s.waiting) == [patient]
-    # once the protected decode is gone, it goes
-    s.finish(tight)
-    out = s.schedule({})
-    assert [x.seq.request_id for x in out.scheduled][-1] == "p1" and not s.waiting
