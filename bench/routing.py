@@ -66,10 +66,10 @@ and ``adaptive-context``, with ``price_context=True`` (what a long prompt's cont
 every decode step of its worker priced, router.context; off by default),
 ``adaptive-noslodepth``, with ``slo_depth=False`` (every request on a speculating worker at the
 depth policy's depth for the worker's mix, as up to session 9; on by default, a request whose
-TPOT SLO that depth would miss goes at the depth fastest for it), ``adaptive-noslos``, whose
-proxy sends the engine workers no SLOs (``routing.forward_slos=False``: no prompt chunk is
-paced for a decode's TPOT SLO, engine.pacing; every other policy's proxy sends them, the
-baselines' too), and ``adaptive-twin``,
+TPOT SLO that depth would miss goes at the depth fastest for it), ``adaptive-slos``, whose
+proxy sends the engine workers each request's SLOs (``routing.forward_slos=True``: prompt
+chunks paced for the decodes' TPOT SLOs, engine.pacing; session 12: 0.98x of adaptive), and
+``adaptive-twin``,
 adaptive exactly (an A/A). Diagnostics, not policies (``SplitDiagnostic``, session 11): adaptive
 over a hand-made split of the fleet by the request's TPOT SLO (tight: at most the repetitive
 and conversational classes' TPOT SLO) -- ``split-soft`` keeps the loose requests off ``spec``,
@@ -175,14 +175,14 @@ CLASS_OF = {d: c for c, ds in CLASSES.items() for d in ds}
 # turn one OFF); ``adaptive-twin``, adaptive exactly (an A/A: how far two identical fleets of
 # one run differ, the noise every A/B above sits in); ``adaptive-noslodepth``,
 # ``slo_depth=False`` (up to session 9: every request at the worker's mix depth; session 10's
-# device A/B ran the switch the other way round, as ``adaptive-slodepth``); ``adaptive-noslos``,
-# the proxy's ``routing.forward_slos=False`` (session 12: the engine workers get no SLOs, so
-# they pace no prompt chunks, engine.pacing; every other policy's proxy forwards them).
+# device A/B ran the switch the other way round, as ``adaptive-slodepth``); ``adaptive-slos``,
+# the proxy's ``routing.forward_slos=True`` (session 12: the engine workers get each request's
+# SLOs and pace prompt chunks by them, engine.pacing; no other policy's proxy sends them).
 POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive",
     "adaptive-nostall": "adaptive", "adaptive-r4": "adaptive", "adaptive-noreserve": "adaptive",
     "adaptive-pooledprior": "adaptive", "adaptive-context": "adaptive",
-    "adaptive-twin": "adaptive", "adaptive-noslodepth": "adaptive", "adaptive-noslos": "adaptive",
+    "adaptive-twin": "adaptive", "adaptive-noslodepth": "adaptive", "adaptive-slos": "adaptive",
     "split-soft": "adaptive", "split-hard": "adaptive", "split-tight": "adaptive"}
 SPLITS = ("split-soft", "split-hard", "split-tight")  # diagnostics (SplitDiagnostic)
 NOSTALL = "adaptive-nostall"
@@ -192,15 +192,15 @@ POOLED = "adaptive-pooledprior"
 CONTEXT = "adaptive-context"
 TWIN = "adaptive-twin"
 NOSLODEPTH = "adaptive-noslodepth"
-NOSLOS = "adaptive-noslos"
+SLOS = "adaptive-slos"
 VARIANTS: dict[str, dict[str, Any]] = {NOSTALL: {"price_prefill_stalls": False},
                                         R4: {"step_scaled_batch": False},
                                         NORESERVE: {"reserve_slots": False},
                                         POOLED: {"tpot_prior_by_band": False},
                                         CONTEXT: {"price_context": True}, TWIN: {},
-                                        NOSLODEPTH: {"slo_depth": False}, NOSLOS: {}}
+                                        NOSLODEPTH: {"slo_depth": False}, SLOS: {}}
 # variants of the proxy's routing config beside the policy's (proxy_config)
-ROUTING_VARIANTS: dict[str, dict[str, Any]] = {NOSLOS: {"forward_slos": False}}
+ROUTING_VARIANTS: dict[str, dict[str, Any]] = {SLOS: {"forward_slos": True}}
 # NOTE: adaptive-context was a default until session 11: its A/B was decided (session 9,
 # 0.96x of adaptive pooled), and a fleet per policy costs three cores
 DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive"]
@@ -209,7 +209,7 @@ COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                ("adaptive", NOSTALL), ("adaptive", R4), ("adaptive", NORESERVE),
                ("adaptive", POOLED), (CONTEXT, "adaptive"), (CONTEXT, "round_robin"),
                (CONTEXT, "least_outstanding"), (TWIN, "adaptive"), ("adaptive", NOSLODEPTH),
-               ("adaptive", NOSLOS),
+               (SLOS, "adaptive"),
                *((s, base) for s in SPLITS
                  for base in ("adaptive", "least_outstanding", "round_robin")))
 MAX_MODEL_LEN = 2048

@@ -8,8 +8,9 @@ sequences at depth 4 in ~6 ms, and the same step with a 256-token chunk takes 70
 beside it, more than a tight TPOT SLO allows a whole 200-token answer. Spreading the chunk
 thinner does not help a request whose SLO is its mean TPOT (the same prefill seconds land
 in its life either way); what helps is letting the prompt take only what the decodes can
-spare, and the rest once they end. The request names its SLO (``slo_tpot_s``, which the
-proxy forwards from its routing config); requests without one are not protected.
+spare, and the rest once they end. The request names its SLO (``slo_tpot_s``; the proxy
+forwards its routing config's with ``routing.forward_slos``); requests without one are not
+protected.
 
 Each decoding sequence with a TPOT SLO has a target ``s = SLO_TARGET x SLO`` (the margin
 covers what the engine does not see: the network, the client, the steps to come) and a
