@@ -241,16 +241,18 @@ class EngineCore:
             return outputs, stats
         decoding = [it for it in plan.scheduled if it.num_new == 1 and it.samples]
         num_prefill = sum(it.num_new for it in plan.scheduled if it.seq.is_prefilling)
+        pacer = self.scheduler.pacer
         terms = step_terms(len(decoding), sum(it.q_len for it in decoding),
                            sum(it.seq.num_computed for it in decoding),
                            [(it.seq.num_computed, it.num_new) for it in plan.scheduled
-                            if not (it.num_new == 1 and it.samples)])
+                            if not (it.num_new == 1 and it.samples)]) if pacer.engaged else None
         results = {id(r.item): r for r in self.runner.execute(plan.scheduled)}
         for item in plan.scheduled:
             out = self._postprocess(item, results.get(id(item)), stats)
             if out is not None:
                 outputs.append(out)
-        self.scheduler.pacer.model.observe(terms, time.perf_counter() - t0)
+        if terms is not None:
+            pacer.model.observe(terms, time.perf_counter() - t0)
         stats.paced = plan.paced
         if decoding:  # NOTE: the whole step, so proposing and verifying are priced too
             drafted = [len(it.drafts) for it in decoding]

@@ -171,6 +171,9 @@ class PrefillPacer:
 
     def __init__(self, model: StepCostModel | None = None) -> None:
         self.model = model or StepCostModel()
+        # NOTE: set by the first request that names an SLO; until then the engine feeds the
+        # cost model nothing (~10 us a step, ~1% of a GPU decode step at batch 1)
+        self.engaged = model is not None
 
     def budget(self, decoding: list[tuple[Sequence, int]], now: float) -> PrefillBudget | None:
         """``decoding``: (sequence, rows this step) of every decoding sequence; None: no limit."""

@@ -90,6 +90,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self.waiting.append(seq)
+        if seq.params.slo_tpot_s is not None or seq.params.slo_ttft_s is not None:
+            self.pacer.engaged = True
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence wherever it is and free its blocks."""

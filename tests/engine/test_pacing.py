@@ -239,14 +239,16 @@ def generate(core: EngineCore, slo_tpot: float | None) -> tuple[dict[str, list[i
 
 
 def test_pacing_changes_when_prompts_run_not_what_anyone_gets(core: EngineCore) -> None:
-    # unpaced first: no SLO, and the cost model learns from these steps (prompt chunks
-    # beside decodes); it paces nothing before MIN_FIT_STEPS of each
     free, num_free = generate(core, slo_tpot=None)
-    assert num_free == 0 and core.scheduler.pacer.model.ready
+    pacer = core.scheduler.pacer
+    assert num_free == 0
+    assert not pacer.engaged and pacer.model.num_prefill_steps == 0, "no SLO, no cost model"
+    # an SLO no step comes near: the cost model learns from these steps (prompt chunks beside
+    # decodes) and paces nothing; it paces nothing either before MIN_FIT_STEPS of each
+    loose, num_loose = generate(core, slo_tpot=10.0)
+    assert num_loose == 0 and pacer.engaged and pacer.model.ready
     # an SLO a step with a full prompt chunk breaks but decode-only steps keep
-    decode_only = core.scheduler.pacer.model.predict(step_terms(3, 9, 150, ()))
+    decode_only = pacer.model.predict(step_terms(3, 9, 150, ()))
     tight, num_tight = generate(core, slo_tpot=3 * decode_only / SLO_TARGET)
     assert num_tight > 0, "a tight TPOT SLO held prompt chunks back"
-    loose, num_loose = generate(core, slo_tpot=10.0)  # one no step comes near
-    assert num_loose == 0
     assert tight == free and loose == free, "pacing must not change any output"
