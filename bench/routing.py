@@ -62,8 +62,6 @@ the workers' measured steps), ``adaptive-noreserve``, with ``reserve_slots=False
 (no slot reserves for the requests that meet their SLO on one worker alone, router.reserve),
 and ``adaptive-pooledprior``, with ``tpot_prior_by_band=False`` (a new shape bucket's TPOT
 starts from the worker-wide fit, as up to session 8 round 6, not from its prompt band's),
-and ``adaptive-context``, with ``price_context=True`` (what a long prompt's context adds to
-every decode step of its worker priced, router.context; off by default),
 ``adaptive-noslodepth``, with ``slo_depth=False`` (every request on a speculating worker at the
 depth policy's depth for the worker's mix, as up to session 9; on by default, a request whose
 TPOT SLO that depth would miss goes at the depth fastest for it), ``adaptive-slos``, whose
@@ -170,26 +168,26 @@ CLASS_OF = {d: c for c, ds in CLASSES.items() for d in ds}
 # batch, and the crowding charge, from the request-level fit instead of the measured steps);
 # ``adaptive-noreserve``, ``reserve_slots=False`` (session 7 round 5's: no slot reserves);
 # ``adaptive-pooledprior``, ``tpot_prior_by_band=False`` (up to session 8 round 6: a new
-# bucket's TPOT from the worker-wide fit); ``adaptive-context``, ``price_context=True`` (session
-# 9: what a long prompt's context adds to its worker's steps priced; a switch ON, the others
-# turn one OFF); ``adaptive-twin``, adaptive exactly (an A/A: how far two identical fleets of
-# one run differ, the noise every A/B above sits in); ``adaptive-noslodepth``,
-# ``slo_depth=False`` (up to session 9: every request at the worker's mix depth; session 10's
-# device A/B ran the switch the other way round, as ``adaptive-slodepth``); ``adaptive-slos``,
-# the proxy's ``routing.forward_slos=True`` (session 12: the engine workers get each request's
-# SLOs and pace prompt chunks by them, engine.pacing; no other policy's proxy sends them).
+# bucket's TPOT from the worker-wide fit); ``adaptive-twin``, adaptive exactly (an A/A: how
+# far two identical fleets of one run differ, the noise every A/B above sits in);
+# ``adaptive-noslodepth``, ``slo_depth=False`` (up to session 9: every request at the worker's
+# mix depth; session 10's device A/B ran the switch the other way round, as
+# ``adaptive-slodepth``); ``adaptive-slos``, the proxy's ``routing.forward_slos=True`` (session
+# 12: the engine workers get each request's SLOs and pace prompt chunks by them, engine.pacing;
+# no other policy's proxy sends them).
+# Context pricing (a long prompt's context priced into its worker's steps) was A/B'd in
+# session 9 at 0.96x of adaptive and retired in session 12.
 POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive",
     "adaptive-nostall": "adaptive", "adaptive-r4": "adaptive", "adaptive-noreserve": "adaptive",
-    "adaptive-pooledprior": "adaptive", "adaptive-context": "adaptive",
-    "adaptive-twin": "adaptive", "adaptive-noslodepth": "adaptive", "adaptive-slos": "adaptive",
+    "adaptive-pooledprior": "adaptive", "adaptive-twin": "adaptive",
+    "adaptive-noslodepth": "adaptive", "adaptive-slos": "adaptive",
     "split-soft": "adaptive", "split-hard": "adaptive", "split-tight": "adaptive"}
 SPLITS = ("split-soft", "split-hard", "split-tight")  # diagnostics (SplitDiagnostic)
 NOSTALL = "adaptive-nostall"
 R4 = "adaptive-r4"
 NORESERVE = "adaptive-noreserve"
 POOLED = "adaptive-pooledprior"
-CONTEXT = "adaptive-context"
 TWIN = "adaptive-twin"
 NOSLODEPTH = "adaptive-noslodepth"
 SLOS = "adaptive-slos"
@@ -197,18 +195,16 @@ VARIANTS: dict[str, dict[str, Any]] = {NOSTALL: {"price_prefill_stalls": False},
                                         R4: {"step_scaled_batch": False},
                                         NORESERVE: {"reserve_slots": False},
                                         POOLED: {"tpot_prior_by_band": False},
-                                        CONTEXT: {"price_context": True}, TWIN: {},
+                                        TWIN: {},
                                         NOSLODEPTH: {"slo_depth": False}, SLOS: {}}
 # variants of the proxy's routing config beside the policy's (proxy_config)
 ROUTING_VARIANTS: dict[str, dict[str, Any]] = {SLOS: {"forward_slos": True}}
-# NOTE: adaptive-context was a default until session 11: its A/B was decided (session 9,
-# 0.96x of adaptive pooled), and a fleet per policy costs three cores
+# NOTE: the A/B variants run when asked for (--policies): a fleet per policy costs three cores
 DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive"]
 # (policy, baseline) pairs whose goodput ratios the reports print, where both ran
 COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                ("adaptive", NOSTALL), ("adaptive", R4), ("adaptive", NORESERVE),
-               ("adaptive", POOLED), (CONTEXT, "adaptive"), (CONTEXT, "round_robin"),
-               (CONTEXT, "least_outstanding"), (TWIN, "adaptive"), ("adaptive", NOSLODEPTH),
+               ("adaptive", POOLED), (TWIN, "adaptive"), ("adaptive", NOSLODEPTH),
                (SLOS, "adaptive"),
                *((s, base) for s in SPLITS
                  for base in ("adaptive", "least_outstanding", "round_robin")))
@@ -1181,9 +1177,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="each on its own fleet; adaptive-nostall: adaptive with "
                          "price_prefill_stalls off, adaptive-r4: with step_scaled_batch off, "
                          "adaptive-noreserve: with reserve_slots off, adaptive-pooledprior: "
-                         "with tpot_prior_by_band off, adaptive-context: with price_context "
-                         "on, adaptive-noslodepth: with slo_depth off, adaptive-twin: adaptive "
-                         "(A/Bs); split-soft, split-hard, split-tight: adaptive over a hand-made "
+                         "with tpot_prior_by_band off, adaptive-noslodepth: with slo_depth "
+                         "off, adaptive-twin: adaptive (A/Bs); split-soft, split-hard, split-tight: adaptive over a hand-made "
                          "split of the fleet (diagnostics, SplitDiagnostic); a subset needs "
                          "fewer cores")
     ap.add_argument("--seed", type=int, default=0)

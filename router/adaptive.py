@@ -6,12 +6,9 @@ current load, with the speculative depth the depth policy
 (:class:`specdec.policy.DepthPolicy`) would pick there, and scores
 
     cost = (TTFT + predicted_output_tokens * TPOT) x SLO penalty  +  interference
-           + context harm to the arrivals to come
 
 with TTFT = the profile's + the wait for a batch slot + the prefill ahead, and TPOT the
-profile's; with ``price_context`` (off by default), TPOT also carries what the long prompts
-decoding there add to every step, and the cost the harm to the arrivals to come
-(:mod:`router.context`).
+profile's.
 
 TTFT's prefill part counts only the prompt tokens the worker would have to
 compute: the prompt less the leading blocks its prefix cache is expected to
@@ -66,9 +63,7 @@ Every decision's reason is counted (``stats()``, for the proxy's /stats):
 cheapest worker only because of its cached prefix: another would win without
 the prefix caches), ``reserve`` (the cheapest worker's free slots are kept for
 the requests that meet their SLO only there, :mod:`router.reserve`, and another
-worker meets this one's), ``context`` (the cheapest worker only because this prompt's
-context would slow the requests to arrive at the other, :mod:`router.context`),
-``explore``.
+worker meets this one's), ``explore``.
 """
 
 from __future__ import annotations
@@ -85,7 +80,6 @@ from typing import Any
 from router.affinity import PrefixCacheModel
 from router.base import RequestOutcome, RequestShape, RouteDecision, WorkerView
 from router.calibration import Calibration
-from router.context import ContextConfig, ContextLoad
 from router.inflight import Flight, InFlight
 from router.profiles import LatencyPrior, Prediction, PriorConfig, WorkerProfile, batch_capacity
 from router.reserve import ReserveConfig, SlotReserve
@@ -137,13 +131,6 @@ class AdaptiveConfig:
     # that long prompts' slower decode steps inflate (router.profiles; off: up to session 8
     # round 6)
     tpot_prior_by_band: bool = True
-    # with interference: price what a long prompt's context adds to every step of its worker
-    # (router.context): in each request's predicted TPOT there, in the slowdown it causes the
-    # requests running there, and in the one it causes the arrivals to come. Off (a long
-    # prompt's added sequence priced as any other's) until an A/B shows it wins: in the
-    # simulator it won only where steps pay for context, at the lower rate (session 9)
-    price_context: bool = False
-    context: ContextConfig = field(default_factory=ContextConfig)
     # a request whose TPOT SLO the depth policy's depth (chosen for the worker's whole domain
     # mix, so its throughput) would miss goes at the depth fastest for the request itself,
     # by its own domain's acceptance (DepthPolicy.token_times). On since session 10's device
@@ -192,9 +179,6 @@ class Candidate:
     service_s: float = 0.0  # predicted time in a slot there: cost without the slot wait
     ttft_slack_s: float = math.inf  # TTFT SLO less the predicted TTFT without wait and ahead
     reserve_s: float = 0.0  # in cost_s: the charge for the worker's reserve (router.reserve)
-    context_extra_s: float = 0.0  # what its context adds to co-runners' TPOT there (router.context)
-    context_met_s: float = 0.0  # in tpot_s: what the co-runners' contexts add to its TPOT
-    context_future_s: float = 0.0  # in cost_s: its context's harm to the arrivals to come
     refused: bool = False  # kept for the worker's reserve (router.reserve, mode "refuse")
 
 
@@ -232,7 +216,6 @@ class AdaptivePolicy:
         self._inflight = InFlight(self.config.max_pending)
         self.stalls = PrefillStalls(self.config.stalls)
         self.reserve = SlotReserve(self.config.reserve)
-        self.context = ContextLoad(self.config.context)
         self.reasons: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
         self.depths: Counter[int] = Counter()
@@ -242,9 +225,9 @@ class AdaptivePolicy:
     def choose(self, shape: RequestShape, workers: Sequence[WorkerView]) -> RouteDecision:
         cands = self._charge_reserves([self.candidate(shape, w) for w in workers])
         pick, reason = self._pick(cands)
-        view, loss_s = workers[cands.index(pick)], self._loss(pick, cands)
+        view = workers[cands.index(pick)]
         pick = self._commit_depth(shape, view, pick)
-        self._remember(shape, pick, view, loss_s)
+        self._remember(shape, pick, view)
         self.reasons[reason] += 1
         self.decisions[pick.name] += 1
         if pick.depth is not None:
@@ -269,7 +252,6 @@ class AdaptivePolicy:
                 self.prefix_cache.forget_worker(view.name)
                 self.stalls.forget_worker(view.name)
                 self.reserve.forget_worker(view.name)
-                self.context.forget_worker(view.name)
             prof = WorkerProfile(LatencyPrior(view.config, self.config.prior),
                                  self.config.forgetting, self.calibration,
                                  self.config.tpot_prior_by_band)
@@ -305,56 +287,22 @@ class AdaptivePolicy:
                                           self._cost(shape, pred))
         ttft_s, tpot_s, ahead = self._latency(shape, view.name, now, pred, wait)
         d = depth or 0
-        extra, met = self._context(shape, view.name, prof, now, ttft_s, tpot_s, d)
-        tpot_s += met
         cost = ttft_s + max(shape.predicted_output_tokens - 1, 0) * tpot_s
         # NOTE: below capacity it joins the batch and slows every request running there
         # (crowding); at capacity it waits instead and slows no one.
         crowd_s, crowd_frac = self._crowding(view.name, prof, queue, cap, d)
-        harm = self._interference(view.name, now, prefill_s, crowd_s + extra,
-                                  self._cost(shape, pred), crowd_frac)
-        future = self.context.future_harm(view.name, now, extra, cost - wait,
-                                          self._miss_harm_of)
+        harm = self._interference(view.name, now, prefill_s, crowd_s, self._cost(shape, pred),
+                                  crowd_frac)
         penalty, meets = self._slo(shape, ttft_s, tpot_s)
         # NOTE: what the worker offers a request it keeps room for: a free slot, and no
         # prefill queued ahead (the slack-rich prompts the reserve keeps away)
         ready_ttft_s = ttft_s - wait - ahead
         _, meets_with_slot = self._slo(shape, ready_ttft_s, tpot_s)
         slack = shape.slo_ttft_s - ready_ttft_s if shape.slo_ttft_s else math.inf
-        return Candidate(view.name, cost * penalty + harm + future,
+        return Candidate(view.name, cost * penalty + harm,
                          self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
                          ttft_s, tpot_s, prefill_s, wait, model_cached, cached, saved_s * penalty,
-                         ahead, cap, meets_with_slot, cost - wait, slack,
-                         context_extra_s=extra, context_met_s=met, context_future_s=future)
-
-    def _context(self, shape: RequestShape, worker: str, prof: WorkerProfile, now: float,
-                 ttft_s: float, tpot_s: float, depth: int) -> tuple[float, float]:
-        """(what this prompt's context adds to its co-runners' TPOT on the worker, what
-        theirs add to its own over its predicted decode), seconds per token
-        (:mod:`router.context`); zeros with ``price_context`` or ``interference`` off."""
-        if not self._prices_context:
-            return 0.0, 0.0
-        extra = prof.context_extra_s(shape.domain, shape.prompt_tokens, depth,
-                                     self.config.context.min_samples)
-        start = now + ttft_s
-        met = self.context.mean_s(worker, start, start + max(
-            shape.predicted_output_tokens - 1, 1) * tpot_s)
-        return extra, met
-
-    @property
-    def _prices_context(self) -> bool:
-        """Whether context is priced (router.context): ``price_context`` with interference."""
-        return self.config.price_context and self.config.interference
-
-    def _miss_harm_of(self, f: Flight, delay_s: float) -> float:
-        """What ``delay_s`` more in the decode of a request predicted as ``f`` costs, counting
-        the SLO penalty only for one predicted to meet its SLO: a request that misses it
-        anyway loses nothing more to the goodput than the delay."""
-        return self._harm_of(f, delay_s) if f.penalty <= 1.0 else delay_s
-
-    def _harm_of(self, f: Flight, delay_s: float) -> float:
-        """The penalised cost of ``delay_s`` more seconds in the decode of ``f``."""
-        return self._flight_cost(f, delay_s) - self._flight_cost(f, 0.0)
+                         ahead, cap, meets_with_slot, cost - wait, slack)
 
     def step_ratio(self, worker: str, batch: float, depth: int) -> float | None:
         """The worker's measured decode step time at ``batch`` over batch 1, at ``depth``
@@ -554,8 +502,6 @@ class AdaptivePolicy:
             return self._rng.choice(open_), "explore"
         if min(cands, key=lambda c: c.cost_s - c.reserve_s) is not best:
             return best, "reserve"
-        if min(cands, key=lambda c: c.cost_s - c.context_future_s) is not best:
-            return best, "context"
         if best.saved_s > 0 and min(cands, key=lambda c: c.cost_s + c.saved_s) is not best:
             return best, "affinity"
         favourite = min(cands, key=lambda c: c.unloaded_cost_s)
@@ -595,17 +541,7 @@ class AdaptivePolicy:
 
     # --- learning --------------------------------------------------------------------------
 
-    @staticmethod
-    def _loss(pick: Candidate, cands: list[Candidate]) -> float:
-        """The picked request's own penalised cost on its best other worker less on the one
-        picked (without the charges for others' sake; inf without another), seconds."""
-        own = [c.cost_s - c.reserve_s - c.context_future_s for c in cands]
-        i = cands.index(pick)
-        others = own[:i] + own[i + 1:]
-        return max(min(others) - own[i], 0.0) if others else math.inf
-
-    def _remember(self, shape: RequestShape, pick: Candidate, view: WorkerView,
-                  loss_s: float = math.inf) -> None:
+    def _remember(self, shape: RequestShape, pick: Candidate, view: WorkerView) -> None:
         if shape.prefix_hashes and caches_prefixes(view):
             self.prefix_cache.record(pick.name, shape.prefix_hashes, self._block_tokens(shape),
                                      self.cache_capacity_tokens(view))
@@ -617,25 +553,16 @@ class AdaptivePolicy:
             self._inflight.add_stall(pick.name, now,
                                      pick.prefill_s * self.stalls.factor(pick.name))
         self.stalls.record(pick.name, now, now + pick.ttft_s, pick.prefill_s)
-        flight = Flight(
+        self._inflight.add(id(shape), Flight(
             pick.name, pick.queue, pick.batch, pick.depth or 0, now, pick.ttft_s,
             pick.tpot_s, max(shape.predicted_output_tokens, 1), pick.prefill_s,
             shape.slo_ttft_s, shape.slo_tpot_s, penalty, wait_s=pick.wait_s,
-            model_cached_tokens=pick.model_cached_tokens, ahead_s=pick.ahead_s,
-            context_s=pick.context_extra_s, context_met_s=pick.context_met_s, loss_s=loss_s)
-        self._inflight.add(id(shape), flight)
-        if self._prices_context:
-            self.context.record(pick.name, id(shape), now + pick.ttft_s, now + flight.cost_s,
-                                pick.context_extra_s)
-            self.context.arrive(pick.name, now, flight)
+            model_cached_tokens=pick.model_cached_tokens, ahead_s=pick.ahead_s))
 
     def _observe(self, outcome: RequestOutcome) -> None:
         pending = self._inflight.pop(id(outcome.shape))
         if pending is not None and pending.worker != outcome.worker:
             pending = None  # a retry went elsewhere
-        # NOTE: without context pricing nothing was recorded to finish
-        own_context = self._finish_context(outcome, pending) \
-            if pending is not None and self._prices_context else 0.0
         if outcome.status != "ok":
             return
         prof = self._profiles.get(outcome.worker)
@@ -659,7 +586,6 @@ class AdaptivePolicy:
         if tpot_s is not None and pending is not None:
             tpot_s = self._observe_stalls(outcome, pending, prof, queue, batch, depth, cached,
                                           ratio)
-            tpot_s = self._without_context(outcome, pending, tpot_s, own_context)
         if ttft_s is None and outcome.e2e_s is not None and outcome.completion_tokens > 1:
             # NOTE: a non-streamed request shows only e2e; attribute the predicted TTFT
             # to its prefill and learn TPOT from the rest (TTFT itself stays unobserved).
@@ -695,36 +621,6 @@ class AdaptivePolicy:
                             depth, cached, ratio).tpot_s
         self.stalls.observe(outcome.worker, stall, tpot_s - base)
         return max(tpot_s - self.stalls.factor(outcome.worker) * stall, 0.25 * tpot_s)
-
-    @staticmethod
-    def _decode_window(outcome: RequestOutcome, pending: Flight) -> tuple[float, float] | None:
-        """[first token, last token] of a finished request, policy clock; None unknown."""
-        ttft_s, e2e_s = outcome.ttft_s, outcome.e2e_s
-        if ttft_s is None or e2e_s is None or not e2e_s > ttft_s:
-            return None
-        return pending.sent_s + ttft_s, pending.sent_s + e2e_s
-
-    def _finish_context(self, outcome: RequestOutcome, pending: Flight) -> float:
-        """End the request's decode window where it ended (router.context), so the samples
-        of the requests beside it count it as it ran; returns its own extra per token."""
-        now = self.clock()
-        window = self._decode_window(outcome, pending)
-        if outcome.status != "ok" or window is None:
-            window = (pending.sent_s, now)
-        # NOTE: a request that reported its outcome decodes no more, whatever it measured
-        return self.context.finish(pending.worker, id(outcome.shape), window[0],
-                                   min(window[1], now))
-
-    def _without_context(self, outcome: RequestOutcome, pending: Flight,
-                         tpot_s: float | None, own_s: float) -> float | None:
-        """The request's TPOT without what its co-runners' contexts added (router.context),
-        for its profile: the recorded windows' extra over its decode, less its own."""
-        window = self._decode_window(outcome, pending)
-        if (not self._prices_context or tpot_s is None
-                or not tpot_s > 0 or window is None):
-            return tpot_s
-        met = self.context.mean_s(outcome.worker, *window) - own_s
-        return max(tpot_s - max(met, 0.0), 0.25 * tpot_s)
 
     def _observe_cached(self, outcome: RequestOutcome, pending: Flight | None) -> float:
         """Prompt tokens the request found cached: as the worker reported them (then the
@@ -763,7 +659,6 @@ class AdaptivePolicy:
                 "calibration": self.calibration.snapshot(),
                 "step_ratios": self._step_ratios(),
                 "reserve": self.reserve.snapshot(self.clock()),
-                "context": self.context.snapshot(self.clock()),
                 "profiles": {n: p.snapshot() for n, p in self._profiles.items()}}
 
     def _step_ratios(self) -> dict[str, list[float]]:

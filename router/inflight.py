@@ -21,7 +21,6 @@ must not grow it forever) and ignored once far past their predicted end.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -48,10 +47,6 @@ class Flight:
     wait_s: float = 0.0  # predicted wait for a batch slot, included in ttft_s
     ahead_s: float = 0.0  # predicted prefill queued ahead of it, included in ttft_s
     model_cached_tokens: float = 0.0  # prompt tokens the prefix-cache model said were cached
-    context_s: float = 0.0  # its own context's extra TPOT for its co-runners (router.context)
-    context_met_s: float = 0.0  # in tpot_s: the co-runners' extra TPOT predicted (router.context)
-    # its penalised cost on the best other worker less here, as decided (inf: no other), s
-    loss_s: float = math.inf
     # NOTE: derived once (__post_init__): the policy reads them for every flight on a
     # worker at every decision, which made them most of its cost at a few hundred in flight
     cost_s: float = field(init=False, repr=False, compare=False)  # predicted e2e, seconds

@@ -428,22 +428,6 @@ class WorkerProfile:
             slope *= self.calibration.factor(TPOT_KEY)
         return slope
 
-    def context_extra_s(self, domain: str, prompt_tokens: int, depth: int,
-                        min_samples: int = 1) -> float:
-        """What this prompt's context adds to the TPOT of every request decoding beside it,
-        seconds per token: its band's TPOT fit at batch 1 less the short band's, for the
-        domain (:mod:`router.context`). 0 for a short prompt, without band fits, or before
-        both bands have ``min_samples`` samples (no evidence of a context cost)."""
-        band = prompt_band(prompt_tokens)
-        short, own = self._bands.get(0), self._bands.get(band)
-        if (band == 0 or not self.band_tpot or short is None or own is None
-                or min(short.num_samples, own.num_samples) < max(min_samples, 1)):
-            return 0.0
-        x = tpot_features(1, depth)
-        f = self.prior.factor(domain, prompt_tokens)
-        spec = self.prior.tpot_coef(domain)[0] / self.prior.tpot_coef("chat")[0]
-        return max(own.predict(x) - short.predict(x), 0.0) * f * spec
-
     def num_samples(self, domain: str, prompt_tokens: int) -> int:
         bucket = self._buckets.get((domain, prompt_band(prompt_tokens)))
         return bucket.tpot.num_samples if bucket else 0

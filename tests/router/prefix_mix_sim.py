@@ -196,7 +196,7 @@ def by_class(results: list[SimResult]) -> dict[str, tuple[int, int, int]]:
 def main(argv: list[str]) -> None:
     """``[--tight | --rule] [--context] [--old-ab] [--seeds A-B] [rate ...]``: a side-by-side table,
     one line per (rate, seed, policy) with goodput share and per class met / sent / sent to
-    spec; the A/B is the context pricing (``adaptive-context``, router.context).
+    spec.
     ``--tight``: the tight repetitive class; ``--rule``: labelled as with ``--tight``, every
     class's SLO by the bench's rule (:func:`rule_slos`); ``--context``: steps pay :data:`CONTEXT_S` per
     context token (long prompts decode slower); ``--old-ab``: session 8's A/Bs too, the
@@ -213,7 +213,7 @@ def main(argv: list[str]) -> None:
         seeds = range(int(lo), int(hi) + 1)
         argv = [a for a in argv if a != argv[argv.index("--seeds") + 1]]
     rates = [float(a) for a in argv if not a.startswith("--")] or [12.0, 16.0, 20.0, 24.0]
-    policies = {**POLICIES, "adaptive-context": variant(price_context=True)}
+    policies = dict(POLICIES)
     if "--old-ab" in argv:  # session 8's A/Bs
         policies["adaptive-pooledprior"] = variant(tpot_prior_by_band=False)
         if tight and not context:

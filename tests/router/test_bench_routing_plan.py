@@ -31,16 +31,6 @@ def test_each_variant_is_adaptive_with_its_switch_off_and_nothing_else(variant: 
     assert ("adaptive", variant) in BENCH.COMPARISONS
 
 
-def test_the_context_variant_is_adaptive_with_context_pricing_on_and_nothing_else() -> None:
-    on, off = BENCH.make_policy("adaptive-context", 3), BENCH.make_policy("adaptive", 3)
-    assert isinstance(on, AdaptivePolicy) and isinstance(off, AdaptivePolicy)
-    assert on.config.price_context and not off.config.price_context
-    assert dataclasses.replace(on.config, price_context=False) == off.config
-    assert BENCH.POLICIES["adaptive-context"] == "adaptive"
-    for base in ("adaptive", "round_robin", "least_outstanding"):
-        assert ("adaptive-context", base) in BENCH.COMPARISONS
-
-
 def test_the_twin_is_adaptive_exactly() -> None:
     twin, adaptive = BENCH.make_policy("adaptive-twin", 3), BENCH.make_policy("adaptive", 3)
     assert isinstance(twin, AdaptivePolicy) and twin.config == adaptive.config
