@@ -67,7 +67,7 @@ class StepCostModel:
     """Seconds of one engine step from :func:`step_terms`: least squares over this engine's
     steps, older ones forgotten by ``decay`` per step (a reload or a busier host shifts
     costs), a small ridge (relative to each term's own scale) keeping terms the recent steps do
-not vary at their prior of 0."""
+    not vary at their prior of 0."""
 
     def __init__(self, decay: float = 0.998, ridge: float = 1e-6) -> None:
         self.decay = decay
