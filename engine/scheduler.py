@@ -125,6 +125,8 @@ class Scheduler:
 
     def _prefill_budget(self, proposals: dict[int, Proposal]) -> PrefillBudget | None:
         """What the decodes' TPOT SLOs leave for prompt chunks this step; None: no limit."""
+        if not self.pacer.engaged:  # no request has named an SLO: nothing to look at
+            return None
         decoding, prefill = [], bool(self.waiting)
         for seq in self.running:
             if seq.num_tokens - seq.num_computed == 1:
