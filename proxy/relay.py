@@ -299,8 +299,9 @@ class Relay:
         assert rec.shape is not None
         forward = self.config.routing.forward_slos and worker.backend == "engine"
         for key in ("slo_ttft_s", "slo_tpot_s"):
-            value = getattr(rec.shape, key) or self._slo_tables[key].get(rec.shape.domain)
-            if forward and value is not None:
+            value = (getattr(rec.shape, key) or self._slo_tables[key].get(rec.shape.domain)
+                     if forward else None)
+            if value is not None:
                 body[key] = value
             else:
                 body.pop(key, None)
