@@ -182,7 +182,8 @@ POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "adaptive-nostall": "adaptive", "adaptive-r4": "adaptive", "adaptive-noreserve": "adaptive",
     "adaptive-pooledprior": "adaptive", "adaptive-twin": "adaptive",
     "adaptive-noslodepth": "adaptive", "adaptive-slos": "adaptive",
-    "split-soft": "adaptive", "split-hard": "adaptive", "split-tight": "adaptive"}
+    "split-soft": "adaptive", "split-hard": "adaptive", "split-tight": "adaptive",
+    "adaptive-cap": "adaptive", "adaptive-cap8": "adaptive", "least_outstanding-cap": "policy"}
 SPLITS = ("split-soft", "split-hard", "split-tight")  # diagnostics (SplitDiagnostic)
 NOSTALL = "adaptive-nostall"
 R4 = "adaptive-r4"
@@ -191,21 +192,33 @@ POOLED = "adaptive-pooledprior"
 TWIN = "adaptive-twin"
 NOSLODEPTH = "adaptive-noslodepth"
 SLOS = "adaptive-slos"
+CAP = "adaptive-cap"
+CAP8 = "adaptive-cap8"
+LO_CAP = "least_outstanding-cap"
 VARIANTS: dict[str, dict[str, Any]] = {NOSTALL: {"price_prefill_stalls": False},
                                         R4: {"step_scaled_batch": False},
                                         NORESERVE: {"reserve_slots": False},
                                         POOLED: {"tpot_prior_by_band": False},
                                         TWIN: {},
-                                        NOSLODEPTH: {"slo_depth": False}, SLOS: {}}
+                                        NOSLODEPTH: {"slo_depth": False}, SLOS: {},
+                                        CAP: {}, CAP8: {}}
 # variants of the proxy's routing config beside the policy's (proxy_config)
 ROUTING_VARIANTS: dict[str, dict[str, Any]] = {SLOS: {"forward_slos": True}}
+# the proxy's per-worker max_outstanding caps (proxy.admission) beside the policy's; a
+# capped baseline is the baseline behind the same caps (CAPPED_BASELINES)
+WORKER_CAPS: dict[str, dict[str, int]] = {
+    CAP: {"spec": 4, "batch": 12, "long": 8}, CAP8: {"spec": 4, "batch": 8, "long": 6},
+    LO_CAP: {"spec": 4, "batch": 12, "long": 8}}
+CAPPED_BASELINES = {LO_CAP: "least_outstanding"}
 # NOTE: the A/B variants run when asked for (--policies): a fleet per policy costs three cores
 DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive"]
 # (policy, baseline) pairs whose goodput ratios the reports print, where both ran
 COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                ("adaptive", NOSTALL), ("adaptive", R4), ("adaptive", NORESERVE),
                ("adaptive", POOLED), (TWIN, "adaptive"), ("adaptive", NOSLODEPTH),
-               (SLOS, "adaptive"),
+               (SLOS, "adaptive"), (CAP, "adaptive"), (CAP, "round_robin"),
+               (CAP, "least_outstanding"), (CAP8, "adaptive"), (CAP, LO_CAP),
+               (LO_CAP, "least_outstanding"),
                *((s, base) for s in SPLITS
                  for base in ("adaptive", "least_outstanding", "round_robin")))
 MAX_MODEL_LEN = 2048
@@ -322,7 +335,7 @@ def make_policy(name: str, seed: int) -> Any:
         return SplitDiagnostic(name, seed)
     if name in VARIANTS:
         return AdaptivePolicy(AdaptiveConfig(**VARIANTS[name]), seed=seed)
-    return build_policy(name, seed=seed)
+    return build_policy(CAPPED_BASELINES.get(name, name), seed=seed)
 
 
 def domain_class(domain: str | None) -> str:
@@ -698,13 +711,16 @@ def rates_from_probe(multiples: list[float], speed: float) -> list[float]:
 def proxy_config(name: str, urls: dict[str, str], configs: dict[str, CompiledConfig],
                  slos: Slos) -> ProxyConfig:
     """The proxy in front of policy ``name``'s fleet."""
+    caps = WORKER_CAPS.get(name, {})
     return ProxyConfig(
-        workers=tuple(WorkerSpec(n, url=urls[n], config=configs[n]) for n in configs),
+        workers=tuple(WorkerSpec(n, url=urls[n], config=configs[n],
+                                 max_outstanding=caps.get(n, 0)) for n in configs),
         # NOTE: every proxy is told the SLOs the run is judged by, as an operator would
         # configure them; only the adaptive policies use them. The policy object itself is
         # handed to the app (make_policy): the config only names its kind.
         routing=dataclasses.replace(
-            slos.routing("adaptive" if name in VARIANTS or name in SPLITS else name),
+            slos.routing("adaptive" if name in VARIANTS or name in SPLITS
+                         else CAPPED_BASELINES.get(name, name)),
             **ROUTING_VARIANTS.get(name, {})),
         speculation=SpeculationConfig(mode=POLICIES[name]),
         traces=ProxyTraceConfig(enabled=False),

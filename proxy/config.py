@@ -98,11 +98,17 @@ class WorkerSpec:
     # Worker given as a bare URL (--worker): its models and, for an engine, its
     # compiled config are discovered from /v1/models and /admin/config.
     discover: bool = False
+    # At most this many of this proxy's requests on the worker at once (0: no cap). Past
+    # it, a request waits in the proxy (proxy.admission) until some worker has room.
+    max_outstanding: int = 0
 
     def __post_init__(self) -> None:
         _check(bool(self.name) and "/" not in self.name, "workers[].name",
                "a non-empty name without '/'", self.name)
         key = f"workers[{self.name}]"
+        _check(isinstance(self.max_outstanding, int) and not isinstance(self.max_outstanding, bool)
+               and self.max_outstanding >= 0, f"{key}.max_outstanding",
+               "an integer >= 0 (0: no cap)", self.max_outstanding)
         _check(bool(self.url) != (self.launch is not None), f"{key}.url",
                "exactly one of url or launch", self.url)
         _check(not self.url or self.url.startswith(("http://", "https://")), f"{key}.url",
@@ -222,6 +228,9 @@ class LimitsConfig:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0  # no byte from the worker for this long = failure
     drain_timeout_s: float = 30.0  # SIGTERM: wait this long for in-flight requests
+    # A request waiting for room under the workers' max_outstanding caps goes anyway this
+    # long after it arrived (proxy.admission).
+    max_queue_s: float = 30.0
     # Shed (429) while the event loop runs this late: the proxy's own CPU is saturated,
     # and admitting more would only queue them. 0 = off (both loop rules).
     max_loop_lag_s: float = 0.25
@@ -234,7 +243,7 @@ class LimitsConfig:
     def __post_init__(self) -> None:
         for name in ("max_in_flight", "max_body_bytes", "max_attempts"):
             _check(getattr(self, name) >= 1, f"limits.{name}", ">= 1", getattr(self, name))
-        for name in ("connect_timeout_s", "read_timeout_s", "drain_timeout_s"):
+        for name in ("connect_timeout_s", "read_timeout_s", "drain_timeout_s", "max_queue_s"):
             _check(getattr(self, name) > 0, f"limits.{name}", "> 0", getattr(self, name))
         _check(self.retry_after_s >= 0, "limits.retry_after_s", ">= 0", self.retry_after_s)
         _check(self.max_loop_lag_s >= 0, "limits.max_loop_lag_s", ">= 0", self.max_loop_lag_s)

@@ -56,6 +56,13 @@ class ProxyCollector(Collector):
             reasons.add_metric([reason, self.policy_name()], n)
         yield reasons
         yield GaugeMetricFamily("polyinfer_in_flight", "Requests in flight", value=s.in_flight)
+        yield GaugeMetricFamily("polyinfer_queue_waiting",
+                                "Requests waiting for room under the workers' caps",
+                                value=s.queue_waiting)
+        yield CounterMetricFamily("polyinfer_queued", "Requests that waited for room",
+                                  value=s.queued)
+        yield CounterMetricFamily("polyinfer_queued_seconds", "Seconds requests waited for room",
+                                  value=s.queued_s)
 
     def _spec(self) -> Iterator[Metric]:
         depth = CounterMetricFamily("polyinfer_spec_depth", "Requests by speculative depth sent",

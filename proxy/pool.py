@@ -121,7 +121,7 @@ class WorkerPool:
     def _make_worker(self, spec: WorkerSpec, url: str,
                      supervisor: SupervisedWorker | None) -> Worker:
         view = WorkerView(name=spec.name, url=url, backend=spec.backend, config=spec.config,
-                          healthy=False)
+                          healthy=False, max_outstanding=spec.max_outstanding)
         models = set() if spec.discover else {spec.config.model_name}
         return Worker(spec=spec, url=url, view=view, models=models, supervisor=supervisor,
                       breaker=CircuitBreaker(self.health.breaker_failures,

@@ -44,6 +44,7 @@ class RequestRecord:
     ttft_s: float | None = None
     e2e_s: float | None = None
     batch_size: int | None = None  # worker's scraped running requests when sent
+    queue_s: float = 0.0  # waited in the proxy for room under the workers' caps
     responded: bool = False  # the whole response reached the client's socket
     prompt_text: str | None = field(default=None, repr=False)  # only when enabled
 
@@ -62,10 +63,14 @@ class RequestRecord:
     def outcome(self) -> RequestOutcome | None:
         if self.shape is None or not self.worker:
             return None
+        # NOTE: what the worker did: the wait in the proxy before it was sent is not its
+        queue_s = self.queue_s
         return RequestOutcome(
             worker=self.worker, shape=self.shape, status=self.status,
-            completion_tokens=self.completion_tokens or 0, ttft_s=self.ttft_s,
-            tpot_s=self.tpot_s, e2e_s=self.e2e_s, spec_depth=self.spec_depth,
+            completion_tokens=self.completion_tokens or 0,
+            ttft_s=None if self.ttft_s is None else self.ttft_s - queue_s,
+            tpot_s=self.tpot_s, e2e_s=None if self.e2e_s is None else self.e2e_s - queue_s,
+            spec_depth=self.spec_depth,
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens, batch_size=self.batch_size,
             extra={} if self.cached_tokens is None else {"cached_tokens": self.cached_tokens})
@@ -89,6 +94,7 @@ class RequestRecord:
             "ttft_s": self.ttft_s,
             "tpot_s": self.tpot_s,
             "e2e_s": self.e2e_s,
+            "queue_s": self.queue_s,
             "status": self.status,
             "error": self.error or None,
             "prefix_hashes": list(shape.prefix_hashes) if shape else [],

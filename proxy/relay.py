@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from proxy.admission import RECHECK_S, AdmissionQueue
 from proxy.config import ProxyConfig
 from proxy.errors import (
     BodyTooLarge,
@@ -97,6 +98,7 @@ class Relay:
         self._id_prefix = os.urandom(4).hex()
         self._slo_tables = {key: config.routing.slo_by_domain(key)
                             for key in ("slo_ttft_s", "slo_tpot_s")}
+        self.admission = AdmissionQueue()
 
     def new_request_id(self) -> str:
         return f"pi-{self._id_prefix}-{next(self._ids)}"
@@ -240,7 +242,7 @@ class Relay:
         tried: list[str] = []
         last_error = ""
         for _ in range(self.limits.max_attempts):
-            views = self.pool.routable(rec.model, tried)
+            views = await self._views_with_room(rec, tried)
             if not views:
                 break
             decision = self._choose(rec.shape, views)
@@ -258,6 +260,40 @@ class Relay:
         if not tried:
             raise NoHealthyWorker(f"no healthy worker serves '{rec.model}'", retry_after_s=retry)
         raise UpstreamError(f"{len(tried)} worker(s) failed: {last_error}")
+
+    async def _views_with_room(self, rec: RequestRecord, tried: list[str]) -> list[WorkerView]:
+        """The routable workers with room under their ``max_outstanding`` caps; while every
+        routable worker is at its cap, waits for room (:mod:`proxy.admission`), until
+        ``limits.max_queue_s`` after arrival, then all the routable workers."""
+        queued_at = None
+        try:
+            while True:
+                views = self.pool.routable(rec.model, tried)
+                room = [v for v in views
+                        if not v.max_outstanding or v.outstanding_requests < v.max_outstanding]
+                now = time.perf_counter()
+                give_up = rec.t0 + self.limits.max_queue_s
+                if room or not views or now >= give_up:
+                    return room or views
+                if queued_at is None:
+                    queued_at = now
+                    self.stats.queued += 1
+                    self.stats.queue_waiting += 1
+                await self.admission.wait(self._ttft_deadline(rec), rec.t0,
+                                          min(give_up - now, RECHECK_S))
+        finally:
+            if queued_at is not None:
+                waited = time.perf_counter() - queued_at
+                rec.queue_s += waited
+                self.stats.queued_s += waited
+                self.stats.queue_waiting -= 1
+
+    def _ttft_deadline(self, rec: RequestRecord) -> float:
+        """When the request misses its TTFT SLO (its own, else its domain's; without one,
+        ``limits.max_queue_s`` after arrival), perf_counter seconds."""
+        assert rec.shape is not None
+        slo = rec.shape.slo_ttft_s or self._slo_tables["slo_ttft_s"].get(rec.shape.domain)
+        return rec.t0 + (slo or self.limits.max_queue_s)
 
     def _choose(self, shape: RequestShape, views: list[WorkerView]) -> RouteDecision:
         """The policy's decision, or the first routable worker if the policy misbehaves."""
@@ -333,6 +369,7 @@ class Relay:
         finally:
             view.outstanding_requests -= 1
             view.outstanding_tokens -= num_tokens
+            self.admission.release()
 
     async def _send(self, worker: Worker, payload: bytes, rec: RequestRecord) -> UpstreamResponse:
         assert self.client is not None

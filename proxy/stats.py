@@ -67,6 +67,10 @@ class Stats:
         self.spec_depths: Counter[str] = Counter()  # depth sent, "default" when none
         self.spec_tokens: dict[tuple[str, str], list[int]] = {}  # (worker, domain) -> [draft, acc]
         self.retries = 0
+        # the proxy's admission queue (proxy.admission): waiting now, ever waited, seconds
+        self.queue_waiting = 0
+        self.queued = 0
+        self.queued_s = 0.0
         self.latency: dict[str, dict[str, LatencySeries]] = {
             m: {ALL: LatencySeries()} for m in ("ttft", "tpot", "e2e")}
 
@@ -123,6 +127,8 @@ class Stats:
             "errors": {f"{w}/{k}": n for (w, k), n in self.errors.items()},
             "rejected_by_status": {str(k): n for k, n in self.rejected.items()},
             "retries": self.retries,
+            "admission": {"waiting": self.queue_waiting, "queued_total": self.queued,
+                          "queued_seconds_total": round(self.queued_s, 6)},
             "decision_reasons": dict(self.reasons),
             "spec_depths": dict(self.spec_depths),
             "acceptance": self._acceptance(),

@@ -264,6 +264,8 @@ class AdaptivePolicy:
     def candidate(self, shape: RequestShape, view: WorkerView) -> Candidate:
         prof = self.profile(view)
         cap = batch_capacity(view.config)
+        if view.max_outstanding:  # the proxy sends no more than this (proxy.admission)
+            cap = min(cap, view.max_outstanding)
         queue = load_of(view)
         batch = min(queue + 1, cap)
         depth = self._depth(shape, view, batch)

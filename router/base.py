@@ -51,6 +51,7 @@ class WorkerView:
     running: int = 0  # scraped vllm:num_requests_running
     waiting: int = 0  # scraped vllm:num_requests_waiting
     kv_cache_usage: float = 0.0  # scraped vllm:kv_cache_usage_perc, 0..1
+    max_outstanding: int = 0  # the proxy's cap on outstanding_requests (0: none)
 
     @property
     def can_route(self) -> bool:

@@ -158,7 +158,7 @@ def test_one_trace_record_per_request(proxy: ProxyThread, tmp_path) -> None:  # 
     assert streamed["ttft_s"] is not None and streamed["ttft_s"] <= streamed["e2e_s"]
     expected = {"ts", "request_id", "model", "endpoint", "stream", "domain", "prompt_tokens",
                 "max_tokens", "completion_tokens", "worker", "spec_depth", "spec_draft_tokens",
-                "spec_accepted_tokens", "ttft_s", "tpot_s", "e2e_s", "status", "error",
+                "spec_accepted_tokens", "ttft_s", "tpot_s", "e2e_s", "queue_s", "status", "error",
                 "prefix_hashes", "prefix_block_tokens"}
     assert all(set(r) == expected for r in records)
     assert "secret" not in (tmp_path / "traces").joinpath(

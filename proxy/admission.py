@@ -1,0 +1,73 @@
+"""Requests waiting in the proxy for room under the workers' concurrency caps.
+
+A worker's ``max_outstanding`` (config) caps the requests this proxy has sent it and not
+yet seen finish. While every routable worker of a request's model is at its cap, the
+request waits here rather than in some worker's own queue:
+
+- it is bound to a worker only when one has room (late binding), so it goes to whichever
+  frees first, and the routing policy chooses among the workers with room at that moment;
+- the next to go is the waiter whose TTFT deadline (arrival + its TTFT SLO) comes first,
+  among those still before it (earliest deadline first);
+- a waiter already past its deadline goes after every one that is not, in arrival order:
+  it has missed its SLO, and sent ahead of the others it would only make them miss too.
+  It is still served (nothing is dropped), when the others have gone or at
+  ``limits.max_queue_s`` after arrival, when it goes whatever the caps say.
+
+Every slot that frees wakes every waiter in that order; each looks again, and the first
+that finds room takes it before the next resumes (one event loop, and taking a slot does
+not wait), so the order holds. A waiter also looks again every ``RECHECK_S`` on its own,
+for what frees room without a request finishing (a worker recovering, a cap changed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+RECHECK_S = 0.5
+
+
+@dataclass(slots=True)
+class _Waiter:
+    deadline: float  # perf_counter seconds: arrival + the request's TTFT SLO
+    arrival: float  # perf_counter seconds
+    future: asyncio.Future[None]
+
+
+class AdmissionQueue:
+    """The waiters, in no order; :meth:`release` wakes them in priority order."""
+
+    def __init__(self) -> None:
+        self._waiters: list[_Waiter] = []
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    async def wait(self, deadline: float, arrival: float, timeout_s: float) -> None:
+        """Until a slot frees somewhere (:meth:`release`) or ``timeout_s`` passes."""
+        waiter = _Waiter(deadline, arrival, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(max(timeout_s, 0.0)):
+                await waiter.future
+        except TimeoutError:
+            pass
+        finally:
+            self._waiters.remove(waiter)
+
+    def release(self) -> None:
+        """A slot freed: wake every waiter, the most urgent first."""
+        if not self._waiters:
+            return
+        now = time.perf_counter()
+        for w in sorted(self._waiters, key=lambda w: priority(w.deadline, w.arrival, now)):
+            if not w.future.done():
+                w.future.set_result(None)
+
+
+def priority(deadline: float, arrival: float, now: float) -> tuple[bool, float]:
+    """Sort key of a waiter: before its deadline, by deadline; past it, after all of those,
+    by arrival."""
+    late = now > deadline
+    return late, arrival if late else deadline
