@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import ConfigError
 from proxy import keys
@@ -76,11 +77,16 @@ def test_caps_hold_requests_in_the_proxy(engines: list[EngineProcess], tmp_path:
         texts = asyncio.run(many(p, 8, max_tokens=12))
         assert all(texts)
         stats = httpx.get(f"{p.url}/stats").json()["admission"]
+        metrics = {s.name: s.value for f in text_string_to_metric_families(
+            httpx.get(f"{p.url}/metrics").text) for s in f.samples}
         assert eventually(lambda: len(read_traces(tmp_path / "traces")) >= 8)
     assert peak.peak == 1
     assert stats["waiting"] == 0
     assert stats["queued_total"] >= 6  # two slots, eight requests at once
     assert stats["queued_seconds_total"] > 0
+    assert metrics["polyinfer_queued_total"] == stats["queued_total"]
+    assert metrics["polyinfer_queue_waiting"] == 0
+    assert metrics["polyinfer_queued_seconds_total"] > 0
     traces = read_traces(tmp_path / "traces")
     assert sum(t["queue_s"] > 0 for t in traces) == stats["queued_total"]
     assert all(t["status"] == "ok" and t["ttft_s"] >= t["queue_s"] for t in traces)

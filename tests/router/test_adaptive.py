@@ -227,3 +227,16 @@ def test_slo_depth_speculates_for_a_tight_tpot_that_the_mix_depth_would_miss() -
     assert on.candidate(shape("translation", slo_tpot_s=1e-6, speculative_depth=1), spec).depth == 1
     # and the pick records the depth it goes at
     assert on.choose(tight, [spec]).spec_depth == own
+
+
+def test_the_proxy_cap_is_the_worker_capacity() -> None:
+    """A worker behind a proxy ``max_outstanding`` cap below its batch slots holds no more
+    than the cap: at it, a request would wait for a slot there."""
+    policy = AdaptivePolicy(seed=0)
+    ws = views()
+    big = ws[1]
+    big.outstanding_requests = 2
+    assert not policy.candidate(shape(), big).saturated
+    big.max_outstanding = 2
+    cand = policy.candidate(shape(), big)
+    assert cand.saturated and cand.capacity == 2
