@@ -151,6 +151,7 @@ from proxy.routing import build_policy
 from proxy.supervisor import free_port
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.corpus import SPEC_BENCH_MAP
+from specdec.policy import DepthPolicy, PolicyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # Domain classes: what this hardware rewards per shape (bench/RESULTS.md, specdec runs:
@@ -183,7 +184,8 @@ POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "adaptive-pooledprior": "adaptive", "adaptive-twin": "adaptive",
     "adaptive-noslodepth": "adaptive", "adaptive-slos": "adaptive",
     "split-soft": "adaptive", "split-hard": "adaptive", "split-tight": "adaptive",
-    "adaptive-cap": "adaptive", "adaptive-cap8": "adaptive", "least_outstanding-cap": "policy"}
+    "adaptive-cap": "adaptive", "adaptive-cap8": "adaptive", "least_outstanding-cap": "policy",
+    "adaptive-nocal": "adaptive"}
 SPLITS = ("split-soft", "split-hard", "split-tight")  # diagnostics (SplitDiagnostic)
 NOSTALL = "adaptive-nostall"
 R4 = "adaptive-r4"
@@ -195,13 +197,18 @@ SLOS = "adaptive-slos"
 CAP = "adaptive-cap"
 CAP8 = "adaptive-cap8"
 LO_CAP = "least_outstanding-cap"
+NOCAL = "adaptive-nocal"
 VARIANTS: dict[str, dict[str, Any]] = {NOSTALL: {"price_prefill_stalls": False},
                                         R4: {"step_scaled_batch": False},
                                         NORESERVE: {"reserve_slots": False},
                                         POOLED: {"tpot_prior_by_band": False},
                                         TWIN: {},
                                         NOSLODEPTH: {"slo_depth": False}, SLOS: {},
-                                        CAP: {}, CAP8: {}}
+                                        CAP: {}, CAP8: {}, NOCAL: {}}
+# variants of the adaptive policy's depth policy (specdec.policy.PolicyConfig): ``adaptive-nocal``
+# prices each depth by the step model alone, without the calibration by finished requests'
+# seconds per token (calibrate_token_cost)
+DEPTH_VARIANTS: dict[str, dict[str, Any]] = {NOCAL: {"calibrate_token_cost": False}}
 # variants of the proxy's routing config beside the policy's (proxy_config)
 ROUTING_VARIANTS: dict[str, dict[str, Any]] = {SLOS: {"forward_slos": True}}
 # the proxy's per-worker max_outstanding caps (proxy.admission) beside the policy's; a
@@ -218,7 +225,8 @@ COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                ("adaptive", POOLED), (TWIN, "adaptive"), ("adaptive", NOSLODEPTH),
                (SLOS, "adaptive"), (CAP, "adaptive"), (CAP, "round_robin"),
                (CAP, "least_outstanding"), (CAP8, "adaptive"), (CAP, LO_CAP),
-               (LO_CAP, "least_outstanding"),
+               (LO_CAP, "least_outstanding"), (NOCAL, "adaptive"), (NOCAL, "round_robin"),
+               (NOCAL, "least_outstanding"),
                *((s, base) for s in SPLITS
                  for base in ("adaptive", "least_outstanding", "round_robin")))
 MAX_MODEL_LEN = 2048
@@ -334,7 +342,9 @@ def make_policy(name: str, seed: int) -> Any:
     if name in SPLITS:
         return SplitDiagnostic(name, seed)
     if name in VARIANTS:
-        return AdaptivePolicy(AdaptiveConfig(**VARIANTS[name]), seed=seed)
+        depth = DepthPolicy(PolicyConfig(**DEPTH_VARIANTS[name])) if name in DEPTH_VARIANTS \
+            else None
+        return AdaptivePolicy(AdaptiveConfig(**VARIANTS[name]), depth_policy=depth, seed=seed)
     return build_policy(CAPPED_BASELINES.get(name, name), seed=seed)
 
 
@@ -963,6 +973,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     adaptive: Any = policies.get("adaptive")
     out["adaptive_stats"] = adaptive.stats() if adaptive is not None else {}
     out["variant_stats"] = {n: policies[n].stats() for n in VARIANTS if n in policies}
+    # what each adaptive fleet's depth policy learned (acceptance, step model, calibration)
+    out["depth_policies"] = {n: p.depth_policy.snapshot() for n, p in policies.items()
+                             if isinstance(p, AdaptivePolicy)}
     return out
 
 
