@@ -137,9 +137,13 @@ def test_every_policy_gets_a_valid_proxy_config_with_the_run_s_slos(name: str) -
     config = BENCH.proxy_config(name, {n: f"http://{n}" for n in configs}, configs, slos)
     assert [w.name for w in config.workers] == ["spec", "batch", "long"]
     assert config.routing.slo_tpot_s["chat"] == 0.01
-    baseline = name in ("round_robin", "least_outstanding")
+    base = BENCH.CAPPED_BASELINES.get(name, name)
+    baseline = base in ("round_robin", "least_outstanding")
     assert config.speculation.mode == ("policy" if baseline else "adaptive")
-    assert config.routing.policy == (name if baseline else "adaptive")
+    assert config.routing.policy == (base if baseline else "adaptive")
+    caps = BENCH.WORKER_CAPS.get(name, {})
+    assert {w.name: w.max_outstanding for w in config.workers} == {
+        n: caps.get(n, 0) for n in configs}
 
 
 @pytest.mark.parametrize("name, tight, loose", [
