@@ -820,7 +820,7 @@ def score(name: str, results: list[RequestResult], records: list[TraceRequest], 
         rows.append({"ok": r.ok, "good": meets_slo(r, slos.for_class(cls)),
                      "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "tokens": r.completion_tokens,
                      "worker": r.worker, "domain": rec.domain, "class": cls,
-                     "routed_domain": r.domain, "error": r.error})
+                     "routed_domain": r.domain, "spec_depth": r.spec_depth, "error": r.error})
     num_good = sum(1 for row in rows if row["good"])
     return {"policy": name, "num_requests": len(rows), "num_ok": sum(1 for r in results if r.ok),
             "num_good": num_good, "span_s": span_s, "goodput": num_good / span_s,

@@ -153,6 +153,7 @@ class StreamingClient:
         headers = resp.headers
         result.worker = headers.get("x-polyinfer-worker")
         result.domain = headers.get("x-polyinfer-domain") or result.domain
+        result.spec_depth = headers.get("x-polyinfer-spec-depth")
         result.request_id = headers.get("x-request-id")
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, start: float,

@@ -61,6 +61,7 @@ class RequestResult:
     http_status: int | None = None
     worker: str | None = None  # x-polyinfer-worker
     domain: str | None = None  # x-polyinfer-domain, else the trace's domain
+    spec_depth: str | None = None  # x-polyinfer-spec-depth ("default" or a depth)
     request_id: str | None = None  # x-request-id
     ok: bool = False
     error: str | None = None

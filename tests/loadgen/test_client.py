@@ -111,9 +111,10 @@ async def test_unreachable_target_is_an_error() -> None:
 
 async def test_proxy_headers_are_recorded(upstream: ScriptedUpstream) -> None:
     upstream.script = Script(headers=(("x-polyinfer-worker", "w1"),
-                                      ("x-polyinfer-domain", "code"), ("x-request-id", "r-1")))
+                                      ("x-polyinfer-domain", "code"), ("x-request-id", "r-1"),
+                                      ("x-polyinfer-spec-depth", "3")))
     r = await _send(upstream.url, _request())
-    assert (r.worker, r.domain, r.request_id) == ("w1", "code", "r-1")
+    assert (r.worker, r.domain, r.request_id, r.spec_depth) == ("w1", "code", "r-1", "3")
 
 
 async def test_non_streaming_measures_e2e_only(upstream: ScriptedUpstream) -> None:
