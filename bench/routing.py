@@ -68,7 +68,11 @@ TPOT SLO that depth would miss goes at the depth fastest for it), ``adaptive-slo
 proxy sends the engine workers each request's SLOs (``routing.forward_slos=True``: prompt
 chunks paced for the decodes' TPOT SLOs, engine.pacing; session 12: 0.98x of adaptive), and
 ``adaptive-twin``,
-adaptive exactly (an A/A). Diagnostics, not policies (``SplitDiagnostic``, session 11): adaptive
+adaptive exactly (an A/A). Session 13: ``adaptive-cap`` and ``adaptive-cap8``, adaptive behind
+the proxy's per-worker ``max_outstanding`` caps (``WORKER_CAPS``; proxy.admission), and
+``least_outstanding-cap``, LO behind the same caps; ``adaptive-nocal``, the router's depth
+policy without its token-cost calibration; ``adaptive-headroom1``, ``slo_depth`` only where the
+mix depth's predicted TPOT misses the SLO (``slo_depth_headroom=1.0``, up to session 12). Diagnostics, not policies (``SplitDiagnostic``, session 11): adaptive
 over a hand-made split of the fleet by the request's TPOT SLO (tight: at most the repetitive
 and conversational classes' TPOT SLO) -- ``split-soft`` keeps the loose requests off ``spec``,
 ``split-hard`` also keeps the tight ones on it alone, ``split-tight`` keeps the tight ones on
@@ -185,7 +189,7 @@ POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "adaptive-noslodepth": "adaptive", "adaptive-slos": "adaptive",
     "split-soft": "adaptive", "split-hard": "adaptive", "split-tight": "adaptive",
     "adaptive-cap": "adaptive", "adaptive-cap8": "adaptive", "least_outstanding-cap": "policy",
-    "adaptive-nocal": "adaptive"}
+    "adaptive-nocal": "adaptive", "adaptive-headroom1": "adaptive"}
 SPLITS = ("split-soft", "split-hard", "split-tight")  # diagnostics (SplitDiagnostic)
 NOSTALL = "adaptive-nostall"
 R4 = "adaptive-r4"
@@ -198,13 +202,15 @@ CAP = "adaptive-cap"
 CAP8 = "adaptive-cap8"
 LO_CAP = "least_outstanding-cap"
 NOCAL = "adaptive-nocal"
+HEADROOM1 = "adaptive-headroom1"
 VARIANTS: dict[str, dict[str, Any]] = {NOSTALL: {"price_prefill_stalls": False},
                                         R4: {"step_scaled_batch": False},
                                         NORESERVE: {"reserve_slots": False},
                                         POOLED: {"tpot_prior_by_band": False},
                                         TWIN: {},
                                         NOSLODEPTH: {"slo_depth": False}, SLOS: {},
-                                        CAP: {}, CAP8: {}, NOCAL: {}}
+                                        CAP: {}, CAP8: {}, NOCAL: {},
+                                        HEADROOM1: {"slo_depth_headroom": 1.0}}
 # variants of the adaptive policy's depth policy (specdec.policy.PolicyConfig): ``adaptive-nocal``
 # prices each depth by the step model alone, without the calibration by finished requests'
 # seconds per token (calibrate_token_cost)
@@ -226,7 +232,7 @@ COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                (SLOS, "adaptive"), (CAP, "adaptive"), (CAP, "round_robin"),
                (CAP, "least_outstanding"), (CAP8, "adaptive"), (CAP, LO_CAP),
                (LO_CAP, "least_outstanding"), (NOCAL, "adaptive"), (NOCAL, "round_robin"),
-               (NOCAL, "least_outstanding"),
+               (NOCAL, "least_outstanding"), ("adaptive", HEADROOM1),
                *((s, base) for s in SPLITS
                  for base in ("adaptive", "least_outstanding", "round_robin")))
 MAX_MODEL_LEN = 2048

@@ -138,10 +138,19 @@ class AdaptiveConfig:
     # SLOs met on the fast worker 51 against 29; session 11's 8-round call: 1.00x (521 / 519
     # met). Both calls pooled: 1.04x (826 / 797). Off: session 9's policy
     slo_depth: bool = True
+    # ...where the TPOT predicted at the mix depth is above this fraction of the SLO, not
+    # only above the SLO: a prediction under load is ~20-40% off, and the mix depth sits on a
+    # knife edge between 0 and 3 on the spec worker. Session 13's call 3 ran the spec worker
+    # at k=0 and did not send its translation requests deeper: they met 4 of 19 there (median
+    # TPOT 1.16x the SLO), where least-outstanding's, at the engine's k=4, met 22 of 25.
+    # 1.0: session 10's rule (only a predicted miss)
+    slo_depth_headroom: float = 0.8
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore_prob < 1.0:
             raise ValueError(f"explore_prob: expected [0, 1), got {self.explore_prob}")
+        if not 0.0 < self.slo_depth_headroom <= 1.0:
+            raise ValueError(f"slo_depth_headroom: expected (0, 1], got {self.slo_depth_headroom}")
         if self.slo_penalty < 0:
             raise ValueError(f"slo_penalty: expected >= 0, got {self.slo_penalty}")
         if self.prefix_cache_tokens < 0 or self.prefix_block_tokens <= 0:
@@ -467,9 +476,9 @@ class AdaptivePolicy:
     def _slo_depth(self, shape: RequestShape, view: WorkerView, batch: int, depth: int | None,
                    pred: Prediction) -> tuple[int | None, Prediction]:
         """(depth, prediction) for the request on the worker: with ``slo_depth`` (on), where the
-        TPOT predicted at the depth policy's ``depth`` misses the request's TPOT SLO, the
-        depth fastest for the request itself and the TPOT scaled by the depth policy's token
-        times (DepthPolicy.token_times); else both unchanged.
+        TPOT predicted at the depth policy's ``depth`` is above ``slo_depth_headroom`` of the
+        request's TPOT SLO, the depth fastest for the request itself and the TPOT scaled by
+        the depth policy's token times (DepthPolicy.token_times); else both unchanged.
 
         NOTE: the depth policy picks one depth for the worker's domain mix under load (its
         tokens per second), which can leave a request of a well-accepted domain short of a
@@ -477,7 +486,8 @@ class AdaptivePolicy:
         worker ran at k=0 in one call and its repetitive requests met 2 of 55, at k=3 in
         another and they met 37 of 80."""
         if not self.config.slo_depth or depth is None or shape.speculative_depth is not None \
-                or not shape.slo_tpot_s or pred.tpot_s <= shape.slo_tpot_s \
+                or not shape.slo_tpot_s \
+                or pred.tpot_s <= self.config.slo_depth_headroom * shape.slo_tpot_s \
                 or view.config.engine.spec_method == "none":
             return depth, pred
         times = self.depth_policy.token_times(view.name, shape.domain, batch,
