@@ -228,6 +228,17 @@ def test_slo_depth_speculates_for_a_tight_tpot_that_the_mix_depth_would_miss() -
     # and the pick records the depth it goes at
     assert on.choose(tight, [spec]).spec_depth == own
 
+    # predicted within its SLO at the mix depth, but above slo_depth_headroom of it (0.8):
+    # the depth fastest for it all the same; with the headroom at 1.0 (session 10's rule), not
+    near = shape("translation", slo_tpot_s=base.tpot_s / 0.9)
+    assert on.candidate(near, spec).depth == own
+    strict = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, slo_depth_headroom=1.0),
+                            depth_policy=dp)
+    assert strict.candidate(near, spec).depth == 0
+    assert on.candidate(shape("translation", slo_tpot_s=base.tpot_s / 0.7), spec).depth == 0
+    with pytest.raises(ValueError, match="slo_depth_headroom"):
+        AdaptiveConfig(slo_depth_headroom=0.0)
+
 
 def test_the_proxy_cap_is_the_worker_capacity() -> None:
     """A worker behind a proxy ``max_outstanding`` cap below its batch slots holds no more
