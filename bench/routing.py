@@ -220,8 +220,8 @@ ROUTING_VARIANTS: dict[str, dict[str, Any]] = {SLOS: {"forward_slos": True}}
 # the proxy's per-worker max_outstanding caps (proxy.admission) beside the policy's; a
 # capped baseline is the baseline behind the same caps (CAPPED_BASELINES)
 WORKER_CAPS: dict[str, dict[str, int]] = {
-    CAP: {"spec": 4, "batch": 12, "long": 8}, CAP8: {"spec": 4, "batch": 8, "long": 6},
-    LO_CAP: {"spec": 4, "batch": 12, "long": 8}}
+    CAP: {"spec": 4, "batch": 12, "long": 8}, CAP8: {"spec": 4, "batch": 8, "long": 6}}
+WORKER_CAPS[LO_CAP] = WORKER_CAPS[CAP]
 CAPPED_BASELINES = {LO_CAP: "least_outstanding"}
 # NOTE: the A/B variants run when asked for (--policies): a fleet per policy costs three cores
 DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive"]

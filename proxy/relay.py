@@ -271,10 +271,12 @@ class Relay:
                 views = self.pool.routable(rec.model, tried)
                 room = [v for v in views
                         if not v.max_outstanding or v.outstanding_requests < v.max_outstanding]
+                if room or not views:
+                    return room
                 now = time.perf_counter()
                 give_up = rec.t0 + self.limits.max_queue_s
-                if room or not views or now >= give_up:
-                    return room or views
+                if now >= give_up:
+                    return views
                 if queued_at is None:
                     queued_at = now
                     self.stats.queued += 1
@@ -291,9 +293,12 @@ class Relay:
     def _ttft_deadline(self, rec: RequestRecord) -> float:
         """When the request misses its TTFT SLO (its own, else its domain's; without one,
         ``limits.max_queue_s`` after arrival), perf_counter seconds."""
+        return rec.t0 + (self._slo_of(rec, "slo_ttft_s") or self.limits.max_queue_s)
+
+    def _slo_of(self, rec: RequestRecord, key: str) -> float | None:
+        """The request's ``slo_ttft_s`` or ``slo_tpot_s``: its own, else its domain's."""
         assert rec.shape is not None
-        slo = rec.shape.slo_ttft_s or self._slo_tables["slo_ttft_s"].get(rec.shape.domain)
-        return rec.t0 + (slo or self.limits.max_queue_s)
+        return getattr(rec.shape, key) or self._slo_tables[key].get(rec.shape.domain)
 
     def _choose(self, shape: RequestShape, views: list[WorkerView]) -> RouteDecision:
         """The policy's decision, or the first routable worker if the policy misbehaves."""
@@ -332,11 +337,9 @@ class Relay:
         """The request's SLOs (its own, else its domain's) for an engine worker, which paces
         prompt chunks by them (engine.pacing); stripped for other backends, as other
         polyinfer-only fields are, and with ``routing.forward_slos`` off."""
-        assert rec.shape is not None
         forward = self.config.routing.forward_slos and worker.backend == "engine"
         for key in ("slo_ttft_s", "slo_tpot_s"):
-            value = (getattr(rec.shape, key) or self._slo_tables[key].get(rec.shape.domain)
-                     if forward else None)
+            value = self._slo_of(rec, key) if forward else None
             if value is not None:
                 body[key] = value
             else:
