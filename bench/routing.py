@@ -476,7 +476,10 @@ def build_prefix_workload(data: Path, mooncake: list[TraceRequest], num: int, ra
     then scales no output: Mooncake's are as recorded, clipped to --max-output)."""
     num_prefix = round(num * share)
     rows = mooncake[start:start + num_prefix]
-    if len(rows) < max(num_prefix, 2):
+    if num_prefix < 2:
+        raise ValueError(f"a round of {num} requests holds {num_prefix} Mooncake requests; "
+                         "the replay needs at least 2: raise --duration or the rate")
+    if len(rows) < num_prefix:
         raise ValueError(f"the Mooncake trace has no {num_prefix} requests from {start}")
     t0, t1 = rows[0].timestamp_s or 0.0, rows[-1].timestamp_s or 0.0
     scale = (len(rows) / (rate * share)) / ((t1 - t0) or 1.0)
