@@ -498,11 +498,12 @@ class AdaptivePolicy:
         return own, replace(pred, tpot_s=pred.tpot_s * times[own] / times[depth])
 
     def _commit_depth(self, shape: RequestShape, view: WorkerView, pick: Candidate) -> Candidate:
-        """The pick with the depth the depth policy records for it (0 when it probes k=0)."""
+        """The pick with the depth the depth policy records for it (another when it probes)."""
         if pick.depth is None or shape.speculative_depth is not None \
                 or view.config.engine.spec_method == "none":
             return pick
-        depth = self.depth_policy.commit(view.name, shape.domain, pick.batch, pick.depth)
+        depth = self.depth_policy.commit(view.name, shape.domain, pick.batch, pick.depth,
+                                         view.config.engine.spec_max_depth)
         return pick if depth == pick.depth else replace(pick, depth=depth)
 
     def _pick(self, cands: list[Candidate]) -> tuple[Candidate, str]:

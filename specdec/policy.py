@@ -82,6 +82,10 @@ class PolicyConfig:
     # (0 = never): see DepthPolicy.decide.
     probe_depth0_every: int = 10
     probe_depth0_refresh: int = 250
+    # With the calibration, every probe_speculation_every-th request per worker and batch
+    # bucket that the policy sends at k=0 goes at the depth the step model alone would choose,
+    # where that is k > 0 (0 = never): see DepthPolicy.commit.
+    probe_speculation_every: int = 20
 
     def __post_init__(self) -> None:
         checks = [
@@ -103,6 +107,7 @@ class PolicyConfig:
             (self.row_prior_steps > 0, "row_prior_steps", "> 0"),
             (self.probe_depth0_every >= 0, "probe_depth0_every", ">= 0"),
             (self.probe_depth0_refresh >= 0, "probe_depth0_refresh", ">= 0"),
+            (self.probe_speculation_every >= 0, "probe_speculation_every", ">= 0"),
         ]
         for ok, name, expected in checks:
             if not ok:
@@ -119,12 +124,13 @@ NGRAM_DOMAIN_PRIORS: tuple[tuple[str, float], ...] = (
 
 def choose_depth(acceptance: float, batch: int, step_time: StepTimeModel, max_depth: int,
                  min_gain: float = 1.0, tokens_per_step: Sequence[float] | None = None,
-                 drafts_per_step: Sequence[float] | None = None) -> int:
+                 drafts_per_step: Sequence[float] | None = None, calibrated: bool = True) -> int:
     """The k in 0..max_depth maximising E[accepted + 1] / t(batch, k); 0 unless it pays.
 
     ``tokens_per_step[k]``, when given, replaces the geometric E for k (see
     :meth:`AcceptanceEstimate.tokens_per_step`); ``drafts_per_step[k]`` the k draft tokens
-    a sequence is assumed to verify per step (:meth:`AcceptanceEstimate.drafts_per_step`).
+    a sequence is assumed to verify per step (:meth:`AcceptanceEstimate.drafts_per_step`);
+    ``calibrated=False`` prices by the step model alone (:func:`depth_token_times`).
 
     NOTE: the prompt tokens that share a step (:meth:`StepTimeModel.prefill_part`) are work
     per request, not per step: under steady load, requests that finish sooner bring their
@@ -135,7 +141,7 @@ def choose_depth(acceptance: float, batch: int, step_time: StepTimeModel, max_de
     k=0 at concurrency 16 on the 2-core CPU, where it measured 0.84x.
     """
     times = depth_token_times(acceptance, batch, step_time, max_depth, tokens_per_step,
-                              drafts_per_step)
+                              drafts_per_step, calibrated)
     best_k, best = 0, min_gain / times[0]
     for k in range(1, max_depth + 1):
         goodput = 1.0 / times[k]
@@ -146,12 +152,15 @@ def choose_depth(acceptance: float, batch: int, step_time: StepTimeModel, max_de
 
 def depth_token_times(acceptance: float, batch: int, step_time: StepTimeModel, max_depth: int,
                       tokens_per_step: Sequence[float] | None = None,
-                      drafts_per_step: Sequence[float] | None = None) -> list[float]:
+                      drafts_per_step: Sequence[float] | None = None,
+                      calibrated: bool = True) -> list[float]:
     """Predicted seconds per emitted token of a sequence at each k in 0..max_depth (what
     :func:`choose_depth` compares; the arguments are its own): the step's token cost,
-    times the calibration factor measured for k."""
-    factors = step_time.calibrations(batch, max_depth)
-    wait = not step_time.token_costs  # once calibrated, the factors carry the client's wait
+    times the calibration factor measured for k (with the client's wait per step and no
+    factors when not ``calibrated``)."""
+    calibrated = calibrated and bool(step_time.token_costs)
+    factors = step_time.calibrations(batch, max_depth) if calibrated else [1.0] * (max_depth + 1)
+    wait = not calibrated  # once calibrated, the factors carry the client's wait
     prefill = step_time.shared_prefill(batch, wait)
     times = [token_cost(step_time, batch, 0, 1.0, None, wait, prefill) * factors[0]]
     for k in range(1, max_depth + 1):
@@ -373,6 +382,7 @@ class DepthPolicy:
         self._step_time: dict[str, StepTimeModel] = {}
         self._mix: dict[str, dict[str, float]] = {}  # worker -> domain -> decayed request count
         self._decisions: dict[tuple[str, int], int] = {}  # (worker, batch bucket) -> decisions
+        self._zero_decisions: dict[tuple[str, int], int] = {}  # the same, those sent at k=0
 
     def acceptance(self, worker: str, domain: str) -> AcceptanceEstimate:
         est = self._acceptance.get((worker, domain))
@@ -396,9 +406,11 @@ class DepthPolicy:
     def decide(self, worker: str, domain: str, batch: int, max_depth: int | None = None) -> int:
         """k for a request joining ``worker`` (``batch`` sequences running, counting itself):
         :meth:`peek`, then :meth:`commit`."""
-        return self.commit(worker, domain, batch, self.peek(worker, domain, batch, max_depth))
+        return self.commit(worker, domain, batch, self.peek(worker, domain, batch, max_depth),
+                           max_depth)
 
-    def peek(self, worker: str, domain: str, batch: int, max_depth: int | None = None) -> int:
+    def peek(self, worker: str, domain: str, batch: int, max_depth: int | None = None,
+             calibrated: bool = True) -> int:
         """The k :meth:`decide` would choose, recording nothing: for pricing a worker the
         request may not go to.
 
@@ -406,6 +418,7 @@ class DepthPolicy:
         that pricing recorded the decision, every worker's domain mix took in every request,
         wherever it went, and the k=0 probe counted candidates, not requests: a probe then
         priced the worker at k=0 and steered that very request away (routing round 8).
+        ``calibrated=False``: the depth the step model alone would choose.
         """
         c = self.config
         cap = c.max_depth if max_depth is None else min(max_depth, c.max_depth)
@@ -421,7 +434,7 @@ class DepthPolicy:
             drafted = batch_tokens_per_step(
                 drafted, [(w, e.drafts_per_step(cap, steps)) for w, e in ests], batch)
         return choose_depth(est.mean, max(batch, 1), self.step_time(worker), cap, c.min_gain,
-                            expected, drafted)
+                            expected, drafted, calibrated)
 
     def token_times(self, worker: str, domain: str, batch: int, max_depth: int | None = None
                     ) -> list[float]:
@@ -437,15 +450,40 @@ class DepthPolicy:
                                  est.tokens_per_step(cap, c.prior_steps_per_depth),
                                  est.drafts_per_step(cap, c.prior_steps_per_depth))
 
-    def commit(self, worker: str, domain: str, batch: int, k: int) -> int:
+    def commit(self, worker: str, domain: str, batch: int, k: int,
+               max_depth: int | None = None) -> int:
         """Record that a request of ``domain`` joins ``worker`` at depth ``k`` (the worker's
-        domain mix; the k=0 probe's count); returns the depth to send: ``k``, or 0 when this
-        request is a probe (see :meth:`_probe_depth0`)."""
+        domain mix; the probes' counts); returns the depth to send: ``k``, or the depth a
+        probe measures instead (0 for :meth:`_probe_depth0`; the step model's own choice,
+        under ``max_depth``, for :meth:`_probe_speculation`)."""
         mix = self._mix.setdefault(worker, {})
         for d in mix:
             mix[d] *= self.config.mix_decay
         mix[domain] = mix.get(domain, 0.0) + 1.0
-        return 0 if k > 0 and self._probe_depth0(worker, batch) else k
+        if k > 0:
+            return 0 if self._probe_depth0(worker, batch) else k
+        return self._probe_speculation(worker, domain, batch, max_depth)
+
+    def _probe_speculation(self, worker: str, domain: str, batch: int,
+                           max_depth: int | None) -> int:
+        """0, or on every ``probe_speculation_every``-th k=0 decision per worker and batch
+        bucket the depth the step model alone would choose (0 if it would not speculate).
+
+        NOTE: the calibration's factor for a depth moves only with requests sent at it. Once
+        it priced speculation out of a bucket (two stalled requests put every k > 0 of the
+        spec worker's 2-sequence bucket at x4 on the device, session 14; in session 13's call
+        3 the spec worker ran k=0 for 647 of 693 requests), nothing measured it again. A
+        probe costs at most one request's speculation loss in 20.
+        """
+        c = self.config
+        every = c.probe_speculation_every
+        if not c.calibrate_token_cost or every <= 0 or max_depth == 0:
+            return 0
+        key = (worker, batch_bucket(batch))
+        n = self._zero_decisions[key] = self._zero_decisions.get(key, 0) + 1
+        if n % every:
+            return 0
+        return self.peek(worker, domain, batch, max_depth, calibrated=False)
 
     def _probe_depth0(self, worker: str, batch: int) -> bool:
         """Is this decision one that measures k=0 instead (see ``PolicyConfig``)?
@@ -520,5 +558,5 @@ class DepthPolicy:
             if self.config.calibrate_token_cost:
                 self.step_time(worker).observe_token_cost(
                     max(batch, 1), depth, decode_s / (num_output_tokens - 1),
-                    (num_output_tokens - 1) / steps, drafted)
+                    (num_output_tokens - 1) / steps, drafted, num_output_tokens - 1)
             self.observe_step(worker, batch, depth, decode_s / steps, drafted)

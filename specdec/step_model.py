@@ -164,13 +164,14 @@ class StepTimeModel:
     row_prior_steps: float = 1.0
     row_sums: dict[int, np.ndarray] = field(default_factory=dict)
     row_terms: dict[int, float] = field(default_factory=dict)  # fitted seconds per row bucket
-    # per (batch bucket, depth): moving means of [client's seconds per token, batch, 1 /
-    # tokens per step, draft tokens per step], and samples (see calibration)
+    # per (batch bucket, depth): moving means, weighted by decoded tokens, of [client's
+    # seconds per token, batch, 1 / tokens per step, draft tokens per step], then requests
+    # and their weight (see observe_token_cost, calibration)
     token_costs: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     # calibrations per (batch bucket, max depth), until the fit or a cell changes
     _calibrated: dict[tuple[int, int], list[float]] = field(default_factory=dict, repr=False,
                                                             compare=False)
-    calibration_prior: float = 8.0  # samples a depth's own ratio needs to weigh as its bucket's
+    calibration_prior: float = 8.0  # requests (in their tokens) a depth needs to weigh as its bucket
 
     def __post_init__(self) -> None:
         self._solve()
@@ -329,22 +330,33 @@ class StepTimeModel:
         return max(self.residuals[nearest][0], 0.0)
 
     def observe_token_cost(self, batch: int, k: int, seconds: float, expected: float,
-                           drafted: float | None = None) -> None:
+                           drafted: float | None = None, tokens: float = 1.0) -> None:
         """One finished request: the ``seconds`` a token cost it as its client saw it, at its
-        batch, depth, measured tokens per step and draft tokens per step."""
+        batch, depth, measured tokens per step and draft tokens per step, over its ``tokens``
+        decoded tokens (the sample's weight).
+
+        NOTE: weighted by tokens, a cell's mean is the cost of a token, not of a request: a
+        request of 7 decoded tokens that shared one 30-ms prefill chunk measured 6 ms a token
+        over the model's 2, and with every request weighing the same, a few such put every
+        speculating depth of the spec worker's 2-sequence bucket at the clamp (x4) on the
+        device (session 14), so the depth policy sent k=0 there."""
         if not (seconds > 0.0 and math.isfinite(seconds)) or batch <= 0 or k < 0 \
-                or not (expected >= 1.0 and math.isfinite(expected)):
+                or not (expected >= 1.0 and math.isfinite(expected)) \
+                or not (tokens > 0.0 and math.isfinite(tokens)):
             return
         key = (batch_bucket(batch), int(k))
         self._calibrated.clear()
-        cell = self.token_costs.setdefault(key, [0.0, 0.0, 0.0, 0.0, 0.0])
+        cell = self.token_costs.setdefault(key, [0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
         n = min(cell[4] + 1.0, RESIDUAL_WINDOW)
+        # the weight behind the means, kept over the last RESIDUAL_WINDOW requests' worth
+        weight = (cell[5] * (n - 1.0) / cell[4] if cell[4] else 0.0) + tokens
         # NOTE: 1 / E, whose mean prices the cell exactly where a token costs t / E (a cell
         # mixes domains: code at E = 3 and rag at 1.2 average to more than t / mean E)
         sample = (seconds, float(batch), 1.0 / expected, drafted if drafted is not None else 0.0)
+        share = tokens / weight
         for i, x in enumerate(sample):
-            cell[i] += (x - cell[i]) / n
-        cell[4] = n
+            cell[i] += (x - cell[i]) * share
+        cell[4], cell[5] = n, weight
 
     def _log_ratio(self, k: int, cell: Sequence[float]) -> float:
         """log(measured seconds per token / the engine's step model's, now) for one cell.
@@ -368,12 +380,15 @@ class StepTimeModel:
         tokens per second requests get. So finished requests' seconds per token are kept per
         batch bucket and depth (moving means, with what the model needs to price them:
         :meth:`observe_token_cost`), and a depth's factor is their ratio to the model's
-        (:meth:`_log_ratio`) shrunk toward its bucket's mean ratio by ``calibration_prior``
-        samples: over its speculating depths for k > 0
+        (:meth:`_log_ratio`), weighed by its tokens, shrunk toward its bucket's mean ratio by
+        ``calibration_prior`` requests' worth of tokens: over its speculating depths for k > 0
         (what makes speculation dearer than modelled is mostly common to its depths: when
         only k=0 and k=2 had run, a k=16 priced at the mean of the two was pushed below
         k=2's measured cost, and adaptive sent 37 of 192 requests at k=2, 0.74x of k=16, at
-        c=4 on the H200), over all depths for k=0. A factor common to every depth cancels in
+        c=4 on the H200), over all depths for k=0. The speculating depths' mean is itself
+        shrunk toward the bucket's by ``calibration_prior`` samples: taken alone, a bucket's
+        first few speculating requests set every k > 0 there (two stalled ones put all six
+        at the clamp, x4, on the device in session 14). A factor common to every depth cancels in
         the argmax, so only measured differences between depths move a choice. The client's
         wait per step
         (:meth:`overhead`) is a mean over all depths that moves with whichever depths ran
@@ -412,12 +427,15 @@ class StepTimeModel:
         return cached
 
     def _calibrate(self, nearest: int, max_depth: int) -> list[float]:
-        cells = {k: (self._log_ratio(k, v), v[4]) for (b, k), v in self.token_costs.items()
-                 if b == nearest}
+        bucket = {k: v for (b, k), v in self.token_costs.items() if b == nearest}
+        # evidence in tokens (observe_token_cost); the prior in its requests' worth of them
+        cells = {k: (self._log_ratio(k, v), v[5]) for k, v in bucket.items()}
+        prior = self.calibration_prior * sum(v[5] for v in bucket.values()) \
+            / sum(v[4] for v in bucket.values())
         common = _weighted_mean(cells.values())
-        speculating = [v for k, v in cells.items() if k > 0]
-        common_spec = _weighted_mean(speculating) if speculating else common
-        prior = self.calibration_prior
+        # the speculating depths' mean, itself shrunk toward the bucket's by the prior
+        speculating = [v for k, v in cells.items() if k > 0] + [(common, prior)]
+        common_spec = _weighted_mean(speculating)
         out = []
         for k in range(max_depth + 1):
             own_mean, own_n = cells.get(k, (0.0, 0.0))

@@ -94,25 +94,54 @@ def test_measured_cost_per_token_moves_a_depth_only_by_how_it_differs_between_de
     assert model.calibration(1, 0) == pytest.approx(3.0)
     assert choose_depth(0.5, 1, model, 2, tokens_per_step=tokens) == 2
     # k=0 as the model says, k=2 2x over it, k=1 never measured (20 samples each): log means
-    # over all depths (0 + ln 2) / 2 = .3466, over the speculating ones ln 2 = .6931;
-    # k=0 (0 x 20 + .3466 x 8) / 28 = .0990 -> x1.104, k=2 (.6931 x 20 + .6931 x 8) / 28 -> x2,
-    # k=1 the speculating depths' x2
+    # over all depths (0 + ln 2) / 2 = .3466; over the speculating ones, shrunk toward that by
+    # the prior's 8 samples, (ln 2 x 20 + .3466 x 8) / 28 = .5941; k=0 (0 x 20 + .3466 x 8) / 28
+    # = .0990 -> x1.104, k=2 (ln 2 x 20 + .5941 x 8) / 28 = .6649 -> x1.944, k=1 the
+    # speculating depths' x1.811
     model = _model(0.010, 0.0, 0.0, 0.0)
     for _ in range(20):
         model.observe_token_cost(1, 0, 0.010, 1.0)
         model.observe_token_cost(1, 2, 2 * 0.010 / 1.8, 1.8, 2.0)
     assert model.calibration(1, 0) == pytest.approx(1.1041, abs=1e-3)
-    assert model.calibration(1, 2) == pytest.approx(2.0)
-    assert model.calibration(1, 1) == pytest.approx(2.0)
+    assert model.calibration(1, 2) == pytest.approx(1.9442, abs=1e-3)
+    assert model.calibration(1, 1) == pytest.approx(1.8114, abs=1e-3)
     assert model.calibration(2, 2) == model.calibration(1, 2)  # the nearest measured bucket
-    # tokens per cost: k=0 1 / 1.104 = .906, k=1 1.5 / 2 = .75, k=2 1.8 / 2 = .9 -> 0
-    assert choose_depth(0.5, 1, model, 2, tokens_per_step=tokens) == 0
-    # k=1 measured as the model says (20 samples): speculating log mean ln 2 / 2 = .3466;
-    # k=1 (0 x 20 + .3466 x 8) / 28 -> x1.104: 1.5 / 1.104 = 1.36 -> 1
+    # tokens per cost: k=0 1 / 1.104 = .906, k=1 1.5 / 1.811 = .828, k=2 1.8 / 1.944 = .926
+    assert choose_depth(0.5, 1, model, 2, tokens_per_step=tokens) == 2
+    # k=1 measured as the model says (20 samples): the bucket's mean ln 2 / 3 = .2310, the
+    # speculating depths' (ln 2 x 20 + .2310 x 8) / 48 = .3273; k=1 .3273 x 8 / 28 -> x1.098,
+    # k=2 (ln 2 x 20 + .3273 x 8) / 28 -> x1.801, k=0 -> x1.068: 1.5 / 1.098 = 1.37 -> 1
     for _ in range(20):
         model.observe_token_cost(1, 1, 0.010 / 1.5, 1.5, 1.0)
-    assert model.calibration(1, 1) == pytest.approx(1.1041, abs=1e-3)
+    assert model.calibration(1, 1) == pytest.approx(1.0979, abs=1e-3)
+    assert model.calibration(1, 2) == pytest.approx(1.8010, abs=1e-3)
     assert choose_depth(0.5, 1, model, 2, tokens_per_step=tokens) == 1
+
+
+def test_few_stalled_speculating_requests_do_not_price_every_depth() -> None:
+    """The spec worker's 2-sequence bucket on the device (session 14): two short requests at
+    k=6 that shared prefill chunks measured 6x the model's cost a token, beside many k=0
+    requests as modelled; every k > 0 there came out at the clamp (x4) and the policy sent
+    k=0. Weighted by their tokens and shrunk toward the bucket's mean, they move it little."""
+    model = _model(0.010, 0.0, 0.0, 0.0)
+    for _ in range(50):
+        model.observe_token_cost(2, 0, 0.010, 1.0, tokens=40)
+    for _ in range(2):
+        model.observe_token_cost(2, 6, 6 * 0.010 / 2.5, 2.5, 6.0, tokens=7)
+    factors = model.calibrations(2, 6)
+    assert factors[0] == pytest.approx(1.0, abs=0.05)
+    assert all(f < 1.5 for f in factors[1:])
+    # k=6 at E = 2.5 is 2.5x k=0's tokens a step: still chosen
+    assert choose_depth(0.6, 2, model, 6, tokens_per_step=[1.0, 1.6, 1.9, 2.1, 2.3, 2.4, 2.5]) > 0
+    # a long speculating request that measured the same weighs as much as many short ones
+    short, long = _model(0.010, 0.0, 0.0, 0.0), _model(0.010, 0.0, 0.0, 0.0)
+    for m, samples in ((short, [(0.004, 7)] * 9 + [(0.012, 63)]),
+                       (long, [(0.004, 63)] + [(0.012, 7)] * 9)):
+        for seconds, tokens in samples:
+            m.observe_token_cost(1, 2, seconds, 2.0, 2.0, tokens=tokens)
+    assert short.token_costs[(1, 2)][0] == pytest.approx((9 * 7 * 0.004 + 63 * 0.012) / 126)
+    assert long.token_costs[(1, 2)][0] == pytest.approx((63 * 0.004 + 9 * 7 * 0.012) / 126)
+    assert short.token_costs[(1, 2)][4] == long.token_costs[(1, 2)][4] == 10
 
 
 def test_calibration_is_read_against_the_model_as_it_is_now() -> None:
@@ -138,7 +167,7 @@ def test_observe_request_calibrates_by_the_requests_own_tokens_per_step() -> Non
     # 41 tokens at depth 2: 20 accepted -> 20 steps of 2 tokens; the engine's step says
     # .010 / 2 = 5 ms a token, the client saw .30 s / 40 = 7.5 ms: a ratio of 1.5
     policy.observe_request("w", "code", 1, 2, 40, 20, 41, 0.30)
-    assert model.token_costs[(1, 2)] == pytest.approx([0.0075, 1.0, 0.5, 2.0, 1.0])
+    assert model.token_costs[(1, 2)] == pytest.approx([0.0075, 1.0, 0.5, 2.0, 1.0, 40.0])
     assert model.calibration(1, 2) == pytest.approx(1.5)
     # once calibrated the factors replace the wait: depth 2 costs 5 ms x 1.5 a token, and
     # depth 0, never measured, takes the bucket's factor too: 10 ms x 1.5 -> k=2
@@ -165,6 +194,35 @@ def test_k0_is_probed_while_unmeasured_then_refreshed_rarely() -> None:
     off = DepthPolicy(PolicyConfig(max_depth=4, step_prior_s=(0.010, 0.0, 0.0, 0.0),
                                    step_prior_weight=1e12, calibrate_token_cost=False))
     assert 0 not in [off.decide("w", "code", batch=1) for _ in range(30)]
+
+
+def test_speculation_priced_out_is_probed_and_measured_again() -> None:
+    # speculation is free here (a flat step): the step model alone goes to k=4
+    policy = DepthPolicy(PolicyConfig(max_depth=4, step_prior_s=(0.010, 0.0, 0.0, 0.0),
+                                      step_prior_weight=1e12))
+    model = policy.step_time("w")
+    # 41 tokens each: at k=0 in 40 steps as modelled (10 ms a token); at k=4, 20 accepted in 20
+    # steps of 2 tokens, 4x over the model's 5 ms a token (stalled requests)
+    for _ in range(10):
+        policy.observe_request("w", "code", 1, 0, 0, 0, 41, 0.40)
+        policy.observe_request("w", "code", 1, 4, 80, 20, 41, 4 * 0.20)
+    assert model.calibration(1, 4) > 2.5 * model.calibration(1, 0)
+    assert policy.peek("w", "code", 1) == 0 and policy.peek("w", "code", 1, calibrated=False) == 4
+    picks = [policy.decide("w", "code", batch=1) for _ in range(60)]
+    # every 20th decision sent at k=0 goes at the model's depth instead
+    assert [i + 1 for i, k in enumerate(picks) if k] == [20, 40, 60] and set(picks) == {0, 4}
+    # the probes measure k=4 as modelled: once enough have, the policy speculates again
+    for _ in range(30):
+        policy.observe_request("w", "code", 1, 4, 80, 20, 41, 0.20)
+    assert policy.peek("w", "code", 1) == 4
+    # no probes without the calibration, with the probe off, or where the worker cannot speculate
+    for config, max_depth in ((PolicyConfig(max_depth=4, calibrate_token_cost=False), None),
+                              (PolicyConfig(max_depth=4, probe_speculation_every=0), None),
+                              (PolicyConfig(max_depth=4), 0)):
+        other = DepthPolicy(config)
+        assert all(other.commit("w", "code", 1, 0, max_depth) == 0 for _ in range(60))
+    with pytest.raises(ProposerConfigError, match="probe_speculation_every"):
+        PolicyConfig(probe_speculation_every=-1)
 
 
 def test_peek_records_nothing_commit_records_the_request() -> None:
