@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from engine.config import (
     DOMAINS,
@@ -85,6 +86,24 @@ class LaunchSpec:
                self.startup_timeout_s)
         _check(0 < self.restart_backoff_s <= self.max_backoff_s, "launch.restart_backoff_s",
                f"in (0, max_backoff_s={self.max_backoff_s}]", self.restart_backoff_s)
+        # NOTE: the mapping's values are not type-checked on load; a number here would fail
+        # only when the worker's process is started, with an error naming no key.
+        for name, value in self.env.items():
+            _check(isinstance(name, str) and isinstance(value, str), f"launch.env.{name}",
+                   "a string (quote numbers)", value)
+
+
+def _is_http_url(url: str) -> bool:
+    """Whether the proxy's HTTP clients can reach ``url`` (an unusable one was accepted
+    before, and its worker then never passed a probe, with nothing naming the key)."""
+    if not url.startswith(("http://", "https://")) or any(c.isspace() for c in url):
+        return False
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # a port that is not a number, or out of range
+        return False
+    return bool(parts.hostname) and port != 0
 
 
 @dataclass(frozen=True)
@@ -111,8 +130,8 @@ class WorkerSpec:
                "an integer >= 0 (0: no cap)", self.max_outstanding)
         _check(bool(self.url) != (self.launch is not None), f"{key}.url",
                "exactly one of url or launch", self.url)
-        _check(not self.url or self.url.startswith(("http://", "https://")), f"{key}.url",
-               "an http(s) URL", self.url)
+        _check(not self.url or _is_http_url(self.url), f"{key}.url",
+               "an http(s) URL with a host and a port in 1..65535", self.url)
         _check(self.launch is None or self.config.backend != "external", f"{key}.launch",
                "no launch spec for backend 'external'", self.launch)
 
@@ -263,7 +282,10 @@ class HealthConfig:
 
     def __post_init__(self) -> None:
         _check(self.interval_s > 0, "health.interval_s", "> 0", self.interval_s)
-        _check(self.timeout_s > 0, "health.timeout_s", "> 0", self.timeout_s)
+        # NOTE: finite: aiohttp's timeout timer cannot be set to infinity (every probe, the
+        # first one at start-up included, would fail with an error naming no key).
+        _check(0 < self.timeout_s < float("inf"), "health.timeout_s", "a finite number > 0",
+               self.timeout_s)
         _check(self.metrics_interval_s >= 0, "health.metrics_interval_s", ">= 0",
                self.metrics_interval_s)
         _check(self.breaker_failures >= 1, "health.breaker_failures", ">= 1",

@@ -390,7 +390,8 @@ class Relay:
             upstream.release()
             if upstream.status >= 500:
                 worker.breaker.record_failure()
-            raise _Retryable(f"{worker.name}: HTTP {upstream.status} {detail!r}")
+            raise _Retryable(f"{worker.name}: HTTP {upstream.status} "
+                             f"{self._error_detail(detail)}")
         return upstream
 
     async def _relay_body(self, ex: ClientExchange, rec: RequestRecord, worker: Worker,
@@ -400,24 +401,51 @@ class Relay:
         except UPSTREAM_ERRORS as e:
             worker.breaker.record_failure()
             raise _Retryable(f"{worker.name}: {type(e).__name__}: {e}") from e
+        if upstream.status == 200 and not self._read_usage(raw, rec):
+            # NOTE: an OpenAI 200 is a JSON object; relayed as is, the client would get a
+            # 200 it cannot parse and the trace an "ok". Nothing was sent yet: next worker.
+            worker.breaker.record_failure()
+            raise _Retryable(f"{worker.name}: HTTP 200 with a body that is not a JSON object "
+                             f"({len(raw)} bytes)")
         worker.breaker.record_success()
         rec.http_status = upstream.status
-        if upstream.status == 200:
-            self._read_usage(raw, rec)
-        else:
-            rec.status, rec.error = STATUS_ERROR, f"upstream_{upstream.status}: {raw[:200]!r}"
+        if upstream.status != 200:
+            rec.status = STATUS_ERROR
+            rec.error = f"upstream_{upstream.status}: {self._error_detail(raw[:200])}"
         rec.e2e_s = time.perf_counter() - rec.t0
         headers = proxy_headers(rec)
         headers["Content-Type"] = upstream.content_type or "application/json"
         ex.send(upstream.status, headers, raw)
 
-    @staticmethod
-    def _read_usage(raw: bytes, rec: RequestRecord) -> None:
+    def _error_detail(self, raw: bytes) -> str:
+        """What a trace record and the logs keep of a worker's error body: the body itself
+        (200 bytes) only with ``traces.record_prompt_text``, else its OpenAI error type and
+        code. NOTE: a server's validation error can quote the request's input (pydantic's
+        ``input_value=...``), prompt text included."""
+        if self.config.traces.record_prompt_text:
+            return repr(raw[:200])
         try:
-            usage = orjson.loads(raw).get("usage")
+            error = orjson.loads(raw).get("error")
         except (orjson.JSONDecodeError, AttributeError):
-            return
-        _take_usage(usage, rec)
+            error = None
+        if not isinstance(error, dict):
+            return f"({len(raw)} bytes)"
+        fields = {k: error.get(k) for k in ("type", "code")}
+        return " ".join(f"{k}={v!r}"[:80] for k, v in fields.items()
+                        if isinstance(v, (str, int)) and not isinstance(v, bool)) \
+            or f"({len(raw)} bytes)"
+
+    @staticmethod
+    def _read_usage(raw: bytes, rec: RequestRecord) -> bool:
+        """Take the usage from a JSON response body; False if the body is not a JSON object."""
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return False
+        if not isinstance(body, dict):
+            return False
+        _take_usage(body.get("usage"), rec)
+        return True
 
     async def _relay_stream(self, ex: ClientExchange, rec: RequestRecord, worker: Worker,
                             upstream: UpstreamResponse, strip_usage: bool) -> None:
@@ -430,6 +458,12 @@ class Relay:
         if not first:
             worker.breaker.record_failure()
             raise _Retryable(f"{worker.name}: empty stream")
+        if first.lstrip()[:1] in (b"{", b"["):
+            # NOTE: a JSON document (or a broken one), not SSE events: relayed, the client's
+            # SDK would see a stream with no events and end it as if it were complete.
+            worker.breaker.record_failure()
+            raise _Retryable(f"{worker.name}: a stream request answered with a JSON body, "
+                             f"not SSE events")
         await ex.start_stream({**_SSE_HEADERS, **proxy_headers(rec)})
         try:
             await self._pump(content, first, ex, rec, strip_usage)
@@ -447,6 +481,16 @@ class Relay:
             await _write_quietly(ex, sse_error_event(
                 f"worker {worker.name} failed mid-stream ({type(e).__name__}); "
                 f"the response is incomplete (request {rec.request_id})"))
+        except Exception as e:
+            # NOTE: the 200 head is out (or pending): an error response can no longer be
+            # sent, and raising would cut the stream (fast path) or write a second response
+            # into its body (aiohttp). End it with an error event the client's SDK raises.
+            logger.exception("relaying the stream of %s failed", rec.request_id)
+            rec.status, rec.http_status = STATUS_ERROR, 500
+            rec.error = f"internal: {e!r}"
+            await _write_quietly(ex, sse_error_event(
+                f"internal proxy error; the response is incomplete (request {rec.request_id})",
+                "internal_error"))
         if rec.e2e_s is None:
             rec.e2e_s = time.perf_counter() - rec.t0
         try:
@@ -554,11 +598,18 @@ def _take_usage(usage: Any, rec: RequestRecord) -> None:
         rec.completion_tokens = tokens
     spec = usage.get("spec_decode")
     if isinstance(spec, dict):
-        rec.spec_draft_tokens = int(spec.get("num_draft_tokens") or 0)
-        rec.spec_accepted_tokens = int(spec.get("num_accepted_tokens") or 0)
+        rec.spec_draft_tokens = _token_count(spec.get("num_draft_tokens"))
+        rec.spec_accepted_tokens = _token_count(spec.get("num_accepted_tokens"))
     details = usage.get("prompt_tokens_details")
     if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
         rec.cached_tokens = details["cached_tokens"]  # the router learns its cache hits
+
+
+def _token_count(value: Any) -> int:
+    """A worker-reported token count; 0 for anything that is not a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0
+    return int(value) if 0 <= value < float("inf") else 0
 
 
 def _scan_usage_events(out: bytes, rec: RequestRecord, strip: bool,

@@ -310,3 +310,26 @@ async def test_trace_writer_flushes_on_close_and_bounds_pending(tmp_path: Path) 
     lines = b"".join(f.read_bytes() for f in tmp_path.glob("traces-*.jsonl")).splitlines()
     assert [orjson.loads(line)["request_id"] for line in lines] == ["r0", "r1", "r2"]
     assert writer.num_written == 3
+
+
+@pytest.mark.parametrize(("data", "key"), [
+    # accepted before, then failing at start-up (or never probing healthy) naming no key
+    ({"health": {"timeout_s": float("inf")}}, "health.timeout_s"),
+    ({"workers": [{"name": "a", "url": "http://127.0.0.1:99999"}]}, r"workers\[a\]\.url"),
+    ({"workers": [{"name": "a", "url": "http://:abc"}]}, r"workers\[a\]\.url"),
+    ({"workers": [{"name": "a", "url": "http://"}]}, r"workers\[a\]\.url"),
+    ({"workers": [{"name": "a", "url": "http://host name:8000"}]}, r"workers\[a\]\.url"),
+    ({"workers": [{"name": "a", "launch": {"env": {"OMP_NUM_THREADS": 1}}}]},
+     "launch.env.OMP_NUM_THREADS"),
+])
+def test_config_values_that_only_failed_later_are_named(data: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        ProxyConfig.from_dict(data)
+
+
+def test_worker_urls_that_work_are_accepted() -> None:
+    for url in ("http://127.0.0.1:8000", "https://gpu-7.internal", "http://[::1]:9000/tenant-a"):
+        assert ProxyConfig.from_dict({"workers": [{"name": "a", "url": url}]}).workers[0].url == url
+    env = {"OMP_NUM_THREADS": "1"}
+    config = ProxyConfig.from_dict({"workers": [{"name": "a", "launch": {"env": env}}]})
+    assert config.workers[0].launch is not None and config.workers[0].launch.env == env
