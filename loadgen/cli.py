@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from typing import Any
 
 from loadgen.config import (
@@ -22,20 +23,55 @@ from loadgen.config import (
     SloConfig,
     TraceConfig,
 )
-from loadgen.errors import LoadgenError
+from loadgen.errors import LoadgenConfigError, LoadgenError
 
 logger = logging.getLogger(__name__)
 
 TIMED_FORMATS = ("azure", "burstgpt", "mooncake", "polyinfer")  # formats with timestamps
 
 
+# NOTE: numeric flags are checked by argparse, so that a bad value is an argparse
+# error naming the flag (exit 2) before anything runs; ReplayConfig checks them again
+# for Python callers.
+
+
+def _number(text: str, kind: type[int] | type[float]) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _number(text, float)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(_number(text, int))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def _window(text: str) -> tuple[float, float | None]:
-    start, _, end = text.partition(":")
-    return float(start or 0), (float(end) if end else None)
+    start_text, _, end_text = text.partition(":")
+    start = _number(start_text, float) if start_text else 0.0
+    end = _number(end_text, float) if end_text else None
+    if start < 0 or (end is not None and end <= start):
+        raise argparse.ArgumentTypeError(f"expected START:END seconds with 0 <= START < END, "
+                                         f"got {text!r}")
+    return start, end
 
 
 def _rates(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x.strip())
+    return tuple(_positive_float(x) for x in text.split(",") if x.strip())
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,33 +86,33 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("arrivals")
     a.add_argument("--arrival", default=None, choices=ARRIVALS,
                    help="default: trace when the file has timestamps, else poisson")
-    a.add_argument("--rate", type=float, help="req/s for poisson/gamma")
-    a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
-    a.add_argument("--concurrency", type=int, help="closed loop with this many in flight")
+    a.add_argument("--rate", type=_positive_float, help="req/s for poisson/gamma")
+    a.add_argument("--burstiness", type=_positive_float, default=1.0, help="gamma shape (1 = Poisson)")
+    a.add_argument("--concurrency", type=_positive_int, help="closed loop with this many in flight")
     a.add_argument("--rate-sweep", type=_rates, default=(), metavar="R1,R2,...")
-    a.add_argument("--time-scale", type=float, default=1.0,
+    a.add_argument("--time-scale", type=_positive_float, default=1.0,
                    help="multiplies trace inter-arrival times (0.1 = 10x faster)")
     a.add_argument("--window", type=_window, default=(0.0, None), metavar="START:END",
                    help="trace seconds after the first record to replay")
-    a.add_argument("--max-requests", type=int)
-    a.add_argument("--duration", type=float, help="seconds; stop sending after this")
+    a.add_argument("--max-requests", type=_positive_int)
+    a.add_argument("--duration", type=_positive_float, help="seconds; stop sending after this")
     a.add_argument("--seed", type=int, default=0)
     n = p.add_argument_group("lengths (scaling / clipping to fit a small model)")
-    n.add_argument("--prompt-scale", type=float, default=1.0)
-    n.add_argument("--output-scale", type=float, default=1.0)
-    n.add_argument("--max-prompt-tokens", type=int)
-    n.add_argument("--max-output-tokens", type=int)
-    n.add_argument("--max-model-len", type=int, help="clip prompt + output to this context")
-    n.add_argument("--default-output-tokens", type=int, default=128)
-    n.add_argument("--block-tokens", type=int, default=512, help="prefix block size (tokens) for traces that do not record one")
+    n.add_argument("--prompt-scale", type=_positive_float, default=1.0)
+    n.add_argument("--output-scale", type=_positive_float, default=1.0)
+    n.add_argument("--max-prompt-tokens", type=_positive_int)
+    n.add_argument("--max-output-tokens", type=_positive_int)
+    n.add_argument("--max-model-len", type=_positive_int, help="clip prompt + output to this context")
+    n.add_argument("--default-output-tokens", type=_positive_int, default=128)
+    n.add_argument("--block-tokens", type=_positive_int, default=512, help="prefix block size (tokens) for traces that do not record one")
     c = p.add_argument_group("target")
     c.add_argument("--target", help="base URL of an OpenAI-compatible server")
     c.add_argument("--model", help="model name (default: first of GET /v1/models)")
     c.add_argument("--endpoint", default="auto", choices=ENDPOINTS)
     c.add_argument("--no-stream", action="store_true")
     c.add_argument("--no-ignore-eos", action="store_true")
-    c.add_argument("--max-concurrency", type=int)
-    c.add_argument("--timeout", type=float, default=600.0)
+    c.add_argument("--max-concurrency", type=_positive_int)
+    c.add_argument("--timeout", type=_positive_float, default=600.0)
     c.add_argument("--api-key")
     o = p.add_argument_group("outputs")
     o.add_argument("--output", help="directory for requests.jsonl, summary.json, report.md, PNGs")
@@ -100,10 +136,10 @@ def register(subparsers: Any) -> None:
 def _default_arrival(args: argparse.Namespace) -> Any:
     if args.arrival:
         return str(args.arrival)
-    if args.concurrency:
+    if args.concurrency is not None:
         return "concurrency"
-    if args.rate or args.rate_sweep:
-        return "poisson"
+    if args.rate is not None or args.rate_sweep:
+        return "poisson" if args.burstiness == 1.0 else "gamma"
     from loadgen.readers import detect_format
 
     fmt = detect_format(args.trace) if args.format == "auto" else args.format
@@ -113,11 +149,36 @@ def _default_arrival(args: argparse.Namespace) -> Any:
                        "--arrival gamma --rate R --burstiness B, or --concurrency N")
 
 
+def _check_flags_fit(args: argparse.Namespace, mode: str) -> None:
+    """A flag the chosen arrival mode would ignore is never silently dropped.
+
+    Rate and concurrency flags contradict another mode: an error. The trace's
+    time scale and window only say how to read timestamps the mode does not
+    use: a warning (``--rate-sweep`` runs reuse a trace run's flags).
+    """
+    used_by = (
+        ("--rate", args.rate is not None, ("poisson", "gamma")),
+        ("--rate-sweep", bool(args.rate_sweep), ("poisson", "gamma")),
+        ("--burstiness", args.burstiness != 1.0, ("gamma",)),
+        ("--concurrency", args.concurrency is not None, ("concurrency",)),
+    )
+    for flag, given, modes in used_by:
+        if given and mode not in modes:
+            raise LoadgenConfigError(f"{flag} does not apply to --arrival {mode}; it is for "
+                                     f"--arrival {' or '.join(modes)}")
+    for flag, given in (("--time-scale", args.time_scale != 1.0),
+                        ("--window", tuple(args.window) != (0.0, None))):
+        if given and mode != "trace":
+            logger.warning("%s is ignored: it applies to --arrival trace, not %s", flag, mode)
+
+
 def build_config(args: argparse.Namespace) -> ReplayConfig:
     if not args.trace or not args.target:
         raise LoadgenError("--trace and --target are required")
     mode = _default_arrival(args)
-    rate = args.rate if args.rate else (args.rate_sweep[0] if args.rate_sweep else None)
+    _check_flags_fit(args, mode)
+    rate = args.rate if args.rate is not None else (args.rate_sweep[0] if args.rate_sweep
+                                                    else None)
     return ReplayConfig(
         trace=TraceConfig(args.trace, args.format, args.bad_lines),
         client=ClientConfig(args.target, args.endpoint, args.model, not args.no_stream,

@@ -54,16 +54,28 @@ def make_session(cfg: ClientConfig) -> aiohttp.ClientSession:
         timeout=aiohttp.ClientTimeout(total=cfg.timeout_s), auto_decompress=False)
 
 
+# NOTE: a response is input from outside: every field is type-checked, so that a
+# server sending the wrong shapes fails that request, never the whole run.
+
+
 def _chunk_text(event: dict[str, Any]) -> str | None:
     choices = event.get("choices")
-    if not choices:
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return None
     choice = choices[0]
     text = choice.get("text")
     if text is None:
-        delta = choice.get("delta") or {}
-        text = delta.get("content") or delta.get("reasoning_content")
-    return text or None
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            text = delta.get("content") or delta.get("reasoning_content")
+    return text if isinstance(text, str) and text else None
+
+
+def _token_count(value: object) -> int | None:
+    """A usage count as sent, or None when it is not a non-negative integer."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
 
 
 class StreamParser:
@@ -106,7 +118,7 @@ class StreamParser:
             return
         if event.get("error"):
             self.error = f"stream error: {str(event['error'])[:ERROR_BODY_CHARS]}"
-        if event.get("usage"):
+        if isinstance(event.get("usage"), dict) and event["usage"]:
             self.usage = event["usage"]
         if _chunk_text(event) is None:
             return
@@ -145,6 +157,12 @@ class StreamingClient:
             raise
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             result.error = f"{type(e).__name__}: {e}"[:ERROR_BODY_CHARS]
+            result.e2e_s = time.perf_counter() - start
+        except Exception as e:  # NOTE: one bad response must not end the run
+            logger.exception("request %d (trace line %d) failed in the client", req.index,
+                             req.line)
+            result.ok = False
+            result.error = f"client error: {type(e).__name__}: {e}"[:ERROR_BODY_CHARS]
             result.e2e_s = time.perf_counter() - start
 
     @staticmethod
@@ -191,9 +209,9 @@ class StreamingClient:
             result.error = "response carried no tokens"
 
     @staticmethod
-    def _usage(result: RequestResult, usage: dict[str, Any] | None, num_chunks: int) -> None:
-        if usage:
-            result.prompt_tokens = usage.get("prompt_tokens")
-            result.completion_tokens = usage.get("completion_tokens")
+    def _usage(result: RequestResult, usage: object, num_chunks: int) -> None:
+        if isinstance(usage, dict):
+            result.prompt_tokens = _token_count(usage.get("prompt_tokens"))
+            result.completion_tokens = _token_count(usage.get("completion_tokens"))
         if not result.completion_tokens and num_chunks:
             result.completion_tokens = num_chunks  # NOTE: a server that sends no usage

@@ -5,6 +5,7 @@ Every value is checked once in ``__post_init__``; the CLI only builds these.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -21,8 +22,16 @@ def _check(cond: bool, key: str, expected: str, got: object) -> None:
         raise LoadgenConfigError(f"{key}: expected {expected}, got {got!r}")
 
 
+def _positive(value: float | None, key: str) -> None:
+    # NOTE: finite too: an infinite time scale makes the first arrival 0 * inf = NaN
+    # (the send loop never reaches it), and inf lengths or durations overflow int().
+    _check(value is not None and math.isfinite(value) and value > 0, key,
+           "a positive finite number", value)
+
+
 def _positive_or_none(value: float | None, key: str) -> None:
-    _check(value is None or value > 0, key, "a positive number or None", value)
+    _check(value is None or (math.isfinite(value) and value > 0), key,
+           "a positive finite number or None", value)
 
 
 @dataclass(frozen=True)
@@ -59,7 +68,7 @@ class LengthConfig:
 
     def __post_init__(self) -> None:
         for key in ("prompt_scale", "output_scale"):
-            _check(getattr(self, key) > 0, key, "a positive number", getattr(self, key))
+            _positive(getattr(self, key), key)
         for key in ("max_prompt_tokens", "max_output_tokens", "max_model_len"):
             _positive_or_none(getattr(self, key), key)
         for key in ("min_prompt_tokens", "min_output_tokens", "default_output_tokens",
@@ -102,16 +111,18 @@ class ArrivalConfig:
     def __post_init__(self) -> None:
         _check(self.mode in ARRIVALS, "arrival", f"one of {ARRIVALS}", self.mode)
         if self.mode in ("poisson", "gamma"):
-            _check(self.rate is not None and self.rate > 0, "rate", "a positive req/s",
-                   self.rate)
+            _positive(self.rate, "rate")
         if self.mode == "concurrency":
             _check(self.concurrency is not None and self.concurrency >= 1, "concurrency",
                    "an integer >= 1", self.concurrency)
-        _check(self.burstiness > 0, "burstiness", "a positive number", self.burstiness)
-        _check(self.time_scale > 0, "time_scale", "a positive number", self.time_scale)
-        _check(self.window_start_s >= 0, "window start", ">= 0", self.window_start_s)
-        _check(self.window_end_s is None or self.window_end_s > self.window_start_s,
-               "window end", f"> window start ({self.window_start_s})", self.window_end_s)
+        _positive(self.burstiness, "burstiness")
+        _positive(self.time_scale, "time_scale")
+        _check(math.isfinite(self.window_start_s) and self.window_start_s >= 0,
+               "window start", "a finite number >= 0", self.window_start_s)
+        _check(self.window_end_s is None or (math.isfinite(self.window_end_s)
+                                             and self.window_end_s > self.window_start_s),
+               "window end", f"a finite number > window start ({self.window_start_s})",
+               self.window_end_s)
         _check(self.max_requests is None or self.max_requests >= 1, "max_requests",
                "an integer >= 1", self.max_requests)
         _positive_or_none(self.duration_s, "duration_s")
@@ -135,7 +146,7 @@ class ClientConfig:
         _check(self.endpoint in ENDPOINTS, "endpoint", f"one of {ENDPOINTS}", self.endpoint)
         _check(self.max_concurrency is None or self.max_concurrency >= 1, "max_concurrency",
                "an integer >= 1 or None", self.max_concurrency)
-        _check(self.timeout_s > 0, "timeout_s", "a positive number", self.timeout_s)
+        _positive(self.timeout_s, "timeout_s")
 
     @property
     def base_url(self) -> str:
@@ -163,7 +174,7 @@ class SloConfig:
         """``"ttft:500ms,tpot:50ms,e2e:2s"`` (bare numbers are milliseconds)."""
         values: dict[str, float] = {}
         for item in filter(None, (p.strip() for p in text.split(","))):
-            m = re.fullmatch(r"(ttft|tpot|e2e|e2el):([0-9.]+)\s*(ms|s)?", item)
+            m = re.fullmatch(r"(ttft|tpot|e2e|e2el):([0-9]+\.?[0-9]*|\.[0-9]+)\s*(ms|s)?", item)
             if m is None:
                 raise LoadgenConfigError(f"--slo: cannot read {item!r}; expected e.g. "
                                          "ttft:500ms,tpot:50ms,e2e:2s")
@@ -203,5 +214,8 @@ class ReplayConfig:
         if self.sweep_rates:
             _check(self.arrivals.mode in ("poisson", "gamma"), "rate sweep",
                    "--arrival poisson or gamma", self.arrivals.mode)
-            _check(all(r > 0 for r in self.sweep_rates), "sweep_rates", "positive rates",
-                   self.sweep_rates)
+            _check(all(math.isfinite(r) and r > 0 for r in self.sweep_rates), "sweep_rates",
+                   "positive finite rates", self.sweep_rates)
+            # each rate's results go to rate-{rate:g}/: two rates that print alike would share it
+            _check(len({f"{r:g}" for r in self.sweep_rates}) == len(self.sweep_rates),
+                   "sweep_rates", "distinct rates (to 6 significant digits)", self.sweep_rates)

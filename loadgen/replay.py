@@ -20,7 +20,7 @@ import aiohttp
 from loadgen.arrivals import arrivals
 from loadgen.client import StreamingClient, make_session
 from loadgen.config import ReplayConfig
-from loadgen.errors import TargetError
+from loadgen.errors import TargetError, TraceError
 from loadgen.lengths import describe
 from loadgen.metrics import summarize
 from loadgen.prepare import PrepareStats, RequestBuilder
@@ -93,10 +93,12 @@ def prepare(cfg: ReplayConfig, model: str, tokenizer: str | None,
     """Read, schedule and build every request (blocking: run it in a thread)."""
     bad = BadLines(cfg.trace.bad_lines)
     fmt = "records"
+    source = "records"
     if records is None:
+        source = cfg.trace.path
         fmt = detect_format(cfg.trace.path) if cfg.trace.format == "auto" else cfg.trace.format
         records = list(read_trace(cfg.trace.path, fmt, bad))
-    schedule = arrivals(list(records), cfg.arrivals)
+    schedule = _schedule(source, list(records), bad, cfg)
     counter = load_token_counter(tokenizer)
     needs_synth = any(r.prompt is None and r.messages is None for _, r in schedule)
     synth = (PromptSynthesizer(counter, cfg.lengths.scaled_block_tokens, cfg.arrivals.seed)
@@ -108,6 +110,23 @@ def prepare(cfg: ReplayConfig, model: str, tokenizer: str | None,
                        synth.stats.num_inexact, synth.stats.num_prompts)
     return Prepared(requests, builder.stats, bad, fmt, counter.name,
                     synth.stats if synth is not None else None)
+
+
+def _schedule(source: str, records: list[TraceRequest], bad: BadLines, cfg: ReplayConfig
+              ) -> list[tuple[float, TraceRequest]]:
+    """The arrivals of ``records``; nothing to send is an error that says why."""
+    try:
+        schedule = arrivals(records, cfg.arrivals)
+    except TraceError as e:
+        raise TraceError(f"{source}: {e}") from e
+    if not schedule:
+        why = f"{len(records)} records read, {bad.num_bad} bad lines skipped"
+        a = cfg.arrivals
+        if records and a.mode == "trace":
+            end = "" if a.window_end_s is None else f"{a.window_end_s:g}"
+            why += f", none inside --window {a.window_start_s:g}:{end}"
+        raise TraceError(f"{source}: nothing to replay ({why})")
+    return schedule
 
 
 def describe_run(cfg: ReplayConfig, prep: Prepared, model: str) -> dict[str, Any]:
@@ -141,6 +160,10 @@ def describe_run(cfg: ReplayConfig, prep: Prepared, model: str) -> dict[str, Any
 async def replay(cfg: ReplayConfig, records: Sequence[TraceRequest] | None = None
                  ) -> ReplayResult:
     """Run one replay; ``records`` replaces reading ``cfg.trace.path`` when given."""
+    if cfg.output.directory:
+        from loadgen.report import prepare_output_dir
+
+        prepare_output_dir(Path(cfg.output.directory))
     async with make_session(cfg.client) as session:
         model, tokenizer = await resolve_target(session, cfg)
         prep = await asyncio.to_thread(prepare, cfg, model, tokenizer, records)

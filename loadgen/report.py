@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
+
+from loadgen.errors import LoadgenConfigError
 
 if TYPE_CHECKING:
     from loadgen.replay import ReplayResult
@@ -23,19 +28,48 @@ def ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.1f}"
 
 
+def prepare_output_dir(directory: Path) -> None:
+    """Create ``directory`` (checked before a run, so a bad --output loses no results)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LoadgenConfigError(f"--output {directory}: cannot create the directory "
+                                 f"({e.strerror or e})") from e
+    if not os.access(directory, os.W_OK):
+        raise LoadgenConfigError(f"--output {directory}: the directory is not writable")
+
+
+@contextlib.contextmanager
+def atomic_writer(path: Path) -> Iterator[IO[bytes]]:
+    """A binary file that replaces ``path`` only once it is complete.
+
+    NOTE: a run killed or failing while writing leaves the previous file (or
+    none), never a half-written JSON/JSONL.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            yield f
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_outputs(directory: Path, result: ReplayResult, plots: bool = True) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    with (directory / REQUESTS_FILE).open("wb") as f:
+    prepare_output_dir(directory)
+    with atomic_writer(directory / REQUESTS_FILE) as f:
         for r in result.results:
             f.write(orjson.dumps(r.to_json()) + b"\n")
-    (directory / SUMMARY_FILE).write_bytes(
-        orjson.dumps(result.summary, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+    with atomic_writer(directory / SUMMARY_FILE) as f:
+        f.write(orjson.dumps(result.summary,
+                             option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
     images: list[str] = []
     if plots:
         from loadgen.plots import write_plots
 
         images = write_plots(directory, result.results, result.summary)
-    (directory / REPORT_FILE).write_text(markdown(result.summary, images))
+    with atomic_writer(directory / REPORT_FILE) as f:
+        f.write(markdown(result.summary, images).encode())
     logger.info("wrote %s", directory)
 
 

@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 BAD_LINE_POLICIES = ("skip", "fatal")
 MAX_LOGGED_BAD_LINES = 20  # log the first few individually, then only count
+# NOTE: beyond any model's context (the longest are ~10M tokens); a larger length is a
+# corrupt field, and synthesising a prompt that long would never finish.
+MAX_TOKENS = 1 << 24
 
 
 @dataclass
@@ -63,8 +66,14 @@ class TraceReader(Protocol):
 
 
 def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(1-based line number, stripped line) for every non-blank line."""
-    with path.open(encoding="utf-8", errors="replace") as f:
+    """(1-based line number, stripped line) for every non-blank line.
+
+    A leading UTF-8 byte-order mark is dropped. Bytes that are not UTF-8 are
+    kept as lone surrogates (``surrogateescape``), which the JSON parser
+    rejects, so such a line is reported as bad instead of having its text
+    silently altered.
+    """
+    with path.open(encoding="utf-8-sig", errors="surrogateescape") as f:
         for number, raw in enumerate(f, start=1):
             line = raw.strip()
             if line:
@@ -78,19 +87,25 @@ def first_line(path: Path) -> str:
 
 
 def non_negative_int(value: object, key: str) -> int:
-    """An int >= 0 from a JSON/CSV value, or ValueError naming the key."""
-    if isinstance(value, bool):
+    """A token count (int in 0..MAX_TOKENS) from a JSON/CSV value, or ValueError naming the key."""
+    number = value
+    if isinstance(number, float) and number.is_integer():
+        number = int(number)
+    if isinstance(number, str):
+        try:
+            number = int(number.strip())
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, int) or number < 0:
         raise ValueError(f"{key}: expected a non-negative integer, got {value!r}")
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, str):
-        value = int(value.strip())
-    if not isinstance(value, int) or value < 0:
-        raise ValueError(f"{key}: expected a non-negative integer, got {value!r}")
-    return value
+    if number > MAX_TOKENS:
+        raise ValueError(f"{key}: {number} tokens is beyond {MAX_TOKENS}; a corrupt value?")
+    return number
 
 
 def finite_float(value: object, key: str) -> float:
+    if isinstance(value, bool):  # float(True) is 1.0: a flag is not a time
+        raise ValueError(f"{key}: expected a number, got {value!r}")
     try:
         number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):

@@ -6,6 +6,7 @@ import csv
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from loadgen.errors import TraceLineError
 from loadgen.readers.base import BadLines, finite_float, non_negative_int
@@ -27,14 +28,21 @@ def parse_azure_timestamp(text: str) -> float:
 
 def _csv_rows(path: Path, bad: BadLines, required: tuple[str, ...]
               ) -> Iterator[tuple[int, dict[str, str]]]:
-    """(line number, row) for every data row; a header without ``required`` is fatal."""
-    with path.open(encoding="utf-8", errors="replace", newline="") as f:
+    """(line number, row) for every data row; a header without ``required`` is fatal.
+
+    So is a row the ``csv`` module cannot parse (a stray quote that runs past the
+    field size limit): it cannot resynchronise, so nothing after it can be trusted.
+    """
+    # NOTE: utf-8-sig: spreadsheet exports start with a byte-order mark, which would
+    # otherwise become part of the first column's name.
+    with path.open(encoding="utf-8-sig", errors="replace", newline="") as f:
         reader = csv.reader(f)
-        header = [h.strip() for h in next(reader, [])]
+        rows = _parsed(reader, path)
+        header = [h.strip() for h in next(rows, [])]
         missing = [name for name in required if name not in header]
         if missing:
             raise TraceLineError(str(path), 1, f"CSV header lacks columns {missing}")
-        for row in reader:
+        for row in rows:
             if not row or all(not cell.strip() for cell in row):
                 continue
             if len(row) != len(header):
@@ -42,6 +50,20 @@ def _csv_rows(path: Path, bad: BadLines, required: tuple[str, ...]
                                           f"expected {len(header)} columns, got {len(row)}"))
                 continue
             yield reader.line_num, dict(zip(header, row, strict=True))
+
+
+def _parsed(reader: Any, path: Path) -> Iterator[list[str]]:
+    """``reader``'s rows, with a ``csv.Error`` turned into a line error for ``path``."""
+    while True:
+        start = reader.line_num + 1  # the row being read starts on the next line
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            raise TraceLineError(str(path), start, f"CSV row starting here cannot be parsed "
+                                 f"({e}); a stray quote?") from e
+        yield row
 
 
 class AzureCsvReader:

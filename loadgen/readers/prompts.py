@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from loadgen.errors import TraceLineError
-from loadgen.readers.base import BadLines
+from loadgen.readers.base import BadLines, finite_float
 from loadgen.readers.json_traces import (
     json_objects,
     messages_of,
@@ -50,7 +50,7 @@ class SpecBenchReader:
             if not (isinstance(turns, list) and turns and isinstance(turns[0], str)):
                 bad.reject(TraceLineError(str(path), line, "turns: expected a list of strings"))
                 continue
-            if category not in SPEC_BENCH_DOMAINS:
+            if not isinstance(category, str) or category not in SPEC_BENCH_DOMAINS:
                 bad.reject(TraceLineError(str(path), line, f"unknown category {category!r}"))
                 continue
             yield TraceRequest(line=line, messages=user_turn(turns[0]),
@@ -140,7 +140,7 @@ class JsonlPromptsReader:
         domain = obj.get("domain")
         return TraceRequest(
             line=line,
-            timestamp_s=float(timestamp) if isinstance(timestamp, int | float) else None,
+            timestamp_s=None if timestamp is None else finite_float(timestamp, "timestamp"),
             prompt=prompt if messages is None else None,
             messages=None if messages is None else messages_of(messages, "messages"),
             reference_output=reference if isinstance(reference, str) else None,

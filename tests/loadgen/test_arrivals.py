@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
 from loadgen.arrivals import arrivals, rate_offsets
-from loadgen.config import ArrivalConfig
+from loadgen.config import ArrivalConfig, ClientConfig, LengthConfig
 from loadgen.errors import LoadgenConfigError, TraceError
 from loadgen.request import TraceRequest
 
@@ -75,3 +77,18 @@ def test_bad_arrival_configs() -> None:
         ArrivalConfig(time_scale=0)
     with pytest.raises(LoadgenConfigError, match="window end"):
         ArrivalConfig(window_start_s=5, window_end_s=2)
+
+
+@pytest.mark.parametrize(("make", "key"), [
+    (lambda: ArrivalConfig(time_scale=float("inf")), "time_scale"),  # was: NaN first arrival, a hang
+    (lambda: ArrivalConfig(mode="gamma", rate=5.0, burstiness=float("inf")), "burstiness"),
+    (lambda: ArrivalConfig(mode="poisson", rate=float("inf")), "rate"),
+    (lambda: ArrivalConfig(duration_s=float("inf")), "duration_s"),
+    (lambda: ArrivalConfig(window_start_s=float("nan")), "window start"),
+    (lambda: ArrivalConfig(window_end_s=float("inf")), "window end"),
+    (lambda: LengthConfig(prompt_scale=float("inf")), "prompt_scale"),
+    (lambda: ClientConfig("http://h:1", timeout_s=float("inf")), "timeout_s"),
+])
+def test_non_finite_values_are_rejected(make: Any, key: str) -> None:
+    with pytest.raises(LoadgenConfigError, match=f"^{key}: expected .*finite"):
+        make()

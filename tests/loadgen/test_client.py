@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -164,3 +165,75 @@ def test_parser_reports_error_events_and_garbage() -> None:
     q = StreamParser()
     q.feed(b"data: {not json\n\n", 1.0)
     assert q.error is not None and q.error.startswith("unparseable")
+
+
+class FakeBrokenTarget:
+    """FAKE: a server that answers 200 with well-formed SSE of the wrong shapes.
+
+    No real server here sends these; a buggy or foreign one might. Each request
+    gets the body named by its prompt.
+    """
+
+    BODIES = {
+        "usage-list": b'data: {"choices":[{"text":"a"}]}\n\ndata: {"usage":[1,2]}\n\n'
+                      b"data: [DONE]\n\n",
+        "usage-str": b'data: {"choices":[{"text":"a"}]}\n\ndata: {"choices":[{"text":"b"}]}\n\n'
+                     b'data: {"choices":[],"usage":{"completion_tokens":"2"}}\n\ndata: [DONE]\n\n',
+        "choices-dict": b'data: {"choices":{"text":"a"}}\n\ndata: [DONE]\n\n',
+        "delta-str": b'data: {"choices":[{"delta":"abc"}]}\n\ndata: [DONE]\n\n',
+        "choice-null": b'data: {"choices":[null]}\n\ndata: [DONE]\n\n',
+        "text-int": b'data: {"choices":[{"text":5}]}\n\ndata: [DONE]\n\n',
+    }
+
+    async def start(self) -> str:
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+    async def close(self) -> None:
+        await self._runner.cleanup()
+
+    async def _generate(self, request: Any) -> Any:
+        from aiohttp import web
+
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(self.BODIES[body["prompt"]])
+        await resp.write_eof()
+        return resp
+
+
+async def test_wrong_shaped_events_fail_their_request_not_the_run(tmp_path: Path) -> None:
+    from engine.config import TINY_TARGET
+    from loadgen import ArrivalConfig, OutputConfig, ReplayConfig, TraceConfig, replay
+    from loadgen.request import TraceRequest
+
+    target = FakeBrokenTarget()
+    url = await target.start()
+    names = list(FakeBrokenTarget.BODIES)
+    records = [TraceRequest(line=i + 1, prompt=name, output_tokens=2)
+               for i, name in enumerate(names)]
+    cfg = ReplayConfig(trace=TraceConfig("records"), client=ClientConfig(url, model="m"),
+                       arrivals=ArrivalConfig(mode="concurrency", concurrency=2),
+                       output=OutputConfig(str(tmp_path), plots=False, quiet=True),
+                       tokenizer=str(TINY_TARGET))
+    try:
+        result = await replay(cfg, records)  # was: AttributeError/KeyError ended the run
+    finally:
+        await target.close()
+    by_name = {names[r.line - 1]: r for r in result.results}
+    assert len(by_name) == len(names) == result.summary["num_requests"]
+    # a usage of the wrong shape is ignored: tokens are counted from the chunks
+    assert by_name["usage-list"].ok and by_name["usage-list"].completion_tokens == 1
+    assert by_name["usage-str"].ok and by_name["usage-str"].completion_tokens == 2
+    for name in ("choices-dict", "delta-str", "choice-null", "text-int"):
+        assert not by_name[name].ok and by_name[name].error == "stream carried no tokens"
+    lines = (tmp_path / "requests.jsonl").read_bytes().splitlines()
+    assert len(lines) == len(names) and all(orjson.loads(x)["index"] >= 0 for x in lines)

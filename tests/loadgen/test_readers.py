@@ -144,3 +144,76 @@ def test_unknown_format_and_missing_file(tmp_path: Path) -> None:
         read_trace(tmp_path / "nope.jsonl")
     with pytest.raises(TraceFormatError):
         read_trace(_write(tmp_path, "y.jsonl", "{}\n"), "parquet")
+
+
+AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+
+
+def test_specbench_category_of_the_wrong_type_is_a_bad_line(tmp_path: Path) -> None:
+    path = _write(tmp_path, "q.jsonl", '{"turns": ["a"], "category": "qa"}\n'
+                  '{"turns": ["b"], "category": ["qa"]}\n'
+                  '{"turns": ["c"], "category": {"x": 1}}\n')
+    bad = BadLines()
+    assert [r.line for r in read_trace(path, "specbench", bad)] == [1]
+    assert [e.split(":")[1] for e in bad.first] == ["2", "3"]
+
+
+def test_csv_byte_order_mark_is_not_part_of_the_header(tmp_path: Path) -> None:
+    path = tmp_path / "bom.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + (AZURE_HEADER + "2023-11-16 18:17:03,5,3\n").encode())
+    assert detect_format(path) == "azure"
+    (r,) = read_trace(path, "auto", BadLines("fatal"))
+    assert (r.line, r.prompt_tokens, r.output_tokens) == (2, 5, 3)
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes(b'\xef\xbb\xbf{"timestamp": 0, "input_length": 10, "output_length": 2}\n')
+    assert detect_format(jsonl) == "mooncake"
+    assert [r.line for r in read_trace(jsonl, "auto", BadLines("fatal"))] == [1]
+
+
+def test_csv_stray_quote_is_a_line_error_at_its_row(tmp_path: Path) -> None:
+    # the quote opens a field that swallows the rest of the file, past csv's field limit
+    path = _write(tmp_path, "q.csv", AZURE_HEADER + "2023-11-16 18:17:03,5,3\n"
+                  '"2023-11-16 18:17:04,5,3\n' + "2023-11-16 18:17:05,5,3\n" * 8000)
+    with pytest.raises(TraceLineError) as err:
+        list(read_trace(path, "azure", BadLines("skip")))
+    assert err.value.line == 3 and str(err.value).startswith(f"{path}:3: CSV row")
+
+
+def test_huge_and_non_numeric_lengths_are_bad_lines_naming_the_field(tmp_path: Path) -> None:
+    csv_path = _write(tmp_path, "a.csv", AZURE_HEADER + "2023-11-16 18:17:03,5,3\n"
+                      "2023-11-16 18:17:04,99999999999999999999999,3\n"
+                      "2023-11-16 18:17:05,12.5,3\n")
+    bad = BadLines()
+    assert [r.line for r in read_trace(csv_path, "azure", bad)] == [2]
+    assert bad.first[0].endswith(":3: ContextTokens: 99999999999999999999999 tokens is beyond "
+                                 "16777216; a corrupt value?")
+    assert bad.first[1].endswith(":4: ContextTokens: expected a non-negative integer, got '12.5'")
+    mc = _write(tmp_path, "m.jsonl", '{"timestamp": 0, "input_length": 1e23, "output_length": 2}\n'
+                '{"timestamp": 1, "input_length": 10, "output_length": 2}\n')
+    bad = BadLines()
+    assert [r.line for r in read_trace(mc, "mooncake", bad)] == [2]
+    assert "input_length" in bad.first[0] and "beyond" in bad.first[0]
+
+
+def test_non_utf8_json_line_is_bad_not_silently_altered(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "fine", "timestamp": 1}\n'
+                     b'{"prompt": "caf\xe9 latte", "timestamp": 2}\n')
+    bad = BadLines()
+    records = list(read_trace(path, "prompts", bad))
+    assert [(r.line, r.prompt) for r in records] == [(1, "fine")]
+    assert bad.num_bad == 1 and ":2: not JSON" in bad.first[0] and "UTF-8" in bad.first[0]
+
+
+def test_timestamps_that_are_not_numbers_are_bad_lines(tmp_path: Path) -> None:
+    mc = _write(tmp_path, "m.jsonl", '{"timestamp": true, "input_length": 10, "output_length": 2}\n'
+                '{"timestamp": 5, "input_length": 10, "output_length": 2}\n')
+    bad = BadLines()
+    assert [r.line for r in read_trace(mc, "mooncake", bad)] == [2]
+    assert bad.first[0].endswith(":1: timestamp: expected a number, got True")
+    prompts = _write(tmp_path, "p.jsonl", '{"prompt": "a", "timestamp": 1.5}\n'
+                     '{"prompt": "b", "timestamp": "noon"}\n{"prompt": "c"}\n')
+    bad = BadLines()
+    got = [(r.line, r.timestamp_s) for r in read_trace(prompts, "prompts", bad)]
+    assert got == [(1, 1.5), (3, None)]  # was: line 2 kept with its timestamp dropped
+    assert bad.first[0].endswith(":2: timestamp: expected a number, got 'noon'")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import sys
@@ -25,6 +26,7 @@ from loadgen import (
 )
 from loadgen.cli import build_config, register
 from loadgen.compare import compare_files
+from loadgen.errors import LoadgenConfigError
 from tests.loadgen.conftest import REPO, SHARED_DATA
 from tests.loadgen.upstream import Script, ScriptedUpstream
 
@@ -159,6 +161,11 @@ def test_cli_builds_the_config() -> None:
     assert cfg.arrivals.mode == "poisson" and cfg.sweep_rates == (1.0, 2.0)
     assert (cfg.arrivals.window_start_s, cfg.arrivals.window_end_s) == (10.0, 70.0)
     assert cfg.lengths.prompt_scale == 0.1 and cfg.slo == SloConfig(1.0, None, None)
+    # two sweep rates that would share one rate-R/ results folder
+    args = parser.parse_args(["loadgen", "--trace", "t.csv", "--target", "http://h:1",
+                              "--rate-sweep", "2,2.0000001"])
+    with pytest.raises(LoadgenConfigError, match="sweep_rates: expected distinct rates"):
+        build_config(args)
     args = parser.parse_args(["loadgen", "compare", "a.json", "b.json"])
     assert args.action == "compare" and args.summaries == ["a.json", "b.json"]
 
@@ -194,3 +201,114 @@ async def test_tokenizer_from_the_targets_model_root(upstream: ScriptedUpstream,
     upstream.model_root = str(tmp_path / "not-here")
     missing = (await replay(base)).summary["prompts"]
     assert not missing["exact"] and missing["tokenizer"].startswith("estimate")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="polyinfer")
+    register(parser.add_subparsers())
+    return parser
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--time-scale", "inf"], "argument --time-scale: expected a finite number, got 'inf'"),
+    (["--time-scale", "0"], "argument --time-scale: expected a positive number, got '0'"),
+    (["--rate", "-2"], "argument --rate: expected a positive number, got '-2'"),
+    (["--rate", "0"], "argument --rate: expected a positive number, got '0'"),
+    (["--concurrency", "0"], "argument --concurrency: expected an integer >= 1, got '0'"),
+    (["--duration", "inf"], "argument --duration: expected a finite number, got 'inf'"),
+    (["--prompt-scale", "inf"], "argument --prompt-scale: expected a finite number"),
+    (["--timeout", "nan"], "argument --timeout: expected a finite number, got 'nan'"),
+    (["--max-requests", "1.5"], "argument --max-requests: expected an integer, got '1.5'"),
+    (["--window", "5:2"], "argument --window: expected START:END seconds"),
+    (["--rate-sweep", "1,-2"], "argument --rate-sweep: expected a positive number, got '-2'"),
+])
+def test_cli_bad_values_are_argparse_errors_naming_the_flag(
+        flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(["loadgen", "--trace", "t.jsonl", "--target", "http://h:1",
+                              *flags])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--arrival", "trace", "--rate", "5"], "--rate does not apply to --arrival trace"),
+    (["--concurrency", "4", "--rate", "5"], "--rate does not apply to --arrival concurrency"),
+    (["--arrival", "poisson", "--rate", "5", "--burstiness", "0.5"],
+     "--burstiness does not apply to --arrival poisson"),
+    (["--arrival", "trace", "--concurrency", "2"],
+     "--concurrency does not apply to --arrival trace"),
+])
+def test_cli_flags_the_arrival_mode_ignores_are_errors(flags: list[str], message: str) -> None:
+
+    args = _parser().parse_args(["loadgen", "--trace", "t.jsonl", "--format", "mooncake",
+                                 "--target", "http://h:1", *flags])
+    with pytest.raises(LoadgenConfigError, match=message):
+        build_config(args)
+
+
+def test_cli_trace_only_flags_in_a_rate_mode_are_named(caplog: pytest.LogCaptureFixture
+                                                        ) -> None:
+    args = _parser().parse_args(["loadgen", "--trace", "t.jsonl", "--format", "mooncake",
+                                 "--target", "http://h:1", "--rate", "5", "--time-scale", "0.5"])
+    assert build_config(args).arrivals.mode == "poisson"
+    assert "--time-scale is ignored: it applies to --arrival trace, not poisson" in caplog.text
+
+
+def test_cli_rate_with_burstiness_defaults_to_gamma() -> None:
+    args = _parser().parse_args(["loadgen", "--trace", "t.jsonl", "--format", "prompts",
+                                 "--target", "http://h:1", "--rate", "5", "--burstiness", "0.5"])
+    cfg = build_config(args)
+    assert (cfg.arrivals.mode, cfg.arrivals.rate, cfg.arrivals.burstiness) == ("gamma", 5.0, 0.5)
+
+
+async def test_nothing_to_replay_is_an_error_naming_the_file(upstream: ScriptedUpstream,
+                                                             tmp_path: Path) -> None:
+    from loadgen.errors import TraceError
+
+    header_only = tmp_path / "h.csv"
+    header_only.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    with pytest.raises(TraceError, match=rf"^{header_only}: nothing to replay \(0 records read, "
+                                         r"0 bad lines skipped\)"):
+        await replay(_cfg(upstream.url, header_only))
+    outside = _cfg(upstream.url, _mooncake(tmp_path),
+                   arrivals=ArrivalConfig(mode="trace", window_start_s=100.0))
+    with pytest.raises(TraceError, match=r"nothing to replay \(5 records read, 0 bad lines "
+                                         r"skipped, none inside --window 100:\)"):
+        await replay(outside)
+    assert upstream.received == []  # was: a silent "0/0 ok" run
+
+
+async def test_missing_timestamp_error_names_the_file(upstream: ScriptedUpstream,
+                                                      tmp_path: Path) -> None:
+    from loadgen.errors import TraceError
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "timestamp": 1}\n{"prompt": "b"}\n')
+    cfg = _cfg(upstream.url, path)  # detected as prompts; --arrival trace needs stamps
+    with pytest.raises(TraceError, match=rf"^{path}: line 2 has no timestamp"):
+        await replay(cfg)
+
+
+async def test_unusable_output_dir_fails_before_the_run(upstream: ScriptedUpstream,
+                                                        tmp_path: Path) -> None:
+
+    not_a_dir = tmp_path / "taken"
+    not_a_dir.write_text("a file")
+    cfg = _cfg(upstream.url, _mooncake(tmp_path), output=OutputConfig(str(not_a_dir), quiet=True))
+    with pytest.raises(LoadgenConfigError, match=rf"^--output {not_a_dir}: cannot create"):
+        await replay(cfg)
+    assert upstream.received == []  # was: FileExistsError after the run, its results lost
+
+
+def test_result_files_are_replaced_whole_or_not_at_all(tmp_path: Path) -> None:
+    from loadgen.report import atomic_writer
+
+    path = tmp_path / "requests.jsonl"
+    path.write_bytes(b'{"index": 0}\n')
+    with pytest.raises(RuntimeError), atomic_writer(path) as f:
+        f.write(b'{"index": 0}\n{"ind')
+        raise RuntimeError("killed mid-write")
+    assert path.read_bytes() == b'{"index": 0}\n' and list(tmp_path.iterdir()) == [path]
+    with atomic_writer(path) as f:
+        f.write(b'{"index": 1}\n')
+    assert path.read_bytes() == b'{"index": 1}\n' and list(tmp_path.iterdir()) == [path]
