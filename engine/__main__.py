@@ -12,7 +12,8 @@ from engine.cli import add_arguments, run
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
     add_arguments(parser)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -24,10 +24,11 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.config import CompiledConfig
 from engine.core import EngineCore, RequestOutput, StepStats
+from engine.errors import RequestError
 from engine.metrics import EngineMetrics
 from engine.sequence import GenerationParams
 from engine.tokenizer import TextTokenizer
@@ -72,11 +73,28 @@ Command = Add | Abort | Reload | ResetPrefixCache
 # loop's sending of the outputs the last step just posted.
 IDLE_WORK_AFTER_S = 0.002
 Post = Callable[[list[RequestOutput], StepStats | None], None]
+T = TypeVar("T")
 
 
-def aborted_output(request_id: str) -> RequestOutput:
-    """The output that fails a request (finish_reason "abort")."""
-    return RequestOutput(request_id, "", [], True, "abort", None, 0, 0, 0, 0)
+def aborted_output(request_id: str, error: RequestError | None = None) -> RequestOutput:
+    """The output that fails a request (finish_reason "abort"); ``error`` when the request
+    itself was refused (the server answers it, instead of a 500)."""
+    return RequestOutput(request_id, "", [], True, "abort", None, 0, 0, 0, 0, error=error)
+
+
+def _settle(done: concurrent.futures.Future[T], work: Callable[[], T]) -> None:
+    """Run ``work`` for a waiting caller and settle ``done`` with its result or error.
+
+    NOTE: a caller that gives up (a cancelled ``asyncio.wrap_future``, e.g. an HTTP client
+    that disconnected) cancels ``done``; the work is then skipped. Setting a result on a
+    cancelled future raises, which used to kill the step thread (every request then hung).
+    """
+    if not done.set_running_or_notify_cancel():
+        return
+    try:
+        done.set_result(work())
+    except Exception as e:  # never leave the caller waiting
+        done.set_exception(e)
 
 
 class StepLoop:
@@ -126,22 +144,19 @@ class StepLoop:
         if isinstance(cmd, Add):
             try:
                 self.core.add_request(cmd.request_id, cmd.prompt_ids, cmd.params)
+            except RequestError as e:  # e.g. too long for a config reloaded since parsing
+                logger.info("refused request %s: %s", cmd.request_id, e)
+                self.post([aborted_output(cmd.request_id, e)], None)
             except Exception:
                 logger.exception("cannot add request %s", cmd.request_id)
                 self.post([aborted_output(cmd.request_id)], None)
         elif isinstance(cmd, Abort):
             self.core.abort(cmd.request_id)
         elif isinstance(cmd, ResetPrefixCache):
-            try:
-                cmd.done.set_result(self.core.reset_prefix_cache())
-            except Exception as e:  # never leave the caller waiting
-                cmd.done.set_exception(e)
+            _settle(cmd.done, self.core.reset_prefix_cache)
         else:
             self._release_held()
-            try:
-                cmd.done.set_result(self.core.reload(cmd.config))
-            except Exception as e:
-                cmd.done.set_exception(e)
+            _settle(cmd.done, lambda: self.core.reload(cmd.config))
             self.post([], self._gauges(StepStats()))
 
     def _step(self) -> None:
@@ -365,6 +380,8 @@ class AsyncEngine:
             while not finished:
                 out = await stream.queue.get()
                 finished = out.finished
+                if out.error is not None:
+                    raise out.error
                 yield out
         finally:
             self._router.close(request_id)
@@ -396,6 +413,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.core.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.vocab_size
 
     def _post(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
         assert self._loop is not None

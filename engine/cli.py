@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 from engine.config import CompiledConfig, ConfigError
+from engine.errors import EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -17,8 +18,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="checkpoint directory (overrides the config's model)")
     parser.add_argument("--config", help="compiled config, YAML or JSON")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--port", type=_port, default=8100)
     parser.add_argument("--served-model-name", default="", help="name clients use")
+
+
+def _port(text: str) -> int:
+    """A TCP port, 1..65535 (argparse names the flag when this raises)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {port}")
+    return port
 
 
 def build_config(args: argparse.Namespace) -> CompiledConfig:
@@ -49,6 +61,12 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(_serve(config, args.host, args.port))
     except KeyboardInterrupt:
         pass
+    except EngineError as e:  # the model or a config value cannot be served; names which
+        logger.error("cannot start the engine: %s", e)
+        return 2
+    except OSError as e:  # e.g. --host/--port cannot be bound
+        logger.error("cannot serve on %s:%d: %s", args.host, args.port, e)
+        return 1
     return 0
 
 

@@ -22,7 +22,14 @@ from engine.checkpoint import ModelSpec, load_weights
 from engine.config import CompiledConfig, EngineConfig, restart_fields_changed
 from engine.cuda_graph import CudaGraphDecoder
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import ContextLengthError, ReloadError
+from engine.errors import (
+    ContextLengthError,
+    EngineError,
+    InvalidRequestError,
+    ReloadError,
+    RequestError,
+    UnsupportedConfigError,
+)
 from engine.kv_cache import BlockAllocator
 from engine.model import LlamaModel
 from engine.pacing import step_terms
@@ -52,6 +59,7 @@ class RequestOutput:
     num_draft_tokens: int  # totals for the request so far
     num_accepted_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: RequestError | None = None  # why the engine refused the request (finish "abort")
 
 
 @dataclass
@@ -99,7 +107,12 @@ class EngineCore:
                                 max_positions=self.max_model_len + cfg.spec_max_depth + 1,
                                 execution=cfg.execution, attention=cfg.attention,
                                 share=getattr(self, "model", None))
-        kv = self.model.new_kv_cache(cfg.num_kv_blocks, cfg.block_size)
+        try:
+            kv = self.model.new_kv_cache(cfg.num_kv_blocks, cfg.block_size)
+        except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeError
+            raise UnsupportedConfigError(
+                f"engine.kv_cache_tokens: cannot allocate a KV cache of {cfg.kv_cache_tokens} "
+                f"tokens on {cfg.device!r} ({e})") from e
         self.allocator = BlockAllocator(cfg.num_kv_blocks)
         self.scheduler = Scheduler(cfg, self.allocator)
         graphs = None
@@ -151,10 +164,15 @@ class EngineCore:
         self.runner.lanes.close()  # the rebuilt runner gets its own lanes on the next step
         try:
             self._build(config.engine)
-        except Exception:
+        except Exception as e:
             self.config = old
             self._build(old.engine)
-            raise
+            if isinstance(e, EngineError):
+                raise
+            # NOTE: any failure to build the new config is the config's (the old one is
+            # serving again): an error the server answers with 400, not a 500
+            raise ReloadError(f"cannot apply this config ({type(e).__name__}: {e}); "
+                              "the previous config keeps serving") from e
         finally:
             self._requeue(seqs)
         return time.perf_counter() - t0
@@ -179,9 +197,18 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_ids: list[int],
                     params: GenerationParams) -> None:
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            # The parser checks this first; a sequence that can never fit would stall the queue.
-            raise ContextLengthError(f"prompt ({len(prompt_ids)}) + max_tokens "
-                                     f"({params.max_tokens}) exceeds {self.max_model_len}")
+            # The parser checks this first (against the config live when it parsed, which a
+            # reload may since have replaced); a sequence that can never fit would stall the
+            # queue.
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens; you "
+                f"requested {len(prompt_ids) + params.max_tokens} tokens "
+                f"({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion).",
+                "prompt")
+        if prompt_ids and not 0 <= min(prompt_ids) <= max(prompt_ids) < self.vocab_size:
+            # NOTE: an id past the embedding would fail the whole step, every request in it
+            raise InvalidRequestError(f"'prompt' has token ids outside [0, {self.vocab_size})",
+                                      "prompt")
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), len(prompt_ids),
                        params, time.monotonic())
         self.requests[request_id] = seq
@@ -391,6 +418,11 @@ class EngineCore:
                              seq.num_accepted_tokens, seq.num_cached_tokens or 0)
 
     # -- introspection ----------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: those both the tokenizer and the model's embedding know."""
+        return min(self.tokenizer.vocab_size, self.spec.vocab_size)
 
     @property
     def num_running(self) -> int:

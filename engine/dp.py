@@ -72,7 +72,9 @@ class DataParallelEngine:
     def __init__(self, config: CompiledConfig, metrics: EngineMetrics) -> None:
         assert config.engine.data_parallel_size >= 1
         self.metrics = metrics
-        self.tokenizer = TextTokenizer(config.model, read_spec(config.model).eos_token_ids)
+        spec = read_spec(config.model)
+        self.tokenizer = TextTokenizer(config.model, spec.eos_token_ids)
+        self.vocab_size = min(self.tokenizer.vocab_size, spec.vocab_size)  # as EngineCore's
         self._config = config
         self._router = OutputRouter(metrics)
         self._cores: list[_Core] = []
@@ -138,6 +140,8 @@ class DataParallelEngine:
                 finished = out.finished
                 if finished and out.finish_reason == "abort" and not core.alive:
                     raise EngineUnavailableError(f"{core.name} died while running this request")
+                if out.error is not None:  # the core refused it (engine.async_engine.StepLoop)
+                    raise out.error
                 yield out
         finally:
             self._router.close(request_id)

@@ -129,11 +129,12 @@ class RequestParser:
     """Turns bodies into :class:`ParsedRequest`; holds what it needs from the live config."""
 
     def __init__(self, config: CompiledConfig, tokenizer: TextTokenizer,
-                 max_model_len: int) -> None:
+                 max_model_len: int, vocab_size: int | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.vocab = tokenizer.vocab_size
+        # token ids the model can embed: a checkpoint's tokenizer may know more than its model
+        self.vocab = min(tokenizer.vocab_size, vocab_size or tokenizer.vocab_size)
 
     def parse(self, body: Any, chat: bool) -> ParsedRequest:
         if not isinstance(body, dict):
@@ -143,6 +144,10 @@ class RequestParser:
             raise ModelNotFoundError(model, self.config.model_name)
         _check_unsupported(body)
         prompt_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
+        if max(prompt_ids, default=0) >= self.vocab:  # text the tokenizer made past the model
+            raise InvalidRequestError(f"the prompt has token ids outside the model's "
+                                      f"vocabulary [0, {self.vocab})",
+                                      "messages" if chat else "prompt")
         stream, include_usage = _stream_flags(body)
         params = self._params(body, chat, len(prompt_ids))
         return ParsedRequest(chat, prompt_ids, params, stream, include_usage)

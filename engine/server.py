@@ -92,7 +92,7 @@ async def _parse(state: EngineState, request: web.Request, chat: bool) -> Parsed
 
 
 def _parser(engine: AsyncEngine | DataParallelEngine, config: CompiledConfig) -> RequestParser:
-    return RequestParser(config, engine.tokenizer, engine.max_model_len)
+    return RequestParser(config, engine.tokenizer, engine.max_model_len, engine.vocab_size)
 
 
 # -- generation ---------------------------------------------------------------------------
@@ -213,17 +213,25 @@ async def handle_reload(request: web.Request) -> web.Response:
         config = CompiledConfig.from_dict(body)
         if config.backend != "engine":
             raise ReloadError(f"backend must be 'engine', got {config.backend!r}")
-        seconds = await state.engine.reload(config)
+        # NOTE: shielded, so a client that disconnects mid-reload (the handler is cancelled)
+        # cannot leave the engine on the new config and the parser on the old one
+        seconds = await asyncio.shield(_reload(state, config))
     except RequestError as e:
         return _error(e)
     except (ConfigError, EngineError) as e:
         return _error(InvalidRequestError(str(e), code="invalid_config"))
-    state.parser = _parser(state.engine, config)
-    logger.info("reloaded config in %.3f s", seconds)
     body = {"status": "ok", "reload_s": seconds, "config": config.to_dict()}
     if isinstance(state.engine, DataParallelEngine):
         body["reload_s_per_core"] = state.engine.last_reload_s
     return _json(body)
+
+
+async def _reload(state: EngineState, config: CompiledConfig) -> float:
+    """Apply ``config`` to the engine, then parse new requests under it."""
+    seconds = await state.engine.reload(config)
+    state.parser = _parser(state.engine, config)
+    logger.info("reloaded config in %.3f s", seconds)
+    return seconds
 
 
 async def handle_reset_prefix_cache(request: web.Request) -> web.Response:
