@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,16 @@ class EngineProcess:
         self.log.close()
 
 
+def serving(config: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    """A module fixture's engine: ``config`` served until the module's tests are done."""
+    proc = EngineProcess(config, tmp_path_factory.mktemp("engine"))
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
 @pytest.fixture(scope="module")
 def engine_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """One engine per test module: ngram speculation available, small but real limits."""
@@ -98,9 +109,4 @@ def engine_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
               "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 256,
                          "kv_cache_tokens": 8192, "max_model_len": 2048,
                          "spec_method": "ngram", "spec_max_depth": 4}}
-    proc = EngineProcess(config, tmp_path_factory.mktemp("engine"))
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    yield from serving(config, tmp_path_factory)

@@ -21,7 +21,7 @@ from engine.metrics import EngineMetrics
 from engine.protocol import RequestParser
 from engine.sequence import GenerationParams
 from specdec.sampling import SamplingParams
-from tests.engine.conftest import EngineProcess, save_random_checkpoint
+from tests.engine.conftest import EngineProcess, save_random_checkpoint, serving
 
 pytestmark = pytest.mark.timeout(300)
 WAIT_S = 60.0  # a hung engine fails the test instead of the whole run
@@ -79,12 +79,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     config = {"backend": "engine", "model": str(tiny_model_dir), "served_model_name": "tiny",
               "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 128,
                          "kv_cache_tokens": 4096, "max_model_len": 1024}}
-    proc = EngineProcess(config, tmp_path_factory.mktemp("engine"))
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    yield from serving(config, tmp_path_factory)
 
 
 def _post_and_hang_up(server: EngineProcess, path: str, body: dict) -> None:
