@@ -466,8 +466,9 @@ class Relay:
                              f"not SSE events")
         await ex.start_stream({**_SSE_HEADERS, **proxy_headers(rec)})
         try:
-            await self._pump(content, first, ex, rec, strip_usage)
-            worker.breaker.record_success()
+            last = await self._pump(content, first, ex, rec, strip_usage)
+            if last is None or not await self._unfinished(ex, rec, worker, last):
+                worker.breaker.record_success()
         except _ClientGone:
             rec.status, rec.error = STATUS_CANCELLED, "client_disconnected"
             return
@@ -499,9 +500,41 @@ class Relay:
         except ConnectionError:
             pass
 
+    async def _unfinished(self, ex: ClientExchange, rec: RequestRecord, worker: Worker,
+                          last: bytes) -> bool:
+        """A worker's stream that ended without ``[DONE]``, ``last`` its last events: one
+        that ended on an error event of the worker's own (a request it refused after the 200
+        head) is an error, the event relayed as its last word; one from a backend that always
+        ends with ``[DONE]`` (``_DONE_BACKENDS``) was cut short, and the client gets an error
+        event saying so. Returns whether the worker is to blame (its breaker counts it)."""
+        event = last.rstrip().rpartition(b"\n")[2].removeprefix(b"data:").strip()
+        try:
+            error = orjson.loads(event).get("error")
+        except (orjson.JSONDecodeError, AttributeError):
+            error = None
+        if error is not None:
+            rec.status = STATUS_ERROR
+            detail = self._error_detail(orjson.dumps({"error": error}))
+            rec.error = f"upstream_error_event: {worker.name}: {detail}"
+            return False
+        if worker.backend not in _DONE_BACKENDS:
+            return False
+        worker.breaker.record_failure()
+        rec.status, rec.http_status = STATUS_ERROR, 502
+        rec.error = f"upstream_unfinished: {worker.name}: the stream ended without [DONE]"
+        logger.warning("worker %s ended the stream of %s without [DONE]", worker.name,
+                       rec.request_id)
+        await _write_quietly(ex, sse_error_event(
+            f"worker {worker.name} ended the stream early; the response is incomplete "
+            f"(request {rec.request_id})"))
+        return True
+
     async def _pump(self, content: UpstreamResponse, chunk: bytes, ex: ClientExchange,
-                    rec: RequestRecord, strip_usage: bool) -> None:
-        tail = b""
+                    rec: RequestRecord, strip_usage: bool) -> bytes | None:
+        """Relay the stream to the client; None once ``[DONE]`` came, else (the stream ended
+        without it) the last events relayed."""
+        tail = last = b""
+        done = False
         while chunk:
             buf = tail + chunk if tail else chunk
             cut = _last_event_end(buf)
@@ -519,17 +552,24 @@ class Relay:
                     rec.responded = True
                     rec.e2e_s = time.perf_counter() - rec.t0
                     await _drain_upstream(content)
-                    return
+                    return None
                 if out:
                     await _write_client(ex, out)
+                    last = out
+                    done = done or b"data: [DONE]" in out
             else:
                 tail = buf
             chunk = await content.read_available()
         if tail:
             await _write_client(ex, tail)
+            last = tail
+        return None if done else last
 
 
 _DONE_EVENTS = (b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n")
+# backends whose streams always end with [DONE] when whole (other OpenAI-compatible servers
+# may not: for them a stream's end is its end)
+_DONE_BACKENDS = ("engine", "vllm")
 _USAGE_KEY = b'"usage":'  # followed by "{" or " {": a usage object (not "usage": null)
 # Keys whose value, when it is a non-empty string (or list), is generated output: a chat
 # delta's text or reasoning, a completion's text, a tool call.

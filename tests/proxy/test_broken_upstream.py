@@ -50,7 +50,8 @@ class FakeBrokenUpstream:
     with no body), ``json_for_stream`` (a JSON document where SSE events were asked for),
     ``bad_usage`` (usage counters that are not numbers), ``echo_400`` / ``echo_500`` (an
     error whose message quotes the request's messages, as a server's validation error can),
-    ``ok`` (a good SSE stream).
+    ``no_done`` (a stream that ends cleanly without ``[DONE]``), ``error_event`` (one that
+    ends with an error event instead), ``ok`` (a good SSE stream).
     """
 
     def __init__(self, mode: str | None = None) -> None:
@@ -111,6 +112,11 @@ class FakeBrokenUpstream:
         if mode == "bad_usage":
             return _chunked(_BAD_USAGE_STREAM) if stream else _whole(b"application/json",
                                                                       _BAD_USAGE_BODY)
+        if mode == "no_done":
+            return _chunked(_OK_EVENTS)
+        if mode == "error_event":
+            return _chunked([*_OK_EVENTS, _event({"error": {
+                "message": "refused", "type": "BadRequestError", "code": 400}})])
         assert mode == "ok", mode
         return _chunked([*_OK_EVENTS, b"data: [DONE]\n\n"])
 
@@ -134,9 +140,9 @@ def _chunked(events: list[bytes]) -> bytes:
             + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n")
 
 
-def _worker(name: str, url: str) -> dict[str, object]:
+def _worker(name: str, url: str, backend: str = "external") -> dict[str, object]:
     return {"name": name, "url": url,
-            "config": {"backend": "external", "served_model_name": MODEL}}
+            "config": {"backend": backend, "served_model_name": MODEL}}
 
 
 def _config(tmp: Path, workers: list[dict[str, object]], record_prompt_text: bool = False,
@@ -276,3 +282,32 @@ def test_a_worker_error_quoting_the_prompt_stays_out_of_traces(tmp_path: Path,
     assert (SECRET.encode() in raw) == keep_text
     if not keep_text:
         assert records[0]["error"] == "upstream_400: type='BadRequestError' code=400"
+
+
+@pytest.mark.parametrize("backend", ["vllm", "external"])
+def test_a_stream_that_ends_without_done(tmp_path: Path, backend: str) -> None:
+    """A stream that ends on the worker's own error event is an error in the trace (the event
+    relayed as its last word). A vLLM (or built-in engine) stream always ends with [DONE] when
+    whole: one that ends without it was cut short, and the client gets an error event. Other
+    OpenAI-compatible servers need not send [DONE]: their stream's end is its end."""
+    with FakeBrokenUpstream() as fake, ProxyThread(
+            _config(tmp_path, [_worker("fake", fake.url, backend)])) as p:
+        with httpx.Client(base_url=p.url, timeout=30) as h:
+            cut, refused = _chat(h, "no_done", True), _chat(h, "error_event", True)
+            assert _chat(h, "ok", True).status_code == 200  # still serving
+        stats = p.app[keys.STATS]
+        assert eventually(lambda: stats.in_flight == 0)
+        p.stop()
+    assert cut.status_code == refused.status_code == 200
+    last = [orjson.loads(r.text.strip().split("\n\n")[-1].removeprefix("data: "))
+            for r in (cut, refused)]
+    assert last[1]["error"]["message"] == "refused"  # relayed, nothing added after it
+    records = read_traces(tmp_path / "traces")
+    assert records[1]["error"] == "upstream_error_event: fake: type='BadRequestError' code=400"
+    if backend == "external":
+        assert "error" not in last[0]
+        assert [r["status"] for r in records] == ["ok", "error", "ok"]
+        return
+    assert "ended the stream early" in last[0]["error"]["message"]
+    assert [r["status"] for r in records] == ["error", "error", "ok"]
+    assert str(records[0]["error"]).startswith("upstream_unfinished: fake")
