@@ -133,8 +133,10 @@ class RequestParser:
         self.config = config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        # token ids the model can embed: a checkpoint's tokenizer may know more than its model
+        # token ids the model can embed: a checkpoint's tokenizer may know more than its model,
+        # and then text can encode to ids past it (token-id prompts are checked as they are read)
         self.vocab = min(tokenizer.vocab_size, vocab_size or tokenizer.vocab_size)
+        self._text_past_vocab = self.vocab < tokenizer.vocab_size
 
     def parse(self, body: Any, chat: bool) -> ParsedRequest:
         if not isinstance(body, dict):
@@ -144,7 +146,7 @@ class RequestParser:
             raise ModelNotFoundError(model, self.config.model_name)
         _check_unsupported(body)
         prompt_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
-        if max(prompt_ids, default=0) >= self.vocab:  # text the tokenizer made past the model
+        if self._text_past_vocab and max(prompt_ids, default=0) >= self.vocab:
             raise InvalidRequestError(f"the prompt has token ids outside the model's "
                                       f"vocabulary [0, {self.vocab})",
                                       "messages" if chat else "prompt")

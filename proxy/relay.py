@@ -514,8 +514,7 @@ class Relay:
             error = None
         if error is not None:
             rec.status = STATUS_ERROR
-            detail = self._error_detail(orjson.dumps({"error": error}))
-            rec.error = f"upstream_error_event: {worker.name}: {detail}"
+            rec.error = f"upstream_error_event: {worker.name}: {self._error_detail(event)}"
             return False
         if worker.backend not in _DONE_BACKENDS:
             return False
