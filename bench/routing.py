@@ -1074,6 +1074,53 @@ def peak_summary(out: dict[str, Any]) -> list[str]:
     return lines
 
 
+# SLO attainment goals for :func:`goal_rate_summary` (the share of requests meeting their SLO)
+ATTAINMENT_GOALS = (0.9, 0.8)
+
+
+def attainment(runs: list[dict[str, Any]]) -> float:
+    """Share of the requests of ``runs`` (one policy's rounds at one rate) that met their SLO."""
+    return sum(r["num_good"] for r in runs) / max(sum(r["num_requests"] for r in runs), 1)
+
+
+def goal_rate(points: list[tuple[float, float]], goal: float) -> tuple[str, float | None]:
+    """The highest offered rate at which a policy's attainment is still ``goal`` or more,
+    from its sweep ``points`` (rate, attainment): where it first falls below the goal,
+    interpolated linearly from the last rate that met it. ("<", lowest rate) if even the
+    lowest misses it, (">=", highest rate) if none does."""
+    points = sorted(points)
+    if not points or points[0][1] < goal:
+        return "<", points[0][0] if points else None
+    for (r0, a0), (r1, a1) in zip(points, points[1:], strict=False):
+        if a1 < goal:
+            return "", r0 + (r1 - r0) * (a0 - goal) / (a0 - a1)
+    return ">=", points[-1][0]
+
+
+def goal_rate_summary(out: dict[str, Any]) -> list[str]:
+    """Each policy's highest rate holding each of :data:`ATTAINMENT_GOALS` of its requests
+    to their SLO, and the ratios of those rates: goodput as a capacity at a stated
+    attainment (DistServe's definition), beside the met-per-second goodput at each rate.
+    Needs a sweep that brackets the goal; a rate outside it prints as a bound."""
+    by_policy: dict[str, list[tuple[float, float]]] = {}
+    for rate, rounds in out["rates"].items():
+        for name, runs in rounds.items():
+            by_policy.setdefault(name, []).append((float(rate), attainment(runs)))
+    lines = []
+    for goal in ATTAINMENT_GOALS:
+        found = {n: goal_rate(points, goal) for n, points in by_policy.items()}
+        lines.append(f"rate holding {goal:.0%} of SLOs: " + " / ".join(
+            f"{n} {bound}{rate:.2f}" if rate is not None else f"{n} none"
+            for n, (bound, rate) in found.items()))
+        for top, base in COMPARISONS:
+            if top in found and base in found and found[top][1] and found[base][1]:
+                (tb, tr), (bb, br) = found[top], found[base]
+                exact = not tb and not bb
+                lines.append(f"  {top}/{base} at {goal:.0%}: {tr / br:.2f}x"
+                             + ("" if exact else f" (bounds: {tb or '='} / {bb or '='})"))
+    return lines
+
+
 def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One report from several runs' --json (a sweep split over calls: each its own rates):
     per-rate tables side by side; the SLOs of the first (the later runs are given them)."""
@@ -1092,9 +1139,7 @@ def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def attainment_line(rate: str, out: dict[str, Any]) -> str:
     """Share of the rate's requests that met their SLO, and the fleet prefix-cache hit
     rate, per policy, over all rounds."""
-    rounds = out["rates"][rate]
-    met = {n: sum(r["num_good"] for r in runs) / max(sum(r["num_requests"] for r in runs), 1)
-           for n, runs in rounds.items()}
+    met = {n: attainment(runs) for n, runs in out["rates"][rate].items()}
     hits = out.get("hit_rate", {}).get(rate, {})
     return (f"{rate:>6} | SLOs met " + " / ".join(f"{n} {m:.0%}" for n, m in met.items())
             + " | hit rate " + " / ".join(f"{n} {h:.1%}" for n, h in hits.items()))
@@ -1113,6 +1158,9 @@ def print_report(out: dict[str, Any]) -> None:
         print(attainment_line(rate, out))
     for line in peak_summary(out):
         print(line)
+    if len(out["rates"]) > 1:
+        for line in goal_rate_summary(out):
+            print(line)
     for rate, by_policy in out.get("requests", {}).items():
         for name, runs in by_policy.items():
             rows = [row for rows in runs for row in rows]

@@ -178,3 +178,33 @@ def test_slos_follow_the_rule_on_the_run_s_own_probe_unless_fixed_or_given() -> 
     given = BENCH.slos_from(args(slo_seconds=[1, 2, 3, 4, 5, 6], prefix_slo=[7, 8]), ref)
     assert given.ttft_s == {"repetitive": 1, "conversational": 3, "long": 5, "prefix": 7}
     assert given.tpot_s == {"repetitive": 2, "conversational": 4, "long": 6, "prefix": 8}
+
+
+def test_goal_rate_is_where_attainment_first_falls_below_the_goal_interpolated() -> None:
+    assert BENCH.goal_rate([(4.0, 0.95), (8.0, 0.85), (6.0, 0.95)], 0.9) == \
+        ("", pytest.approx(7.0))
+    assert BENCH.goal_rate([(4.0, 0.85), (8.0, 0.5)], 0.9) == ("<", 4.0)  # even the lowest
+    assert BENCH.goal_rate([(4.0, 0.99), (8.0, 0.91)], 0.9) == (">=", 8.0)  # none misses
+    # the first crossing counts, though a later, noisier rate meets the goal again
+    assert BENCH.goal_rate([(4.0, 0.9), (6.0, 0.8), (8.0, 0.95)], 0.9) == \
+        ("", pytest.approx(4.0))
+
+
+def test_goal_rate_summary_prints_each_policy_s_rate_and_the_ratios() -> None:
+    sweep = {"rates": {
+        "4.0": {"least_outstanding": [run(0, 19, 20)], "adaptive": [run(0, 20, 20)]},
+        "8.0": {"least_outstanding": [run(0, 14, 20)], "adaptive": [run(0, 17, 20)]},
+        "12.0": {"least_outstanding": [run(0, 5, 20)], "adaptive": [run(0, 10, 20)]}}}
+    lines = BENCH.goal_rate_summary(sweep)
+    # 90%: LO falls from 95% to 70% between 4 and 8 (at 4.8); adaptive 100% -> 85% (6.67)
+    assert lines[0] == "rate holding 90% of SLOs: least_outstanding 4.80 / adaptive 6.67"
+    assert lines[1] == "  adaptive/least_outstanding at 90%: 1.39x"
+    # 80%: LO at 4 + 4 x 15/25 = 6.4; adaptive 85% -> 50% between 8 and 12: 8 + 4 x 5/35
+    assert lines[2] == "rate holding 80% of SLOs: least_outstanding 6.40 / adaptive 8.57"
+    assert lines[3] == "  adaptive/least_outstanding at 80%: 1.34x"
+    # a bound where the sweep does not bracket the goal
+    low = {"rates": {r: {"least_outstanding": [run(0, 10, 20)], "adaptive": [run(0, 20, 20)]}
+                     for r in ("4.0", "8.0")}}
+    lines = BENCH.goal_rate_summary(low)
+    assert lines[0] == "rate holding 90% of SLOs: least_outstanding <4.00 / adaptive >=8.00"
+    assert lines[1] == "  adaptive/least_outstanding at 90%: 2.00x (bounds: >= / <)"
