@@ -90,7 +90,10 @@ requests of a class at a time) -> for each rate: an unscored warm-up replay
 only before the first rate), then ``--rounds`` measured rounds, each a fresh
 schedule (seed + round) replayed by every policy at the same time. Printed: goodput
 per round, adaptive's ratio to each baseline and to adaptive-nostall (median, min-max), TTFT/TPOT percentiles, the fleet's prefix-cache hit rate (prompt tokens
-found cached / looked up, from the workers' vllm:prefix_cache_* counters), where
+found cached / looked up, from the workers' vllm:prefix_cache_* counters), each policy's peak
+goodput over the rates and, over a sweep, the highest rate at which it still holds 90% and 80%
+of its requests to their SLOs (interpolated between the swept rates: goodput as a capacity at a
+stated attainment) with the ratios of those rates, where
 requests went per (worker, class) with how many met the SLO, and the adaptive
 policy's depths and decision reasons per rate.
 
