@@ -38,7 +38,11 @@ predict the worker's step time, and a stall is priced once, where it arises.
 Profiles that have no samples yet predict their config's prior scaled by what
 the other workers measured against theirs (:mod:`router.calibration`). The lowest cost wins, except that
 with probability ``explore_prob`` a random unsaturated worker is tried, so
-every profile keeps getting fresh samples.
+every profile keeps getting fresh samples: one predicted to meet the request's SLO
+when the cheapest worker does (``explore_within_slo``; exploring never spends an SLO the
+policy expects to keep), any otherwise. In the simulator (prefix-mix, rates 12-16, seeds
+1-3) this met 0.9% more SLOs than exploring anywhere; not exploring at all, 1.4% more, and
+no fresh samples.
 
 Load enters three times, which is what keeps it from herding: the profiles'
 TTFT depends on the batch and TPOT on the batch size; a worker past its batch
@@ -93,6 +97,10 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class AdaptiveConfig:
     explore_prob: float = 0.03  # chance of routing to a random unsaturated worker
+    # ...among those predicted to meet the request's SLO, when the cheapest worker meets it:
+    # exploring never spends an SLO the policy expects to keep (a request that meets its SLO
+    # nowhere, or carries none, still explores anywhere)
+    explore_within_slo: bool = True
     # prefix caches (router.affinity): the modelled cache size of a worker whose config
     # does not give one (vLLM: its KV cache on the GPU), tokens; the tokens per prefix
     # block when the shape does not say; the weight of each realised hit in a worker's ratio
@@ -512,7 +520,10 @@ class AdaptivePolicy:
         best = min((c for c in cands if not c.refused), key=lambda c: c.cost_s)
         open_ = [c for c in cands if not c.saturated]
         if open_ and self._rng.random() < self.config.explore_prob:
-            return self._rng.choice(open_), "explore"
+            if self.config.explore_within_slo and best.meets_slo:
+                open_ = [c for c in open_ if c.meets_slo and not c.refused]
+            if open_:
+                return self._rng.choice(open_), "explore"
         if min(cands, key=lambda c: c.cost_s - c.reserve_s) is not best:
             return best, "reserve"
         if best.saved_s > 0 and min(cands, key=lambda c: c.cost_s + c.saved_s) is not best:

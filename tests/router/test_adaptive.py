@@ -150,6 +150,36 @@ def test_exploration_rate_and_reason_counts() -> None:
     assert sum(st["reasons"].values()) == 500 == sum(st["decisions"].values())
 
 
+def _explored(config: AdaptiveConfig, slo_tpot_s: float | None) -> Counter[str]:
+    """Where 300 exploring-prone decisions went, ``small`` taught at 2 ms a token and
+    ``big`` at 20 ms; each request finishes before the next (no load)."""
+    p, ws = AdaptivePolicy(config, seed=3), views()
+    teach(p, ws, "small", "code", 0.002)
+    teach(p, ws, "big", "code", 0.020)
+    went: Counter[str] = Counter()
+    for _ in range(300):
+        s = shape("code", slo_tpot_s=slo_tpot_s)
+        d = p.choose(s, ws)
+        tpot = 0.002 if d.worker == "small" else 0.020
+        p.observe(RequestOutcome(d.worker, s, "ok", completion_tokens=100, ttft_s=0.05,
+                                 tpot_s=tpot, e2e_s=0.05 + 99 * tpot))
+        if d.reason == "explore":
+            went[d.worker] += 1
+    return went
+
+
+def test_exploration_does_not_spend_an_slo_the_policy_expects_to_keep() -> None:
+    within, anywhere = AdaptiveConfig(explore_prob=0.3), \
+        AdaptiveConfig(explore_prob=0.3, explore_within_slo=False)
+    # a 5 ms TPOT SLO: small meets it, big (20 ms) does not
+    assert _explored(within, 0.005)["big"] == 0
+    assert _explored(anywhere, 0.005)["big"] >= 20  # ~45 of 300 (0.3 x half)
+    # no worker meets 1 ms, so exploring costs no SLO and goes anywhere
+    assert _explored(within, 0.001)["big"] >= 20
+    # no SLO at all: the same
+    assert _explored(within, None)["big"] >= 20
+
+
 def test_single_candidate_and_bad_outcomes() -> None:
     p, ws = AdaptivePolicy(), views()
     assert p.choose(shape(), ws[:1]).reason == "only"

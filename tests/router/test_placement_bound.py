@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from tests.router.placement_bound import (SCORE_DT, SEARCH_DT, FixedPlacement, policy_placement,
-                                          replay, score, search)
+from tests.router.placement_bound import (
+    SCORE_DT,
+    SEARCH_DT,
+    FixedPlacement,
+    policy_placement,
+    replay,
+    score,
+    search,
+)
 from tests.router.prefix_mix_sim import CONTEXT_S, prefix_mix, rule_slos
 
 
