@@ -114,6 +114,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--max-concurrency", type=_positive_int)
     c.add_argument("--timeout", type=_positive_float, default=600.0)
     c.add_argument("--api-key")
+    c.add_argument("--record-error-bodies", action="store_true",
+                   help="keep what the target says in its errors (it can quote the prompt) "
+                        "in requests.jsonl; default: only the error's type and code")
     o = p.add_argument_group("outputs")
     o.add_argument("--output", help="directory for requests.jsonl, summary.json, report.md, PNGs")
     o.add_argument("--slo", default="ttft:500ms,tpot:50ms", help="goodput SLOs")
@@ -183,7 +186,7 @@ def build_config(args: argparse.Namespace) -> ReplayConfig:
         trace=TraceConfig(args.trace, args.format, args.bad_lines),
         client=ClientConfig(args.target, args.endpoint, args.model, not args.no_stream,
                             not args.no_ignore_eos, args.max_concurrency, args.timeout,
-                            args.api_key),
+                            args.api_key, record_error_bodies=args.record_error_bodies),
         arrivals=ArrivalConfig(mode, rate, args.burstiness, args.concurrency, args.time_scale,
                                args.window[0], args.window[1], args.max_requests,
                                args.duration, args.seed),

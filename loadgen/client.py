@@ -35,6 +35,43 @@ from loadgen.request import PreparedRequest, RequestResult
 logger = logging.getLogger(__name__)
 
 ERROR_BODY_CHARS = 300
+ERROR_FIELD_CHARS = 60  # of an error's type or code, kept without record_error_bodies
+ERROR_READ_BYTES = 1 << 16  # of an error body, read to parse it
+
+
+def describe_error(error: object, raw: bytes, record: bool) -> str:
+    """What a result keeps of a server's error: its text with ``record`` (up to
+    ``ERROR_BODY_CHARS``), else its OpenAI ``type`` and ``code`` -- a server's message can
+    quote the prompt, and no prompt text is written unless the operator asks for it.
+    ``error``: the parsed ``error`` field, or None; ``raw``: the bytes it came in."""
+    if record:
+        return raw[:ERROR_BODY_CHARS].decode("utf-8", "replace")
+    if isinstance(error, dict):
+        fields = [f"{k}={str(error[k])[:ERROR_FIELD_CHARS]}" for k in ("type", "code")
+                  if isinstance(error.get(k), (str, int)) and not isinstance(error.get(k), bool)]
+        if fields:
+            return " ".join(fields)
+    return f"({len(raw)} bytes, not kept)"
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
+    """The body, or its first ``cap`` bytes (an error body is read whole to parse it)."""
+    buf = b""
+    while len(buf) < cap:
+        chunk = await resp.content.read(cap - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
+def _error_field(raw: bytes) -> object:
+    """The ``error`` field of a JSON error body, or None."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return body.get("error") if isinstance(body, dict) else None
 
 
 def make_session(cfg: ClientConfig) -> aiohttp.ClientSession:
@@ -81,9 +118,11 @@ def _token_count(value: object) -> int | None:
 class StreamParser:
     """Incremental SSE parser: feed network reads, it timestamps text-bearing events."""
 
-    __slots__ = ("_buf", "first_s", "last_s", "itl_s", "num_chunks", "usage", "error", "done")
+    __slots__ = ("_buf", "first_s", "last_s", "itl_s", "num_chunks", "usage", "error", "done",
+                 "record_error_bodies")
 
-    def __init__(self) -> None:
+    def __init__(self, record_error_bodies: bool = False) -> None:
+        self.record_error_bodies = record_error_bodies
         self._buf = b""
         self.first_s: float | None = None  # perf_counter of the first text-bearing chunk
         self.last_s: float | None = None
@@ -112,12 +151,14 @@ class StreamParser:
         try:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            self.error = f"unparseable stream event: {payload[:80]!r}"
+            shown = repr(payload[:80]) if self.record_error_bodies else f"{len(payload)} bytes"
+            self.error = f"unparseable stream event: {shown}"
             return
         if not isinstance(event, dict):
             return
         if event.get("error"):
-            self.error = f"stream error: {str(event['error'])[:ERROR_BODY_CHARS]}"
+            self.error = "stream error: " + describe_error(event["error"], payload,
+                                                           self.record_error_bodies)
         if isinstance(event.get("usage"), dict) and event["usage"]:
             self.usage = event["usage"]
         if _chunk_text(event) is None:
@@ -144,8 +185,9 @@ class StreamingClient:
             async with self.session.post(req.path, data=req.body) as resp:
                 self._headers(resp, result)
                 if resp.status != 200:
-                    body = await resp.content.read(ERROR_BODY_CHARS)
-                    result.error = f"HTTP {resp.status}: {body.decode('utf-8', 'replace')}"
+                    body = await _read_capped(resp, ERROR_READ_BYTES)
+                    result.error = f"HTTP {resp.status}: " + describe_error(
+                        _error_field(body), body, self.cfg.record_error_bodies)
                     result.e2e_s = time.perf_counter() - start
                     return
                 if self.cfg.stream:
@@ -176,7 +218,7 @@ class StreamingClient:
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, start: float,
                            result: RequestResult) -> None:
-        parser = StreamParser()
+        parser = StreamParser(self.cfg.record_error_bodies)
         async for data in resp.content.iter_any():
             parser.feed(data, time.perf_counter())
         parser.close(time.perf_counter())
@@ -201,7 +243,8 @@ class StreamingClient:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            result.error = f"unparseable response body: {raw[:80]!r}"
+            shown = repr(raw[:80]) if self.cfg.record_error_bodies else f"{len(raw)} bytes"
+            result.error = f"unparseable response body: {shown}"
             return
         self._usage(result, body.get("usage") if isinstance(body, dict) else None, 0)
         result.ok = bool(result.completion_tokens)

@@ -139,6 +139,9 @@ class ClientConfig:
     timeout_s: float = 600.0  # per request, send to last byte
     api_key: str | None = None
     headers: tuple[tuple[str, str], ...] = ()
+    # keep what a server says in its errors (which can quote the prompt) in the results;
+    # off: only the OpenAI error's type and code, or the body's length
+    record_error_bodies: bool = False
 
     def __post_init__(self) -> None:
         _check(bool(re.match(r"^https?://[^/]+", self.target)), "target",

@@ -27,8 +27,9 @@ def _request(path: str = "/v1/completions", max_tokens: int = 8, **extra: Any) -
 
 
 async def _send(url: str, req: PreparedRequest, stream: bool = True,
-                timeout_s: float = 600.0) -> RequestResult:
-    cfg = ClientConfig(url, stream=stream, timeout_s=timeout_s)
+                timeout_s: float = 600.0, record_error_bodies: bool = False) -> RequestResult:
+    cfg = ClientConfig(url, stream=stream, timeout_s=timeout_s,
+                       record_error_bodies=record_error_bodies)
     result = RequestResult(index=0, line=1, scheduled_s=0.0)
     async with make_session(cfg) as session:
         await StreamingClient(cfg, session).send(req, result)
@@ -82,8 +83,25 @@ async def test_http_error_is_recorded(upstream: ScriptedUpstream) -> None:
     upstream.script = Script(status=503)
     r = await _send(upstream.url, _request())
     assert not r.ok and r.http_status == 503
-    assert r.error is not None and r.error.startswith("HTTP 503:") and "scripted failure" in r.error
+    # the server's message quotes the prompt: only its type and code are kept
+    assert r.error == "HTTP 503: type=server_error code=503"
     assert r.ttft_s is None and r.e2e_s is not None
+    r = await _send(upstream.url, _request(), record_error_bodies=True)
+    assert r.error is not None and r.error.startswith("HTTP 503:")
+    assert "scripted failure for prompt 'hi'" in r.error
+
+
+def test_error_text_is_kept_only_when_asked_for() -> None:
+    from loadgen.client import describe_error
+    raw = b'{"error": {"message": "bad prompt: my secret", "type": "invalid_request_error"}}'
+    error = orjson.loads(raw)["error"]
+    assert describe_error(error, raw, False) == "type=invalid_request_error"
+    assert "my secret" in describe_error(error, raw, True)
+    # no type or code, or not an OpenAI error at all: its length
+    assert describe_error({"message": "my secret"}, b"x" * 30, False) == "(30 bytes, not kept)"
+    assert describe_error(None, b"<html>my secret</html>", False) == "(22 bytes, not kept)"
+    # a bool is not a code; long fields are cut
+    assert describe_error({"code": True, "type": "t" * 500}, raw, False) == "type=" + "t" * 60
 
 
 async def test_cut_stream_is_an_error(upstream: ScriptedUpstream) -> None:
@@ -159,12 +177,19 @@ def test_parser_splits_events_across_reads_and_stamps_per_read() -> None:
 
 
 def test_parser_reports_error_events_and_garbage() -> None:
+    event = b'data: {"error": {"message": "boom", "type": "server_error", "code": 500}}\n\n'
     p = StreamParser()
-    p.feed(b'data: {"error": {"message": "boom"}}\n\n', 1.0)
+    p.feed(event, 1.0)
+    assert p.error == "stream error: type=server_error code=500"
+    p = StreamParser(record_error_bodies=True)
+    p.feed(event, 1.0)
     assert p.error is not None and "boom" in p.error
     q = StreamParser()
     q.feed(b"data: {not json\n\n", 1.0)
-    assert q.error is not None and q.error.startswith("unparseable")
+    assert q.error == "unparseable stream event: 9 bytes"
+    q = StreamParser(record_error_bodies=True)
+    q.feed(b"data: {not json\n\n", 1.0)
+    assert q.error == "unparseable stream event: b'{not json'"
 
 
 class FakeBrokenTarget:

@@ -90,8 +90,11 @@ class ScriptedUpstream:
         self.received.append(got)
         script = self.script(got.body) if callable(self.script) else self.script
         if script.status != 200:
-            return web.json_response({"error": {"message": "scripted failure"}},
-                                     status=script.status)
+            # NOTE: the message quotes the prompt, as some servers' validation errors do
+            prompt = got.body.get("prompt") or str(got.body.get("messages"))
+            return web.json_response({"error": {
+                "message": f"scripted failure for prompt {prompt!r}",
+                "type": "server_error", "code": script.status}}, status=script.status)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
