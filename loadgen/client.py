@@ -31,6 +31,7 @@ import orjson
 
 from loadgen.config import ClientConfig
 from loadgen.request import PreparedRequest, RequestResult
+from proxy.errors import error_codes, error_field
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +47,8 @@ def describe_error(error: object, raw: bytes, record: bool) -> str:
     ``error``: the parsed ``error`` field, or None; ``raw``: the bytes it came in."""
     if record:
         return raw[:ERROR_BODY_CHARS].decode("utf-8", "replace")
-    if isinstance(error, dict):
-        fields = [f"{k}={str(error[k])[:ERROR_FIELD_CHARS]}" for k in ("type", "code")
-                  if isinstance(error.get(k), (str, int)) and not isinstance(error.get(k), bool)]
-        if fields:
-            return " ".join(fields)
-    return f"({len(raw)} bytes, not kept)"
+    return " ".join(f"{k}={str(v)[:ERROR_FIELD_CHARS]}" for k, v in error_codes(error).items()) \
+        or f"({len(raw)} bytes, not kept)"
 
 
 async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
@@ -63,15 +60,6 @@ async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
             break
         buf += chunk
     return buf
-
-
-def _error_field(raw: bytes) -> object:
-    """The ``error`` field of a JSON error body, or None."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    return body.get("error") if isinstance(body, dict) else None
 
 
 def make_session(cfg: ClientConfig) -> aiohttp.ClientSession:
@@ -187,7 +175,7 @@ class StreamingClient:
                 if resp.status != 200:
                     body = await _read_capped(resp, ERROR_READ_BYTES)
                     result.error = f"HTTP {resp.status}: " + describe_error(
-                        _error_field(body), body, self.cfg.record_error_bodies)
+                        error_field(body), body, self.cfg.record_error_bodies)
                     result.e2e_s = time.perf_counter() - start
                     return
                 if self.cfg.stream:

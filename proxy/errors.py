@@ -125,3 +125,22 @@ def error_body(message: str, error_type: str, param: str | None = None,
 def sse_error_event(message: str, error_type: str = "upstream_error") -> bytes:
     """An SSE event that the openai SDK turns into an APIError for the caller."""
     return b"data: " + orjson.dumps(error_body(message, error_type)) + b"\n\n"
+
+
+def error_field(raw: bytes) -> object:
+    """The ``error`` field of an OpenAI-style JSON error body, or None."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return body.get("error") if isinstance(body, dict) else None
+
+
+def error_codes(error: object) -> dict[str, str | int]:
+    """An OpenAI error's ``type`` and ``code`` where they are strings or integers: what the
+    proxy's traces and loadgen's results keep of an error by default, since its message can
+    quote the request's input (pydantic's ``input_value=...``), prompt text included."""
+    if not isinstance(error, dict):
+        return {}
+    return {k: v for k in ("type", "code")
+            if isinstance(v := error.get(k), (str, int)) and not isinstance(v, bool)}

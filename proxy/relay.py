@@ -37,6 +37,8 @@ from proxy.errors import (
     ShuttingDown,
     Unauthorized,
     UpstreamError,
+    error_codes,
+    error_field,
     sse_error_event,
 )
 from proxy.exchange import ClientExchange
@@ -424,16 +426,8 @@ class Relay:
         ``input_value=...``), prompt text included."""
         if self.config.traces.record_prompt_text:
             return repr(raw[:200])
-        try:
-            error = orjson.loads(raw).get("error")
-        except (orjson.JSONDecodeError, AttributeError):
-            error = None
-        if not isinstance(error, dict):
-            return f"({len(raw)} bytes)"
-        fields = {k: error.get(k) for k in ("type", "code")}
-        return " ".join(f"{k}={v!r}"[:80] for k, v in fields.items()
-                        if isinstance(v, (str, int)) and not isinstance(v, bool)) \
-            or f"({len(raw)} bytes)"
+        fields = error_codes(error_field(raw))
+        return " ".join(f"{k}={v!r}"[:80] for k, v in fields.items()) or f"({len(raw)} bytes)"
 
     @staticmethod
     def _read_usage(raw: bytes, rec: RequestRecord) -> bool:
