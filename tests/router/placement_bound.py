@@ -25,15 +25,15 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 
-from router.base import RequestShape, RouteDecision, WorkerView
-from tests.router.fleet_sim import SimClock, SimResult, simulate
+from router.base import RequestShape, RouteDecision, RoutingPolicy, WorkerView
+from tests.router.fleet_sim import SimClock, SimResult
 from tests.router.prefix_mix_sim import (
     CONTEXT_S,
     POLICIES,
-    bench_fleet,
     class_of,
     prefix_mix,
     rule_slos,
+    run_results,
 )
 
 WORKERS = ("spec", "batch", "long")
@@ -64,6 +64,8 @@ class FixedPlacement:
 class Recorder:
     """Wraps a policy and records the worker it picks for each request, in arrival order."""
 
+    name = "recorder"
+
     def __init__(self, policy: object) -> None:
         self.policy = policy
         self.placement: list[str] = []
@@ -78,12 +80,10 @@ class Recorder:
         self.policy.observe(outcome)  # type: ignore[attr-defined]
 
 
-def replay(policy: object, arrivals: list[tuple[float, RequestShape]], dt: float,
-           clock: SimClock | None = None) -> list[SimResult]:
-    results: list[SimResult] = []
-    simulate(policy, bench_fleet(CONTEXT_S), arrivals, 1.0, 1.0, dt=dt,  # type: ignore[arg-type]
-             clock=clock, results=results)
-    return results
+def replay(policy: RoutingPolicy, arrivals: list[tuple[float, RequestShape]], dt: float
+           ) -> list[SimResult]:
+    """One run of the simulated fleet, with the device's context cost."""
+    return run_results(lambda clock: policy, arrivals, CONTEXT_S, dt)
 
 
 def score(results: list[SimResult], scored: set[int] | None = None) -> tuple[int, float]:
@@ -103,10 +103,13 @@ def score(results: list[SimResult], scored: set[int] | None = None) -> tuple[int
 
 def policy_placement(name: str, arrivals: list[tuple[float, RequestShape]], dt: float
                      ) -> tuple[list[str], list[SimResult]]:
-    clock = SimClock()
-    recorder = Recorder(POLICIES[name](clock))
-    results = replay(recorder, arrivals, dt, clock)
-    return recorder.placement, results
+    recorders: list[Recorder] = []
+
+    def make(clock: SimClock) -> RoutingPolicy:
+        recorders.append(Recorder(POLICIES[name](clock)))
+        return recorders[-1]
+    results = run_results(make, arrivals, CONTEXT_S, dt)
+    return recorders[0].placement, results
 
 
 def search(arrivals: list[tuple[float, RequestShape]], start: list[str], seed: int,

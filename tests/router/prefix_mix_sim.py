@@ -150,12 +150,12 @@ def prefix_mix(rate: float, num: int, seed: int, num_docs: int = 60, tight: bool
 
 
 def run_results(make: Callable[[SimClock], RoutingPolicy],
-                arrivals: list[tuple[float, RequestShape]], context_s: float = 0.0
-                ) -> list[SimResult]:
+                arrivals: list[tuple[float, RequestShape]], context_s: float = 0.0,
+                dt: float = DT) -> list[SimResult]:
     """Every finished request of one simulated run."""
     clock = SimClock()
     results: list[SimResult] = []
-    simulate(make(clock), bench_fleet(context_s), arrivals, 1.0, 1.0, dt=DT, clock=clock,
+    simulate(make(clock), bench_fleet(context_s), arrivals, 1.0, 1.0, dt=dt, clock=clock,
              results=results)
     return results
 
