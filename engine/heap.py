@@ -8,6 +8,11 @@ hundred steps and stalls the step thread and the event loop together (the GIL): 
 the H200 at concurrency 16 it showed as a block of 16 requests whose first token came
 240-350 ms late. :func:`settle_heap` collects once, freezes what survived (the
 collector never scans it again) and raises the young-generation threshold.
+
+:func:`settled_heap` does the same for one bounded run inside a process that may be
+someone else's (loadgen's send loop, as a library call), and puts the collector back
+as it found it afterwards. Nothing here imports more than the standard library, so
+any package may use it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 
@@ -38,3 +45,23 @@ def settle_heap(young_threshold: int = YOUNG_THRESHOLD) -> int:
     logger.info("froze %d start-up objects (%.0f ms); gc thresholds %s", frozen,
                 (time.perf_counter() - t0) * 1e3, gc.get_threshold())
     return frozen
+
+
+@contextmanager
+def settled_heap(young_threshold: int = YOUNG_THRESHOLD) -> Iterator[None]:
+    """:func:`settle_heap` for the duration of a ``with`` block: collect, freeze what is
+    alive, raise the thresholds; on exit, restore the thresholds and unfreeze. A process
+    that froze its heap already (:func:`settle_heap`) keeps its own freeze: only the
+    thresholds change then."""
+    thresholds = gc.get_threshold()
+    ours = gc.get_freeze_count() == 0 and gc.isenabled()
+    if ours:
+        gc.collect()
+        gc.freeze()
+    gc.set_threshold(young_threshold, OLDER_THRESHOLD, OLDER_THRESHOLD)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        if ours:
+            gc.unfreeze()

@@ -4,6 +4,10 @@ The loop is lean on purpose (DESIGN.md: loadgen is never the bottleneck):
 bodies are bytes prepared beforehand, every due request is started in one
 pass, and the loop sleeps with a short cooperative spin at the end so that
 uvloop's millisecond timer resolution does not show up as send-time lag.
+The run holds the garbage collector's full collections off
+(:func:`engine.heap.settled_heap`): every result is kept until the end, so with
+CPython's default thresholds each full collection re-scanned all of them and
+showed as send lag.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from engine.heap import settled_heap
 from loadgen.client import StreamingClient
 from loadgen.request import PreparedRequest, RequestResult
 
@@ -62,8 +67,8 @@ class Runner:
         tasks: list[asyncio.Task[None]] = []
         started_unix = time.time()
         cpu0 = time.process_time()
-        with tqdm(total=len(requests), disable=self._quiet, unit="req", smoothing=0.1,
-                  dynamic_ncols=True) as bar:
+        with settled_heap(), tqdm(total=len(requests), disable=self._quiet, unit="req",
+                                  smoothing=0.1, dynamic_ncols=True) as bar:
             t0 = time.perf_counter()
             self._t0 = t0
             loop = asyncio.get_running_loop()

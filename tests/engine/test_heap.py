@@ -33,6 +33,32 @@ def test_settle_heap_freezes_the_survivors_and_raises_the_thresholds() -> None:
     assert done.stdout.startswith("ok ")
 
 
+SCOPED = """
+import gc
+from engine.heap import OLDER_THRESHOLD, YOUNG_THRESHOLD, settle_heap, settled_heap
+kept = [[i] for i in range(5000)]
+before = gc.get_threshold()
+with settled_heap():
+    assert gc.get_freeze_count() >= 5000
+    assert gc.get_threshold() == (YOUNG_THRESHOLD, OLDER_THRESHOLD, OLDER_THRESHOLD)
+assert gc.get_freeze_count() == 0 and gc.get_threshold() == before  # put back as found
+frozen = settle_heap()
+gc.set_threshold(700, 10, 10)
+with settled_heap(100):
+    assert gc.get_threshold() == (100, OLDER_THRESHOLD, OLDER_THRESHOLD)
+assert gc.get_freeze_count() == frozen  # a server's own freeze is kept
+assert gc.get_threshold() == (700, 10, 10)
+print("ok")
+"""
+
+
+def test_settled_heap_is_scoped_and_keeps_a_servers_own_freeze() -> None:
+    done = subprocess.run([sys.executable, "-c", SCOPED], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ok"
+
+
 def test_engine_server_settles_its_heap_once_the_engine_is_built(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     config = {"backend": "engine", "model": str(tiny_model_dir),

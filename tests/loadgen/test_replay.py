@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 from tokenizers import Tokenizer
 
 from engine.config import TINY_TARGET
+from engine.heap import OLDER_THRESHOLD, YOUNG_THRESHOLD
 from loadgen import (
     ArrivalConfig,
     ClientConfig,
@@ -312,3 +315,24 @@ def test_result_files_are_replaced_whole_or_not_at_all(tmp_path: Path) -> None:
     with atomic_writer(path) as f:
         f.write(b'{"index": 1}\n')
     assert path.read_bytes() == b'{"index": 1}\n' and list(tmp_path.iterdir()) == [path]
+
+
+async def test_the_send_loop_holds_full_collections_off_and_restores_the_collector(
+        upstream: ScriptedUpstream, tmp_path: Path) -> None:
+    # NOTE: the scripted upstream answers in this process, so it sees the collector as the
+    # send loop left it while requests are in flight
+    seen: list[tuple[tuple[int, ...], int]] = []
+
+    def script(body: dict[str, Any]) -> Script:
+        seen.append((gc.get_threshold(), gc.get_freeze_count()))
+        return Script()
+    upstream.script = script
+    before = gc.get_threshold()
+    assert gc.get_freeze_count() == 0
+    cfg = _cfg(upstream.url, _mooncake(tmp_path),
+               lengths=LengthConfig(prompt_scale=0.05, max_output_tokens=3))
+    result = await replay(cfg)
+    assert result.summary["num_ok"] == 5 and len(seen) == 5
+    assert all(t == (YOUNG_THRESHOLD, OLDER_THRESHOLD, OLDER_THRESHOLD) and frozen > 1000
+               for t, frozen in seen), seen
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
