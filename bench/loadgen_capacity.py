@@ -15,17 +15,22 @@ public API (``loadgen.replay``) with Poisson arrivals, once per event loop
 
 Besides the open-loop rates, a closed-loop run (16 in flight, as fast as the
 client goes) gives the client's CPU time per request, a number that contention
-from other processes on a shared machine distorts far less than lag does.
+from other processes on a shared machine distorts far less than lag does. Each
+row also counts the garbage collections during the send loop (full ones in
+brackets) and the longest: full collections were the lag tail until the send
+loop held them off (bench/RESULTS.md, session 16).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 import orjson
@@ -102,6 +107,36 @@ def _pin(cpu: int) -> None:
         os.sched_setaffinity(0, {cpu})
 
 
+class GcPauses:
+    """The garbage collector's pauses while in a ``with`` block (``gc.callbacks``); the
+    summary counts those that began inside a window (the send loop's): how many
+    collections, how many of them full (the oldest generation), the longest, ms. Loadgen's
+    send-time lag tail was its full collections (bench/RESULTS.md, session 16)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, int, float]] = []  # (unix start, generation, ms)
+        self._unix0, self._t0 = 0.0, 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._unix0, self._t0 = time.time(), time.perf_counter()
+        else:
+            self.pauses.append((self._unix0, info["generation"],
+                                (time.perf_counter() - self._t0) * 1e3))
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self, start_unix_s: float, end_unix_s: float) -> dict[str, float]:
+        inside = [(g, ms) for t, g, ms in self.pauses if start_unix_s <= t <= end_unix_s]
+        return {"gc_collections": len(inside), "gc_full": sum(1 for g, _ in inside if g == 2),
+                "gc_max_ms": max((ms for _, ms in inside), default=0.0)}
+
+
 def measure(url: str, rate: float | None, seconds: float, use_uvloop: bool) -> dict[str, Any]:
     """One open-loop run at ``rate`` (Poisson), or closed-loop saturation when rate is None."""
     from loadgen import ArrivalConfig, ClientConfig, OutputConfig, ReplayConfig, TraceConfig
@@ -116,11 +151,12 @@ def measure(url: str, rate: float | None, seconds: float, use_uvloop: bool) -> d
         arrivals=(ArrivalConfig(mode="poisson", rate=rate, max_requests=num, seed=7) if rate
                   else ArrivalConfig(mode="concurrency", concurrency=16, max_requests=num)),
         output=OutputConfig(quiet=True))
-    if use_uvloop:
-        import uvloop
-        result = uvloop.run(replay(cfg, records))
-    else:
-        result = asyncio.run(replay(cfg, records))
+    with GcPauses() as pauses:
+        if use_uvloop:
+            import uvloop
+            result = uvloop.run(replay(cfg, records))
+        else:
+            result = asyncio.run(replay(cfg, records))
     s = result.summary
     sends = sorted(r.sent_s for r in result.results)
     sched = sorted(r.scheduled_s for r in result.results)
@@ -134,6 +170,8 @@ def measure(url: str, rate: float | None, seconds: float, use_uvloop: bool) -> d
         "lag_p50_ms": s["lag_s"]["p50"] * 1e3, "lag_p99_ms": s["lag_s"]["p99"] * 1e3,
         "ttft_p50_ms": (s["ttft_s"]["p50"] or 0) * 1e3, "ttft_p99_ms": (s["ttft_s"]["p99"] or 0) * 1e3,
         "cpu_us_per_req": s["loadgen_cpu_s_per_request"] * 1e6,  # during the send loop
+        # the send loop's: from the first send to the last completion
+        **pauses.summary(s["started_unix_s"], s["started_unix_s"] + s["duration_s"]),
     }
 
 
@@ -182,14 +220,16 @@ def report(rows: list[dict[str, Any]]) -> None:
           f"{os.getloadavg()[0]:.1f} at the end; target {TARGET_RATE:.0f} req/s with send lag "
           f"p99 < {TARGET_LAG_P99_S * 1e3:g} ms")
     print("| loop | offered req/s | sent req/s | sent/offered | done req/s | errors | "
-          "lag p50 ms | lag p99 ms | lag p99 / 1 ms | TTFT p50 ms | TTFT p99 ms | CPU us/req |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "lag p50 ms | lag p99 ms | lag p99 / 1 ms | TTFT p50 ms | TTFT p99 ms | CPU us/req | "
+          "send loop's GC collections (full) | longest GC ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         offered = "closed loop x16" if r["closed"] else f"{r['schedule_rate']:.0f}"
         ratio = "-" if r["closed"] else f"{r['send_rate'] / r['schedule_rate']:.3f}"
         print(f"| {r['loop']} | {offered} | {r['send_rate']:.0f} | {ratio} | {r['done_rate']:.0f} | {r['errors']} | "
               f"{r['lag_p50_ms']:.3f} | {r['lag_p99_ms']:.3f} | {r['lag_p99_ms']:.2f}x | "
-              f"{r['ttft_p50_ms']:.2f} | {r['ttft_p99_ms']:.2f} | {r['cpu_us_per_req']:.0f} |")
+              f"{r['ttft_p50_ms']:.2f} | {r['ttft_p99_ms']:.2f} | {r['cpu_us_per_req']:.0f} | "
+              f"{r['gc_collections']} ({r['gc_full']}) | {r['gc_max_ms']:.1f} |")
     for loop in dict.fromkeys(r["loop"] for r in rows):
         mine = [r for r in rows if r["loop"] == loop]
         ok = [r["offered"] for r in mine if not r["closed"] and sustained(r)]

@@ -65,10 +65,10 @@ class Runner:
     async def run(self, requests: Sequence[PreparedRequest]) -> RunResult:
         results: list[RequestResult] = []
         tasks: list[asyncio.Task[None]] = []
-        started_unix = time.time()
-        cpu0 = time.process_time()
         with settled_heap(), tqdm(total=len(requests), disable=self._quiet, unit="req",
                                   smoothing=0.1, dynamic_ncols=True) as bar:
+            started_unix = time.time()
+            cpu0 = time.process_time()
             t0 = time.perf_counter()
             self._t0 = t0
             loop = asyncio.get_running_loop()
