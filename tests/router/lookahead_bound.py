@@ -1,0 +1,139 @@
+"""What planning ahead with an exact model of the fleet, but no knowledge of the requests to
+come, gets on the simulated prefix-mix fleet: a bound for routers that plan online.
+
+placement_bound.py's hindsight search knows every future arrival and finds placements that
+meet far more SLOs than the adaptive policy (1.42x least-outstanding against 1.20x at 80%
+attainment, session 15). Its moves are about timing, so the question is whether a router
+that looks ahead could get there without knowing the future. :class:`LookaheadPlanner`
+is the strongest such router the model allows: at each arrival it copies the true state of
+every simulated worker (queues, batches, prefill left, prefix caches), places the request
+on each worker in turn, runs the copy forward with no further arrivals until every request
+in it has finished (or ``horizon_s``), and keeps the worker where the most of those
+requests meet both SLOs (ties: the least summed lateness, as the hindsight search). It
+knows each request's true output length and the engine's exact step times, which no real
+router does. If it stays near the adaptive policy, what separates adaptive from the
+hindsight placement is knowledge of future arrivals, not planning.
+
+    python -m tests.router.lookahead_bound --seeds 1-2 14   # 14 req/s, 30 s, scored from 10 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from router.base import RequestShape, RouteDecision, WorkerView
+from tests.router.fleet_sim import SimClock, SimResult, SimWorker, StepSums, _advance, simulate
+from tests.router.placement_bound import LATE_CAP, SCORE_DT, SEARCH_DT, by_class, score
+from tests.router.prefix_mix_sim import CONTEXT_S, POLICIES, bench_fleet, prefix_mix, rule_slos
+
+HORIZON_S = 3.0  # simulated seconds a look ahead runs at most
+
+
+def copy_worker(w: SimWorker) -> SimWorker:
+    """An independent copy of a simulated worker's state (its requests are copied; their
+    shapes are immutable and shared)."""
+    c = copy.copy(w)
+    c.running = [dict(r) for r in w.running]
+    c.waiting = [dict(r) for r in w.waiting]
+    c.cache = OrderedDict(w.cache)
+    c.steps = StepSums()
+    return c
+
+
+def request_value(req: dict, now: float) -> float:
+    """1 for a request that met (or, unfinished at ``now``, is on course to meet) both SLOs;
+    else minus its lateness / LATE_CAP^2, a tie-break worth less than one request met."""
+    s: RequestShape = req["shape"]
+    ttft_slo, tpot_slo = s.slo_ttft_s or 1.0, s.slo_tpot_s or 1.0
+    if req["first"] is None:
+        late = (now - req["arrival"]) / ttft_slo - 1.0
+        return 0.0 if late <= 0 else -min(LATE_CAP, late) / LATE_CAP**2
+    ttft = req["first"] - req["arrival"]
+    if "end" in req:
+        tpot = (req["end"] - req["first"]) / max(s.predicted_output_tokens - 1, 1)
+    else:
+        tpot = (now - req["first"]) / max(req["tokens"], 1.0)
+    late = max(ttft / ttft_slo, tpot / tpot_slo) - 1.0
+    return 1.0 if late <= 0 else -min(LATE_CAP, late) / LATE_CAP**2
+
+
+class LookaheadPlanner:
+    """Routes each request by running an exact copy of ``fleet`` ahead (see the module)."""
+
+    name = "lookahead"
+
+    def __init__(self, fleet: list[SimWorker], clock: SimClock, horizon_s: float = HORIZON_S,
+                 dt: float = SEARCH_DT) -> None:
+        self.fleet, self.clock, self.horizon_s, self.dt = fleet, clock, horizon_s, dt
+
+    def choose(self, shape: RequestShape, workers: Sequence[WorkerView]) -> RouteDecision:
+        now = self.clock()
+        best = max(workers, key=lambda v: self.value(shape, v.name, now))
+        return RouteDecision(best.name, None, "lookahead")
+
+    def observe(self, outcome: object) -> None:
+        pass
+
+    def value(self, shape: RequestShape, worker: str, now: float) -> float:
+        """Summed :func:`request_value` of every request in the fleet, this one placed on
+        ``worker``, once the copy has run ahead."""
+        fleet = [copy_worker(w) for w in self.fleet]
+        target = next(w for w in fleet if w.name == worker)
+        target.waiting.append({"shape": shape, "arrival": now, "batch": len(target.running),
+                               "left_prefill": None, "tokens": 0.0, "first": None,
+                               "depth": None})  # as fleet_sim._route places it
+        inside = [r for w in fleet for r in (*w.running, *w.waiting)]
+        t = now
+        while t < now + self.horizon_s and any(w.running or w.waiting for w in fleet):
+            for w in fleet:
+                _advance(w, t, self.dt)
+            t += self.dt
+        return sum(request_value(r, t) for r in inside)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("rate", type=float, help="req/s")
+    ap.add_argument("--seeds", default="1-1", help="A-B: the arrival seeds")
+    ap.add_argument("--window", type=float, default=30.0, help="seconds of arrivals")
+    ap.add_argument("--score-after", type=float, default=10.0,
+                    help="seconds: only requests arriving from then on are scored")
+    ap.add_argument("--horizon", type=float, default=HORIZON_S,
+                    help="simulated seconds each look ahead runs at most")
+    args = ap.parse_args(argv)
+    if args.rate <= 0 or args.window <= 0 or args.horizon <= 0:
+        ap.error("rate, --window and --horizon must be positive")
+    if not 0 <= args.score_after < args.window:
+        ap.error("need 0 <= --score-after < --window")
+    try:
+        lo, hi = (int(x) for x in args.seeds.split("-"))
+    except ValueError:
+        ap.error(f"--seeds must be A-B, got {args.seeds!r}")
+    slos = rule_slos(CONTEXT_S)
+    for seed in range(lo, hi + 1):
+        arrivals = prefix_mix(args.rate, max(1, round(args.rate * args.window)), seed,
+                              tight=True, slos=slos)
+        scored = {id(s) for t, s in arrivals if t >= args.score_after}
+        tag = f"rate {args.rate:g} seed {seed}"
+        met = {}
+        for name in ("least_outstanding", "adaptive", "lookahead"):
+            clock = SimClock()
+            results: list[SimResult] = []
+            fleet = bench_fleet(CONTEXT_S)
+            policy = LookaheadPlanner(fleet, clock, args.horizon) if name == "lookahead" \
+                else POLICIES[name](clock)
+            simulate(policy, fleet, arrivals, 1.0, 1.0, dt=SCORE_DT, clock=clock,
+                     results=results)
+            met[name] = score(results, scored)[0]
+            print(f"{tag} {name}: met {met[name]} of {len(scored)}  "
+                  f"{by_class(results, scored)}", flush=True)
+        lo_met = max(1, met["least_outstanding"])
+        print(f"{tag} ratios to LO: adaptive {met['adaptive'] / lo_met:.2f}x, lookahead "
+              f"{met['lookahead'] / lo_met:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
