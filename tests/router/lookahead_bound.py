@@ -19,14 +19,21 @@ hindsight placement is knowledge of future arrivals, not planning.
 
 from __future__ import annotations
 
-import argparse
 import copy
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from router.base import RequestShape, RouteDecision, WorkerView
 from tests.router.fleet_sim import SimClock, SimResult, SimWorker, StepSums, _advance, simulate
-from tests.router.placement_bound import LATE_CAP, SCORE_DT, SEARCH_DT, by_class, score
+from tests.router.placement_bound import (
+    LATE_CAP,
+    SCORE_DT,
+    SEARCH_DT,
+    by_class,
+    score,
+    window_args,
+    window_parser,
+)
 from tests.router.prefix_mix_sim import CONTEXT_S, POLICIES, bench_fleet, prefix_mix, rule_slos
 
 HORIZON_S = 3.0  # simulated seconds a look ahead runs at most
@@ -95,25 +102,14 @@ class LookaheadPlanner:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("rate", type=float, help="req/s")
-    ap.add_argument("--seeds", default="1-1", help="A-B: the arrival seeds")
-    ap.add_argument("--window", type=float, default=30.0, help="seconds of arrivals")
-    ap.add_argument("--score-after", type=float, default=10.0,
-                    help="seconds: only requests arriving from then on are scored")
+    ap = window_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--horizon", type=float, default=HORIZON_S,
                     help="simulated seconds each look ahead runs at most")
-    args = ap.parse_args(argv)
-    if args.rate <= 0 or args.window <= 0 or args.horizon <= 0:
-        ap.error("rate, --window and --horizon must be positive")
-    if not 0 <= args.score_after < args.window:
-        ap.error("need 0 <= --score-after < --window")
-    try:
-        lo, hi = (int(x) for x in args.seeds.split("-"))
-    except ValueError:
-        ap.error(f"--seeds must be A-B, got {args.seeds!r}")
+    args, seeds = window_args(ap, argv)
+    if args.horizon <= 0:
+        ap.error("--horizon must be positive")
     slos = rule_slos(CONTEXT_S)
-    for seed in range(lo, hi + 1):
+    for seed in seeds:
         arrivals = prefix_mix(args.rate, max(1, round(args.rate * args.window)), seed,
                               tight=True, slos=slos)
         scored = {id(s) for t, s in arrivals if t >= args.score_after}

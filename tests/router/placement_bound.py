@@ -151,30 +151,47 @@ def by_class(results: list[SimResult], scored: set[int]) -> str:
     return " ".join(f"{k} {met[k]}/{sent[k]}" for k in sorted(sent))
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def window_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments every simulated-window tool here takes: rate, seeds, window, scoring."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("rate", type=float, help="req/s")
     ap.add_argument("--seeds", default="1-1", help="A-B: the arrival seeds")
     ap.add_argument("--window", type=float, default=30.0, help="seconds of arrivals")
     ap.add_argument("--score-after", type=float, default=10.0,
                     help="seconds: only requests arriving from then on are scored (the "
                          "fleet's caches and the policies' profiles start cold)")
-    ap.add_argument("--move-after", type=float, default=5.0,
-                    help="seconds: only requests arriving from then on are moved")
-    ap.add_argument("--max-passes", type=int, default=3)
+    return ap
+
+
+def window_args(ap: argparse.ArgumentParser, argv: list[str] | None
+                ) -> tuple[argparse.Namespace, range]:
+    """Parsed arguments of :func:`window_parser` (checked; errors name the flag) and the seeds."""
     args = ap.parse_args(argv)
-    if args.rate <= 0 or args.window <= 0 or args.max_passes < 0:
-        ap.error("rate and --window must be positive, --max-passes at least 0")
-    if not 0 <= args.move_after <= args.score_after < args.window:
-        ap.error("need 0 <= --move-after <= --score-after < --window")
+    if args.rate <= 0 or args.window <= 0:
+        ap.error("rate and --window must be positive")
+    if not 0 <= args.score_after < args.window:
+        ap.error("need 0 <= --score-after < --window")
     try:
         lo, hi = (int(x) for x in args.seeds.split("-"))
     except ValueError:
         ap.error(f"--seeds must be A-B, got {args.seeds!r}")
     if lo > hi:
         ap.error(f"--seeds: {lo} is after {hi}")
+    return args, range(lo, hi + 1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = window_parser(__doc__.split("\n\n")[0])
+    ap.add_argument("--move-after", type=float, default=5.0,
+                    help="seconds: only requests arriving from then on are moved")
+    ap.add_argument("--max-passes", type=int, default=3)
+    args, seeds = window_args(ap, argv)
+    if args.max_passes < 0:
+        ap.error("--max-passes must be at least 0")
+    if not 0 <= args.move_after <= args.score_after:
+        ap.error("need 0 <= --move-after <= --score-after")
     slos = rule_slos(CONTEXT_S)
-    for seed in range(lo, hi + 1):
+    for seed in seeds:
         arrivals = prefix_mix(args.rate, max(1, round(args.rate * args.window)), seed,
                               tight=True, slos=slos)
         scored = {id(s) for t, s in arrivals if t >= args.score_after}
