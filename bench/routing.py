@@ -72,7 +72,9 @@ adaptive exactly (an A/A). Session 13: ``adaptive-cap`` and ``adaptive-cap8``, a
 the proxy's per-worker ``max_outstanding`` caps (``WORKER_CAPS``; proxy.admission), and
 ``least_outstanding-cap``, LO behind the same caps; ``adaptive-nocal``, the router's depth
 policy without its token-cost calibration; ``adaptive-headroom1``, ``slo_depth`` only where the
-mix depth's predicted TPOT misses the SLO (``slo_depth_headroom=1.0``, up to session 12). Diagnostics, not policies (``SplitDiagnostic``, session 11): adaptive
+mix depth's predicted TPOT misses the SLO (``slo_depth_headroom=1.0``, up to session 12).
+Session 16: ``adaptive-exploreany``, exploration to any unsaturated worker
+(``explore_within_slo=False``, up to session 15). Diagnostics, not policies (``SplitDiagnostic``, session 11): adaptive
 over a hand-made split of the fleet by the request's TPOT SLO (tight: at most the repetitive
 and conversational classes' TPOT SLO) -- ``split-soft`` keeps the loose requests off ``spec``,
 ``split-hard`` also keeps the tight ones on it alone, ``split-tight`` keeps the tight ones on
@@ -182,7 +184,8 @@ CLASS_OF = {d: c for c, ds in CLASSES.items() for d in ds}
 # mix depth; session 10's device A/B ran the switch the other way round, as
 # ``adaptive-slodepth``); ``adaptive-slos``, the proxy's ``routing.forward_slos=True`` (session
 # 12: the engine workers get each request's SLOs and pace prompt chunks by them, engine.pacing;
-# no other policy's proxy sends them).
+# no other policy's proxy sends them); ``adaptive-exploreany``, ``explore_within_slo=False``
+# (up to session 15: the 3% exploration goes to any unsaturated worker, whatever the SLO).
 # Context pricing (a long prompt's context priced into its worker's steps) was A/B'd in
 # session 9 at 0.96x of adaptive and retired in session 12.
 POLICIES: dict[str, Literal["policy", "adaptive"]] = {
@@ -192,7 +195,8 @@ POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "adaptive-noslodepth": "adaptive", "adaptive-slos": "adaptive",
     "split-soft": "adaptive", "split-hard": "adaptive", "split-tight": "adaptive",
     "adaptive-cap": "adaptive", "adaptive-cap8": "adaptive", "least_outstanding-cap": "policy",
-    "adaptive-nocal": "adaptive", "adaptive-headroom1": "adaptive"}
+    "adaptive-nocal": "adaptive", "adaptive-headroom1": "adaptive",
+    "adaptive-exploreany": "adaptive"}
 SPLITS = ("split-soft", "split-hard", "split-tight")  # diagnostics (SplitDiagnostic)
 NOSTALL = "adaptive-nostall"
 R4 = "adaptive-r4"
@@ -206,6 +210,7 @@ CAP8 = "adaptive-cap8"
 LO_CAP = "least_outstanding-cap"
 NOCAL = "adaptive-nocal"
 HEADROOM1 = "adaptive-headroom1"
+EXPLOREANY = "adaptive-exploreany"
 VARIANTS: dict[str, dict[str, Any]] = {NOSTALL: {"price_prefill_stalls": False},
                                         R4: {"step_scaled_batch": False},
                                         NORESERVE: {"reserve_slots": False},
@@ -213,7 +218,8 @@ VARIANTS: dict[str, dict[str, Any]] = {NOSTALL: {"price_prefill_stalls": False},
                                         TWIN: {},
                                         NOSLODEPTH: {"slo_depth": False}, SLOS: {},
                                         CAP: {}, CAP8: {}, NOCAL: {},
-                                        HEADROOM1: {"slo_depth_headroom": 1.0}}
+                                        HEADROOM1: {"slo_depth_headroom": 1.0},
+                                        EXPLOREANY: {"explore_within_slo": False}}
 # variants of the adaptive policy's depth policy (specdec.policy.PolicyConfig): ``adaptive-nocal``
 # prices each depth by the step model alone, without the calibration by finished requests'
 # seconds per token (calibrate_token_cost)
@@ -235,7 +241,7 @@ COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                (SLOS, "adaptive"), (CAP, "adaptive"), (CAP, "round_robin"),
                (CAP, "least_outstanding"), (CAP8, "adaptive"), (CAP, LO_CAP),
                (LO_CAP, "least_outstanding"), (NOCAL, "adaptive"), (NOCAL, "round_robin"),
-               (NOCAL, "least_outstanding"), ("adaptive", HEADROOM1),
+               (NOCAL, "least_outstanding"), ("adaptive", HEADROOM1), ("adaptive", EXPLOREANY),
                *((s, base) for s in SPLITS
                  for base in ("adaptive", "least_outstanding", "round_robin")))
 MAX_MODEL_LEN = 2048
