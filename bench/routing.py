@@ -154,7 +154,14 @@ from loadgen.runner import Runner
 from loadgen.synth import PromptSynthesizer
 from loadgen.tokenizer import load_token_counter
 from proxy.app import create_app, default_estimator
-from proxy.config import HealthConfig, ProxyConfig, RoutingConfig, SpeculationConfig, WorkerSpec
+from proxy.config import (
+    HealthConfig,
+    LimitsConfig,
+    ProxyConfig,
+    RoutingConfig,
+    SpeculationConfig,
+    WorkerSpec,
+)
 from proxy.config import TraceConfig as ProxyTraceConfig
 from proxy.routing import build_policy
 from proxy.supervisor import free_port
@@ -752,7 +759,14 @@ def proxy_config(name: str, urls: dict[str, str], configs: dict[str, CompiledCon
             **ROUTING_VARIANTS.get(name, {})),
         speculation=SpeculationConfig(mode=POLICIES[name]),
         traces=ProxyTraceConfig(enabled=False),
-        health=HealthConfig(interval_s=1.0, metrics_interval_s=0.25))
+        health=HealthConfig(interval_s=1.0, metrics_interval_s=0.25),
+        # NOTE: every policy's proxy runs in this process, on the event loop that also
+        # drives every load generator: its loop lag is the bench's, not the proxy's. With the
+        # lag rule on, a stall of that loop as a round began (324-366 ms late at 2-4% busy:
+        # the loop's thread off the CPU) shed the round's first 2-3 requests with 429 in
+        # every proxy alike (sessions 13, 15 and 16). Nothing here runs past a proxy's
+        # capacity.
+        limits=LimitsConfig(max_loop_lag_s=0))
 
 
 async def run_policy(name: str, policy: Any, urls: dict[str, str],

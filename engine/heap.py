@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,21 +48,43 @@ def settle_heap(young_threshold: int = YOUNG_THRESHOLD) -> int:
     return frozen
 
 
+class _Scopes:
+    """The open :func:`settled_heap` scopes of this process: the first one in settles the
+    heap, the last one out puts the collector back (scopes may overlap in any order, as
+    concurrent replays on one event loop do)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open = 0
+        self.thresholds: tuple[int, int, int] = gc.get_threshold()
+        self.froze = False
+
+
+_SCOPES = _Scopes()
+
+
 @contextmanager
 def settled_heap(young_threshold: int = YOUNG_THRESHOLD) -> Iterator[None]:
     """:func:`settle_heap` for the duration of a ``with`` block: collect, freeze what is
-    alive, raise the thresholds; on exit, restore the thresholds and unfreeze. A process
-    that froze its heap already (:func:`settle_heap`) keeps its own freeze: only the
-    thresholds change then."""
-    thresholds = gc.get_threshold()
-    ours = gc.get_freeze_count() == 0 and gc.isenabled()
-    if ours:
-        gc.collect()
-        gc.freeze()
-    gc.set_threshold(young_threshold, OLDER_THRESHOLD, OLDER_THRESHOLD)
+    alive, raise the thresholds; once the last open scope exits, restore the thresholds and
+    unfreeze. A process that froze its heap already (:func:`settle_heap`) keeps its own
+    freeze: only the thresholds change then. While scopes overlap, the first one's
+    ``young_threshold`` holds."""
+    with _SCOPES.lock:
+        if _SCOPES.open == 0:
+            _SCOPES.thresholds = gc.get_threshold()
+            _SCOPES.froze = gc.get_freeze_count() == 0 and gc.isenabled()
+            if _SCOPES.froze:
+                gc.collect()
+                gc.freeze()
+            gc.set_threshold(young_threshold, OLDER_THRESHOLD, OLDER_THRESHOLD)
+        _SCOPES.open += 1
     try:
         yield
     finally:
-        gc.set_threshold(*thresholds)
-        if ours:
-            gc.unfreeze()
+        with _SCOPES.lock:
+            _SCOPES.open -= 1
+            if _SCOPES.open == 0:
+                gc.set_threshold(*_SCOPES.thresholds)
+                if _SCOPES.froze:
+                    gc.unfreeze()

@@ -42,6 +42,18 @@ with settled_heap():
     assert gc.get_freeze_count() >= 5000
     assert gc.get_threshold() == (YOUNG_THRESHOLD, OLDER_THRESHOLD, OLDER_THRESHOLD)
 assert gc.get_freeze_count() == 0 and gc.get_threshold() == before  # put back as found
+# overlapping scopes, closed in the order they opened (concurrent replays): the collector
+# stays settled until the last one closes, then is put back as the first one found it
+a, b = settled_heap(), settled_heap()
+a.__enter__()
+frozen_a = gc.get_freeze_count()
+b.__enter__()
+assert gc.get_freeze_count() == frozen_a  # the second scope found it settled
+a.__exit__(None, None, None)
+assert gc.get_freeze_count() == frozen_a
+assert gc.get_threshold() == (YOUNG_THRESHOLD, OLDER_THRESHOLD, OLDER_THRESHOLD)
+b.__exit__(None, None, None)
+assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
 frozen = settle_heap()
 gc.set_threshold(700, 10, 10)
 with settled_heap(100):
