@@ -32,9 +32,10 @@ from tests.router.placement_bound import (
     by_class,
     score,
     window_args,
+    window_arrivals,
     window_parser,
 )
-from tests.router.prefix_mix_sim import CONTEXT_S, POLICIES, bench_fleet, prefix_mix, rule_slos
+from tests.router.prefix_mix_sim import CONTEXT_S, POLICIES, bench_fleet
 
 HORIZON_S = 3.0  # simulated seconds a look ahead runs at most
 
@@ -108,11 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     args, seeds = window_args(ap, argv)
     if args.horizon <= 0:
         ap.error("--horizon must be positive")
-    slos = rule_slos(CONTEXT_S)
     for seed in seeds:
-        arrivals = prefix_mix(args.rate, max(1, round(args.rate * args.window)), seed,
-                              tight=True, slos=slos)
-        scored = {id(s) for t, s in arrivals if t >= args.score_after}
+        arrivals, scored = window_arrivals(args, seed)
         tag = f"rate {args.rate:g} seed {seed}"
         met = {}
         for name in ("least_outstanding", "adaptive", "lookahead"):

@@ -180,6 +180,15 @@ def window_args(ap: argparse.ArgumentParser, argv: list[str] | None
     return args, range(lo, hi + 1)
 
 
+def window_arrivals(args: argparse.Namespace, seed: int
+                    ) -> tuple[list[tuple[float, RequestShape]], set[int]]:
+    """One seed's window of :func:`window_parser` arguments: the arrivals (SLOs by the bench's
+    rule) and the ids of the shapes that are scored."""
+    arrivals = prefix_mix(args.rate, max(1, round(args.rate * args.window)), seed, tight=True,
+                          slos=rule_slos(CONTEXT_S))
+    return arrivals, {id(s) for t, s in arrivals if t >= args.score_after}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = window_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--move-after", type=float, default=5.0,
@@ -190,11 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--max-passes must be at least 0")
     if not 0 <= args.move_after <= args.score_after:
         ap.error("need 0 <= --move-after <= --score-after")
-    slos = rule_slos(CONTEXT_S)
     for seed in seeds:
-        arrivals = prefix_mix(args.rate, max(1, round(args.rate * args.window)), seed,
-                              tight=True, slos=slos)
-        scored = {id(s) for t, s in arrivals if t >= args.score_after}
+        arrivals, scored = window_arrivals(args, seed)
         movable = [i for i, (t, _) in enumerate(arrivals) if t >= args.move_after]
         tag = f"rate {args.rate:g} seed {seed}"
         met, placements = {}, {}
