@@ -273,12 +273,17 @@ def _advance_chunked(w: SimWorker, now: float, dt: float) -> list[dict]:
     return done
 
 
+def latencies(req: dict) -> tuple[float, float]:
+    """(TTFT, TPOT) of a finished request, seconds, as its outcome reports them."""
+    n = req["shape"].predicted_output_tokens
+    return req["first"] - req["arrival"], (req["end"] - req["first"]) / max(n - 1, 1)
+
+
 def _report(policy: RoutingPolicy, w: SimWorker, req: dict, slo_ttft_s: float,
             slo_tpot_s: float) -> SimResult:
     shape: RequestShape = req["shape"]
     n = shape.predicted_output_tokens
-    ttft = req["first"] - req["arrival"]
-    tpot = (req["end"] - req["first"]) / max(n - 1, 1)
+    ttft, tpot = latencies(req)
     extra = {"cached_tokens": req["cached"]} if w.cache_tokens else {}
     k = _depth(w, req)
     steps = n / _tokens_per_step(w, req) if k else 0.0  # as the engine counts them

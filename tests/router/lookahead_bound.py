@@ -24,12 +24,21 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from router.base import RequestShape, RouteDecision, WorkerView
-from tests.router.fleet_sim import SimClock, SimResult, SimWorker, StepSums, _advance, simulate
+from tests.router.fleet_sim import (
+    SimClock,
+    SimResult,
+    SimWorker,
+    StepSums,
+    _advance,
+    latencies,
+    simulate,
+)
 from tests.router.placement_bound import (
     LATE_CAP,
     SCORE_DT,
     SEARCH_DT,
     by_class,
+    lateness,
     score,
     window_args,
     window_arrivals,
@@ -55,18 +64,15 @@ def request_value(req: dict, now: float) -> float:
     """1 for a request that met (or, unfinished at ``now``, is on course to meet) both SLOs;
     else minus its lateness / LATE_CAP^2, a tie-break worth less than one request met."""
     s: RequestShape = req["shape"]
-    ttft_slo, tpot_slo = s.slo_ttft_s or 1.0, s.slo_tpot_s or 1.0
     if req["first"] is None:
-        late = (now - req["arrival"]) / ttft_slo - 1.0
+        late = lateness(s, now - req["arrival"], 0.0)
         return 0.0 if late <= 0 else -min(LATE_CAP, late) / LATE_CAP**2
-    ttft = req["first"] - req["arrival"]
     if "end" in req:
-        tpot = (req["end"] - req["first"]) / max(s.predicted_output_tokens - 1, 1)
+        ttft, tpot = latencies(req)
     else:
-        tpot = (now - req["first"]) / max(req["tokens"], 1.0)
-    late = max(ttft / ttft_slo, tpot / tpot_slo) - 1.0
+        ttft, tpot = req["first"] - req["arrival"], (now - req["first"]) / max(req["tokens"], 1.0)
+    late = lateness(s, ttft, tpot)
     return 1.0 if late <= 0 else -min(LATE_CAP, late) / LATE_CAP**2
-
 
 class LookaheadPlanner:
     """Routes each request by running an exact copy of ``fleet`` ahead (see the module)."""

@@ -96,9 +96,14 @@ def score(results: list[SimResult], scored: set[int] | None = None) -> tuple[int
         if r.ttft_ok and r.tpot_ok:
             met += 1
             continue
-        s = r.shape
-        late += min(LATE_CAP, max(r.ttft_s / (s.slo_ttft_s or 1.0), r.tpot_s / (s.slo_tpot_s or 1.0)) - 1.0)
+        late += min(LATE_CAP, lateness(r.shape, r.ttft_s, r.tpot_s))
     return met, -late
+
+
+def lateness(shape: RequestShape, ttft_s: float, tpot_s: float) -> float:
+    """How far a request ran past the worse of its two SLOs, as a fraction of that SLO
+    (<= 0: both met)."""
+    return max(ttft_s / (shape.slo_ttft_s or 1.0), tpot_s / (shape.slo_tpot_s or 1.0)) - 1.0
 
 
 def policy_placement(name: str, arrivals: list[tuple[float, RequestShape]], dt: float
