@@ -13,7 +13,7 @@ front of each prompt, which shifts every chunk and window. The cached rows
 show what a repeated body costs, and one whose head repeats (the same prompt
 with a new last line, as with a shared system prompt or template).
 
-    nice -n 10 /work/venv/bin/python bench/classify.py [--data ../shared/data] [--repeat 3]
+    nice -n 10 /work/venv/bin/python bench/classify.py [--data data] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def variant(body: dict, k: int, where: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", type=Path, default=Path("../shared/data"))
+    ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[1] / "data")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     prompts = [e.text for e in spec_bench(args.data / "prompts/spec_bench_questions.jsonl")]

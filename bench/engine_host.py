@@ -27,7 +27,7 @@ NOTE: each tree runs in its own server process, and on the 2-core dev box an A/A
 same code as both trees, ``--new REV --baseline REV``) showed the first-started server ~12%
 slower at k=0 (per-process start-up state): read new/base ratios against such a run.
 
-    python bench/engine_host.py --data .devdata --depths 0 16 --per-domain 2
+    python bench/engine_host.py --depths 0 16 --per-domain 2
     python bench/engine_host.py --baseline 778ffad --depths 0 16   # before/after, one run
 """
 
@@ -360,7 +360,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
+    parser.add_argument("--data", default=str(REPO / "data"))
     parser.add_argument("--baseline", help="git revision to compare against, side by side")
     parser.add_argument("--new", help="git revision to run as 'new' (default: the work tree)")
     parser.add_argument("--baseline-dir", help="an exported tree to compare against (no git)")

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.config import TINY_TARGET  # noqa: E402
 
-SPEC_BENCH = ROOT.parent / "shared" / "data" / "prompts" / "spec_bench_questions.jsonl"
+SPEC_BENCH = ROOT / "data" / "prompts" / "spec_bench_questions.jsonl"
 
 
 def load_prompts(n: int, max_chars: int) -> list[str]:

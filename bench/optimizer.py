@@ -1,7 +1,7 @@
 """The optimizer on replayed traffic: search efficiency, gain, reload vs restart, traffic shift.
 
 Two traffic shapes are built from the Azure LLM inference traces
-(../shared/data/traces) as proxy trace records: consecutive rows, their
+(data/traces) as proxy trace records: consecutive rows, their
 prompt/output lengths, and their real inter-arrival gaps (burstiness kept)
 scaled to a mean rate this CPU box can serve:
 
@@ -14,7 +14,7 @@ scaled to a mean rate this CPU box can serve:
 
 The traces carry lengths only; each record gets real prompt text as if the
 proxy recorded prompts: Spec-Bench questions of its domain (coding for code;
-../shared/data/prompts), joined to the record's prompt length (capped).
+data/prompts), joined to the record's prompt length (capped).
 ``--prompts ''`` replays synthetic prompts instead (standard-library source,
 which the tiny model does not continue by copying: speculation then gains
 nothing, whatever the config).
@@ -105,7 +105,7 @@ from optimizer.verify import VerifyConfig, paired_gain  # noqa: E402
 
 logger = logging.getLogger("bench.optimizer")
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+DATA = Path(__file__).resolve().parents[1] / "data" / "traces"
 PROMPTS = DATA.parent / "prompts" / "spec_bench_questions.jsonl"
 # Spec-Bench categories whose prompts stand in for each domain's recorded prompt text
 CATEGORIES = {"code": ("coding",), "math": ("math_reasoning", "math"), "qa": ("qa",),

@@ -207,7 +207,7 @@ def report(name: str, sides: list[Side]) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    p.add_argument("--data", default=str(ROOT / "data"))
     p.add_argument("--workload", choices=("mooncake", "sessions"), default="mooncake")
     p.add_argument("--turns", type=int, default=4, help="turns per session (sessions)")
     p.add_argument("--model", default=str(TINY_TARGET))

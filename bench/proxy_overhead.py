@@ -17,12 +17,12 @@ CPU seconds per request (from /proc/<pid>/stat, user + system).
     python bench/proxy_overhead.py --rounds 3                   # 3 sweeps, CPU ratios per round
     # a many-core machine: 4 upstream processes, the load from 6 processes, each on its core
     python bench/proxy_overhead.py --upstream-procs 4 --loadgen-procs 6 --rates 1000 2000 4000 \
-        --vllm-router /path/to/vllm-router --data .devdata
+        --vllm-router /path/to/vllm-router
     python bench/proxy_overhead.py --loadgen URL RATE SECONDS PROMPTS DATA OFFSET  # (internal)
 
 Prompts (--prompts): ``fixed`` sends one short prompt every time (what the
 earlier runs measured; the proxy's shape cache then always hits), ``real``
-cycles through the 480 Spec-Bench prompts in ../shared/data (repeats after
+cycles through the 480 Spec-Bench prompts in data/ (repeats after
 480 requests), ``shared`` appends the request number to a Spec-Bench prompt
 (every prompt differs; its head repeats, as a system prompt or template
 would), ``unique`` puts the request number first (nothing repeats: every
@@ -56,7 +56,7 @@ NUM_WARMUP = 50  # requests sent before the timed schedule (connections opened, 
 PY = sys.executable
 BODY = {"model": "fake-fast", "stream": True, "max_tokens": 16,
         "messages": [{"role": "user", "content": "Say hello in sixteen short words, please."}]}
-DATA = REPO.parent / "shared" / "data"  # --data: prompts/spec_bench_questions.jsonl
+DATA = REPO / "data"  # --data: prompts/spec_bench_questions.jsonl
 PROMPT_MODES = ("fixed", "real", "shared", "unique")
 
 

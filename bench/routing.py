@@ -99,9 +99,9 @@ stated attainment) with the ratios of those rates, where
 requests went per (worker, class) with how many met the SLO, and the adaptive
 policy's depths and decision reasons per rate.
 
-    python bench/routing.py --data .devdata --rates 4 6 8 --duration 20 --rounds 3 --warmup 20 --seed 100
-    python bench/routing.py --data .devdata --rate-multiples 5 8 12 17 --duration 15 --rounds 4 --warmup 10 --fit-concurrency 1 --probe-passes 2 --seed 100 --policies round_robin least_outstanding adaptive adaptive-nostall  # session 7 round 4
-    python bench/routing.py --data .devdata --workload specbench --rates 7 9 --duration 15 --rounds 3 --warmup 20 --seed 100
+    python bench/routing.py --rates 4 6 8 --duration 20 --rounds 3 --warmup 20 --seed 100
+    python bench/routing.py --rate-multiples 5 8 12 17 --duration 15 --rounds 4 --warmup 10 --fit-concurrency 1 --probe-passes 2 --seed 100 --policies round_robin least_outstanding adaptive adaptive-nostall  # session 7 round 4
+    python bench/routing.py --workload specbench --rates 7 9 --duration 15 --rounds 3 --warmup 20 --seed 100
 
 Needs ~13 free cores (four fleets of three one-core workers, plus this process; three
 policies: ~10; ``fast-long``: one more core per fleet): the device runs used the lent H200
@@ -1230,7 +1230,7 @@ def miss_line(rows: list[dict[str, Any]], slos: dict[str, dict[str, float]]) -> 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--data", type=Path, default=ROOT / "data")
     ap.add_argument("--rates", type=float, nargs="+", help="mean req/s (default: 2)")
     ap.add_argument("--rate-multiples", type=float, nargs="+", metavar="M",
                     help="instead of --rates: rates set from this run's probe, m x this "

@@ -83,7 +83,7 @@ REPO = Path(__file__).resolve().parents[1]
 # file's name would shadow the specdec package; specdec is imported lazily below.
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(REPO)
-PROMPTS = REPO.parent / "shared" / "data" / "prompts" / "spec_bench_questions.jsonl"
+PROMPTS = REPO / "data" / "prompts" / "spec_bench_questions.jsonl"
 CATEGORY_DOMAIN = {
     "translation": "translation", "summarization": "summarization", "qa": "qa",
     "math_reasoning": "math", "math": "math", "rag": "rag", "coding": "code",

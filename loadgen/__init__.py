@@ -4,7 +4,7 @@ Python API (used in-process by the routing and optimizer benchmarks)::
 
     from loadgen import ReplayConfig, TraceConfig, ClientConfig, ArrivalConfig, run_replay
     summary = run_replay(ReplayConfig(
-        trace=TraceConfig("../shared/data/traces/azure_llm_2023_conv.csv"),
+        trace=TraceConfig("data/traces/azure_llm_2023_conv.csv"),
         client=ClientConfig("http://127.0.0.1:8000"),
         arrivals=ArrivalConfig(mode="trace", time_scale=0.1, max_requests=200),
         lengths=LengthConfig(max_model_len=2048),

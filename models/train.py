@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_SHARED = HERE.parent.parent / "shared" / "data"
+DEFAULT_DATA = HERE.parent / "data"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 VOCAB_SIZE = 8192
 CHAT_TEMPLATE = (
@@ -331,8 +331,9 @@ def evaluate(work: Path, target_dir: Path, draft_dir: Path, device: str, seq_len
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", choices=["corpus", "tokenizer", "train", "eval", "all"], default="all")
-    p.add_argument("--shared-data", type=Path, default=DEFAULT_SHARED,
-                   help="folder with prompts/gsm8k_train.jsonl and prompts/spec_bench_questions.jsonl")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA,
+                   help="folder with prompts/gsm8k_train.jsonl and prompts/spec_bench_questions.jsonl "
+                        "(default: the repository's data/, which keeps 2,500 of GSM8K's 7,473 rows)")
     p.add_argument("--work", type=Path, default=HERE / ".work", help="corpus and token cache")
     p.add_argument("--out", type=Path, default=HERE, help="where tiny-target/ and tiny-draft/ go")
     p.add_argument("--code-bytes", type=int, default=24_000_000)
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     target_dir, draft_dir = args.out / "tiny-target", args.out / "tiny-draft"
     stages = ["corpus", "tokenizer", "train", "eval"] if args.stage == "all" else [args.stage]
     if "corpus" in stages:
-        build_corpus(args.shared_data, args.work, args.code_bytes)
+        build_corpus(args.data, args.work, args.code_bytes)
     if "tokenizer" in stages:
         train_tokenizer(args.work, [target_dir, draft_dir])
     if "train" in stages:

@@ -2,10 +2,12 @@
 
 Examples::
 
-    # the shipped artefact: default corpus from the shared data + stdlib + templates
-    polyinfer train-classifier --shared-data ../shared/data --out router/data/domain_classifier.npz
+    # the shipped artefact: default corpus from the repository's data/ + stdlib + templates
+    polyinfer train-classifier --out router/data/domain_classifier.npz
     # add your own labelled prompts, or traces recorded with prompt text
     polyinfer train-classifier --jsonl labelled.jsonl --traces traces.jsonl --out my.npz
+    # only your own
+    polyinfer train-classifier --no-default-corpus --jsonl labelled.jsonl --out my.npz
 """
 
 from __future__ import annotations
@@ -24,12 +26,18 @@ from router.training import evaluate, format_report, load_labelled, train
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_DATA = Path(__file__).resolve().parents[1] / "data"
+
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("train-classifier", help="retrain the request domain classifier",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shared-data", type=Path, help="data dir with prompts/ (Spec-Bench, GSM8K)")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA,
+                   help="data dir with prompts/ (Spec-Bench, GSM8K) for the default corpus "
+                        "(default: %(default)s)")
+    p.add_argument("--no-default-corpus", action="store_true",
+                   help="train only on --jsonl/--traces, not on the default corpus")
     p.add_argument("--jsonl", type=Path, action="append", default=[],
                    help="labelled JSONL: domain + text|prompt|prompt_text|messages (repeatable)")
     p.add_argument("--traces", type=Path, action="append", default=[],
@@ -48,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", e)
         return 2
     if not train_set:
-        logger.error("no training data: give --shared-data, --jsonl or --traces")
+        logger.error("no training data: give --data, --jsonl or --traces")
         return 2
     meta = {"version": datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ"),
             "num_train": len(train_set), "num_held_out": len(test_set)}
@@ -71,10 +79,13 @@ def run(args: argparse.Namespace) -> int:
 def _collect(args: argparse.Namespace) -> tuple[list[Example], list[Example]]:
     train_set: list[Example] = []
     test_set: list[Example] = []
-    if args.shared_data:
+    if not args.no_default_corpus:
         from router.dataset import build_default
 
-        split = build_default(args.shared_data)
+        if not (args.data / "prompts").is_dir():
+            raise RouterError(f"no prompts/ folder in {args.data} (give --data DIR or "
+                              "--no-default-corpus)")
+        split = build_default(args.data)
         train_set += split.train
         test_set += split.test
     extra = [e for p in args.jsonl for e in load_labelled(p, "jsonl")]

@@ -11,7 +11,7 @@ from engine.config import TINY_TARGET
 from tests.loadgen.upstream import ScriptedUpstream
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED_DATA = REPO.parent / "shared" / "data"
+DATA = REPO / "data"
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from loadgen import (
     replay,
 )
 from proxy.supervisor import free_port
-from tests.loadgen.conftest import REPO, SHARED_DATA
+from tests.loadgen.conftest import REPO, DATA
 from tests.loadgen.servers import running_server
 
 
@@ -71,7 +71,7 @@ async def test_replay_against_the_engine(engine_url: str, tmp_path: Path) -> Non
 @pytest.mark.asyncio(loop_scope="module")
 async def test_chat_prompts_count_the_template(engine_url: str) -> None:
     cfg = ReplayConfig(
-        trace=TraceConfig(str(SHARED_DATA / "prompts/spec_bench_questions.jsonl")),
+        trace=TraceConfig(str(DATA / "prompts/spec_bench_questions.jsonl")),
         client=ClientConfig(engine_url),
         arrivals=ArrivalConfig(mode="concurrency", concurrency=2, max_requests=2),
         lengths=LengthConfig(default_output_tokens=3), output=OutputConfig(quiet=True))

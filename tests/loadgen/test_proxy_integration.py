@@ -28,7 +28,7 @@ from loadgen import (
 )
 from loadgen.readers import detect_format, read_trace
 from proxy.supervisor import free_port
-from tests.loadgen.conftest import SHARED_DATA
+from tests.loadgen.conftest import DATA
 from tests.loadgen.servers import running_server
 from tests.loadgen.upstream import Script, ScriptedUpstream
 
@@ -50,7 +50,7 @@ async def test_through_the_proxy_and_back_from_its_traces(upstream_slow: Scripte
     # the proxy writes traces/ under its cwd; leaving the context stops it, which flushes them
     async with running_server(argv, port, tmp_path) as proxy_url:
         cfg = ReplayConfig(
-            trace=TraceConfig(str(SHARED_DATA / "prompts/spec_bench_questions.jsonl")),
+            trace=TraceConfig(str(DATA / "prompts/spec_bench_questions.jsonl")),
             client=ClientConfig(proxy_url),
             arrivals=ArrivalConfig(mode="poisson", rate=20.0, max_requests=6, seed=2),
             lengths=LengthConfig(default_output_tokens=4), output=OutputConfig(quiet=True),

@@ -30,7 +30,7 @@ from loadgen import (
 from loadgen.cli import build_config, register
 from loadgen.compare import compare_files
 from loadgen.errors import LoadgenConfigError
-from tests.loadgen.conftest import REPO, SHARED_DATA
+from tests.loadgen.conftest import REPO, DATA
 from tests.loadgen.upstream import Script, ScriptedUpstream
 
 TOK = Tokenizer.from_file(str(TINY_TARGET / "tokenizer.json"))
@@ -92,7 +92,7 @@ async def test_mooncake_replay_bodies_timing_and_prefixes(upstream: ScriptedUpst
 
 
 async def test_specbench_goes_to_chat_with_domains(upstream: ScriptedUpstream) -> None:
-    cfg = _cfg(upstream.url, SHARED_DATA / "prompts/spec_bench_questions.jsonl",
+    cfg = _cfg(upstream.url, DATA / "prompts/spec_bench_questions.jsonl",
                arrivals=ArrivalConfig(mode="poisson", rate=200.0, max_requests=12, seed=1),
                lengths=LengthConfig(default_output_tokens=4))
     result = await replay(cfg)
@@ -125,7 +125,7 @@ async def test_duration_limit_and_errors_are_reported(upstream: ScriptedUpstream
 
 async def test_rate_sweep_writes_one_run_per_rate(upstream: ScriptedUpstream,
                                                   tmp_path: Path) -> None:
-    cfg = _cfg(upstream.url, SHARED_DATA / "prompts/gsm8k_train.jsonl",
+    cfg = _cfg(upstream.url, DATA / "prompts/gsm8k_train.jsonl",
                arrivals=ArrivalConfig(mode="poisson", rate=1.0, max_requests=4),
                lengths=LengthConfig(max_output_tokens=2), sweep_rates=(50.0, 100.0),
                output=OutputConfig(str(tmp_path), plots=False, quiet=True, label="gsm"))

@@ -29,7 +29,7 @@ from loadgen import (
     replay,
 )
 from proxy.supervisor import free_port
-from tests.loadgen.conftest import REPO, SHARED_DATA
+from tests.loadgen.conftest import REPO, DATA
 from tests.loadgen.servers import running_server
 
 pytestmark = [
@@ -76,7 +76,7 @@ async def test_completions_lengths_are_what_vllm_counts(vllm_url: str, tmp_path:
 @pytest.mark.asyncio(loop_scope="module")
 async def test_chat_lengths_are_what_vllm_counts(vllm_url: str) -> None:
     result = await replay(ReplayConfig(
-        trace=TraceConfig(str(SHARED_DATA / "prompts/spec_bench_questions.jsonl")),
+        trace=TraceConfig(str(DATA / "prompts/spec_bench_questions.jsonl")),
         client=ClientConfig(vllm_url),
         arrivals=ArrivalConfig(mode="concurrency", concurrency=2, max_requests=3),
         lengths=LengthConfig(default_output_tokens=5), output=OutputConfig(quiet=True)))

@@ -165,13 +165,13 @@ def test_the_split_diagnostics_keep_to_their_part_of_the_fleet(name: str, tight:
         assert sent <= allowed and (len(sent) > 1 or len(allowed) == 1)
 
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 def test_a_warm_up_probe_pass_sends_other_prompts_than_the_pass_that_counts() -> None:
     # the counting pass sends what a one-pass probe sends; a warm-up pass the next ones, so
     # none of the counting pass's prompts is a prefix-cache hit
-    four, first, second = (BENCH.class_prompts(SHARED, n, skip) for n, skip in
+    four, first, second = (BENCH.class_prompts(DATA, n, skip) for n, skip in
                            ((4, 0), (2, 0), (2, 2)))
     for c in BENCH.CLASSES:
         assert four[c] == first[c] + second[c] and not set(first[c]) & set(second[c])

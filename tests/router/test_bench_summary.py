@@ -73,17 +73,17 @@ def test_a_plan_the_trace_cannot_cover_fails_before_any_fleet_starts(tmp_path: P
         BENCH.Schedules(args)
 
 
-SHARED = ROOT.parent / "shared" / "data"
+DATA = ROOT / "data"
 
 
 def write_trace(tmp_path: Path, num: int) -> None:
     """A Mooncake trace of ``num`` requests (blocks ``i % 7`` and ``100 + i``) next to the
-    shared data's Spec-Bench prompts and Azure trace (the other half of the workload)."""
+    repository's Spec-Bench prompts and Azure trace (the other half of the workload)."""
     trace = tmp_path / BENCH.MOONCAKE
     trace.parent.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "prompts").symlink_to(SHARED / "prompts")
+    (tmp_path / "prompts").symlink_to(DATA / "prompts")
     (trace.parent / "azure_llm_2023_conv.csv").symlink_to(
-        SHARED / "traces" / "azure_llm_2023_conv.csv")
+        DATA / "traces" / "azure_llm_2023_conv.csv")
     trace.write_text("".join(json.dumps({"timestamp": i * 100, "input_length": 600,
                                          "output_length": 20, "hash_ids": [i % 7, 100 + i]})
                              + "\n" for i in range(num)))

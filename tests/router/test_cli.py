@@ -31,7 +31,7 @@ def test_train_from_jsonl_and_traces(tmp_path: Path, capsys) -> None:
         {"request_id": "b", "domain": "code", "prompt_text": "Write a Rust struct for a queue"},
     ])
     out = tmp_path / "clf.npz"
-    rc = main(["train-classifier", "--jsonl", str(data), "--traces", str(traces),
+    rc = main(["train-classifier", "--no-default-corpus", "--jsonl", str(data), "--traces", str(traces),
                "--held-out", "0.25", "--out", str(out), "--report", str(tmp_path / "r.json")])
     assert rc == 0
     clf = DomainClassifier.load(out)
@@ -45,6 +45,20 @@ def test_train_from_jsonl_and_traces(tmp_path: Path, capsys) -> None:
 def test_bad_input_exits_2_and_names_the_line(tmp_path: Path, caplog) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "hi", "domain": "code"}\n{"text": "x", "domain": "poetry"}\n')
-    assert main(["train-classifier", "--jsonl", str(bad), "--out", str(tmp_path / "o.npz")]) == 2
+    out = str(tmp_path / "o.npz")
+    assert main(["train-classifier", "--no-default-corpus", "--jsonl", str(bad), "--out", out]) == 2
     assert "bad.jsonl:2" in caplog.text
-    assert main(["train-classifier", "--out", str(tmp_path / "o.npz")]) == 2
+    assert main(["train-classifier", "--no-default-corpus", "--out", out]) == 2
+    assert main(["train-classifier", "--data", str(tmp_path / "nowhere"), "--out", out]) == 2
+    assert "no prompts/ folder in" in caplog.text
+
+
+def test_the_default_corpus_comes_from_the_repository_data() -> None:
+    from router.cli import DEFAULT_DATA
+    from router.dataset import build_default
+
+    split = build_default(DEFAULT_DATA)
+    sources = {e.source for e in split.train + split.test}
+    assert DEFAULT_DATA == Path(__file__).resolve().parents[2] / "data"
+    assert {"spec_bench", "gsm8k"} <= sources
+    assert sum(e.source == "gsm8k" for e in split.train + split.test) == 2500

@@ -101,7 +101,7 @@ def test_chunked_counting_is_exact_on_real_prompts(counter: TokenCounter) -> Non
     from router.corpus import spec_bench
 
     tok = Tokenizer.from_file(str(TINY_TARGET / "tokenizer.json"))
-    path = Path(__file__).resolve().parents[3] / "shared/data/prompts/spec_bench_questions.jsonl"
+    path = Path(__file__).resolve().parents[2] / "data/prompts/spec_bench_questions.jsonl"
     texts = [e.text for e in spec_bench(path)][::3]
     texts += ["a" * 3000, "  spaced   out  words " * 50, "日本語のテキスト " * 80, "x\n y" * 300]
     for text in texts:
