@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.config import TINY_TARGET
+from polyinfer.config import TINY_TARGET
 from router.corpus import gsm8k, spec_bench
 from router.shape import ShapeEstimator
 from router.tokens import render_chat

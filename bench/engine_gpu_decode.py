@@ -35,10 +35,10 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import TINY_TARGET, CompiledConfig, EngineConfig  # noqa: E402
 from engine.cuda_graph import DecodeRow  # noqa: E402
 from engine.loader import load_core  # noqa: E402
 from engine.sequence import GenerationParams  # noqa: E402
+from polyinfer.config import TINY_TARGET, CompiledConfig, EngineConfig  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

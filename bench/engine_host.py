@@ -168,8 +168,8 @@ def serve(config_path: str, port: int) -> None:
         run(self)
 
     step_cls.run = run_named
-    from engine.config import CompiledConfig
     from engine.server import create_app
+    from polyinfer.config import CompiledConfig
 
     async def stats(request: web.Request) -> web.Response:
         body = {"ms": timers.ms, "calls": timers.calls,

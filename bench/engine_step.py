@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.attention import SeqSlice, build_metadata, paged_attention  # noqa: E402
 from engine.checkpoint import ModelSpec, load_weights, read_spec  # noqa: E402
-from engine.config import TINY_TARGET  # noqa: E402
 from engine.cpu_attention import CpuPagedAttention, load_cpu_attention  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.model import LlamaModel  # noqa: E402
+from polyinfer.config import TINY_TARGET  # noqa: E402
 
 BLOCK = 16
 

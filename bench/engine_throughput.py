@@ -41,7 +41,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.config import TINY_TARGET  # noqa: E402
+from polyinfer.config import TINY_TARGET  # noqa: E402
 
 SPEC_BENCH = ROOT / "data" / "prompts" / "spec_bench_questions.jsonl"
 

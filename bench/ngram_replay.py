@@ -95,9 +95,9 @@ def dev_prompts(per_domain: int) -> list[Prompt]:
 
 def generate(prompts: list[Prompt], max_tokens: int, batch: int) -> list[Record]:
     """Greedy depth-0 outputs of the bundled target, ``batch`` requests at a time."""
-    from engine.config import TINY_TARGET, CompiledConfig, EngineConfig
     from engine.loader import load_core
     from engine.sequence import GenerationParams
+    from polyinfer.config import TINY_TARGET, CompiledConfig, EngineConfig
     from specdec.sampling import SamplingParams
 
     cfg = EngineConfig(kv_cache_tokens=32768, enable_prefix_caching=False, max_num_seqs=batch)

@@ -86,7 +86,6 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import aiohttp  # noqa: E402
 
-from engine.config import TINY_TARGET, CompiledConfig  # noqa: E402
 from optimizer.agents.base import Agent, BoardView  # noqa: E402
 from optimizer.agents.bayes import BayesAgent  # noqa: E402
 from optimizer.agents.costagent import CostModelAgent  # noqa: E402
@@ -102,6 +101,7 @@ from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay  # no
 from optimizer.service import OptimizerConfig, OptimizerService  # noqa: E402
 from optimizer.space import Knob, SearchSpace  # noqa: E402
 from optimizer.verify import VerifyConfig, paired_gain  # noqa: E402
+from polyinfer.config import TINY_TARGET, CompiledConfig  # noqa: E402
 
 logger = logging.getLogger("bench.optimizer")
 

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.engine_throughput import wait_ready  # noqa: E402
-from engine.config import TINY_TARGET  # noqa: E402
+from polyinfer.config import TINY_TARGET  # noqa: E402
 
 VOCAB = 8192
 FIRST_ID = 10  # keep clear of the special tokens

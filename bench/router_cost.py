@@ -43,7 +43,7 @@ FEED_EVERY = 25  # requests between the step feeds
 
 
 def _fleet() -> list[Any]:
-    from engine.config import CompiledConfig, DeclaredFit
+    from polyinfer.config import CompiledConfig, DeclaredFit
     from router.base import WorkerView
     rep, conv, long_ = ("translation", "code", "extraction"), ("chat", "math", "qa"), \
         ("summarization", "rag")

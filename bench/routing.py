@@ -135,7 +135,6 @@ import orjson
 import yaml
 from aiohttp import web
 
-from engine.config import TINY_TARGET, CompiledConfig, DeclaredFit, EngineConfig
 from loadgen.client import StreamingClient, make_session
 from loadgen.config import (
     ArrivalConfig,
@@ -153,6 +152,7 @@ from loadgen.request import RequestResult, TraceRequest
 from loadgen.runner import Runner
 from loadgen.synth import PromptSynthesizer
 from loadgen.tokenizer import load_token_counter
+from polyinfer.config import TINY_TARGET, CompiledConfig, DeclaredFit, EngineConfig
 from proxy.app import create_app, default_estimator
 from proxy.config import (
     HealthConfig,

@@ -395,7 +395,7 @@ class Bench:
 
 
 def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -> None:
-    from engine.heap import settle_heap
+    from polyinfer.heap import settle_heap
     from specdec.policy import NGRAM_DOMAIN_PRIORS, DepthPolicy, PolicyConfig
 
     depths = sorted({0, *args.depths})
@@ -863,10 +863,10 @@ def run_device_step_costs(device: str, batches: list[int], depths: list[int], co
     import torch
 
     from bench.verify_step import greedy_continuation, make_sequences
-    from engine.config import TINY_TARGET, CompiledConfig, EngineConfig
     from engine.cuda_graph import RowDecoder
     from engine.loader import load_core
     from engine.scheduler import ScheduledSeq
+    from polyinfer.config import TINY_TARGET, CompiledConfig, EngineConfig
 
     on_cuda = device.startswith("cuda")
     max_depth = max(depths)
@@ -925,9 +925,9 @@ def run_draft_confidence(prompts: list[Prompt], thresholds: list[float], depth: 
     cuts against depth 0, interleaved per prompt (one core, weights and draft shared)."""
     import dataclasses
 
-    from engine.config import TINY_DRAFT, TINY_TARGET, CompiledConfig, EngineConfig
     from engine.loader import load_core
     from engine.sequence import GenerationParams
+    from polyinfer.config import TINY_DRAFT, TINY_TARGET, CompiledConfig, EngineConfig
     from specdec.draft import DraftProposer
     from specdec.sampling import SamplingParams
 
@@ -972,10 +972,10 @@ def run_caps_ab(prompts: list[Prompt], depths: list[int], max_tokens: int, devic
     order. Each variant keeps its own output pool, fed the same (greedy) outputs."""
     import dataclasses as dc
 
-    from engine.config import TINY_TARGET, CompiledConfig, EngineConfig, build_dataclass
     from engine.loader import load_core
     from engine.proposers import build_proposer
     from engine.sequence import GenerationParams
+    from polyinfer.config import TINY_TARGET, CompiledConfig, EngineConfig, build_dataclass
     from specdec.sampling import SamplingParams
 
     # prefix caching off: see engine_process

@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import model as model_module  # noqa: E402
 from engine.checkpoint import load_weights, read_spec  # noqa: E402
-from engine.config import TINY_TARGET  # noqa: E402
 from engine.model import LlamaModel  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 from engine.scheduler import ScheduledSeq  # noqa: E402
 from engine.sequence import GenerationParams, Sequence  # noqa: E402
+from polyinfer.config import TINY_TARGET  # noqa: E402
 
 BLOCK = 16
 

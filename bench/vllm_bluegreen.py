@@ -33,7 +33,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import TINY_TARGET, CompiledConfig, EngineConfig  # noqa: E402
+from polyinfer.config import TINY_TARGET, CompiledConfig, EngineConfig  # noqa: E402
 from proxy.config import ProxyConfig, WorkerSpec  # noqa: E402
 from proxy.server import ProxyServer  # noqa: E402
 from proxy.supervisor import engine_command, free_port  # noqa: E402

@@ -22,6 +22,6 @@ Modules, in the order a request meets them:
 - ``proposers``: the speculative proposer a compiled config names; ``metrics``: vLLM's
   Prometheus metric names; ``loader``: builds a core from a compiled config.
 
-The knobs are :class:`engine.config.EngineConfig` (the ``engine`` slice of the compiled
+The knobs are :class:`polyinfer.config.EngineConfig` (the ``engine`` slice of the compiled
 config); ``POST /admin/reload`` applies a new one without re-reading weights.
 """

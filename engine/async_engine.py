@@ -26,12 +26,12 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from engine.config import CompiledConfig
 from engine.core import EngineCore, RequestOutput, StepStats
 from engine.errors import RequestError
 from engine.metrics import EngineMetrics
 from engine.sequence import GenerationParams
 from engine.tokenizer import TextTokenizer
+from polyinfer.config import CompiledConfig
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from engine.config import CompiledConfig, ConfigError
 from engine.errors import EngineError
+from polyinfer.config import CompiledConfig, ConfigError
 
 logger = logging.getLogger(__name__)
 

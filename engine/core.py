@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint import ModelSpec, load_weights
-from engine.config import CompiledConfig, EngineConfig, restart_fields_changed
 from engine.cuda_graph import CudaGraphDecoder
+from engine.fused import verify_variants
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import (
     ContextLengthError,
@@ -38,6 +38,7 @@ from engine.runner import ModelRunner, StepResult
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import GenerationParams, Sequence
 from engine.tokenizer import TextTokenizer
+from polyinfer.config import CompiledConfig, EngineConfig, restart_fields_changed
 from specdec.base import Proposal, ProposalRequest, Proposer
 from specdec.step_feed import DecodeStep
 
@@ -106,7 +107,9 @@ class EngineCore:
         self.model = LlamaModel(self.spec, self._layer_weights(cfg), cfg.dtype, cfg.device,
                                 max_positions=self.max_model_len + cfg.spec_max_depth + 1,
                                 execution=cfg.execution, attention=cfg.attention,
-                                share=getattr(self, "model", None))
+                                variants=cfg.forward, share=getattr(self, "model", None))
+        if cfg.forward.enabled:  # every fused kernel against its reference, before it serves
+            verify_variants(cfg.forward.enabled, self.spec, cfg.device, self.model.dtype)
         try:
             kv = self.model.new_kv_cache(cfg.num_kv_blocks, cfg.block_size)
         except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeError

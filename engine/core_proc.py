@@ -25,8 +25,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.async_engine import Abort, Add, Command, Reload, ResetPrefixCache
-from engine.config import CompiledConfig
 from engine.core import RequestOutput, StepStats
+from polyinfer.config import CompiledConfig
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +107,8 @@ def main(config: CompiledConfig, conn: Connection, log_level: int) -> None:
                         format=f"%(asctime)s core[{os.getpid()}] %(levelname)s %(name)s: "
                                "%(message)s")
     from engine.async_engine import StepLoop
-    from engine.heap import settle_heap
     from engine.loader import load_core
+    from polyinfer.heap import settle_heap
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us (Ctrl-C reaches both)
 

@@ -24,12 +24,12 @@ from typing import Any
 from engine import core_proc
 from engine.async_engine import OutputRouter
 from engine.checkpoint import read_spec
-from engine.config import CompiledConfig, restart_fields_changed
 from engine.core import RequestOutput
 from engine.errors import EngineError, EngineUnavailableError, ReloadError
 from engine.metrics import EngineMetrics
 from engine.sequence import GenerationParams
 from engine.tokenizer import TextTokenizer
+from polyinfer.config import CompiledConfig, restart_fields_changed
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from polyinfer.errors import error_body
+
 
 class EngineError(Exception):
     """Base of every error raised by the engine."""
@@ -47,8 +49,7 @@ class RequestError(EngineError):
         self.code = code
 
     def to_body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.error_type,
-                          "param": self.param, "code": self.code}}
+        return error_body(self.message, self.error_type, self.param, self.code)
 
 
 class InvalidRequestError(RequestError):

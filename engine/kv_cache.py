@@ -195,10 +195,3 @@ class KVCache:
     @property
     def num_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v ``[T, Hkv, D]`` at flat slots ``[T]`` of ``layer``."""
-        kl, vl = self.k[layer], self.v[layer]
-        heads, dim = kl.shape[0], kl.shape[-1]
-        kl.view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
-        vl.view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))

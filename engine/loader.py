@@ -6,9 +6,9 @@ import logging
 import time
 
 from engine.checkpoint import load_weights, read_spec
-from engine.config import CompiledConfig
 from engine.core import EngineCore
 from engine.tokenizer import TextTokenizer
+from polyinfer.config import CompiledConfig
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import logging
 import torch
 
 from engine.checkpoint import ModelSpec
-from engine.config import EngineConfig
 from engine.errors import ReloadError
+from polyinfer.config import EngineConfig
 from specdec.base import Proposer
 from specdec.ngram import NgramConfig, NgramProposer
 

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from engine.config import CompiledConfig
 from engine.errors import (
     ContextLengthError,
     InvalidRequestError,
@@ -29,6 +28,7 @@ from engine.errors import (
 )
 from engine.sequence import GenerationParams
 from engine.tokenizer import TextTokenizer
+from polyinfer.config import CompiledConfig
 from specdec.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16

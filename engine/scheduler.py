@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineConfig
 from engine.kv_cache import BlockAllocator, blocks_needed, extend_block_hashes
 from engine.pacing import PrefillBudget, PrefillPacer
 from engine.sequence import Sequence, Status
+from polyinfer.config import EngineConfig
 from specdec.base import Proposal
 
 logger = logging.getLogger(__name__)

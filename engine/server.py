@@ -24,7 +24,6 @@ import orjson
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine
-from engine.config import CompiledConfig, ConfigError
 from engine.core import RequestOutput
 from engine.dp import DataParallelEngine
 from engine.errors import (
@@ -34,7 +33,6 @@ from engine.errors import (
     ReloadError,
     RequestError,
 )
-from engine.heap import settle_heap
 from engine.loader import load_core
 from engine.metrics import CONTENT_TYPE, EngineMetrics
 from engine.protocol import (
@@ -45,6 +43,9 @@ from engine.protocol import (
     usage,
     usage_chunk,
 )
+from polyinfer.config import CompiledConfig, ConfigError
+from polyinfer.errors import error_body
+from polyinfer.heap import settle_heap
 
 logger = logging.getLogger(__name__)
 INLINE_TOKENIZE_BYTES = 16384  # larger bodies are parsed (and tokenized) off the event loop
@@ -134,8 +135,8 @@ async def _collect(outputs: AsyncIterator[RequestOutput], parsed: ParsedRequest,
     except RequestError as e:  # e.g. the engine-core process died (engine.dp)
         return _error(e)
     if last.finish_reason == "abort":  # the engine failed the request (see its log)
-        return _json({"error": {"message": "the engine failed while running this request",
-                                "type": "internal_error", "param": None, "code": None}}, 500)
+        return _json(error_body("the engine failed while running this request",
+                                "internal_error"), 500)
     use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_draft_tokens,
                 last.num_accepted_tokens, last.num_cached_tokens)
     return _json(completion_body(rid, model, parsed.chat, "".join(parts), last.finish_reason,

@@ -31,7 +31,7 @@ import orjson
 
 from loadgen.config import ClientConfig
 from loadgen.request import PreparedRequest, RequestResult
-from proxy.errors import error_codes, error_field
+from polyinfer.errors import error_codes, error_field
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ bodies are bytes prepared beforehand, every due request is started in one
 pass, and the loop sleeps with a short cooperative spin at the end so that
 uvloop's millisecond timer resolution does not show up as send-time lag.
 The run holds the garbage collector's full collections off
-(:func:`engine.heap.settled_heap`): every result is kept until the end, so with
+(:func:`polyinfer.heap.settled_heap`): every result is kept until the end, so with
 CPython's default thresholds each full collection re-scanned all of them and
 showed as send lag.
 """
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from engine.heap import settled_heap
 from loadgen.client import StreamingClient
 from loadgen.request import PreparedRequest, RequestResult
+from polyinfer.heap import settled_heap
 
 logger = logging.getLogger(__name__)
 

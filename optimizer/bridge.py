@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from engine.config import CompiledConfig
 from optimizer.errors import PromotionError
 from optimizer.promote import Switched
+from polyinfer.config import CompiledConfig
 
 if TYPE_CHECKING:
     from proxy.bluegreen import BlueGreen as ProxyBlueGreen

@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import CompiledConfig
 from optimizer.board import Board, Proposal, best_by_key
 from optimizer.costmodel import CostModel, Workload
 from optimizer.errors import MeasurementError
@@ -31,6 +30,7 @@ from optimizer.measure import Measurement, Measurer
 from optimizer.pruner import PruneConfig, Pruner
 from optimizer.space import SearchSpace
 from optimizer.verify import GainReport, paired_gain
+from polyinfer.config import CompiledConfig
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ import json
 import logging
 import sys
 
-from engine.config import TINY_TARGET, CompiledConfig, ConfigError
 from optimizer.campaign import SearchConfig
 from optimizer.errors import OptimizerError
 from optimizer.join import join_campaign
@@ -24,6 +23,7 @@ from optimizer.measure import Tier
 from optimizer.promote import PromotionConfig
 from optimizer.sample import SampleConfig
 from optimizer.service import AGENT_NAMES, OptimizerConfig, OptimizerService
+from polyinfer.config import TINY_TARGET, CompiledConfig, ConfigError
 
 logger = logging.getLogger(__name__)
 

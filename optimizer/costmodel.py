@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.config import CompiledConfig
 from optimizer.profile import TrafficProfile
 from optimizer.space import ModelShape, SearchSpace
+from polyinfer.config import CompiledConfig
 
 logger = logging.getLogger(__name__)
 

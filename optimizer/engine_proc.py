@@ -19,9 +19,9 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from engine.config import CompiledConfig
 from optimizer.errors import EngineUnavailable
 from optimizer.measure import EngineClient
+from polyinfer.config import CompiledConfig
 
 logger = logging.getLogger(__name__)
 

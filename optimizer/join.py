@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from engine.config import CompiledConfig
 from optimizer.agents.base import Agent, AgentRunner
 from optimizer.agents.bayes import BayesAgent
 from optimizer.agents.evolution import EvolutionAgent
 from optimizer.board import Board
 from optimizer.space import DEFAULT_KNOBS, Knob, SearchSpace
+from polyinfer.config import CompiledConfig
 
 logger = logging.getLogger(__name__)
 

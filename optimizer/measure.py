@@ -18,7 +18,7 @@ Objectives (higher is better), see :class:`Measurer`:
     changes (speculation trades CPU for latency), while throughput is capped
     by the offered load.
 
-Restart-only knobs (``engine.config.RESTART_FIELDS``, e.g. ``data_parallel_size``)
+Restart-only knobs (``polyinfer.config.RESTART_FIELDS``, e.g. ``data_parallel_size``)
 cannot be hot-reloaded: with an :class:`optimizer.pool.EnginePool` the measurer
 runs such a candidate on an engine started with it, and the cold start it
 paid is part of the experiment's seconds (``Measurement.restart_s``); without
@@ -44,13 +44,13 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import orjson
 
-from engine.config import CompiledConfig
 from loadgen.client import StreamingClient
 from loadgen.config import ClientConfig
 from loadgen.request import PreparedRequest
 from loadgen.runner import Runner
 from optimizer.errors import EngineUnavailable, MeasurementError, ReloadRejected
 from optimizer.sample import ReplayRequest
+from polyinfer.config import CompiledConfig
 
 if TYPE_CHECKING:
     from optimizer.pool import EnginePool

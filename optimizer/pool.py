@@ -1,7 +1,7 @@
 """Measurement engines by restart class: candidates that a hot reload cannot reach.
 
 Most knobs are hot-reloadable: one persistent engine measures every
-candidate. A few are not (:data:`engine.config.RESTART_FIELDS`, e.g.
+candidate. A few are not (:data:`polyinfer.config.RESTART_FIELDS`, e.g.
 ``data_parallel_size``: engine-core processes are spawned at start-up). A
 candidate that changes one of them needs an engine started with it, which
 costs a cold start (seconds) where a reload costs a tenth of a second.
@@ -32,10 +32,10 @@ from typing import Any
 
 import aiohttp
 
-from engine.config import RESTART_FIELDS, CompiledConfig
 from optimizer.engine_proc import EngineProcess
 from optimizer.errors import MeasurementError
 from optimizer.measure import EngineClient
+from polyinfer.config import RESTART_FIELDS, CompiledConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Traces -> a traffic profile and a representative (stratified) replay sample.
 
-Input is the proxy's trace record (DESIGN.md), one JSON object per line, from
-files or handed over live by the proxy. A bad line (not JSON, a missing or
+Input is the proxy's trace record (:mod:`polyinfer.trace`), one JSON object per
+line, from files or handed over live by the proxy. A bad line (not JSON, a missing or
 ill-typed field, an unknown domain) is reported with its file and line number
 and skipped; it never stops the read.
 
@@ -27,35 +27,11 @@ from typing import Any
 
 import orjson
 
-from engine.config import DOMAINS
 from optimizer.errors import TraceError
+from polyinfer.config import DOMAINS
+from polyinfer.trace import TraceRecord, parse_record
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TraceRecord:
-    """The fields of a trace record the optimizer uses (prompt text only when recorded)."""
-
-    ts: float  # unix seconds, arrival
-    domain: str
-    prompt_tokens: int
-    max_tokens: int | None = None
-    completion_tokens: int | None = None
-    stream: bool = False
-    status: str = "ok"
-    spec_depth: int | None = None
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    e2e_s: float | None = None  # seconds
-    prompt: str | None = None  # present only when the operator records prompts
-
-    @property
-    def output_tokens(self) -> int:
-        """Observed output length, else the requested cap, else a small default."""
-        if self.completion_tokens is not None:
-            return self.completion_tokens
-        return self.max_tokens if self.max_tokens is not None else 16
 
 
 @dataclass(frozen=True)
@@ -74,45 +50,18 @@ class TraceRead:
     bad_lines: list[BadLine]
 
 
-_INT_FIELDS = ("prompt_tokens",)
-_OPT_INT_FIELDS = ("max_tokens", "completion_tokens", "spec_depth")
+def profile_record(obj: Any) -> TraceRecord:
+    """One decoded trace line -> a record the profile can use; ValueError names the bad field."""
+    return checked_record(parse_record(obj))
 
 
-def parse_record(obj: Any) -> TraceRecord:
-    """One decoded JSON value -> a record; raises ValueError naming the bad field."""
-    if not isinstance(obj, Mapping):
-        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-    ts = obj.get("ts")
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts):
-        raise ValueError(f"ts: expected a number, got {ts!r}")
-    domain = obj.get("domain")
-    if domain not in DOMAINS:
-        raise ValueError(f"domain: expected one of {DOMAINS}, got {domain!r}")
-    ints: dict[str, int | None] = {}
-    for name in _INT_FIELDS + _OPT_INT_FIELDS:
-        value = obj.get(name)
-        if value is None and name in _OPT_INT_FIELDS:
-            ints[name] = None
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name}: expected a non-negative integer, got {value!r}")
-        ints[name] = value
-    e2e = obj.get("e2e_s")
-    prompt = obj.get("prompt")
-    return TraceRecord(
-        ts=float(ts), domain=domain, prompt_tokens=int(ints["prompt_tokens"] or 0),
-        max_tokens=ints["max_tokens"], completion_tokens=ints["completion_tokens"],
-        stream=bool(obj.get("stream", False)), status=str(obj.get("status", "ok")),
-        spec_depth=ints["spec_depth"],
-        spec_draft_tokens=_nonneg_int(obj.get("spec_draft_tokens")),
-        spec_accepted_tokens=_nonneg_int(obj.get("spec_accepted_tokens")),
-        e2e_s=float(e2e) if isinstance(e2e, (int, float)) and not isinstance(e2e, bool) else None,
-        prompt=prompt if isinstance(prompt, str) else None,
-    )
-
-
-def _nonneg_int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+def checked_record(record: TraceRecord) -> TraceRecord:
+    """``record`` if it has what a profile needs (a known domain, a prompt length)."""
+    if record.domain not in DOMAINS:
+        raise ValueError(f"domain: expected one of {DOMAINS}, got {record.domain!r}")
+    if record.prompt_tokens is None:
+        raise ValueError("prompt_tokens: expected a non-negative integer, got None")
+    return record
 
 
 def parse_lines(lines: Iterable[bytes | str], source: str, first_line_no: int = 1) -> TraceRead:
@@ -122,7 +71,7 @@ def parse_lines(lines: Iterable[bytes | str], source: str, first_line_no: int = 
         if not line.strip():
             continue
         try:
-            records.append(parse_record(orjson.loads(line)))
+            records.append(profile_record(orjson.loads(line)))
         except orjson.JSONDecodeError as e:
             bad.append(BadLine(source, line_no, f"not JSON ({e})"))
         except ValueError as e:

@@ -2,7 +2,7 @@
 
 Engine workers take the winner by hot reload (``POST /admin/reload``: the
 engine swaps configs between steps, requests in flight continue), unless the
-winner changes a restart-only field (``engine.config.RESTART_FIELDS``, e.g.
+winner changes a restart-only field (``polyinfer.config.RESTART_FIELDS``, e.g.
 ``data_parallel_size``). vLLM workers, and engine workers in that case, need a
 blue-green replacement (a new server, then drain the old), which costs a cold
 start: ``switch_cost_s`` prices that, and a candidate is
@@ -27,9 +27,9 @@ from typing import Protocol
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import RESTART_FIELDS, CompiledConfig, needs_restart
 from optimizer.errors import PromotionError
 from optimizer.measure import EngineClient
+from polyinfer.config import RESTART_FIELDS, CompiledConfig, needs_restart
 
 logger = logging.getLogger(__name__)
 

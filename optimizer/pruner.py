@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.config import CompiledConfig
+from polyinfer.config import CompiledConfig
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optimizer.errors import OptimizerError
-from optimizer.profile import TraceRecord
+from polyinfer.trace import TraceRecord
 
 logger = logging.getLogger(__name__)
 
@@ -124,10 +124,10 @@ def build_replay(records: Sequence[TraceRecord], synth: PromptSynthesizer,
     t0 = ordered[0].ts if ordered else 0.0
     out = []
     for r in ordered:
-        num_prompt = max(1, min(r.prompt_tokens, config.max_prompt_tokens))
+        num_prompt = max(1, min(r.prompt_tokens or 0, config.max_prompt_tokens))
         # NOTE: a recorded prompt is replayed as recorded, cut to the cap like a synthetic one
-        prompt = (synth.truncate(r.prompt, config.max_prompt_tokens) if r.prompt is not None
-                  else synth.make(r.domain, num_prompt))
+        prompt = (synth.truncate(r.prompt_text, config.max_prompt_tokens)
+                  if r.prompt_text is not None else synth.make(r.domain, num_prompt))
         max_tokens = max(config.min_output_tokens, min(r.output_tokens, config.max_output_tokens))
         out.append(ReplayRequest(r.domain, prompt, synth.count_tokens(prompt), max_tokens,
                                  (r.ts - t0) / config.time_scale))

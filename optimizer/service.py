@@ -29,14 +29,13 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from engine.config import RESTART_FIELDS, TINY_DRAFT, CompiledConfig, needs_restart
 from optimizer.agents.base import Agent, AgentRunner
 from optimizer.agents.bayes import BayesAgent
 from optimizer.agents.costagent import CostModelAgent
@@ -50,11 +49,10 @@ from optimizer.errors import OptimizerError, PromotionError
 from optimizer.measure import EngineClient, Measurer, Tier
 from optimizer.pool import EnginePool
 from optimizer.profile import (
-    TraceRecord,
     TraceTail,
     TrafficProfile,
     build_profile,
-    parse_record,
+    checked_record,
     profile_distance,
     stratified_sample,
 )
@@ -62,6 +60,8 @@ from optimizer.promote import BlueGreen, ConfigSink, Promoter, PromotionConfig
 from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
 from optimizer.space import DEFAULT_KNOBS, Knob, ModelShape, SearchSpace
 from optimizer.verify import VerifyConfig, fixed_prompts, reference_outputs, verify_candidate
+from polyinfer.config import RESTART_FIELDS, TINY_DRAFT, CompiledConfig, needs_restart
+from polyinfer.trace import TraceRecord
 
 logger = logging.getLogger(__name__)
 
@@ -163,10 +163,10 @@ class OptimizerService:
 
     # -- the public surface -------------------------------------------------
 
-    def observe(self, record: Mapping[str, Any]) -> None:
+    def observe(self, record: TraceRecord) -> None:
         """A live trace record from the proxy (cheap; bad records are counted and dropped)."""
         try:
-            self._records.append(parse_record(record))
+            self._records.append(checked_record(record))
         except ValueError:
             self._num_bad_lines += 1
 

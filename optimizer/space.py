@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import CompiledConfig, ConfigError, EngineConfig
 from optimizer.errors import SpaceError
+from polyinfer.config import CompiledConfig, ConfigError, EngineConfig
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -122,7 +122,7 @@ DEFAULT_KNOBS: tuple[Knob, ...] = (
     # NOTE: at low load one request's step is too small to keep many threads
     # busy, at high load batches are; which wins depends on the machine.
     Knob("num_threads", thread_counts()),
-    # NOTE: restart-only (engine.config.RESTART_FIELDS): measured on an engine of its
+    # NOTE: restart-only (polyinfer.config.RESTART_FIELDS): measured on an engine of its
     # own (optimizer.pool), the cold start priced into the search budget, promoted by
     # blue-green; dropped from the space when the measurement engine is not ours.
     Knob("data_parallel_size", dp_sizes()),

@@ -19,9 +19,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.config import CompiledConfig
 from optimizer.measure import EngineClient
 from optimizer.sample import PromptSynthesizer
+from polyinfer.config import CompiledConfig
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import hmac
 import orjson
 from aiohttp import web
 
-from engine.config import ConfigError, build_dataclass
+from polyinfer.config import ConfigError, build_dataclass
 from proxy import keys
 from proxy.bluegreen import ReplacementBusy, ReplacementError, ReplaceRequest
 from proxy.config import WorkerSpec

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
-from engine.config import CompiledConfig, ConfigError
+from polyinfer.config import CompiledConfig, ConfigError
 from proxy.config import LaunchSpec, WorkerSpec
 from proxy.pool import Worker, WorkerPool
 

@@ -1,13 +1,13 @@
 """The proxy's configuration: one frozen root (:class:`ProxyConfig`), a slice per part.
 
-Loaded from YAML and validated with :func:`engine.config.build_dataclass`, so a
+Loaded from YAML and validated with :func:`polyinfer.config.build_dataclass`, so a
 typo or a wrong type names the dotted key and what was expected. Example::
 
     server: {host: 127.0.0.1, port: 8000}
     workers:
       - name: fast
         launch: {}                       # the proxy starts and supervises it
-        config:                          # an engine.config.CompiledConfig
+        config:                          # a polyinfer.config.CompiledConfig
           backend: engine
           engine: {spec_method: ngram, spec_max_depth: 4}
           fit: {domains: [code, extraction]}
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from engine.config import (
+from polyinfer.config import (
     DOMAINS,
     CompiledConfig,
     ConfigError,

@@ -18,14 +18,16 @@ The tree::
         │                            before a byte reached the client)
         └── UpstreamBroken          (mid-stream: relayed as an SSE error event)
 
-Handlers raise these; one middleware turns them into
-``{"error": {"message", "type", "param", "code"}}`` with the status above.
+Handlers raise these; one middleware turns them into the OpenAI error shape
+(:mod:`polyinfer.errors`) with the status above.
 """
 
 from __future__ import annotations
 
 import orjson
 from aiohttp import web
+
+from polyinfer.errors import error_body
 
 
 class ProxyError(Exception):
@@ -115,32 +117,3 @@ class UpstreamError(ProxyError):
 
 class UpstreamBroken(UpstreamError):
     """The worker failed after part of the response reached the client."""
-
-
-def error_body(message: str, error_type: str, param: str | None = None,
-               code: str | None = None) -> dict[str, object]:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
-def sse_error_event(message: str, error_type: str = "upstream_error") -> bytes:
-    """An SSE event that the openai SDK turns into an APIError for the caller."""
-    return b"data: " + orjson.dumps(error_body(message, error_type)) + b"\n\n"
-
-
-def error_field(raw: bytes) -> object:
-    """The ``error`` field of an OpenAI-style JSON error body, or None."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    return body.get("error") if isinstance(body, dict) else None
-
-
-def error_codes(error: object) -> dict[str, str | int]:
-    """An OpenAI error's ``type`` and ``code`` where they are strings or integers: what the
-    proxy's traces and loadgen's results keep of an error by default, since its message can
-    quote the request's input (pydantic's ``input_value=...``), prompt text included."""
-    if not isinstance(error, dict):
-        return {}
-    return {k: v for k in ("type", "code")
-            if isinstance(v := error.get(k), (str, int)) and not isinstance(v, bool)}

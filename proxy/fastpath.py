@@ -38,7 +38,8 @@ from typing import Any, cast
 
 import orjson
 
-from proxy.errors import ProxyError, error_body
+from polyinfer.errors import error_body
+from proxy.errors import ProxyError
 from proxy.record import RequestRecord
 from proxy.relay import Relay, proxy_headers
 from proxy.validate import CHAT, COMPLETIONS

@@ -10,8 +10,9 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from polyinfer.errors import error_body
 from proxy import keys
-from proxy.errors import ProxyError, error_body
+from proxy.errors import ProxyError
 from proxy.exchange import REC_KEY, AiohttpExchange
 from proxy.relay import proxy_headers
 from proxy.validate import CHAT, COMPLETIONS

@@ -66,7 +66,7 @@ async def optimizer_ctx(app: web.Application) -> AsyncIterator[None]:
                         agents=config.optimize.agents, min_records=config.optimize.min_records),
         sinks=(PoolConfigSink(pool),),
         blue_green=PoolBlueGreen(app[keys.BLUEGREEN], pool))
-    app[keys.RELAY].on_finish.append(lambda rec: service.observe(rec.to_trace()))
+    app[keys.RELAY].on_finish.append(lambda rec: service.observe(rec.trace_record()))
     app[keys.OPTIMIZER].append(service)
     logger.info("optimizer: tuning worker %s (%s), board %s", worker.name, worker.url, board)
     task = asyncio.create_task(service.run(), name="optimizer")

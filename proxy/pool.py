@@ -21,7 +21,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from engine.config import CompiledConfig, ConfigError
+from polyinfer.config import CompiledConfig, ConfigError
 from proxy.breaker import CircuitBreaker
 from proxy.config import HealthConfig, WorkerSpec
 from proxy.supervisor import SupervisedWorker

@@ -1,10 +1,10 @@
-"""One request's facts as the proxy learns them, and its trace record (schema in DESIGN.md).
+"""One request's facts as the proxy learns them, and the trace record made of them.
 
 A :class:`RequestRecord` is created when a request arrives, filled in by the
 relay, and handed to stats, the routing policy and the trace writer when the
 request ends. It is the only per-request object the proxy allocates besides
-the HTTP ones. The trace dict is built off the event loop, in the writer
-thread.
+the HTTP ones. :meth:`RequestRecord.trace_record` turns it into the
+:class:`polyinfer.trace.TraceRecord` that the trace writer appends.
 """
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from polyinfer.trace import STATUS_OK, TraceRecord
 from router.base import RequestOutcome, RequestShape
 
-STATUS_OK = "ok"
-STATUS_ERROR = "error"
-STATUS_CANCELLED = "cancelled"
 BLOCK_TOKENS_DECIMALS = 1  # the shape's per-prompt estimate; more digits are noise
 
 
@@ -75,34 +73,24 @@ class RequestRecord:
             spec_accepted_tokens=self.spec_accepted_tokens, batch_size=self.batch_size,
             extra={} if self.cached_tokens is None else {"cached_tokens": self.cached_tokens})
 
-    def to_trace(self) -> dict[str, Any]:
+    def trace_record(self) -> TraceRecord:
         shape = self.shape
-        trace: dict[str, Any] = {
-            "ts": self.ts,
-            "request_id": self.request_id,
-            "model": self.model,
-            "endpoint": self.endpoint,
-            "stream": self.stream,
-            "domain": self.domain,
-            "prompt_tokens": shape.prompt_tokens if shape else None,
-            "max_tokens": shape.max_tokens if shape else None,
-            "completion_tokens": self.completion_tokens,
-            "worker": self.worker,
-            "spec_depth": self.spec_depth,
-            "spec_draft_tokens": self.spec_draft_tokens,
-            "spec_accepted_tokens": self.spec_accepted_tokens,
-            "ttft_s": self.ttft_s,
-            "tpot_s": self.tpot_s,
-            "e2e_s": self.e2e_s,
-            "queue_s": self.queue_s,
-            "status": self.status,
-            "error": self.error or None,
-            "prefix_hashes": list(shape.prefix_hashes) if shape else [],
-            "prefix_block_tokens": _block_tokens(shape),
-        }
-        if self.prompt_text is not None:
-            trace["prompt_text"] = self.prompt_text
-        return trace
+        return TraceRecord(
+            ts=self.ts, request_id=self.request_id, model=self.model, endpoint=self.endpoint,
+            stream=self.stream, domain=self.domain,
+            prompt_tokens=shape.prompt_tokens if shape else None,
+            max_tokens=shape.max_tokens if shape else None,
+            completion_tokens=self.completion_tokens, worker=self.worker,
+            spec_depth=self.spec_depth, spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens, ttft_s=self.ttft_s,
+            tpot_s=self.tpot_s, e2e_s=self.e2e_s, queue_s=self.queue_s, status=self.status,
+            error=self.error or None,
+            prefix_hashes=shape.prefix_hashes if shape else (),
+            prefix_block_tokens=_block_tokens(shape), prompt_text=self.prompt_text)
+
+    def to_trace(self) -> dict[str, Any]:
+        """The JSON object of this request's trace line."""
+        return self.trace_record().to_dict()
 
 
 def _block_tokens(shape: RequestShape | None) -> float | None:

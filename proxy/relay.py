@@ -26,6 +26,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from polyinfer.errors import error_codes, error_field, sse_error_event
+from polyinfer.trace import STATUS_CANCELLED, STATUS_ERROR
 from proxy.admission import RECHECK_S, AdmissionQueue
 from proxy.config import ProxyConfig
 from proxy.errors import (
@@ -37,13 +39,10 @@ from proxy.errors import (
     ShuttingDown,
     Unauthorized,
     UpstreamError,
-    error_codes,
-    error_field,
-    sse_error_event,
 )
 from proxy.exchange import ClientExchange
 from proxy.pool import Worker, WorkerPool
-from proxy.record import STATUS_CANCELLED, STATUS_ERROR, RequestRecord
+from proxy.record import RequestRecord
 from proxy.shape import ShapeEstimator, prompt_text
 from proxy.stats import Stats
 from proxy.traces import TraceWriter

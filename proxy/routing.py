@@ -11,7 +11,7 @@ import importlib
 import inspect
 from types import MappingProxyType
 
-from engine.config import ConfigError
+from polyinfer.config import ConfigError
 from router.base import RoutingPolicy
 
 POLICIES: MappingProxyType[str, str] = MappingProxyType({

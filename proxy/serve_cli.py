@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import logging
 
-from engine.config import ConfigError
+from polyinfer.config import ConfigError
 from proxy.config import ProxyConfig, ServerConfig, default_config, external_worker
 from proxy.server import run, serve_until_signal
 

@@ -18,7 +18,7 @@ from typing import cast
 
 from aiohttp import web
 
-from engine.heap import settle_heap
+from polyinfer.heap import settle_heap
 from proxy import keys
 from proxy.app import create_app
 from proxy.config import ProxyConfig
@@ -113,7 +113,7 @@ async def serve_until_signal(config: ProxyConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
-    settle_heap()  # start-up objects frozen, larger young generation (engine.heap)
+    settle_heap()  # start-up objects frozen, larger young generation (polyinfer.heap)
     try:
         await stop.wait()
         logger.info("signal received: draining %d in-flight requests",

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from proxy.record import STATUS_OK, RequestRecord
+from polyinfer.trace import STATUS_OK
+from proxy.record import RequestRecord
 
 if TYPE_CHECKING:
     from proxy.pool import WorkerPool

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from engine.config import CompiledConfig
+    from polyinfer.config import CompiledConfig
 
 
 @dataclass(frozen=True)
 class RequestShape:
     """What the router knows about a request before it runs."""
 
-    domain: str  # one of engine.config.DOMAINS
+    domain: str  # one of polyinfer.config.DOMAINS
     prompt_tokens: int  # exact with the served tokenizer, else an estimate
     max_tokens: int | None  # as requested; None when the client set none
     predicted_output_tokens: int  # max_tokens, or the learned per-domain prediction

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import DOMAINS
+from polyinfer.config import DOMAINS
 from router.errors import ClassifierArtefactError
 from router.features import FeatureConfig, Featurizer
 
@@ -44,7 +44,7 @@ class TrainConfig:
 
 
 class DomainClassifier:
-    """Maps a prompt text to one of engine.config.DOMAINS."""
+    """Maps a prompt text to one of polyinfer.config.DOMAINS."""
 
     def __init__(self, features: FeatureConfig, classes: Sequence[str], weights: np.ndarray,
                  bias: np.ndarray, meta: dict[str, object] | None = None) -> None:

@@ -4,7 +4,7 @@ For vLLM workers the speculative depth is fixed per worker (or per batch size),
 so routing is how a request gets the speculation that suits it: an n-gram
 worker declared for ``code`` and ``extraction`` gets those, a plain worker the
 rest. This policy reads only the workers' declared fit
-(:class:`engine.config.DeclaredFit`) and their load, which makes it
+(:class:`polyinfer.config.DeclaredFit`) and their load, which makes it
 predictable; the adaptive policy learns the same from measurements.
 
 Per request, each routable worker gets a rank::

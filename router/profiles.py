@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.config import CompiledConfig, DeclaredFit
+from polyinfer.config import CompiledConfig, DeclaredFit
 from router.calibration import Calibration
 from router.sym3 import Mat3, clip_eigenvalues
 

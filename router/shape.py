@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.config import DOMAINS
+from polyinfer.config import DOMAINS
 from router.base import RequestOutcome, RequestShape
 from router.classifier import DomainClassifier
 from router.tokens import TokenConfig, TokenCounter, message_text, render_chat, tokens_per_block

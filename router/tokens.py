@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import ConfigError
+from polyinfer.config import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.config import DOMAINS
+from polyinfer.config import DOMAINS
 from router.classifier import DomainClassifier, FeatureConfig, TrainConfig
 from router.corpus import Example
 from router.errors import TrainingDataError

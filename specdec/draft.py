@@ -65,7 +65,7 @@ from specdec.errors import ProposerConfigError
 from specdec.sampling import SamplingParams, process_logits, sample_from_probs
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from polyinfer.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import CompiledConfig
+from polyinfer.config import CompiledConfig
 from specdec.errors import ProposerConfigError
 from specdec.policy import PolicyConfig, expected_tokens_per_step, solve_acceptance
 from specdec.step_model import StepTimeModel

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.config import TINY_TARGET
+from polyinfer.config import TINY_TARGET
 
 
 @pytest.fixture(scope="session")

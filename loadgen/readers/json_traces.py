@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,11 +11,7 @@ import orjson
 from loadgen.errors import TraceLineError
 from loadgen.readers.base import BadLines, finite_float, non_negative_int, numbered_lines
 from loadgen.request import TraceRequest
-
-# NOTE: the proxy hashes blocks of 16..65536 bytes, i.e. a few to ~16k tokens; a block
-# under one token or beyond this is a broken record, not a size to replay.
-MIN_BLOCK_TOKENS = 1.0
-MAX_BLOCK_TOKENS = 65536.0
+from polyinfer.trace import block_ids, parse_record
 
 
 def json_objects(path: Path, bad: BadLines) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -46,37 +41,6 @@ def optional_int(obj: dict[str, Any], key: str) -> int | None:
     return None if value is None else non_negative_int(value, key)
 
 
-def block_tokens(obj: dict[str, Any], key: str = "prefix_block_tokens") -> float | None:
-    """Tokens per prefix block as recorded (None when absent: the replay's default, 512)."""
-    value = obj.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{key}: expected a number of tokens, got {value!r}")
-    number = finite_float(value, key)
-    if not MIN_BLOCK_TOKENS <= number <= MAX_BLOCK_TOKENS:
-        raise ValueError(f"{key}: expected {MIN_BLOCK_TOKENS}..{MAX_BLOCK_TOKENS} tokens, "
-                         f"got {value!r}")
-    return number
-
-
-def block_id(value: object, key: str) -> int:
-    """A prefix-block id: ints as they are, strings (hex digests) hashed stably."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value:
-        return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "big")
-    raise ValueError(f"{key}: expected integers or strings, got {value!r}")
-
-
-def int_tuple(value: object, key: str) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise ValueError(f"{key}: expected a list, got {type(value).__name__}")
-    return tuple(block_id(v, key) for v in value)
-
-
 class MooncakeReader:
     """Mooncake: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``.
 
@@ -97,7 +61,7 @@ class MooncakeReader:
                     timestamp_s=finite_float(obj["timestamp"], "timestamp") / 1000.0,
                     prompt_tokens=non_negative_int(obj["input_length"], "input_length"),
                     output_tokens=non_negative_int(obj["output_length"], "output_length"),
-                    hash_ids=int_tuple(obj.get("hash_ids"), "hash_ids"),
+                    hash_ids=block_ids(obj.get("hash_ids"), "hash_ids"),
                 )
             except KeyError as e:
                 bad.reject(TraceLineError(str(path), line, f"missing key {e}"))
@@ -118,7 +82,7 @@ def messages_of(value: object, key: str) -> tuple[dict[str, str], ...]:
 
 
 class PolyinferTraceReader:
-    """polyinfer's own trace records (DESIGN.md), one JSON object per request.
+    """polyinfer's own trace records (:mod:`polyinfer.trace`), one JSON object per request.
 
     The replayed output length is what the recorded request produced
     (``completion_tokens``), falling back to its ``max_tokens``. Prompt text is
@@ -146,23 +110,23 @@ class PolyinferTraceReader:
 
     @staticmethod
     def _record(line: int, obj: dict[str, Any]) -> TraceRequest:
-        completion = optional_int(obj, "completion_tokens")
-        output = completion if completion else optional_int(obj, "max_tokens")
-        prompt = obj.get("prompt_text", obj.get("prompt"))
+        if "ts" not in obj:
+            raise KeyError("ts")
+        record = parse_record(obj)
+        prompt = record.prompt_text if record.prompt_text is not None else obj.get("prompt")
         if prompt is not None and not isinstance(prompt, str):
-            raise ValueError("prompt_text: expected a string")
+            raise ValueError("prompt: expected a string")
         messages = obj.get("messages")
-        if prompt is not None and messages is None and "chat" in str(obj.get("endpoint", "")):
+        if prompt is not None and messages is None and "chat" in record.endpoint:
             messages, prompt = [{"role": "user", "content": prompt}], None
-        domain = obj.get("domain")
         return TraceRequest(
             line=line,
-            timestamp_s=finite_float(obj["ts"], "ts"),
+            timestamp_s=record.ts,
             prompt=prompt,
             messages=None if messages is None else messages_of(messages, "messages"),
-            prompt_tokens=optional_int(obj, "prompt_tokens"),
-            output_tokens=output,
-            hash_ids=int_tuple(obj.get("prefix_hashes"), "prefix_hashes"),
-            block_tokens=block_tokens(obj),
-            domain=domain if isinstance(domain, str) and domain else None,
+            prompt_tokens=record.prompt_tokens,
+            output_tokens=record.completion_tokens or record.max_tokens,
+            hash_ids=record.prefix_hashes,
+            block_tokens=record.prefix_block_tokens,
+            domain=record.domain or None,
         )

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.config import CompiledConfig
 from optimizer.board import Board, best_by_key
 from optimizer.space import SearchSpace
+from polyinfer.config import CompiledConfig
 
 logger = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.gaussian_process import GaussianProcessRegressor
 from sklearn.gaussian_process.kernels import ConstantKernel, Kernel, Matern, WhiteKernel
 
-from engine.config import CompiledConfig
 from optimizer.agents.base import BoardView, Candidate, fresh
 from optimizer.space import SearchSpace
+from polyinfer.config import CompiledConfig
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from engine.config import CompiledConfig
 from optimizer.agents.base import BoardView, Candidate, fresh
 from optimizer.space import SearchSpace
+from polyinfer.config import CompiledConfig
 
 
 class CostModelAgent:

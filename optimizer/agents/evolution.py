@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import random
 
-from engine.config import CompiledConfig
 from optimizer.agents.base import BoardView, Candidate, fresh
 from optimizer.errors import SpaceError
 from optimizer.space import SearchSpace
+from polyinfer.config import CompiledConfig
 
 
 class EvolutionAgent:

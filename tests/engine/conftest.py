@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import TINY_TARGET
+from polyinfer.config import TINY_TARGET
 from proxy.supervisor import free_port
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

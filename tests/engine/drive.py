@@ -8,8 +8,8 @@ import subprocess
 import sys
 from typing import Any
 
-from engine.config import REPO_ROOT
 from engine.sequence import GenerationParams
+from polyinfer.config import REPO_ROOT
 
 
 def run_interpreted(code: str, timeout_s: float) -> subprocess.CompletedProcess[str]:

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import CompiledConfig, EngineConfig
 from engine.core import EngineCore
 from engine.errors import ContextLengthError, ReloadError
 from engine.loader import load_core
 from engine.sequence import GenerationParams
+from polyinfer.config import CompiledConfig, EngineConfig
 from specdec.sampling import SamplingParams
 from tests.engine.prompts import chat_text, mixed_prompts
 
@@ -80,7 +80,7 @@ def test_greedy_speculation_equals_depth_zero(core: EngineCore, prompt_ids: list
 def test_draft_model_speculation_equals_depth_zero(tiny_model_dir: Path,
                                                    prompt_ids: list[list[int]],
                                                    alone: list[list[int]]) -> None:
-    from engine.config import TINY_DRAFT
+    from polyinfer.config import TINY_DRAFT
 
     cfg = CompiledConfig(model=str(tiny_model_dir), engine=EngineConfig(
         max_num_seqs=32, max_num_batched_tokens=256, kv_cache_tokens=16384,

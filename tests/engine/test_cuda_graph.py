@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import CompiledConfig, ConfigError, EngineConfig
 from engine.cuda_graph import (
     COL_CONTEXT,
     COL_SLOT,
@@ -26,6 +25,7 @@ from engine.cuda_graph import (
 from engine.gpu_sampling import inverse_cdf, sample_on_device
 from engine.sequence import GenerationParams
 from engine.triton_attention import DecodeMetadata, check_head_dim, decode_attention
+from polyinfer.config import CompiledConfig, ConfigError, EngineConfig
 from specdec.sampling import SamplingParams, sample
 from tests.engine.drive import run_interpreted
 from tests.engine.prompts import chat_text, mixed_prompts

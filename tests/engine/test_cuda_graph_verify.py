@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.config import TINY_TARGET, CompiledConfig, EngineConfig
 from engine.cuda_graph import (
     COL_TABLE,
     DecodeRow,
@@ -24,6 +23,7 @@ from engine.cuda_graph import (
 )
 from engine.scheduler import ScheduledSeq
 from engine.sequence import GenerationParams, Sequence
+from polyinfer.config import TINY_TARGET, CompiledConfig, EngineConfig
 from specdec.sampling import SamplingParams
 from tests.engine.drive import generate, run_interpreted
 

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import TINY_DRAFT, CompiledConfig, EngineConfig
 from engine.cuda_graph import DecodeRow
 from engine.scheduler import ScheduledSeq
 from engine.sequence import GenerationParams, Sequence
+from polyinfer.config import TINY_DRAFT, CompiledConfig, EngineConfig
 from specdec.sampling import SamplingParams, process_logits
 from tests.engine.drive import generate
 from tests.engine.prompts import chat_text, mixed_prompts

@@ -282,7 +282,7 @@ def test_shutdown_leaves_no_core_processes(tiny_model_dir: Path, tmp_path: Path,
                                  {"data_parallel_size": 2, "execution": "cuda_graph",
                                   "device": "cuda"}])
 def test_bad_data_parallel_size_is_refused(bad: dict) -> None:
-    from engine.config import CompiledConfig, ConfigError
+    from polyinfer.config import CompiledConfig, ConfigError
 
     with pytest.raises(ConfigError, match="data_parallel_size"):
         CompiledConfig.from_dict({"backend": "engine", "engine": bad})

@@ -14,12 +14,12 @@ import aiohttp
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.config import CompiledConfig, EngineConfig
 from engine.errors import ContextLengthError, InvalidRequestError
 from engine.loader import load_core
 from engine.metrics import EngineMetrics
 from engine.protocol import RequestParser
 from engine.sequence import GenerationParams
+from polyinfer.config import CompiledConfig, EngineConfig
 from specdec.sampling import SamplingParams
 from tests.engine.conftest import EngineProcess, save_random_checkpoint, serving
 

@@ -1,4 +1,4 @@
-"""engine.heap: start-up objects frozen out of full collections, in the processes that serve."""
+"""polyinfer.heap: start-up objects frozen out of full collections, in the processes that serve."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.engine.conftest import EngineProcess
 
 CHECK = """
 import gc
-from engine.heap import OLDER_THRESHOLD, YOUNG_THRESHOLD, settle_heap
+from polyinfer.heap import OLDER_THRESHOLD, YOUNG_THRESHOLD, settle_heap
 kept = [[i] for i in range(5000)]  # long-lived: built at start-up
 gc.collect()
 assert len(gc.get_objects(generation=2)) > 5000
@@ -35,7 +35,7 @@ def test_settle_heap_freezes_the_survivors_and_raises_the_thresholds() -> None:
 
 SCOPED = """
 import gc
-from engine.heap import OLDER_THRESHOLD, YOUNG_THRESHOLD, settle_heap, settled_heap
+from polyinfer.heap import OLDER_THRESHOLD, YOUNG_THRESHOLD, settle_heap, settled_heap
 kept = [[i] for i in range(5000)]
 before = gc.get_threshold()
 with settled_heap():

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import CompiledConfig, EngineConfig
 from engine.lanes import EXPLORE_EVERY, LaneChooser, Lanes, split_lanes
 from engine.loader import load_core
+from polyinfer.config import CompiledConfig, EngineConfig
 from tests.engine.prompts import chat_text, mixed_prompts
 from tests.engine.test_core import greedy, run
 

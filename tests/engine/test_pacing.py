@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.config import CompiledConfig, EngineConfig
 from engine.core import EngineCore
 from engine.kv_cache import BlockAllocator
 from engine.loader import load_core
@@ -24,6 +23,7 @@ from engine.pacing import (
 )
 from engine.scheduler import Scheduler
 from engine.sequence import GenerationParams, Sequence
+from polyinfer.config import CompiledConfig, EngineConfig
 from specdec.sampling import SamplingParams
 
 # seconds per term of step_terms: fixed, per decoding sequence, per decode row, per

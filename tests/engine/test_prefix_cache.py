@@ -20,13 +20,13 @@ import pytest
 import torch
 from aiohttp.test_utils import TestServer
 
-from engine.config import CompiledConfig, ConfigError, EngineConfig
 from engine.core import EngineCore, RequestOutput
 from engine.kv_cache import ROOT_HASH, BlockAllocator, extend_block_hashes, hash_block
 from engine.loader import load_core
 from engine.scheduler import Scheduler
 from engine.sequence import GenerationParams, Sequence
 from engine.server import create_app
+from polyinfer.config import CompiledConfig, ConfigError, EngineConfig
 from specdec.base import Proposal
 from specdec.sampling import SamplingParams
 from tests.engine.conftest import EngineProcess

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import CompiledConfig, EngineConfig
 from engine.sequence import GenerationParams
+from polyinfer.config import CompiledConfig, EngineConfig
 from specdec.sampling import SamplingParams
 from tests.engine.prompts import chat_text, mixed_prompts
 

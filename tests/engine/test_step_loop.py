@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.config import CompiledConfig, EngineConfig
 from engine.loader import load_core
 from engine.metrics import EngineMetrics
 from engine.sequence import GenerationParams
+from polyinfer.config import CompiledConfig, EngineConfig
 from specdec.ngram import NgramProposer
 from specdec.sampling import SamplingParams
 from tests.engine.prompts import chat_text

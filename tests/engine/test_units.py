@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import CompiledConfig, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import (
     ContextLengthError,
@@ -17,6 +16,7 @@ from engine.protocol import RequestParser
 from engine.scheduler import Scheduler
 from engine.sequence import GenerationParams, Sequence, Status
 from engine.tokenizer import TextTokenizer
+from polyinfer.config import CompiledConfig, EngineConfig
 from specdec.base import Proposal
 
 
@@ -81,7 +81,7 @@ def test_full_cache_preempts_newest_and_requeues_it_first() -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> TextTokenizer:
-    from engine.config import TINY_TARGET
+    from polyinfer.config import TINY_TARGET
 
     return TextTokenizer(TINY_TARGET)
 
@@ -195,8 +195,8 @@ def test_decode_group_splits_only_when_padding_dominates() -> None:
 
 def test_ngram_caps_follow_the_execution_unless_named() -> None:
     from engine.checkpoint import ModelSpec
-    from engine.config import ConfigError
     from engine.proposers import build_proposer
+    from polyinfer.config import ConfigError
     from specdec.ngram import NgramProposer
 
     def config_of(**engine: object) -> object:

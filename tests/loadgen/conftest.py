@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import TINY_TARGET
+from polyinfer.config import TINY_TARGET
 from tests.loadgen.upstream import ScriptedUpstream
 
 REPO = Path(__file__).resolve().parents[2]

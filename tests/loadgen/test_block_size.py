@@ -13,7 +13,6 @@ import orjson
 import pytest
 from tokenizers import Tokenizer
 
-from engine.config import TINY_TARGET
 from loadgen.config import ClientConfig, LengthConfig
 from loadgen.errors import TraceLineError
 from loadgen.prepare import RequestBuilder
@@ -21,6 +20,7 @@ from loadgen.readers import BadLines, read_trace
 from loadgen.request import TraceRequest
 from loadgen.synth import PromptSynthesizer, load_corpus_words
 from loadgen.tokenizer import HfTokenCounter
+from polyinfer.config import TINY_TARGET
 from proxy.record import RequestRecord
 from router.base import RequestShape
 

@@ -236,9 +236,9 @@ class FakeBrokenTarget:
 
 
 async def test_wrong_shaped_events_fail_their_request_not_the_run(tmp_path: Path) -> None:
-    from engine.config import TINY_TARGET
     from loadgen import ArrivalConfig, OutputConfig, ReplayConfig, TraceConfig, replay
     from loadgen.request import TraceRequest
+    from polyinfer.config import TINY_TARGET
 
     target = FakeBrokenTarget()
     url = await target.start()

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from engine.config import TINY_TARGET
 from loadgen import (
     ArrivalConfig,
     ClientConfig,
@@ -27,8 +26,9 @@ from loadgen import (
     TraceConfig,
     replay,
 )
+from polyinfer.config import TINY_TARGET
 from proxy.supervisor import free_port
-from tests.loadgen.conftest import REPO, DATA
+from tests.loadgen.conftest import DATA, REPO
 from tests.loadgen.servers import running_server
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import orjson
 
-from engine.config import TINY_TARGET
 from loadgen.config import ClientConfig, LengthConfig
 from loadgen.prepare import RequestBuilder
 from loadgen.request import TraceRequest
 from loadgen.synth import PromptSynthesizer
 from loadgen.tokenizer import HfTokenCounter
+from polyinfer.config import TINY_TARGET
 
 COUNTER = HfTokenCounter(TINY_TARGET)
 LONG = " ".join(f"word{i}" for i in range(400))

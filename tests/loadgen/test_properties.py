@@ -7,11 +7,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from engine.config import TINY_TARGET
 from loadgen.client import StreamParser
 from loadgen.config import ClientConfig, TraceConfig
 from loadgen.errors import LoadgenConfigError
 from loadgen.synth import PromptSynthesizer
+from polyinfer.config import TINY_TARGET
 
 TOK = Tokenizer.from_file(str(TINY_TARGET / "tokenizer.json"))
 

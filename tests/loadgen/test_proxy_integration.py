@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from engine.config import DOMAINS, TINY_TARGET
 from loadgen import (
     ArrivalConfig,
     ClientConfig,
@@ -27,6 +26,7 @@ from loadgen import (
     replay,
 )
 from loadgen.readers import detect_format, read_trace
+from polyinfer.config import DOMAINS, TINY_TARGET
 from proxy.supervisor import free_port
 from tests.loadgen.conftest import DATA
 from tests.loadgen.servers import running_server

@@ -14,8 +14,6 @@ import orjson
 import pytest
 from tokenizers import Tokenizer
 
-from engine.config import TINY_TARGET
-from engine.heap import OLDER_THRESHOLD, YOUNG_THRESHOLD
 from loadgen import (
     ArrivalConfig,
     ClientConfig,
@@ -30,7 +28,9 @@ from loadgen import (
 from loadgen.cli import build_config, register
 from loadgen.compare import compare_files
 from loadgen.errors import LoadgenConfigError
-from tests.loadgen.conftest import REPO, DATA
+from polyinfer.config import TINY_TARGET
+from polyinfer.heap import OLDER_THRESHOLD, YOUNG_THRESHOLD
+from tests.loadgen.conftest import DATA, REPO
 from tests.loadgen.upstream import Script, ScriptedUpstream
 
 TOK = Tokenizer.from_file(str(TINY_TARGET / "tokenizer.json"))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from engine.config import TINY_TARGET
 from loadgen.synth import PromptSynthesizer
 from loadgen.tokenizer import EstimateTokenCounter, HfTokenCounter
+from polyinfer.config import TINY_TARGET
 
 TOK = Tokenizer.from_file(str(TINY_TARGET / "tokenizer.json"))
 

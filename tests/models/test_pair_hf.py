@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.config import TINY_DRAFT, TINY_TARGET
+from polyinfer.config import TINY_DRAFT, TINY_TARGET
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

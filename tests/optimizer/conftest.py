@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.config import TINY_TARGET, CompiledConfig
 from optimizer.engine_proc import free_port
+from polyinfer.config import TINY_TARGET, CompiledConfig
 
 TINY_SHAPE = {"num_hidden_layers": 8, "hidden_size": 256, "intermediate_size": 768,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,

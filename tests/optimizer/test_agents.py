@@ -4,12 +4,12 @@ import asyncio
 import math
 from pathlib import Path
 
-from engine.config import CompiledConfig
 from optimizer.agents.base import AgentRunner, BoardView, read_view
 from optimizer.agents.bayes import BayesAgent, expected_improvement
 from optimizer.agents.evolution import EvolutionAgent
 from optimizer.board import Board
 from optimizer.space import Knob, ModelShape, SearchSpace
+from polyinfer.config import CompiledConfig
 
 SHAPE = ModelShape(2, 64, 128, 2, 1, 32, 100)
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import CompiledConfig
 from optimizer.costmodel import (
     CostModel,
     HardwareConstants,
@@ -17,11 +16,13 @@ from optimizer.costmodel import (
     expected_tokens_per_step,
     roofline_s,
 )
-from optimizer.profile import TraceRecord, build_profile
+from optimizer.profile import build_profile
 from optimizer.promote import LiveSample, Promoter, PromotionConfig, window_tpot
 from optimizer.pruner import PruneConfig, Pruner
 from optimizer.space import SearchSpace
 from optimizer.verify import paired_gain
+from polyinfer.config import CompiledConfig
+from polyinfer.trace import TraceRecord
 
 
 def test_pruner_waits_for_calibration_then_prunes_and_audits() -> None:

@@ -10,15 +10,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from engine.config import TINY_TARGET, CompiledConfig
 from optimizer.board import Board
 from optimizer.campaign import SearchConfig
 from optimizer.measure import EngineClient, Measurer, Tier
-from optimizer.profile import TraceRecord
 from optimizer.promote import Promoter, PromotionConfig
 from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
 from optimizer.service import OptimizerConfig, OptimizerService
 from optimizer.verify import VerifyConfig, fixed_prompts, reference_outputs, verify_candidate
+from polyinfer.config import TINY_TARGET, CompiledConfig
+from polyinfer.trace import TraceRecord
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from engine.config import CompiledConfig
 from optimizer.agents.base import BoardView
 from optimizer.agents.llm import LlmAgent, parse_points
 from optimizer.space import SearchSpace
+from polyinfer.config import CompiledConfig
 
 
 class FakeLlmEndpoint:

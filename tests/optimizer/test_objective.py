@@ -5,14 +5,15 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from engine.config import TINY_TARGET, CompiledConfig
 from loadgen.request import RequestResult
 from optimizer.errors import MeasurementError, OptimizerError
 from optimizer.measure import EngineClient, Measurer, Tier, _stats
-from optimizer.profile import TraceRecord, TrafficProfile, build_profile
+from optimizer.profile import TrafficProfile, build_profile
 from optimizer.sample import ReplayRequest
 from optimizer.service import OptimizerConfig, OptimizerService
 from optimizer.space import DEFAULT_KNOBS, SearchSpace, thread_counts
+from polyinfer.config import TINY_TARGET, CompiledConfig
+from polyinfer.trace import TraceRecord
 
 pytestmark = pytest.mark.timeout(30)
 

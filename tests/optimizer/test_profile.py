@@ -7,7 +7,6 @@ import pytest
 
 from optimizer.errors import TraceError
 from optimizer.profile import (
-    TraceRecord,
     TraceTail,
     TrafficProfile,
     build_profile,
@@ -15,6 +14,7 @@ from optimizer.profile import (
     read_trace_files,
     stratified_sample,
 )
+from polyinfer.trace import TraceRecord
 
 
 def rec(ts: float, domain: str, prompt: int, out: int, **kw: object) -> dict:

@@ -14,7 +14,6 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from engine.config import TINY_TARGET, CompiledConfig, needs_restart
 from optimizer.board import Board
 from optimizer.campaign import SearchConfig, experiment_cost
 from optimizer.cli import add_arguments, build_config
@@ -22,12 +21,14 @@ from optimizer.engine_proc import process_cpu_seconds
 from optimizer.errors import MeasurementError, OptimizerError, PromotionError, ReloadRejected
 from optimizer.measure import EngineClient, Measurement, Measurer, Tier
 from optimizer.pool import EnginePool, restart_class
-from optimizer.profile import TraceRecord, build_profile
+from optimizer.profile import build_profile
 from optimizer.promote import Promoter, PromotionConfig
 from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
 from optimizer.service import OptimizerConfig, OptimizerService
 from optimizer.space import Knob, SearchSpace, dp_sizes
 from optimizer.verify import VerifyConfig
+from polyinfer.config import TINY_TARGET, CompiledConfig, needs_restart
+from polyinfer.trace import TraceRecord
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import TINY_TARGET
 from optimizer.errors import OptimizerError
 from optimizer.measure import _reported_seconds
-from optimizer.profile import TraceRecord
 from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
+from polyinfer.config import TINY_TARGET
+from polyinfer.trace import TraceRecord
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def test_replay_caps_lengths_and_keeps_arrival_offsets(synth: PromptSynthesizer)
     records = [TraceRecord(10.0, "code", 5000, completion_tokens=900),
                TraceRecord(12.0, "math", 30, completion_tokens=1),
                TraceRecord(11.0, "chat", 100, max_tokens=20),
-               TraceRecord(13.0, "qa", 40, completion_tokens=10, prompt="What is 2+2?")]
+               TraceRecord(13.0, "qa", 40, completion_tokens=10, prompt_text="What is 2+2?")]
     reqs = build_replay(records, synth, SampleConfig(max_prompt_tokens=64, max_output_tokens=16,
                                                      min_output_tokens=4, time_scale=2.0))
     assert [r.domain for r in reqs] == ["code", "chat", "math", "qa"]
@@ -31,7 +31,7 @@ def test_replay_caps_lengths_and_keeps_arrival_offsets(synth: PromptSynthesizer)
 
 def test_recorded_prompts_are_cut_to_the_cap(synth: PromptSynthesizer) -> None:
     long_text = "The quick brown fox jumps over the lazy dog. " * 40
-    records = [TraceRecord(1.0, "chat", 400, completion_tokens=8, prompt=long_text)]
+    records = [TraceRecord(1.0, "chat", 400, completion_tokens=8, prompt_text=long_text)]
     (req,) = build_replay(records, synth, SampleConfig(max_prompt_tokens=32))
     assert 28 <= req.prompt_tokens <= 32 and long_text.startswith(req.prompt.strip()[:40])
     assert synth.truncate("short", 32) == "short"

@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.config import CompiledConfig
 from optimizer.errors import SpaceError
 from optimizer.space import Knob, ModelShape, SearchSpace
+from polyinfer.config import CompiledConfig
 
 
 @pytest.fixture

@@ -148,7 +148,7 @@ def test_retry_on_another_worker_and_breaker(engines: list[EngineProcess], tmp_p
     with ProxyThread(config) as p:
         pool = p.app[keys.POOL]
         # a worker that passed its probe, then died: only the request path can notice
-        from engine.config import CompiledConfig
+        from polyinfer.config import CompiledConfig
         from proxy.config import WorkerSpec
         spec = WorkerSpec(name="dead", url=dead, config=CompiledConfig(backend="external",
                                                                        served_model_name=MODEL))

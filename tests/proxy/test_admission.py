@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import ConfigError
+from polyinfer.config import ConfigError
 from proxy import keys
 from proxy.admission import AdmissionQueue, priority
 from proxy.config import ProxyConfig

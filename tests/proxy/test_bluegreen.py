@@ -117,7 +117,7 @@ def test_bad_replacements_leave_the_worker_serving(bg_proxy: ProxyThread,
 
 
 def test_candidate_spec_rules():
-    from engine.config import CompiledConfig, ConfigError
+    from polyinfer.config import CompiledConfig, ConfigError
     from proxy.bluegreen import CANDIDATE_SUFFIX, candidate_spec
     from proxy.config import LaunchSpec, WorkerSpec, external_worker
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from engine.config import ConfigError
+from polyinfer.config import ConfigError
 from proxy.breaker import CircuitBreaker
 from proxy.config import ProxyConfig, default_config
 from proxy.pool import parse_metrics
@@ -222,7 +222,7 @@ def test_rotating_jsonl_rotates_and_prunes(tmp_path: Path) -> None:
 def test_launch_command_builders(tmp_path: Path) -> None:
     import sys
 
-    from engine.config import CompiledConfig, VllmConfig
+    from polyinfer.config import CompiledConfig, VllmConfig
     from proxy.config import LaunchSpec, WorkerSpec
     from proxy.supervisor import LAUNCH_BUILDERS
 
@@ -252,7 +252,7 @@ def test_example_config_loads() -> None:
 
 def test_routing_slo_reaches_the_router_shape() -> None:
     """A configured per-domain SLO lands in every RequestShape; a request's own value wins."""
-    from engine.config import TINY_TARGET
+    from polyinfer.config import TINY_TARGET
     from proxy.app import default_estimator
     config = ProxyConfig.from_dict({
         "workers": [{"name": "w", "url": "http://127.0.0.1:1", "config": {"model": str(TINY_TARGET)}}],
@@ -267,7 +267,7 @@ def test_routing_slo_reaches_the_router_shape() -> None:
 
 
 def test_a_misbehaving_policy_falls_back_to_a_routable_worker() -> None:
-    from engine.config import CompiledConfig
+    from polyinfer.config import CompiledConfig
     from proxy.config import ProxyConfig
     from proxy.pool import WorkerPool
     from proxy.relay import Relay

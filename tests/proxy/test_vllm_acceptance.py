@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.config import CompiledConfig, VllmConfig
+from polyinfer.config import CompiledConfig, VllmConfig
 from proxy.breaker import CircuitBreaker
 from proxy.config import WorkerSpec
 from proxy.pool import Worker

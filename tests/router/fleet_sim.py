@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.config import CompiledConfig
+from polyinfer.config import CompiledConfig
 from router.base import RequestOutcome, RequestShape, RoutingPolicy, WorkerView
 from specdec.policy import DepthPolicy, expected_tokens_per_step
 from specdec.step_model import NUM_FEATURES, step_features

@@ -26,7 +26,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 
-from engine.config import CompiledConfig, DeclaredFit
+from polyinfer.config import CompiledConfig, DeclaredFit
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.base import RequestShape, RoutingPolicy
 from router.baselines import LeastOutstandingPolicy, RoundRobinPolicy

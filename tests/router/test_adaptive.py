@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from engine.config import CompiledConfig
+from polyinfer.config import CompiledConfig
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.base import RequestOutcome, RequestShape, RoutingPolicy, WorkerView
 from specdec.policy import DepthPolicy, PolicyConfig

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from engine.config import CompiledConfig, DeclaredFit
+from polyinfer.config import CompiledConfig, DeclaredFit
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.base import RequestShape
 from router.baselines import LeastOutstandingPolicy, RoundRobinPolicy

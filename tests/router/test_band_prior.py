@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import CompiledConfig, DeclaredFit
+from polyinfer.config import CompiledConfig, DeclaredFit
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.base import RequestOutcome, RequestShape, WorkerView
 from router.calibration import Calibration

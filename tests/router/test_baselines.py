@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.config import CompiledConfig
+from polyinfer.config import CompiledConfig
 from router.base import RequestShape, RoutingPolicy, WorkerView
 from router.baselines import LeastOutstandingPolicy, RandomPolicy, RoundRobinPolicy
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from engine.config import CompiledConfig
+from polyinfer.config import CompiledConfig
 from router.adaptive import AdaptivePolicy
 from router.base import RequestShape, WorkerView
 from tests.bench_module import load_bench

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine.config import CompiledConfig
+from polyinfer.config import CompiledConfig
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.base import RequestOutcome, RequestShape, WorkerView
 from router.calibration import Calibration

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.config import CompiledConfig, DeclaredFit
+from polyinfer.config import CompiledConfig, DeclaredFit
 from proxy.routing import build_policy
 from router.base import RequestShape, WorkerView
 from router.fit import DeclaredFitPolicy, fit_rank

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import CompiledConfig
+from polyinfer.config import CompiledConfig
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.base import RequestOutcome, RequestShape, WorkerView
 from router.inflight import Flight, InFlight

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from engine.config import CompiledConfig
+from polyinfer.config import CompiledConfig
 from router.adaptive import AdaptiveConfig, AdaptivePolicy, caches_prefixes
 from router.base import RequestOutcome, RequestShape, WorkerView
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from engine.config import CompiledConfig
+from polyinfer.config import CompiledConfig
 from router.adaptive import AdaptivePolicy
 from router.base import RequestShape, RoutingPolicy
 from router.baselines import LeastOutstandingPolicy, RoundRobinPolicy

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from engine.config import CompiledConfig, DeclaredFit
+from polyinfer.config import CompiledConfig, DeclaredFit
 from router.profiles import (
     BayesianRLS,
     LatencyPrior,

@@ -10,8 +10,8 @@ import openai
 import pytest
 from aiohttp import web
 
-from engine.config import TINY_TARGET, CompiledConfig, DeclaredFit
 from engine.server import create_app as create_engine_app
+from polyinfer.config import TINY_TARGET, CompiledConfig, DeclaredFit
 from proxy.app import create_app as create_proxy_app
 from proxy.config import (
     HealthConfig,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.config import TINY_TARGET, ConfigError
+from polyinfer.config import TINY_TARGET, ConfigError
 from router.base import RequestOutcome, RequestShape
 from router.shape import ShapeConfig, ShapeEstimator
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from engine.config import CompiledConfig
+from polyinfer.config import CompiledConfig
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.base import RequestShape
 from tests.router.fleet_sim import SimClock, SimWorker, simulate

@@ -8,7 +8,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from engine.config import TINY_TARGET, ConfigError
+from polyinfer.config import TINY_TARGET, ConfigError
 from router.tokens import TokenConfig, TokenCounter, render_chat, tokens_per_block
 
 

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from engine.config import TINY_DRAFT, EngineConfig
 from engine.cuda_graph import DecodeRow, RowDecoder, graph_buckets
+from polyinfer.config import TINY_DRAFT, EngineConfig
 from specdec.base import ProposalRequest
 from specdec.draft import DraftConfig, DraftProposer, build_draft_proposer
 from specdec.errors import ProposerConfigError

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import TINY_DRAFT, TINY_TARGET, CompiledConfig, EngineConfig
 from engine.core import EngineCore
 from engine.loader import load_core
 from engine.sequence import GenerationParams
+from polyinfer.config import TINY_DRAFT, TINY_TARGET, CompiledConfig, EngineConfig
 from specdec.sampling import SamplingParams
 from tests.engine.drive import generate
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.config import CompiledConfig, VllmConfig
+from polyinfer.config import CompiledConfig, VllmConfig
 from specdec.errors import ProposerConfigError
 from specdec.policy import expected_tokens_per_step
 from specdec.schedule import (

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import openai
 
-from engine.config import TINY_TARGET
+from polyinfer.config import TINY_TARGET
 from proxy.config import ProxyConfig
 from proxy.server import ProxyServer
 from specdec.schedule import ScheduleConfig, SpeculativeSchedule, fit_schedule

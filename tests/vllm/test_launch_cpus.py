@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import TINY_TARGET, CompiledConfig, ConfigError, build_dataclass
+from polyinfer.config import TINY_TARGET, CompiledConfig, ConfigError, build_dataclass
 from proxy.config import LaunchSpec, WorkerSpec
 from proxy.supervisor import SupervisedWorker, WorkerStartError, pinned_command
 from tests.vllm.fleet import tree_cpus

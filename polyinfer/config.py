@@ -58,6 +58,30 @@ def _check(cond: bool, key: str, expected: str, got: Any) -> None:
 
 
 @dataclass(frozen=True)
+class ForwardConfig:
+    """Forward-pass variants: fused Triton kernels in place of runs of small torch ops.
+
+    Hot-reloadable. Whenever an engine builds with one, it checks each kernel against
+    the torch reference at the model's shapes on fresh random inputs and refuses the
+    config if one falls outside its bound (``engine.fused``). They need a CUDA device
+    (or ``TRITON_INTERPRET=1``, Triton's slow CPU interpreter) and not execution
+    'compiled', which fuses its own.
+    """
+
+    fused_norm: bool = False  # residual add + RMSNorm in one kernel
+    fused_rope_kv: bool = False  # RoPE on q and k + the K/V-cache write in one kernel
+    fused_silu: bool = False  # silu(gate) * up in one kernel
+
+    @property
+    def enabled(self) -> tuple[str, ...]:
+        """The names of the variants switched on."""
+        return tuple(f.name for f in dataclasses.fields(self) if getattr(self, f.name))
+
+
+FUSED_FORWARD = ForwardConfig(fused_norm=True, fused_rope_kv=True, fused_silu=True)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Knobs of the built-in engine; all hot-reloadable except :data:`RESTART_FIELDS`."""
 
@@ -98,6 +122,7 @@ class EngineConfig:
     # requests (its own history after preemption, a previous turn's prompt and answer).
     # Hot-reloadable; every reload starts with an empty cache.
     enable_prefix_caching: bool = True
+    forward: ForwardConfig = field(default_factory=ForwardConfig)
     # NOTE: measurement only. Loading only the first N layers makes a fast,
     # wrong model whose step times track the full one; never serve it.
     measure_num_layers: int | None = None
@@ -141,6 +166,9 @@ class EngineConfig:
                self.data_parallel_size)
         _check(isinstance(self.enable_prefix_caching, bool), "engine.enable_prefix_caching",
                "true or false", self.enable_prefix_caching)
+        _check(not self.forward.enabled or self.execution != "compiled", "engine.forward",
+               "no fused kernels with execution 'compiled' (torch.compile fuses its own)",
+               self.forward.enabled)
         _check(self.measure_num_layers is None or self.measure_num_layers > 0,
                "engine.measure_num_layers", "a positive integer or null", self.measure_num_layers)
 
