@@ -15,6 +15,5 @@
                     the live worker, rollback watch
     service.py      OptimizerService: run() / snapshot() / observe()
     join.py         more agents from another process, through the board file
-    bridge.py       adapters for a running proxy (pool config sink, blue-green)
     cli.py          `polyinfer optimize`
 """

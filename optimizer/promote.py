@@ -7,9 +7,10 @@ winner changes a restart-only field (``polyinfer.config.RESTART_FIELDS``, e.g.
 blue-green replacement (a new server, then drain the old), which costs a cold
 start: ``switch_cost_s`` prices that, and a candidate is
 only worth switching to when the time its gain saves over the payback
-horizon exceeds the switch cost. Blue-green itself is issue 8's; until a
-``BlueGreen`` implementation is handed in, vLLM promotions are refused with a
-PromotionError that says so.
+horizon exceeds the switch cost. The optimizer defines the two interfaces it
+acts through, :class:`ConfigSink` and :class:`WorkerSwitch`, and the host (the
+proxy, ``proxy.optimize``) hands it implementations; until a switch is handed
+in, vLLM promotions are refused with a PromotionError that says so.
 
 After a switch, :class:`LiveWatch` compares the worker's live time per output
 token (scraped from its vLLM-style /metrics) in a window after the switch
@@ -71,8 +72,8 @@ class ConfigSink(Protocol):
         ...
 
 
-class BlueGreen(Protocol):
-    """Replaces a worker with one running ``config`` (issue 8); returns seconds taken.
+class WorkerSwitch(Protocol):
+    """Replaces a worker with one running ``config`` (blue-green); says how long it took.
 
     Used for vLLM workers, and for engine workers whose new config changes a
     restart-only field.
@@ -133,7 +134,7 @@ class PromotionOutcome:
 
 class Promoter:
     def __init__(self, session: aiohttp.ClientSession, config: PromotionConfig,
-                 sinks: tuple[ConfigSink, ...] = (), blue_green: BlueGreen | None = None) -> None:
+                 sinks: tuple[ConfigSink, ...] = (), blue_green: WorkerSwitch | None = None) -> None:
         self.session = session
         self.config = config
         self.sinks = sinks
@@ -148,8 +149,8 @@ class Promoter:
         if self.blue_green is None:
             what = "an engine worker changing a restart-only field" if restart else \
                 f"a {backend} worker"
-            raise PromotionError(f"{worker_url}: {what} needs a blue-green replacement "
-                                 "(issue 8), and none is configured")
+            raise PromotionError(f"{worker_url}: {what} needs a blue-green replacement, "
+                                 "and none is configured")
         return await self.blue_green.replace(worker_url, cfg)
 
     async def promote(self, worker_url: str, backend: str, winner: CompiledConfig,

@@ -6,12 +6,13 @@ and for ``polyinfer optimize`` (standalone)::
     service = OptimizerService(OptimizerConfig(traces=("traces.jsonl",),
                                                worker_url="http://127.0.0.1:8101"))
     task = asyncio.create_task(service.run())   # until cancelled (or one campaign, once=True)
-    service.observe(trace_record_dict)           # optional: live records from the proxy
+    service.observe(trace_record)                # optional: live records from the proxy
     stats["optimizer"] = service.snapshot()      # plain JSON-able dict
 
-Inside the proxy, pass ``sinks=(optimizer.bridge.PoolConfigSink(pool),)`` so the
-router's profiles follow promotions, and ``blue_green=PoolBlueGreen(bg, pool)``
-for vLLM workers (see :mod:`optimizer.bridge`).
+The host hands in implementations of the optimizer's interfaces
+(:class:`optimizer.promote.ConfigSink`, :class:`optimizer.promote.WorkerSwitch`):
+inside the proxy, ``proxy.optimize`` passes its pool's config sink so the
+router's profiles follow promotions, and its blue-green switch for vLLM workers.
 
 One loop: refresh the traffic profile (tail trace files + observed records);
 when there is none yet or it shifted, start a campaign (new board scope,
@@ -56,7 +57,7 @@ from optimizer.profile import (
     profile_distance,
     stratified_sample,
 )
-from optimizer.promote import BlueGreen, ConfigSink, Promoter, PromotionConfig
+from optimizer.promote import ConfigSink, Promoter, PromotionConfig, WorkerSwitch
 from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
 from optimizer.space import DEFAULT_KNOBS, Knob, ModelShape, SearchSpace
 from optimizer.verify import VerifyConfig, fixed_prompts, reference_outputs, verify_candidate
@@ -139,7 +140,7 @@ class OptimizerConfig:
 class OptimizerService:
     def __init__(self, config: OptimizerConfig, sinks: tuple[ConfigSink, ...] = (),
                  session: aiohttp.ClientSession | None = None,
-                 blue_green: BlueGreen | None = None) -> None:
+                 blue_green: WorkerSwitch | None = None) -> None:
         self.config = config
         self.sinks = sinks
         self.blue_green = blue_green

@@ -2,11 +2,16 @@
 
 The optimizer only reads traffic and writes configs: every finished request's
 trace record is handed to :meth:`OptimizerService.observe` (cheap, never
-raising), and promotions reach the proxy through
-:class:`optimizer.bridge.PoolConfigSink` (the router's view of the worker) and
-:class:`optimizer.bridge.PoolBlueGreen` (vLLM workers). Nothing in the request
-path waits on it; a failing optimizer is logged and shown in ``/stats``, and
-the proxy keeps serving.
+raising), and promotions reach the proxy through the optimizer's own interfaces,
+implemented in :mod:`proxy.promotion`: ``PoolConfigSink`` (a :class:`optimizer.promote.ConfigSink`)
+sets the promoted config on the proxy's view of the worker, and the adaptive
+router keys each worker's latency profile on that config object, so a promotion
+restarts the profile from the new config's prior (a hot reload changes the
+worker's speed; old measurements would mislead it). ``PoolSwitch`` (a
+:class:`optimizer.promote.WorkerSwitch`) maps a worker URL to its pool name and
+runs the proxy's blue-green replacement (vLLM workers, restart-only fields).
+Nothing in the request path waits on it; a failing optimizer is logged and
+shown in ``/stats``, and the proxy keeps serving.
 """
 
 from __future__ import annotations
@@ -51,8 +56,8 @@ async def optimizer_ctx(app: web.Application) -> AsyncIterator[None]:
     if not config.optimize.enabled:
         yield
         return
-    from optimizer.bridge import PoolBlueGreen, PoolConfigSink
     from optimizer.service import OptimizerConfig, OptimizerService
+    from proxy.promotion import PoolConfigSink, PoolSwitch
 
     pool = app[keys.POOL]
     worker = pick_worker(pool, config.optimize)
@@ -65,7 +70,7 @@ async def optimizer_ctx(app: web.Application) -> AsyncIterator[None]:
                         worker_backend=worker.backend, board_path=str(board),
                         agents=config.optimize.agents, min_records=config.optimize.min_records),
         sinks=(PoolConfigSink(pool),),
-        blue_green=PoolBlueGreen(app[keys.BLUEGREEN], pool))
+        blue_green=PoolSwitch(app[keys.BLUEGREEN], pool))
     app[keys.RELAY].on_finish.append(lambda rec: service.observe(rec.trace_record()))
     app[keys.OPTIMIZER].append(service)
     logger.info("optimizer: tuning worker %s (%s), board %s", worker.name, worker.url, board)

@@ -171,9 +171,9 @@ async def test_service_runs_one_campaign_end_to_end(engines: tuple[str, str],
 
 async def test_promotion_updates_the_proxy_pool_view(engines: tuple[str, str],
                                                      tmp_path: Path) -> None:
-    from optimizer.bridge import PoolConfigSink
     from proxy.config import HealthConfig, WorkerSpec
     from proxy.pool import WorkerPool
+    from proxy.promotion import PoolConfigSink
 
     _, live = engines
     pool = WorkerPool(HealthConfig(), tmp_path)

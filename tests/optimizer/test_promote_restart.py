@@ -1,7 +1,7 @@
 """A winner that changes a restart-only field reaches a live engine worker by blue-green.
 
 The proxy supervises one real engine worker; the optimizer's Promoter switches it to
-``data_parallel_size: 2`` through the proxy's blue-green (optimizer.bridge.PoolBlueGreen):
+``data_parallel_size: 2`` through the proxy's blue-green (proxy.promotion.PoolSwitch):
 a new server is launched with the winner, traffic moves to it, the old one is stopped.
 The promotion then watches, and tells the sinks about, the new server, not the old URL.
 """
@@ -14,7 +14,6 @@ import aiohttp
 import httpx
 import pytest
 
-from optimizer.bridge import PoolBlueGreen, PoolConfigSink
 from optimizer.promote import Promoter, PromotionConfig
 from proxy import keys
 from proxy.config import (
@@ -24,6 +23,7 @@ from proxy.config import (
     ProxyConfig,
     default_config,
 )
+from proxy.promotion import PoolConfigSink, PoolSwitch
 from tests.proxy.servers import ProxyThread, launched_config
 
 MODEL = "tiny-target"
@@ -50,7 +50,7 @@ def test_restart_only_winner_is_promoted_by_blue_green(tmp_path: Path) -> None:
             async with aiohttp.ClientSession() as session:
                 promoter = Promoter(session, PromotionConfig(watch_s=0.2),
                                     sinks=(PoolConfigSink(pool),),
-                                    blue_green=PoolBlueGreen(proxy.app[keys.BLUEGREEN], pool))
+                                    blue_green=PoolSwitch(proxy.app[keys.BLUEGREEN], pool))
                 return await promoter.promote(old_url, "engine", winner, previous, 100.0)
 
         outcome = proxy.call(promote(), timeout_s=360)
