@@ -1,4 +1,22 @@
-"""``polyinfer engine`` / ``python -m engine``: serve one model with the built-in engine."""
+"""``polyinfer engine`` / ``python -m engine``: serve one model with the built-in engine.
+
+One engine worker on its own: an OpenAI-compatible server (``/v1/chat/completions``,
+``/v1/completions``, ``/v1/models``, vLLM's ``/metrics`` names, ``POST /admin/reload``)
+for a Llama-family checkpoint, run by the compiled config's ``engine`` section
+(continuous batching, paged KV cache, speculative decoding). ``polyinfer serve``
+starts workers like this one itself; run one alone to test a config or to attach it
+to a proxy by URL.
+
+Examples::
+
+    polyinfer engine --model models/tiny-target --port 8100
+    polyinfer engine --model models/tiny-target --config compiled.yaml   # e.g.
+    #   backend: engine
+    #   engine: {max_num_seqs: 8, spec_method: ngram, spec_max_depth: 4}
+    curl -s localhost:8100/v1/completions -H 'content-type: application/json' \\
+      -d '{"model": "tiny-target", "prompt": "def fib(n):", "max_tokens": 16}'
+    polyinfer serve --worker http://127.0.0.1:8100                     # a proxy in front
+"""
 
 from __future__ import annotations
 
@@ -77,6 +95,8 @@ async def _serve(config: CompiledConfig, host: str, port: int) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    parser = subparsers.add_parser("engine", help="serve a model with the built-in engine")
+    parser = subparsers.add_parser("engine", help="serve a model with the built-in engine",
+                                   description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.set_defaults(func=run)

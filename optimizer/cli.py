@@ -1,5 +1,17 @@
 """``polyinfer optimize``: run the optimizer standalone on trace files.
 
+The optimizer reads the traces a proxy wrote (``traces/traces-*.jsonl``), profiles
+the traffic, lets its proposer agents search engine configs on a shared message board,
+measures the candidates on a persistent engine that hot-reloads them, verifies the
+best and, given ``--worker``, promotes the winner to that live engine worker.
+``polyinfer serve --optimize`` runs the same in the background of a proxy.
+
+Examples::
+
+    # one campaign on recorded traffic, measured on an engine it starts itself;
+    # searches and verifies, promotes nothing (no --worker)
+    polyinfer optimize --traces traces/traces-*.jsonl --budget 8 --once
+    # promote the winner to a running engine worker (polyinfer engine --port 8101)
     polyinfer optimize --traces traces.jsonl --worker http://127.0.0.1:8101 \\
         --board opt.sqlite --budget 16 --once
 
@@ -118,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    parser = subparsers.add_parser("optimize", help="re-tune engine configs from traces")
+    parser = subparsers.add_parser("optimize", help="re-tune engine configs from traces",
+                                   description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.set_defaults(func=run)

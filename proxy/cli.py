@@ -23,11 +23,21 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("polyinfer")
+    except PackageNotFoundError:  # a checkout run without installing it
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="polyinfer",
         description="Adaptive OpenAI-compatible proxy for a fleet of LLM engine workers.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

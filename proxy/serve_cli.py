@@ -1,7 +1,7 @@
 """`polyinfer serve`: the OpenAI-compatible proxy.
 
     polyinfer serve                                  # embedded default: 2 engine workers
-    polyinfer serve --config polyinfer.yaml
+    polyinfer serve --config polyinfer.yaml          # no `workers` in it: the same 2
     polyinfer serve --worker http://127.0.0.1:9001 --worker http://127.0.0.1:9002
     polyinfer serve --optimize                       # + the background optimizer
 """
@@ -13,7 +13,14 @@ import dataclasses
 import logging
 
 from polyinfer.config import ConfigError
-from proxy.config import ProxyConfig, ServerConfig, default_config, external_worker
+from proxy.config import (
+    ProxyConfig,
+    RoutingConfig,
+    ServerConfig,
+    default_config,
+    external_worker,
+)
+from proxy.routing import POLICIES
 from proxy.server import run, serve_until_signal
 
 logger = logging.getLogger(__name__)
@@ -29,7 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         "replaces the config's workers")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8000)")
-    p.add_argument("--policy", help="routing policy (overrides routing.policy)")
+    p.add_argument("--policy", metavar="POLICY",
+                   help=f"routing policy, overrides routing.policy: one of {', '.join(POLICIES)}"
+                        f", or module:Class (default: {RoutingConfig().policy})")
     p.add_argument("--optimize", action="store_true",
                    help="run the background optimizer on an engine worker (see optimize.*)")
     p.add_argument("--optimize-worker", metavar="NAME",
@@ -39,6 +48,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def build_config(args: argparse.Namespace) -> ProxyConfig:
     config = ProxyConfig.load(args.config) if args.config else default_config()
+    if not config.workers and not args.worker:
+        config = dataclasses.replace(config, workers=default_config().workers)
+        logger.info("%s names no workers: starting the embedded default ones (%s)",
+                    args.config, ", ".join(w.name for w in config.workers))
     if args.worker:
         workers = tuple(external_worker(url, i) for i, url in enumerate(args.worker))
         config = dataclasses.replace(config, workers=workers)

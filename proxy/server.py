@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -42,6 +43,9 @@ class ProxyServer:
         # NOTE: handler_cancellation: a client that disconnects cancels its
         # handler, which closes the upstream connection and aborts the request
         # on the worker instead of letting it run to completion for nobody.
+        # The port first: the runner's set-up starts the supervised workers (seconds to
+        # minutes), and a taken port would only be found after them.
+        check_port_free(self.config.server.host, self.config.server.port)
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=self.config.limits.drain_timeout_s)
         await self._runner.setup()
@@ -74,6 +78,24 @@ class ProxyServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise :class:`OSError` naming ``host:port`` when nothing could listen there now."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the site binds
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror} (another "
+                                   "server there? pick a free port with --port)") from None
 
 
 class FastSite(web.TCPSite):

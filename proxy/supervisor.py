@@ -43,15 +43,18 @@ def vllm_command(spec: WorkerSpec, host: str, port: int, config_path: Path) -> l
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", spec.config.model, "--host", host, "--port", str(port),
            "--dtype", v.dtype, "--gpu-memory-utilization", str(v.gpu_memory_utilization)]
-    if spec.config.served_model_name:
-        cmd += ["--served-model-name", spec.config.served_model_name]
+    # NOTE: always: without it vLLM serves the model under its path ("models/tiny-target"),
+    # while the proxy routes by model_name ("tiny-target") and every request 404s there.
+    extra = [*v.args, *(spec.launch.args if spec.launch else ())]
+    if "--served-model-name" not in extra:
+        cmd += ["--served-model-name", spec.config.model_name]
     if v.max_num_seqs is not None:
         cmd += ["--max-num-seqs", str(v.max_num_seqs)]
     if v.max_num_batched_tokens is not None:
         cmd += ["--max-num-batched-tokens", str(v.max_num_batched_tokens)]
     if v.speculative_config:
         cmd += ["--speculative-config", v.speculative_config]
-    return cmd + list(v.args) + list(spec.launch.args if spec.launch else ())
+    return cmd + extra
 
 
 LAUNCH_BUILDERS: dict[str, CommandBuilder] = {"engine": engine_command, "vllm": vllm_command}
@@ -76,6 +79,20 @@ def pinned_command(cmd: list[str], cpus: tuple[int, ...]) -> list[str]:
     if not cpus:
         return cmd
     return [sys.executable, "-S", "-c", _PIN_THEN_EXEC, ",".join(map(str, cpus)), *cmd]
+
+
+def log_tail(path: Path, num_lines: int = 12, max_bytes: int = 64 << 10) -> str:
+    """The last ``num_lines`` lines of the worker's latest run in its log ("" if none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(f.tell() - max_bytes, 0))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    text = text.rsplit("\n=== ", 1)[-1]  # this run only: each start writes a "=== " line
+    lines = [line for line in text.splitlines()[1:] if line.strip()]
+    return "\n".join(lines[-num_lines:])
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -154,8 +171,13 @@ class SupervisedWorker:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while time.monotonic() < deadline:
                 if self._proc is None or self._proc.returncode is not None:
-                    raise WorkerStartError(f"{self.spec.name}: exited during start-up; "
-                                           f"see {self.log_path}")
+                    code = None if self._proc is None else self._proc.returncode
+                    tail = log_tail(self.log_path)
+                    raise WorkerStartError(
+                        f"{self.spec.name}: exited during start-up (code {code}); the end of "
+                        f"{self.log_path}:\n{tail}" if tail else
+                        f"{self.spec.name}: exited during start-up (code {code}) with an "
+                        f"empty log {self.log_path}")
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                     async with session.get(f"{self.url}/health") as r:
                         if r.status == 200:
