@@ -98,7 +98,7 @@ def generate(prompts: list[Prompt], max_tokens: int, batch: int) -> list[Record]
     from engine.loader import load_core
     from engine.sequence import GenerationParams
     from polyinfer.config import TINY_TARGET, CompiledConfig, EngineConfig
-    from specdec.sampling import SamplingParams
+    from polyinfer.sampling import SamplingParams
 
     cfg = EngineConfig(kv_cache_tokens=32768, enable_prefix_caching=False, max_num_seqs=batch)
     core = load_core(CompiledConfig(model=str(TINY_TARGET), engine=cfg))

@@ -925,18 +925,21 @@ def run_draft_confidence(prompts: list[Prompt], thresholds: list[float], depth: 
     cuts against depth 0, interleaved per prompt (one core, weights and draft shared)."""
     import dataclasses
 
+    from engine.draft_runner import DraftModelRunner, draft_proposer
     from engine.loader import load_core
     from engine.sequence import GenerationParams
     from polyinfer.config import TINY_DRAFT, TINY_TARGET, CompiledConfig, EngineConfig
+    from polyinfer.sampling import SamplingParams
     from specdec.draft import DraftProposer
-    from specdec.sampling import SamplingParams
 
     cfg = EngineConfig(spec_method="draft", draft_model=str(TINY_DRAFT), spec_max_depth=depth,
                        kv_cache_tokens=16384)
     core = load_core(CompiledConfig(model=str(TINY_TARGET), engine=cfg))
     base = core.proposer
-    assert isinstance(base, DraftProposer)
-    variants = {t: DraftProposer(base.model, dataclasses.replace(base.config, min_confidence=t))
+    assert isinstance(base, DraftProposer) and isinstance(base.model, DraftModelRunner)
+    runner = base.model
+    variants = {t: draft_proposer(runner.model, dataclasses.replace(runner.config,
+                                                                     min_confidence=t))
                 for t in thresholds}
     modes: list[float | None] = [None, *thresholds]  # None = depth 0
     totals = {m: [0, 0.0, 0, 0] for m in modes}  # tokens, seconds, drafted, accepted
@@ -976,7 +979,7 @@ def run_caps_ab(prompts: list[Prompt], depths: list[int], max_tokens: int, devic
     from engine.proposers import build_proposer
     from engine.sequence import GenerationParams
     from polyinfer.config import TINY_TARGET, CompiledConfig, EngineConfig, build_dataclass
-    from specdec.sampling import SamplingParams
+    from polyinfer.sampling import SamplingParams
 
     # prefix caching off: see engine_process
     cfg = build_dataclass(EngineConfig, {
@@ -1032,10 +1035,10 @@ def run_micro() -> None:
     """Costs of the pieces that run on every step or request (no engine)."""
     import torch
 
+    from polyinfer.sampling import SamplingParams
     from specdec.base import Proposal, ProposalRequest
     from specdec.ngram import NgramConfig, NgramProposer
     from specdec.policy import DepthPolicy
-    from specdec.sampling import SamplingParams
     from specdec.verify import verify
 
     rng = random.Random(0)

@@ -29,7 +29,7 @@ from engine.errors import (
 from engine.sequence import GenerationParams
 from engine.tokenizer import TextTokenizer
 from polyinfer.config import CompiledConfig
-from specdec.sampling import SamplingParams
+from polyinfer.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
 # option -> value(s) that mean "off"; anything else is refused as unsupported

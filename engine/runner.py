@@ -2,7 +2,7 @@
 
 Sequences that reach the end of their known tokens this step are sampled:
 with no speculative tokens anywhere in the batch the plain sampler
-(``specdec.sampling.sample``) runs on one logits row per sequence; otherwise
+(``polyinfer.sampling.sample``) runs on one logits row per sequence; otherwise
 every sampled sequence gets ``k_i + 1`` rows and ``specdec.verify.verify``
 accepts a prefix of each proposal (k_i = 0 rows behave like plain sampling).
 When every sampled sequence is greedy (on the CPU), the forward stops at the
@@ -35,8 +35,8 @@ from engine.kv_cache import KVCache
 from engine.lanes import LaneChooser, Lanes, split_lanes
 from engine.model import LlamaModel
 from engine.scheduler import ScheduledSeq
+from polyinfer.sampling import sample
 from specdec.base import Proposal
-from specdec.sampling import sample
 from specdec.verify import verify, verify_greedy_in_waves
 
 

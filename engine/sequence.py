@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from specdec.sampling import SamplingParams
+from polyinfer.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

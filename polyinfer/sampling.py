@@ -1,7 +1,7 @@
 """Token sampling shared by plain decoding and speculative verification.
 
 The engine's non-speculative sampler is :func:`sample`; speculative verification
-(:mod:`specdec.verify`) builds the target distribution with the same
+(:mod:`specdec.verify`, which may not import the engine) builds the target distribution with the same
 :func:`process_logits` and draws its final token with the same
 :func:`sample_from_probs`. So both paths sample from one distribution by
 construction, and with depth 0 they consume a request's generator identically::
@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.errors import VerifyInputError
+
+class SamplingError(ValueError):
+    """Sampling parameters out of range, or logits that do not line up with them."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,11 +37,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
-            raise VerifyInputError(f"temperature: expected >= 0, got {self.temperature!r}")
+            raise SamplingError(f"temperature: expected >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
-            raise VerifyInputError(f"top_p: expected a fraction in (0, 1], got {self.top_p!r}")
+            raise SamplingError(f"top_p: expected a fraction in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
-            raise VerifyInputError(f"top_k: expected >= 0 (0 = off), got {self.top_k!r}")
+            raise SamplingError(f"top_k: expected >= 0 (0 = off), got {self.top_k!r}")
 
     @property
     def greedy(self) -> bool:
@@ -56,7 +58,7 @@ class SamplingParams:
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The distribution each row samples from: [N, vocab] logits -> [N, vocab] float32 probs."""
     if logits.dim() != 2 or logits.shape[0] != len(params):
-        raise VerifyInputError(
+        raise SamplingError(
             f"logits: expected [{len(params)}, vocab], got {tuple(logits.shape)}")
     logits = logits.float()
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]

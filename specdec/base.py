@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from specdec.sampling import SamplingParams
+    from polyinfer.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

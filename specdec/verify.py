@@ -9,7 +9,7 @@ tokens) and hands the logits here, flat and in sequence order::
     seq 1: positions k_0 + 1 .. k_0 + k_1 + 1   ...
 
 Lossless rejection sampling (Leviathan et al. 2023; Chen et al. 2023): with p the
-target distribution (:func:`specdec.sampling.process_logits`, the one plain
+target distribution (:func:`polyinfer.sampling.process_logits`, the one plain
 sampling uses) and q the draft's, draft token x is accepted with probability
 min(1, p(x) / q(x)); at the first rejection the final token is drawn from
 norm(max(0, p - q)); when all k are accepted the bonus token is drawn from p at
@@ -30,19 +30,15 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec import triton_accept
-from specdec.base import Proposal
-from specdec.errors import VerifyInputError
-from specdec.sampling import (
+from polyinfer.sampling import (
     SamplingParams,
     process_logits,
-    sample,
     sample_from_probs,
     uniforms,
 )
-
-__all__ = ["SamplingParams", "VerifyResult", "process_logits", "sample", "verify",
-           "verify_greedy_in_waves"]
+from specdec import triton_accept
+from specdec.base import Proposal
+from specdec.errors import VerifyInputError
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from engine.errors import ContextLengthError, ReloadError
 from engine.loader import load_core
 from engine.sequence import GenerationParams
 from polyinfer.config import CompiledConfig, EngineConfig
-from specdec.sampling import SamplingParams
+from polyinfer.sampling import SamplingParams
 from tests.engine.prompts import chat_text, mixed_prompts
 
 MAX_TOKENS = 24

@@ -26,7 +26,7 @@ from engine.gpu_sampling import inverse_cdf, sample_on_device
 from engine.sequence import GenerationParams
 from engine.triton_attention import DecodeMetadata, check_head_dim, decode_attention
 from polyinfer.config import CompiledConfig, ConfigError, EngineConfig
-from specdec.sampling import SamplingParams, sample
+from polyinfer.sampling import SamplingParams, sample
 from tests.engine.drive import run_interpreted
 from tests.engine.prompts import chat_text, mixed_prompts
 

@@ -24,7 +24,7 @@ from engine.cuda_graph import (
 from engine.scheduler import ScheduledSeq
 from engine.sequence import GenerationParams, Sequence
 from polyinfer.config import TINY_TARGET, CompiledConfig, EngineConfig
-from specdec.sampling import SamplingParams
+from polyinfer.sampling import SamplingParams
 from tests.engine.drive import generate, run_interpreted
 
 # -- buckets, rows, packing ----------------------------------------------------------------

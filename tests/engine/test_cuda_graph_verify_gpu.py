@@ -26,7 +26,7 @@ from engine.cuda_graph import DecodeRow
 from engine.scheduler import ScheduledSeq
 from engine.sequence import GenerationParams, Sequence
 from polyinfer.config import TINY_DRAFT, CompiledConfig, EngineConfig
-from specdec.sampling import SamplingParams, process_logits
+from polyinfer.sampling import SamplingParams, process_logits
 from tests.engine.drive import generate
 from tests.engine.prompts import chat_text, mixed_prompts
 from tests.specdec.test_verify import ALPHA, chi_square_p_value

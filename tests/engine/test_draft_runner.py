@@ -1,4 +1,5 @@
-"""Draft-model proposer on the bundled tiny-draft: batching, and KV consistency after rejections."""
+"""The draft model runner under the draft proposer, on the bundled tiny-draft: batching, and
+KV consistency after rejections."""
 
 from __future__ import annotations
 
@@ -9,9 +10,15 @@ import pytest
 import torch
 
 from engine.cuda_graph import DecodeRow, RowDecoder, graph_buckets
+from engine.draft_runner import (
+    DraftConfig,
+    build_draft_proposer,
+    draft_proposer,
+    load_draft_proposer,
+)
 from polyinfer.config import TINY_DRAFT, EngineConfig
 from specdec.base import ProposalRequest
-from specdec.draft import DraftConfig, DraftProposer, build_draft_proposer
+from specdec.draft import DraftProposer
 from specdec.errors import ProposerConfigError
 
 pytestmark = pytest.mark.skipif(not (TINY_DRAFT / "model.safetensors").exists(),
@@ -23,12 +30,12 @@ CONFIG = DraftConfig(model_dir=str(TINY_DRAFT), kv_cache_tokens=4096, block_size
 
 @pytest.fixture(scope="module")
 def proposer_model() -> DraftProposer:
-    return DraftProposer.load(CONFIG)
+    return load_draft_proposer(CONFIG)
 
 
 def _fresh(like: DraftProposer) -> DraftProposer:
     """A proposer sharing the weights with an empty cache: recomputes everything from scratch."""
-    return DraftProposer(like.model, CONFIG)
+    return draft_proposer(like.model.model, CONFIG)
 
 
 def _prompts(seed: int, num: int) -> list[list[int]]:
@@ -60,7 +67,7 @@ def test_kv_stays_consistent_after_rejections(proposer_model: DraftProposer) -> 
     for i in range(3):
         kept.release(i)
     assert kept.num_tracked == 0
-    assert kept.allocator.num_free == kept.allocator.num_blocks
+    assert kept.model.allocator.num_free == kept.model.allocator.num_blocks
 
 
 def test_greedy_drafts_follow_the_draft_model(proposer_model: DraftProposer) -> None:
@@ -89,8 +96,8 @@ def test_reused_seq_id_with_a_new_history(proposer_model: DraftProposer) -> None
 
 
 def test_full_cache_and_too_long_histories_propose_nothing(proposer_model: DraftProposer) -> None:
-    tiny = DraftProposer(proposer_model.model, DraftConfig(str(TINY_DRAFT), kv_cache_tokens=64,
-                                                           block_size=16, max_model_len=100))
+    tiny = draft_proposer(proposer_model.model.model, DraftConfig(
+        str(TINY_DRAFT), kv_cache_tokens=64, block_size=16, max_model_len=100))
     out = tiny.propose([ProposalRequest(0, list(range(4, 54)), 4),  # 4 blocks: fits
                         ProposalRequest(1, list(range(4, 30)), 4),  # no blocks left
                         ProposalRequest(2, list(range(4, 104)), 4)])  # longer than max_model_len
@@ -103,11 +110,11 @@ def test_build_from_engine_config() -> None:
     cfg = EngineConfig(spec_method="draft", draft_model="models/tiny-draft", spec_max_depth=4,
                        kv_cache_tokens=2048, draft_min_confidence=0.0)
     proposer = build_draft_proposer(cfg)
-    assert proposer.config.max_model_len == cfg.max_model_len + 5
-    assert proposer.config.min_confidence == 0.0
+    assert proposer.model.config.max_model_len == cfg.max_model_len + 5
+    assert proposer.min_confidence == 0.0
     assert len(proposer.propose([ProposalRequest(0, [5, 6, 7], 2)])[0].tokens) == 2
     cut = build_draft_proposer(dataclasses.replace(cfg, draft_min_confidence=0.35))
-    assert cut.config.min_confidence == 0.35
+    assert cut.min_confidence == 0.35
     assert EngineConfig().draft_min_confidence == 0.2  # on by default (bench/RESULTS.md)
 
 
@@ -117,7 +124,7 @@ def test_config_and_vocab_checks() -> None:
     with pytest.raises(ProposerConfigError):
         DraftConfig(model_dir="x", kv_cache_tokens=8, block_size=16)
     with pytest.raises(ProposerConfigError, match="vocab"):
-        DraftProposer.load(CONFIG, target_vocab=1000)
+        load_draft_proposer(CONFIG, target_vocab=1000)
     with pytest.raises(ProposerConfigError, match="execution"):
         DraftConfig(model_dir="x", execution="compiled")
     with pytest.raises(ProposerConfigError, match="CUDA"):
@@ -127,7 +134,7 @@ def test_config_and_vocab_checks() -> None:
 
 
 def test_sampled_drafts_return_their_distribution(proposer_model: DraftProposer) -> None:
-    from specdec.sampling import SamplingParams, process_logits
+    from polyinfer.sampling import SamplingParams, process_logits
     from specdec.verify import verify
 
     histories = _prompts(9, 3)
@@ -152,8 +159,8 @@ def test_min_confidence_cuts_proposals_at_the_first_unsure_token(
     """Kept drafts are a prefix of the uncut ones; the cut falls at the first token whose
     draft probability is below the threshold, and the cache stays consistent afterwards."""
     threshold = 0.3
-    cut = DraftProposer(proposer_model.model, dataclasses.replace(CONFIG,
-                                                                  min_confidence=threshold))
+    cut = draft_proposer(proposer_model.model.model,
+                         dataclasses.replace(CONFIG, min_confidence=threshold))
     histories = _prompts(11, 6)
     num_cut = 0
     for step in range(4):
@@ -198,9 +205,9 @@ def check_rows_draft_equals_eager() -> None:
     distributions through the row decoder as eager, over accept/reject/skip cycles with
     mixed depths, a greedy, a sampled and a long-prompt sequence (its first catch-up is
     too many rows for a bucket and runs eager)."""
-    from specdec.sampling import SamplingParams
+    from polyinfer.sampling import SamplingParams
 
-    model = DraftProposer.load(CONFIG).model
+    model = load_draft_proposer(CONFIG).model.model
     decoder = CountingRows(model, model.new_kv_cache(1, CONFIG.block_size), [1], 16)
 
     def build(m: object, kv: object) -> RowDecoder:
@@ -209,8 +216,8 @@ def check_rows_draft_equals_eager() -> None:
                                CONFIG.max_model_len)
         return decoder
 
-    rows = DraftProposer(model, CONFIG, decoder=build)
-    eager = DraftProposer(model, CONFIG)
+    rows = draft_proposer(model, CONFIG, decoder=build)
+    eager = draft_proposer(model, CONFIG)
     rng = random.Random(4)
     histories = _prompts(21, 2) + [[rng.randrange(4, 8192) for _ in range(70)]]
 
@@ -245,6 +252,7 @@ def test_rows_draft_equals_eager_under_the_triton_interpreter() -> None:
     pytest.importorskip("triton")
     from tests.engine.drive import run_interpreted
 
-    done = run_interpreted("from tests.specdec.test_draft import check_rows_draft_equals_eager; "
+    done = run_interpreted("from tests.engine.test_draft_runner import "
+                           "check_rows_draft_equals_eager; "
                            "check_rows_draft_equals_eager()", timeout_s=170)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -20,7 +20,7 @@ from engine.metrics import EngineMetrics
 from engine.protocol import RequestParser
 from engine.sequence import GenerationParams
 from polyinfer.config import CompiledConfig, EngineConfig
-from specdec.sampling import SamplingParams
+from polyinfer.sampling import SamplingParams
 from tests.engine.conftest import EngineProcess, save_random_checkpoint, serving
 
 pytestmark = pytest.mark.timeout(300)

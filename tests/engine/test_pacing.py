@@ -24,7 +24,7 @@ from engine.pacing import (
 from engine.scheduler import Scheduler
 from engine.sequence import GenerationParams, Sequence
 from polyinfer.config import CompiledConfig, EngineConfig
-from specdec.sampling import SamplingParams
+from polyinfer.sampling import SamplingParams
 
 # seconds per term of step_terms: fixed, per decoding sequence, per decode row, per
 # 1,024 tokens of decode context, per prompt token, per prompt token x 1,024 of its context

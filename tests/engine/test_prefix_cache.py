@@ -27,8 +27,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import GenerationParams, Sequence
 from engine.server import create_app
 from polyinfer.config import CompiledConfig, ConfigError, EngineConfig
+from polyinfer.sampling import SamplingParams
 from specdec.base import Proposal
-from specdec.sampling import SamplingParams
 from tests.engine.conftest import EngineProcess
 from tests.engine.prompts import chat_text, mixed_prompts
 

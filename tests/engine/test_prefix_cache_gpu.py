@@ -15,7 +15,7 @@ import torch
 
 from engine.sequence import GenerationParams
 from polyinfer.config import CompiledConfig, EngineConfig
-from specdec.sampling import SamplingParams
+from polyinfer.sampling import SamplingParams
 from tests.engine.prompts import chat_text, mixed_prompts
 
 BS = 16  # the engine's block size

@@ -12,8 +12,8 @@ from engine.loader import load_core
 from engine.metrics import EngineMetrics
 from engine.sequence import GenerationParams
 from polyinfer.config import CompiledConfig, EngineConfig
+from polyinfer.sampling import SamplingParams
 from specdec.ngram import NgramProposer
-from specdec.sampling import SamplingParams
 from tests.engine.prompts import chat_text
 
 

@@ -7,8 +7,13 @@ import math
 import pytest
 import torch
 
-from specdec.errors import VerifyInputError
-from specdec.sampling import SamplingParams, process_logits, sample, sample_from_probs
+from polyinfer.sampling import (
+    SamplingError,
+    SamplingParams,
+    process_logits,
+    sample,
+    sample_from_probs,
+)
 
 LOGITS = torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3]]))
 
@@ -82,10 +87,10 @@ def test_zero_probability_tokens_are_never_sampled() -> None:
 @pytest.mark.parametrize("kwargs", [{"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5},
                                     {"top_k": -1}, {"temperature": math.nan}])
 def test_bad_params_raise(kwargs: dict[str, float]) -> None:
-    with pytest.raises(VerifyInputError):
+    with pytest.raises(SamplingError):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
 def test_logits_shape_mismatch_raises() -> None:
-    with pytest.raises(VerifyInputError):
+    with pytest.raises(SamplingError):
         process_logits(torch.zeros(2, 4), [SamplingParams(1.0)])

@@ -17,7 +17,7 @@ from engine.core import EngineCore
 from engine.loader import load_core
 from engine.sequence import GenerationParams
 from polyinfer.config import TINY_DRAFT, TINY_TARGET, CompiledConfig, EngineConfig
-from specdec.sampling import SamplingParams
+from polyinfer.sampling import SamplingParams
 from tests.engine.drive import generate
 
 PROMPTS = Path(__file__).resolve().parents[2] / "data" / "prompts" / "spec_bench_questions.jsonl"

@@ -16,9 +16,9 @@ import torch
 from scipy.stats import chi2
 
 import specdec.verify as verify_mod
+from polyinfer.sampling import SamplingParams, process_logits, sample
 from specdec.base import Proposal
 from specdec.errors import VerifyInputError
-from specdec.sampling import SamplingParams, process_logits, sample
 from specdec.verify import FIRST_WAVE_ROWS, VerifyResult, verify, verify_greedy_in_waves
 
 GREEDY = SamplingParams(0.0)

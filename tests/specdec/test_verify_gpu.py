@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from polyinfer.sampling import SamplingParams, process_logits, sample
 from specdec.base import Proposal
-from specdec.sampling import SamplingParams, process_logits, sample
 from specdec.verify import verify
 from tests.specdec.test_verify import (
     ALPHA,
