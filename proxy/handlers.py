@@ -12,8 +12,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from polyinfer.errors import error_body
 from proxy import keys
-from proxy.errors import ProxyError
+from proxy.errors import ModelNotFound, ProxyError
 from proxy.exchange import REC_KEY, AiohttpExchange
+from proxy.pool import WorkerPool
 from proxy.relay import proxy_headers
 from proxy.validate import CHAT, COMPLETIONS
 
@@ -67,11 +68,28 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return ex.response
 
 
+def _model_card(pool: WorkerPool, name: str, now: int) -> dict[str, object]:
+    # root: the checkpoint (tokenizer included) as vLLM lists it, so that a client such as
+    # loadgen counts prompt tokens in the model's own tokenizer
+    return {"id": name, "object": "model", "created": now, "owned_by": "polyinfer",
+            "root": pool.model_root(name), "parent": None}
+
+
 async def models(request: web.Request) -> web.Response:
     now = int(time.time())
-    data = [{"id": m, "object": "model", "created": now, "owned_by": "polyinfer"}
-            for m in request.app[keys.POOL].model_names()]
-    return _json({"object": "list", "data": data})
+    pool = request.app[keys.POOL]
+    return _json({"object": "list", "data": [_model_card(pool, m, now)
+                                             for m in pool.model_names()]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}`` (the openai SDK's ``models.retrieve``)."""
+    name = request.match_info["model"]
+    pool = request.app[keys.POOL]
+    if name not in pool.model_names():
+        raise ModelNotFound(f"the model '{name}' does not exist; see GET /v1/models",
+                            param="model")
+    return _json(_model_card(pool, name, int(time.time())))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -118,6 +136,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)  # names may hold "/" (org/model)
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)
     app.router.add_get("/metrics", metrics)

@@ -29,6 +29,7 @@ class ProxyCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self._requests()
+        yield from self._tokens()
         yield from self._spec()
         yield from self._latency()
         yield from self._workers()
@@ -63,6 +64,20 @@ class ProxyCollector(Collector):
                                   value=s.queued)
         yield CounterMetricFamily("polyinfer_queued_seconds", "Seconds requests waited for room",
                                   value=s.queued_s)
+
+    def _tokens(self) -> Iterator[Metric]:
+        # NOTE: vLLM's vllm:prompt_tokens_total / vllm:generation_tokens_total, per model and
+        # worker as a gateway counts them
+        prompt = CounterMetricFamily("polyinfer_prompt_tokens", "Prompt tokens of requests sent "
+                                     "to workers (usage, else estimated)",
+                                     labels=["model", "worker"])
+        generated = CounterMetricFamily("polyinfer_generation_tokens",
+                                        "Generated tokens (usage)", labels=["model", "worker"])
+        for (model, worker), (num_prompt, num_generated) in self.stats.tokens.items():
+            prompt.add_metric([model, worker], num_prompt)
+            generated.add_metric([model, worker], num_generated)
+        yield prompt
+        yield generated
 
     def _spec(self) -> Iterator[Metric]:
         depth = CounterMetricFamily("polyinfer_spec_depth", "Requests by speculative depth sent",

@@ -116,6 +116,10 @@ class WorkerPool:
         worker = self._make_worker(spec, url, supervisor)
         self.workers[spec.name] = worker
         await self.probe(worker)
+        if not worker.probe_ok:
+            logger.warning("worker %s at %s does not answer GET /health; it gets no traffic "
+                           "until a probe (every %.0f s) passes", spec.name, url,
+                           self.health.interval_s)
         return worker
 
     def _make_worker(self, spec: WorkerSpec, url: str,
@@ -165,6 +169,17 @@ class WorkerPool:
     def model_names(self) -> list[str]:
         return sorted({m for w in self.workers.values() for m in w.models})
 
+    def model_root(self, model: str) -> str | None:
+        """Where ``model``'s checkpoint (and tokenizer) is, as vLLM's ``/v1/models`` says in
+        ``root``: the absolute path when a worker serving it names a directory here, else
+        the model its config names."""
+        configs = [w.view.config for w in self.workers.values()
+                   if model in w.models and w.view.config is not None]
+        for config in configs:
+            if config.model and Path(config.model).is_dir():
+                return str(Path(config.model).resolve())
+        return next((c.model for c in configs if c.model), None)
+
     # -- probe and scrape loops ---------------------------------------------------------
 
     @property
@@ -201,7 +216,13 @@ class WorkerPool:
             async with self.session.get(f"{worker.url}/v1/models") as r:
                 data = orjson.loads(await r.read()) if r.status == 200 else {}
             models = {m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m}
-            worker.models |= models
+            if worker.spec.discover:
+                worker.models |= models
+            elif models and not worker.models <= models:
+                # NOTE: routed by the declared name only; a request the worker 404s is
+                # retried elsewhere and the name dropped for it (proxy.relay)
+                logger.warning("worker %s lists %s at /v1/models, not the configured %s",
+                               worker.name, sorted(models), sorted(worker.models - models))
             if worker.spec.discover:
                 await self._discover_engine_config(worker)
             worker.discovered = True

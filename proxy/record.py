@@ -36,6 +36,7 @@ class RequestRecord:
     http_status: int = 200
     error: str = ""
     completion_tokens: int | None = None
+    usage_prompt_tokens: int | None = None  # usage.prompt_tokens, as the worker counted them
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported

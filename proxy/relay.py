@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from polyinfer.errors import error_codes, error_field, sse_error_event
+from polyinfer.errors import error_body, error_codes, error_field, sse_error_event
 from polyinfer.trace import STATUS_CANCELLED, STATUS_ERROR
 from proxy.admission import RECHECK_S, AdmissionQueue
 from proxy.config import ProxyConfig
@@ -62,8 +62,47 @@ class _Retryable(Exception):
     """The worker failed before any byte reached the client."""
 
 
+class _NotServed(_Retryable):
+    """The worker answered 404: it does not serve the request's model under that name."""
+
+    def __init__(self, message: str, raw: bytes) -> None:
+        super().__init__(message)
+        self.raw = raw
+
+
 class _ClientGone(Exception):
     pass
+
+
+# OpenAI's error types; a worker's error of another type (vLLM's "NotFoundError") gets the
+# one its HTTP status has at OpenAI.
+_OPENAI_ERROR_TYPES = frozenset({"invalid_request_error", "authentication_error",
+                                 "permission_error", "not_found_error", "rate_limit_error",
+                                 "server_error", "api_error"})
+_STATUS_ERROR_TYPES = {401: "authentication_error", 403: "permission_error",
+                       429: "rate_limit_error"}
+
+
+def openai_error(status: int, raw: bytes, worker: str) -> dict[str, object]:
+    """A worker's error body in OpenAI's shape, with the worker's own message (and param,
+    and code when it is a string): what the openai SDK and other clients parse."""
+    err = error_field(raw)
+    fields = err if isinstance(err, dict) else {}
+    message = fields.get("message")
+    if not isinstance(message, str) or not message:
+        message = err if isinstance(err, str) and err else \
+            raw[:1000].decode(errors="replace").strip()
+    if not message:
+        message = f"worker {worker} answered HTTP {status}"
+    error_type = fields.get("type")
+    if error_type not in _OPENAI_ERROR_TYPES:
+        error_type = _STATUS_ERROR_TYPES.get(status, "server_error" if status >= 500
+                                             else "invalid_request_error")
+    param = fields.get("param") if isinstance(fields.get("param"), str) else None
+    code = fields.get("code") if isinstance(fields.get("code"), str) else None
+    if status == 404 and code is None:
+        code, param = "model_not_found", param or "model"
+    return error_body(message, str(error_type), param, code)
 
 
 def proxy_headers(rec: RequestRecord) -> dict[str, str]:
@@ -242,6 +281,7 @@ class Relay:
         assert rec.shape is not None
         tried: list[str] = []
         last_error = ""
+        not_served: _NotServed | None = None
         for _ in range(self.limits.max_attempts):
             views = await self._views_with_room(rec, tried)
             if not views:
@@ -253,14 +293,32 @@ class Relay:
             rec.spec_depth = self._depth(worker, rec, decision.spec_depth)
             try:
                 return await self._attempt(ex, rec, worker, body, strip_usage)
+            except _NotServed as e:
+                not_served = e
+                tried.append(worker.name)
+                self._not_serving(worker, rec.model)
             except _Retryable as e:
                 last_error = str(e)
                 tried.append(worker.name)
                 self.stats.errors[(worker.name, "retried")] += 1
+        if not_served is not None and not last_error:  # every worker tried said 404
+            error = openai_error(404, not_served.raw, rec.worker)["error"]
+            assert isinstance(error, dict)
+            raise ModelNotFound(str(error["message"]), param="model")
         retry = self.limits.retry_after_s
         if not tried:
             raise NoHealthyWorker(f"no healthy worker serves '{rec.model}'", retry_after_s=retry)
         raise UpstreamError(f"{len(tried)} worker(s) failed: {last_error}")
+
+    def _not_serving(self, worker: Worker, model: str) -> None:
+        """A 404 from ``worker`` for ``model``: no more requests for it go there (the
+        request itself is retried on a worker that serves it)."""
+        self.stats.errors[(worker.name, "model_not_found")] += 1
+        if model in worker.models:
+            worker.models.discard(model)
+            logger.warning("worker %s answered 404 for model %r: it does not serve it under "
+                           "that name (for vLLM, see --served-model-name); no more requests "
+                           "for it go there", worker.name, model)
 
     async def _views_with_room(self, rec: RequestRecord, tried: list[str]) -> list[WorkerView]:
         """The routable workers with room under their ``max_outstanding`` caps; while every
@@ -383,6 +441,13 @@ class Relay:
         except UPSTREAM_ERRORS as e:
             worker.breaker.record_failure()
             raise _Retryable(f"{worker.name}: {type(e).__name__}: {e}") from e
+        if upstream.status == 404:  # the route exists: the model is what it does not know
+            try:
+                raw = (await upstream.read_all())[:4096]
+            except UPSTREAM_ERRORS:
+                raw = b""
+            upstream.release()
+            raise _NotServed(f"{worker.name}: HTTP 404 {self._error_detail(raw)}", raw)
         if upstream.status >= 500 or upstream.status == 429:
             try:
                 detail = (await upstream.read_all())[:200]
@@ -410,12 +475,15 @@ class Relay:
                              f"({len(raw)} bytes)")
         worker.breaker.record_success()
         rec.http_status = upstream.status
+        headers = proxy_headers(rec)
         if upstream.status != 200:
             rec.status = STATUS_ERROR
             rec.error = f"upstream_{upstream.status}: {self._error_detail(raw[:200])}"
+            raw = orjson.dumps(openai_error(upstream.status, raw, worker.name))
+            headers["Content-Type"] = "application/json"
+        else:
+            headers["Content-Type"] = upstream.content_type or "application/json"
         rec.e2e_s = time.perf_counter() - rec.t0
-        headers = proxy_headers(rec)
-        headers["Content-Type"] = upstream.content_type or "application/json"
         ex.send(upstream.status, headers, raw)
 
     def _error_detail(self, raw: bytes) -> str:
@@ -628,6 +696,9 @@ def _take_usage(usage: Any, rec: RequestRecord) -> None:
     tokens = usage.get("completion_tokens")
     if isinstance(tokens, int):
         rec.completion_tokens = tokens
+    prompt = usage.get("prompt_tokens")
+    if isinstance(prompt, int) and not isinstance(prompt, bool) and prompt >= 0:
+        rec.usage_prompt_tokens = prompt
     spec = usage.get("spec_decode")
     if isinstance(spec, dict):
         rec.spec_draft_tokens = _token_count(spec.get("num_draft_tokens"))

@@ -67,6 +67,9 @@ class Stats:
         self.reasons: Counter[str] = Counter()
         self.spec_depths: Counter[str] = Counter()  # depth sent, "default" when none
         self.spec_tokens: dict[tuple[str, str], list[int]] = {}  # (worker, domain) -> [draft, acc]
+        # (model, worker) -> [prompt, generated] tokens: the worker's usage counts, else (prompt
+        # tokens of a request without usage) the shape's estimate
+        self.tokens: dict[tuple[str, str], list[int]] = {}
         self.retries = 0
         # the proxy's admission queue (proxy.admission): waiting now, ever waited, seconds
         self.queue_waiting = 0
@@ -87,6 +90,12 @@ class Stats:
             self.rejected[rec.http_status] += 1
             return
         self.reasons[rec.reason] += 1
+        prompt = rec.usage_prompt_tokens
+        if prompt is None and rec.shape is not None:
+            prompt = rec.shape.prompt_tokens
+        pair = self.tokens.setdefault((rec.model, worker), [0, 0])
+        pair[0] += prompt or 0
+        pair[1] += rec.completion_tokens or 0
         self.spec_depths["default" if rec.spec_depth is None else str(rec.spec_depth)] += 1
         if rec.spec_draft_tokens:
             pair = self.spec_tokens.setdefault((worker, domain), [0, 0])

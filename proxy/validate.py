@@ -43,7 +43,7 @@ def check_body(body: dict[str, Any], endpoint: str) -> None:
         check = _FIELD_CHECKS.get(name)
         if check is not None and value is not None and not check[0](value):
             raise InvalidRequest(f"'{name}' must be {check[1]}, got "
-                                 f"{orjson.dumps(value)[:80]!r}", param=name)
+                                 f"{orjson.dumps(value)[:80].decode(errors='replace')}", param=name)
 
 
 def _check_messages(messages: Any) -> None:
