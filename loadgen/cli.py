@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 from loadgen.config import (
@@ -28,6 +29,9 @@ from loadgen.errors import LoadgenConfigError, LoadgenError
 logger = logging.getLogger(__name__)
 
 TIMED_FORMATS = ("azure", "burstgpt", "mooncake", "polyinfer")  # formats with timestamps
+# The Azure 2023 conversation trace in the repository's data/ (a checkout; an installed
+# package has none, and --trace is then required)
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "azure_llm_2023_conv.csv"
 
 
 # NOTE: numeric flags are checked by argparse, so that a bad value is an argparse
@@ -78,7 +82,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     from loadgen.readers import FORMATS
 
     t = p.add_argument_group("trace")
-    t.add_argument("--trace", help="trace or prompt file")
+    t.add_argument("--trace", default=str(DEFAULT_TRACE) if DEFAULT_TRACE.is_file() else None,
+                   help="trace or prompt file (default: %(default)s)")
     t.add_argument("--format", default="auto", choices=FORMATS)
     t.add_argument("--bad-lines", default="skip", choices=("skip", "fatal"))
     t.add_argument("--tokenizer", help="model dir or tokenizer.json of the target "
@@ -225,9 +230,13 @@ def main(args: argparse.Namespace) -> int:
             return 0
         if args.summaries:
             raise LoadgenError(f"unexpected arguments {args.summaries}")
+        if args.trace and not Path(args.trace).is_file():
+            raise LoadgenError(f"--trace {args.trace}: no such file"
+                               + (f" (the repository's traces are in {DEFAULT_TRACE.parent})"
+                                  if DEFAULT_TRACE.parent.is_dir() else ""))
         cfg = build_config(args)
         summaries = run_sweep(cfg) if cfg.sweep_rates else [run_replay(cfg)]
-    except (LoadgenError, ValueError) as e:
+    except (LoadgenError, ValueError, OSError) as e:
         logger.error("%s", e)
         return 2
     for s in summaries:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,20 @@ import orjson
 
 from loadgen.errors import LoadgenError
 
+logger = logging.getLogger(__name__)
+
 Getter = Callable[[dict[str, Any]], float | None]
+
+# The settings that make two runs comparable: the same traffic (trace, arrivals, lengths,
+# prompts) measured the same way (model, endpoint, stream, SLOs). The target and the label
+# are what a comparison varies.
+SETTINGS: tuple[tuple[str, ...], ...] = (
+    ("trace", "path"), ("trace", "format"), ("model",), ("endpoint",), ("stream",),
+    *(("arrival", k) for k in ("mode", "rate", "burstiness", "concurrency", "time_scale",
+                               "window_s", "max_requests", "duration_s", "max_concurrency",
+                               "seed")),
+    ("lengths", "policy"), ("prompts", "tokenizer"), ("prompts", "exact"), ("slo",),
+)
 
 
 def _dist(key: str, pct: str) -> Getter:
@@ -69,9 +83,31 @@ def compare_table(summaries: Sequence[dict[str, Any]], names: Sequence[str]) -> 
     return "\n".join(lines)
 
 
+def _setting(summary: dict[str, Any], key: tuple[str, ...]) -> Any:
+    value: Any = summary
+    for part in key:
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def setting_differences(summaries: Sequence[dict[str, Any]], names: Sequence[str]
+                        ) -> list[str]:
+    """One line per setting in :data:`SETTINGS` on which a run differs from the first."""
+    out = []
+    for key in SETTINGS:
+        first = _setting(summaries[0], key)
+        for s, name in zip(summaries[1:], names[1:], strict=True):
+            value = _setting(s, key)
+            if value != first:
+                out.append(f"{'.'.join(key)}: {first!r} ({names[0]}) vs {value!r} ({name})")
+    return out
+
+
 def compare_files(paths: Sequence[str]) -> str:
     summaries = [load_summary(p) for p in paths]
     names = [s.get("label") or Path(p).stem for s, p in zip(summaries, paths, strict=True)]
     if len(set(names)) < len(names):
         names = [str(p) for p in paths]
+    for line in setting_differences(summaries, names):
+        logger.warning("the runs were not made with the same settings: %s", line)
     return compare_table(summaries, names)
