@@ -46,6 +46,7 @@ from engine.protocol import (
 from polyinfer.config import CompiledConfig, ConfigError
 from polyinfer.errors import error_body
 from polyinfer.heap import settle_heap
+from polyinfer.http_log import server_logger
 
 logger = logging.getLogger(__name__)
 INLINE_TOKENIZE_BYTES = 16384  # larger bodies are parsed (and tokenized) off the event loop
@@ -275,7 +276,8 @@ def create_app(config: CompiledConfig) -> web.Application:
 
 async def serve(config: CompiledConfig, host: str, port: int) -> None:
     """Run until cancelled or SIGTERM; handlers are cancelled when their client disconnects."""
-    runner = web.AppRunner(create_app(config), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(create_app(config), handler_cancellation=True, access_log=None,
+                           logger=server_logger())  # no client bytes in the log
     await runner.setup()  # builds the engine (_engine_ctx)
     settle_heap()
     site = web.TCPSite(runner, host, port)

@@ -3,7 +3,7 @@
 For each OpenAI request::
 
     admit (draining? auth? in-flight limit?) -> read + check body -> shape
-    -> for each attempt: policy.choose -> send to the worker
+    -> for each attempt: policy.choose (worker and depth, router.speculation) -> send
          failure before any byte reached the client: breaker + next worker
     -> relay (JSON as one body; SSE event by event as it arrives) -> record
 
@@ -47,8 +47,9 @@ from proxy.shape import ShapeEstimator, prompt_text
 from proxy.stats import Stats
 from proxy.traces import TraceWriter
 from proxy.upstream import UpstreamClient, UpstreamResponse
-from proxy.validate import check_body, parse_body, wants_usage
+from proxy.validate import check_body, encode_body, parse_body, wants_usage
 from router.base import RequestShape, RouteDecision, RoutingPolicy, WorkerView
+from router.speculation import DepthChooser
 from specdec.policy import DepthPolicy
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,9 @@ class Relay:
         self.stats = stats
         self.estimator = estimator
         self.policy = policy  # swapped at run time by the admin API
-        self.depth_policy = depth_policy  # used in speculation mode "adaptive"
+        # the depth rules around the policy's decision; its depth policy serves speculation
+        # mode "adaptive" under a policy that picks no depth (router.speculation)
+        self.speculation = DepthChooser(config.speculation, depth_policy)
         self.traces: TraceWriter | None = None
         self.on_finish: list[Callable[[RequestRecord], None]] = []  # learners, never raising
         self.client: UpstreamClient | None = None  # set by the app's lifetime context
@@ -148,6 +151,11 @@ class Relay:
         (an adaptive router gives its decision a depth, which wins), then the relay's."""
         found = (getattr(self.policy, "depth_policy", None), self.depth_policy)
         return list({id(p): p for p in found if isinstance(p, DepthPolicy)}.values())
+
+    @property
+    def depth_policy(self) -> DepthPolicy:
+        """The depth policy of speculation mode ``adaptive`` under a policy that picks none."""
+        return self.speculation.depth_policy
 
     async def handle(self, ex: ClientExchange, endpoint: str) -> None:
         """Serve one request; a :class:`ProxyError` raised means nothing was sent yet."""
@@ -236,23 +244,13 @@ class Relay:
             try:
                 self.policy.observe(outcome)
                 self.estimator.observe(outcome)
-                self._observe_depth(rec)
+                self.speculation.observe(outcome)
                 for hook in self.on_finish:
                     hook(rec)
             except Exception:  # learning must never take the request path down
                 logger.exception("observe failed (policy %s)", self.policy.name)
         if self.traces is not None:
             self.traces.append(rec)
-
-    def _observe_depth(self, rec: RequestRecord) -> None:
-        if self.depth_policy is None or rec.spec_depth is None or rec.status != "ok":
-            return
-        if rec.ttft_s is None or rec.e2e_s is None or not rec.completion_tokens:
-            return
-        self.depth_policy.observe_request(
-            rec.worker, rec.domain, (rec.batch_size or 0) + 1, rec.spec_depth,
-            rec.spec_draft_tokens, rec.spec_accepted_tokens, rec.completion_tokens,
-            rec.e2e_s - rec.ttft_s)
 
     async def _read_body(self, ex: ClientExchange) -> bytes:
         limit = self.limits.max_body_bytes
@@ -268,7 +266,9 @@ class Relay:
         if not self.pool.serves(rec.model):
             raise ModelNotFound(f"the model '{rec.model}' does not exist; see GET /v1/models",
                                 param="model")
-        rec.shape = self.estimator.estimate(body, ex.path)
+        # NOTE: a depth fixed before routing (the client's, speculation mode off / fixed) is
+        # in the shape, so the policy prices and records the depth that is sent
+        rec.shape = self.speculation.pin(self.estimator.estimate(body, ex.path))
         if self.config.traces.record_prompt_text:
             rec.prompt_text = prompt_text(body)
         strip_usage = rec.stream and not wants_usage(body)
@@ -288,9 +288,10 @@ class Relay:
                 break
             decision = self._choose(rec.shape, views)
             worker = self.pool.workers[decision.worker]
+            decision = self.speculation.complete(decision, rec.shape, worker.view)
             rec.worker, rec.reason = worker.name, decision.reason
             rec.num_attempts += 1
-            rec.spec_depth = self._depth(worker, rec, decision.spec_depth)
+            rec.spec_depth = decision.spec_depth
             try:
                 return await self._attempt(ex, rec, worker, body, strip_usage)
             except _NotServed as e:
@@ -373,25 +374,6 @@ class Relay:
                                  reason="policy_error")
         return decision
 
-    def _depth(self, worker: Worker, rec: RequestRecord, policy_depth: int | None) -> int | None:
-        if worker.backend != "engine":
-            return None
-        assert rec.shape is not None
-        if rec.shape.speculative_depth is not None:
-            return rec.shape.speculative_depth
-        spec = self.config.speculation
-        if spec.mode == "off":
-            return 0
-        if spec.mode == "fixed":
-            return spec.fixed_depth
-        if policy_depth is not None or spec.mode == "policy" or self.depth_policy is None:
-            return policy_depth
-        engine = worker.view.config.engine
-        if engine.spec_method == "none":
-            return None
-        return self.depth_policy.decide(worker.name, rec.shape.domain, worker.view.running + 1,
-                                        engine.spec_max_depth)
-
     def _slos(self, worker: Worker, rec: RequestRecord, body: dict[str, Any]) -> None:
         """The request's SLOs (its own, else its domain's) for an engine worker, which paces
         prompt chunks by them (engine.pacing); stripped for other backends, as other
@@ -411,6 +393,7 @@ class Relay:
         else:
             body.pop("speculative_depth", None)
         self._slos(worker, rec, body)
+        payload = encode_body(body)
         view = worker.view
         assert rec.shape is not None
         num_tokens = rec.shape.prompt_tokens + rec.shape.predicted_output_tokens
@@ -418,7 +401,7 @@ class Relay:
         view.outstanding_tokens += num_tokens
         rec.batch_size = view.running
         try:
-            upstream = await self._send(worker, orjson.dumps(body), rec)
+            upstream = await self._send(worker, payload, rec)
             try:
                 if rec.stream and upstream.status == 200:
                     await self._relay_stream(ex, rec, worker, upstream, strip_usage)

@@ -20,6 +20,7 @@ from typing import cast
 from aiohttp import web
 
 from polyinfer.heap import settle_heap
+from polyinfer.http_log import server_logger
 from proxy import keys
 from proxy.app import create_app
 from proxy.config import ProxyConfig
@@ -46,8 +47,10 @@ class ProxyServer:
         # The port first: the runner's set-up starts the supervised workers (seconds to
         # minutes), and a taken port would only be found after them.
         check_port_free(self.config.server.host, self.config.server.port)
+        # logger: a client's malformed request is logged without its bytes (polyinfer.http_log)
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=self.config.limits.drain_timeout_s)
+                                     shutdown_timeout=self.config.limits.drain_timeout_s,
+                                     logger=server_logger())
         await self._runner.setup()
         site_type = FastSite if self.config.server.fast_path else web.TCPSite
         site = site_type(self._runner, self.config.server.host, self.config.server.port,

@@ -20,6 +20,11 @@ COMPLETIONS = "completions"
 MAX_SPEC_DEPTH = 16
 
 
+# NOTE: orjson re-encodes at most 254 levels (and parses 1,024): a body nested deeper would
+# parse and then fail on its way to the worker.
+MAX_JSON_DEPTH = 254
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
@@ -28,6 +33,31 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest(f"request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """``body`` as JSON for the worker; :class:`InvalidRequest` for one nested past
+    :data:`MAX_JSON_DEPTH` (the only thing a parsed body can fail on)."""
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError as e:
+        raise InvalidRequest(f"request body nested deeper than {MAX_JSON_DEPTH} levels") from e
+
+
+def describe(value: Any) -> str:
+    """What a bad field's value is, never the value itself: error messages are logged and
+    traced, and the value can be the client's text (or megabytes of it)."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number out of range" if _is_number(value) else "a number"
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters"
+    if isinstance(value, list):
+        return f"an array of {len(value)} items"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} keys"
+    return type(value).__name__
 
 
 def check_body(body: dict[str, Any], endpoint: str) -> None:
@@ -42,8 +72,8 @@ def check_body(body: dict[str, Any], endpoint: str) -> None:
     for name, value in body.items():
         check = _FIELD_CHECKS.get(name)
         if check is not None and value is not None and not check[0](value):
-            raise InvalidRequest(f"'{name}' must be {check[1]}, got "
-                                 f"{orjson.dumps(value)[:80].decode(errors='replace')}", param=name)
+            raise InvalidRequest(f"'{name}' must be {check[1]}, got {describe(value)}",
+                                 param=name)
 
 
 def _check_messages(messages: Any) -> None:
