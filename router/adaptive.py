@@ -67,7 +67,18 @@ Every decision's reason is counted (``stats()``, for the proxy's /stats):
 cheapest worker only because of its cached prefix: another would win without
 the prefix caches), ``reserve`` (the cheapest worker's free slots are kept for
 the requests that meet their SLO only there, :mod:`router.reserve`, and another
-worker meets this one's), ``explore``.
+worker meets this one's), ``explore``, ``balance`` (least-outstanding's pick, below).
+
+Never worse than load-balancing: the policy measures its own prediction error online
+(predicted against observed TTFT and TPOT per worker and shape class,
+:mod:`router.confidence`) and routes by cost only where that cost is distinguishable
+from least-outstanding's pick (LO, :class:`router.baselines.LeastOutstandingPolicy`):
+where the cheapest worker's predicted cost is not lower than LO's pick's by more than
+their error bands, or either worker's predictions for the shape are unproven (fewer
+than ``confidence.min_samples`` outcomes), LO's pick goes, at the depth priced for it.
+So a fleet or traffic the model does not fit is balanced as LO balances it, and the
+outcomes of LO's picks keep measuring the model. ``stats()["prediction_error"]`` shows
+the running errors.
 """
 
 from __future__ import annotations
@@ -83,7 +94,9 @@ from typing import Any
 
 from router.affinity import PrefixCacheModel
 from router.base import RequestOutcome, RequestShape, RouteDecision, WorkerView
+from router.baselines import LeastOutstandingPolicy
 from router.calibration import Calibration
+from router.confidence import ConfidenceConfig, PredictionErrors
 from router.inflight import Flight, InFlight
 from router.profiles import LatencyPrior, Prediction, PriorConfig, WorkerProfile, batch_capacity
 from router.reserve import ReserveConfig, SlotReserve
@@ -153,6 +166,9 @@ class AdaptiveConfig:
     # TPOT 1.16x the SLO), where least-outstanding's, at the engine's k=4, met 22 of 25.
     # 1.0: session 10's rule (only a predicted miss)
     slo_depth_headroom: float = 0.8
+    # when the model's pick is trusted over least-outstanding's (router.confidence); None:
+    # everywhere, routing by predicted cost alone (what the cost model's own tests pin down)
+    confidence: ConfidenceConfig | None = field(default_factory=ConfidenceConfig)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore_prob < 1.0:
@@ -233,6 +249,8 @@ class AdaptivePolicy:
         self._inflight = InFlight(self.config.max_pending)
         self.stalls = PrefillStalls(self.config.stalls)
         self.reserve = SlotReserve(self.config.reserve)
+        self.errors = PredictionErrors(self.config.confidence or ConfidenceConfig())
+        self._balance = LeastOutstandingPolicy()
         self.reasons: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
         self.depths: Counter[int] = Counter()
@@ -242,6 +260,8 @@ class AdaptivePolicy:
     def choose(self, shape: RequestShape, workers: Sequence[WorkerView]) -> RouteDecision:
         cands = self._charge_reserves([self.candidate(shape, w) for w in workers])
         pick, reason = self._pick(cands)
+        if self.config.confidence is not None and reason not in ("only", "explore"):
+            pick, reason = self._unless_indistinct(shape, workers, cands, pick, reason)
         view = workers[cands.index(pick)]
         pick = self._commit_depth(shape, view, pick)
         self._remember(shape, pick, view)
@@ -533,6 +553,19 @@ class AdaptivePolicy:
             return best, "fit"
         return best, ("slo" if not favourite.meets_slo and best.meets_slo else "load")
 
+    def _unless_indistinct(self, shape: RequestShape, workers: Sequence[WorkerView],
+                           cands: list[Candidate], pick: Candidate, reason: str
+                           ) -> tuple[Candidate, str]:
+        """The pick, if its predicted cost beats least-outstanding's pick's by more than
+        their prediction errors (router.confidence); else LO's pick, reason ``balance``."""
+        other = cands[[w.name for w in workers].index(self._balance.choose(shape, workers).worker)]
+        if other is pick:
+            return pick, reason
+        bands = [self.errors.band(c.name, shape.domain, shape.prompt_tokens) for c in (pick, other)]
+        if self.errors.distinguishable(pick.cost_s, bands[0], other.cost_s, bands[1]):
+            return pick, reason
+        return other, "balance"
+
     # --- slot reserves (router.reserve) ------------------------------------------------------
 
     def _charge_reserves(self, cands: list[Candidate]) -> list[Candidate]:
@@ -593,6 +626,10 @@ class AdaptivePolicy:
         if prof is None:
             return
         shape = outcome.shape
+        if pending is not None:
+            self.errors.observe(outcome.worker, shape.domain, shape.prompt_tokens,
+                                (pending.ttft_s, pending.tpot_s),
+                                (outcome.ttft_s, outcome.tpot_s))
         queue = pending.queue if pending else (outcome.batch_size or 0)
         batch = pending.batch if pending else max(1, outcome.batch_size or 1)
         depth = outcome.spec_depth if outcome.spec_depth is not None else (
@@ -683,6 +720,8 @@ class AdaptivePolicy:
                 "calibration": self.calibration.snapshot(),
                 "step_ratios": self._step_ratios(),
                 "reserve": self.reserve.snapshot(self.clock()),
+                "prediction_error": {"fleet": self.errors.summary(),
+                                     "workers": self.errors.snapshot()},
                 "profiles": {n: p.snapshot() for n, p in self._profiles.items()}}
 
     def _step_ratios(self) -> dict[str, list[float]]:

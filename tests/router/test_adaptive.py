@@ -14,7 +14,9 @@ from specdec.policy import DepthPolicy, PolicyConfig
 SMALL = CompiledConfig().with_engine(max_num_seqs=4, max_num_batched_tokens=256,
                                      spec_method="ngram", spec_max_depth=4)
 BIG = CompiledConfig().with_engine(max_num_seqs=32, max_num_batched_tokens=2048)
-NO_EXPLORE = AdaptiveConfig(explore_prob=0.0)
+# NOTE: these pin the cost model itself: routed by predicted cost alone, without the
+# fallback to least-outstanding's pick while the model is unproven (router.confidence)
+NO_EXPLORE = AdaptiveConfig(explore_prob=0.0, confidence=None)
 
 
 def views() -> list[WorkerView]:

@@ -97,7 +97,7 @@ def outcome(worker: str, shape: RequestShape, tpot_s: float) -> RequestOutcome:
 @pytest.mark.parametrize(("by_band", "expected"), [(True, "spec"), (False, "batch")])
 def test_the_policy_sends_a_short_tight_request_to_spec_after_long_prompts_there(
         by_band: bool, expected: str) -> None:
-    policy = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, tpot_prior_by_band=by_band,
+    policy = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, confidence=None, tpot_prior_by_band=by_band,
                                            interference=False, reserve_slots=False))
     views = [WorkerView("spec", "x", "engine", SPEC), WorkerView("batch", "x", "engine", BATCH)]
     for i in range(20):

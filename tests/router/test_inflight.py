@@ -64,7 +64,8 @@ def long_prompt(**kw: object) -> RequestShape:
 @pytest.mark.parametrize("interference", [True, False])
 def test_short_request_avoids_a_worker_busy_prefilling(interference: bool) -> None:
     clock = Clock()
-    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, interference=interference), clock=clock)
+    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, confidence=None,
+                                     interference=interference), clock=clock)
     ws = pair()
     held = [long_prompt()]  # the proxy keeps each shape until its outcome (id() is the key)
     assert p.choose(held[0], ws[:1]).worker == "a"  # a 1,800-token prefill on "a"
@@ -76,7 +77,8 @@ def test_short_request_avoids_a_worker_busy_prefilling(interference: bool) -> No
 @pytest.mark.parametrize("interference", [True, False])
 def test_long_prompt_avoids_tight_slo_decoders(interference: bool) -> None:
     clock = Clock()
-    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, interference=interference), clock=clock)
+    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, confidence=None,
+                                     interference=interference), clock=clock)
     ws = pair()
     # NOTE: the shapes are held, as the proxy holds them until their outcome: the policy
     # keys its in-flight records by id(shape), and a freed shape's id can be reused
@@ -117,7 +119,7 @@ def test_crowding_spills_before_the_batch_cap(crowding: bool) -> None:
     """Same load and no prefill either way: joining "a" slows four tight-TPOT decodes past
     their SLO, joining "b" four loose ones; only the crowding term tells them apart."""
     clock = Clock()
-    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, crowding=crowding), clock=clock)
+    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, confidence=None, crowding=crowding), clock=clock)
     ws = pair()
     held = []  # kept until the end, as the proxy keeps them (see above)
     for _ in range(4):

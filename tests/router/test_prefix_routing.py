@@ -13,7 +13,7 @@ from router.base import RequestOutcome, RequestShape, WorkerView
 
 CACHING = CompiledConfig().with_engine(max_num_seqs=8, max_num_batched_tokens=512)
 NO_CACHE = CACHING.with_engine(enable_prefix_caching=False)
-NO_EXPLORE = AdaptiveConfig(explore_prob=0.0)
+NO_EXPLORE = AdaptiveConfig(explore_prob=0.0, confidence=None)  # the cost model alone
 BLOCK = 100.0  # prompt tokens per prefix block in these shapes
 
 

@@ -51,7 +51,7 @@ async def start(app: web.Application) -> tuple[web.AppRunner, str]:
 async def stack() -> AsyncIterator[tuple[str, AdaptivePolicy, ShapeEstimator]]:
     small, small_url = await start(create_engine_app(SMALL))
     big, big_url = await start(create_engine_app(BIG))
-    policy = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0))
+    policy = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, confidence=None))
     estimator = ShapeEstimator.load(TINY_TARGET)
     config = ProxyConfig(
         workers=(WorkerSpec("spec-small", url=small_url, config=SMALL),

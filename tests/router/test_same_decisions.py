@@ -125,7 +125,7 @@ def test_simulated_decisions_match_the_recorded_ones() -> None:
     log: list[tuple[str, int | None, str]] = []
 
     def make(clock: pm.SimClock) -> AdaptivePolicy:
-        policy = AdaptivePolicy(AdaptiveConfig(explore_within_slo=False), clock=clock)
+        policy = AdaptivePolicy(AdaptiveConfig(explore_within_slo=False, confidence=None), clock=clock)
         choose = policy.choose
 
         def recording(shape, workers):  # type: ignore[no-untyped-def]

@@ -1,0 +1,146 @@
+"""How far the adaptive policy can trust its own predictions, and when to balance instead.
+
+The adaptive policy predicts each request's TTFT and TPOT on every worker and
+routes by the predicted cost. Where those predictions are poor (a fleet or a
+traffic shape its priors and profiles do not fit) or unproven (too few
+outcomes to tell), that cost is noise, and routing by noise loses to plain
+load-balancing: least-outstanding (LO) spreads the work evenly and needs no
+model at all.
+
+:class:`PredictionErrors` measures the model online. Every finished request
+compares what the decision predicted on the worker it went to with what it
+measured: the log ratio ``ln(observed / predicted)`` of its TTFT and of its
+TPOT, kept as a running root-mean-square per worker and shape class (domain,
+prompt band: the buckets the profiles learn in). A key's error band is the
+larger of the two (the cost is TTFT plus output tokens x TPOT, and either part
+can carry it); a key with fewer than ``min_samples`` outcomes has an infinite
+band.
+
+:meth:`PredictionErrors.distinguishable` is the rule the policy applies: the
+model's pick overrides LO's only when its predicted cost is lower than LO's
+pick's by more than the two bands together (their root sum of squares, as for
+independent errors, in log space): ``ln(cost_lo / cost_pick) > sqrt(b_pick^2 +
+b_lo^2)``. So an accurate model routes by cost wherever it sees a real
+difference, a poor one only where the difference is large, and an unproven one
+not at all, and every outcome (LO's picks included) keeps measuring it.
+
+Example::
+
+    errors = PredictionErrors()
+    errors.observe("spec", "code", 120, predicted=(0.02, 0.0010), observed=(0.03, 0.0012))
+    errors.band("spec", "code", 120)         # inf until min_samples outcomes
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from router.profiles import prompt_band
+
+MAX_LOG_ERROR = math.log(100.0)  # one sample counts at most a 100x miss
+
+
+@dataclass(frozen=True)
+class ConfidenceConfig:
+    # outcomes of a (worker, domain, prompt band) before its predictions count at all
+    min_samples: int = 8
+    # EWMA weight of one outcome in the running error, once more than 1 / weight were seen
+    # (a plain mean before): ~20 outcomes of memory, so a fleet that changes is followed
+    weight: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.min_samples < 1:
+            raise ValueError(f"min_samples: expected >= 1, got {self.min_samples}")
+        if not 0.0 < self.weight <= 1.0:
+            raise ValueError(f"weight: expected (0, 1], got {self.weight}")
+
+
+@dataclass
+class _Error:
+    """Running mean squared log error of one key's TTFT and TPOT predictions."""
+
+    num_ttft: int = 0
+    num_tpot: int = 0
+    ttft_sq: float = 0.0  # mean of ln(observed / predicted)^2
+    tpot_sq: float = 0.0
+    ttft_bias: float = 0.0  # mean of ln(observed / predicted): > 0, the model is optimistic
+    tpot_bias: float = 0.0
+
+
+def _log_error(predicted_s: float | None, observed_s: float | None) -> float | None:
+    if predicted_s is None or observed_s is None or not (predicted_s > 0 and observed_s > 0):
+        return None
+    x = math.log(observed_s / predicted_s)
+    if not math.isfinite(x):
+        return None
+    return min(max(x, -MAX_LOG_ERROR), MAX_LOG_ERROR)
+
+
+class PredictionErrors:
+    """Predicted against observed TTFT and TPOT per (worker, domain, prompt band)."""
+
+    def __init__(self, config: ConfidenceConfig | None = None) -> None:
+        self.config = config or ConfidenceConfig()
+        self._errors: dict[tuple[str, str, int], _Error] = {}
+
+    def _weight(self, n: int) -> float:
+        return max(1.0 / n, self.config.weight)
+
+    def observe(self, worker: str, domain: str, prompt_tokens: int,
+                predicted: tuple[float, float], observed: tuple[float | None, float | None]
+                ) -> None:
+        """One finished request: (TTFT, TPOT) as the decision predicted them on ``worker``
+        and as measured, seconds (an unmeasured one, None, is skipped)."""
+        key = (worker, domain, prompt_band(prompt_tokens))
+        err = self._errors.setdefault(key, _Error())
+        x = _log_error(predicted[0], observed[0])
+        if x is not None:
+            err.num_ttft += 1
+            w = self._weight(err.num_ttft)
+            err.ttft_sq += w * (x * x - err.ttft_sq)
+            err.ttft_bias += w * (x - err.ttft_bias)
+        x = _log_error(predicted[1], observed[1])
+        if x is not None:
+            err.num_tpot += 1
+            w = self._weight(err.num_tpot)
+            err.tpot_sq += w * (x * x - err.tpot_sq)
+            err.tpot_bias += w * (x - err.tpot_bias)
+
+    def band(self, worker: str, domain: str, prompt_tokens: int) -> float:
+        """The key's error band in log space: the larger RMS log error of TTFT and TPOT;
+        inf while it has fewer than ``min_samples`` outcomes of either."""
+        err = self._errors.get((worker, domain, prompt_band(prompt_tokens)))
+        if err is None or min(err.num_ttft, err.num_tpot) < self.config.min_samples:
+            return math.inf
+        return math.sqrt(max(err.ttft_sq, err.tpot_sq))
+
+    def distinguishable(self, cost_pick_s: float, band_pick: float, cost_other_s: float,
+                        band_other: float) -> bool:
+        """Whether ``cost_pick_s`` is lower than ``cost_other_s`` by more than the two
+        predictions' error bands together (see the module docstring)."""
+        if not (cost_pick_s > 0 and cost_other_s > 0) or math.isinf(band_pick + band_other):
+            return False
+        return math.log(cost_other_s / cost_pick_s) > math.hypot(band_pick, band_other)
+
+    def snapshot(self) -> dict[str, dict[str, dict[str, float]]]:
+        """worker -> "domain/band" -> RMS and mean log error of TTFT and TPOT, samples
+        (JSON-able; for /stats)."""
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for (worker, domain, band), e in sorted(self._errors.items()):
+            out.setdefault(worker, {})[f"{domain}/{band}"] = {
+                "ttft_rms_log": round(math.sqrt(e.ttft_sq), 4),
+                "tpot_rms_log": round(math.sqrt(e.tpot_sq), 4),
+                "ttft_bias_log": round(e.ttft_bias, 4), "tpot_bias_log": round(e.tpot_bias, 4),
+                "num_ttft": e.num_ttft, "num_tpot": e.num_tpot}
+        return out
+
+    def summary(self) -> dict[str, float]:
+        """Fleet-wide: the outcome-weighted RMS log error of TTFT and TPOT, and outcomes."""
+        num_ttft = sum(e.num_ttft for e in self._errors.values())
+        num_tpot = sum(e.num_tpot for e in self._errors.values())
+        ttft = sum(e.ttft_sq * e.num_ttft for e in self._errors.values()) / max(num_ttft, 1)
+        tpot = sum(e.tpot_sq * e.num_tpot for e in self._errors.values()) / max(num_tpot, 1)
+        return {"ttft_rms_log": round(math.sqrt(ttft), 4),
+                "tpot_rms_log": round(math.sqrt(tpot), 4),
+                "num_ttft": num_ttft, "num_tpot": num_tpot}
