@@ -10,23 +10,28 @@
     GET    /admin/policy                  the routing policy in use
     PUT    /admin/policy                  {"policy": "least_outstanding"} switch at run time
 
-With no admin key configured every admin endpoint answers 403.
+With no admin key configured every admin endpoint answers 403. What a request may ask
+for is what the config's ``admin`` section declares (:class:`proxy.config.AdminConfig`):
+worker hosts, launch environment variables, extra arguments; beyond it, 403. Every error
+is an OpenAI error body with a 4xx status (502 when a replacement's worker fails).
 """
 
 from __future__ import annotations
 
 import hmac
+from urllib.parse import urlsplit
 
 import orjson
 from aiohttp import web
 
-from polyinfer.config import ConfigError, build_dataclass
+from polyinfer.config import CompiledConfig, ConfigError, build_dataclass
 from proxy import keys
 from proxy.bluegreen import ReplacementBusy, ReplacementError, ReplaceRequest
-from proxy.config import WorkerSpec
+from proxy.config import LaunchSpec, WorkerSpec
 from proxy.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unauthorized, UpstreamError
-from proxy.routing import build_policy
+from proxy.routing import POLICIES, build_policy
 from proxy.stats import worker_doc
+from proxy.supervisor import WorkerStartError
 from proxy.validate import parse_body
 
 
@@ -42,6 +47,28 @@ def _authorize(request: web.Request) -> None:
 
 def _json(data: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _check_reach(request: web.Request, url: str, launch: LaunchSpec | None,
+                 config: CompiledConfig | None) -> None:
+    """Refuse (403) what the operator did not declare an admin request may ask for
+    (``admin`` in the config): a worker URL on another host, launch environment variables
+    beyond ``admin.launch_env``, extra command-line arguments."""
+    proxy_config = request.app[keys.CONFIG]
+    admin = proxy_config.admin
+    if url:
+        host = (urlsplit(url).hostname or "").lower()
+        if host not in proxy_config.admin_worker_hosts():
+            raise Forbidden(f"worker host {host!r} is not in admin.worker_hosts", param="url")
+    if launch is not None:
+        refused = sorted(set(launch.env) - set(admin.launch_env))
+        if refused:
+            raise Forbidden(f"launch.env may set only admin.launch_env "
+                            f"{sorted(admin.launch_env)}, not {refused}", param="launch.env")
+        if launch.args and not admin.launch_args:
+            raise Forbidden("launch.args needs admin.launch_args: true", param="launch.args")
+    if config is not None and config.vllm.args and not admin.launch_args:
+        raise Forbidden("vllm.args needs admin.launch_args: true", param="config.vllm.args")
 
 
 def _worker(request: web.Request) -> str:
@@ -63,10 +90,11 @@ async def add_worker(request: web.Request) -> web.Response:
         spec = build_dataclass(WorkerSpec, body, "worker")
     except ConfigError as e:
         raise InvalidRequest(str(e)) from e
+    _check_reach(request, spec.url, spec.launch, spec.config)
     try:
         worker = await request.app[keys.POOL].add(spec)
-    except ConfigError as e:
-        raise InvalidRequest(str(e)) from e
+    except (ConfigError, WorkerStartError, OSError) as e:
+        raise InvalidRequest(f"worker {spec.name!r} not added: {e}") from e
     return _json(worker_doc(worker), status=201)
 
 
@@ -98,6 +126,7 @@ async def replace_worker(request: web.Request) -> web.Response:
         replace = build_dataclass(ReplaceRequest, parse_body(await request.read()), "replace")
     except ConfigError as e:
         raise InvalidRequest(str(e)) from e
+    _check_reach(request, replace.url, replace.launch, replace.config)
     try:
         report = await request.app[keys.BLUEGREEN].replace(name, replace)
     except ReplacementBusy as e:
@@ -118,10 +147,11 @@ async def set_policy(request: web.Request) -> web.Response:
     _authorize(request)
     body = parse_body(await request.read())
     name = body.get("policy")
-    if not isinstance(name, str):
-        raise InvalidRequest("'policy' must be a string", param="policy")
+    # NOTE: registered names only: "module:Class" would import any module (os:abort)
+    if not isinstance(name, str) or name not in POLICIES:
+        raise InvalidRequest(f"'policy' must be one of {sorted(POLICIES)}", param="policy")
     seed = body.get("seed", request.app[keys.CONFIG].routing.seed)
-    if not isinstance(seed, int):
+    if not isinstance(seed, int) or isinstance(seed, bool):
         raise InvalidRequest("'seed' must be an integer", param="seed")
     try:
         policy = build_policy(name, seed)

@@ -239,6 +239,34 @@ class AuthConfig:
 
 
 @dataclass(frozen=True)
+class AdminConfig:
+    """What a request to the admin API (``auth.admin_key``) may ask for.
+
+    The key guards a control surface, not a shell: a worker added or replaced through it
+    starts a process or receives client prompts, so its reach is what the operator
+    declares here. Routing policies are switched by registered name only.
+    """
+
+    # Environment variables an admin request may set in a worker's launch.env (PYTHONPATH
+    # or LD_PRELOAD there would run the requester's code); () = none.
+    launch_env: tuple[str, ...] = ()
+    # Whether an admin request may give a launched worker extra command-line arguments
+    # (launch.args, vllm.args: vLLM's can load code by name); false = refused.
+    launch_args: bool = False
+    # Hosts an admin request may point a worker at (url, or replace's url); () = the hosts
+    # of the workers in this config (and of the launched ones).
+    worker_hosts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in self.launch_env:
+            _check(bool(name) and "=" not in name, "admin.launch_env[]",
+                   "environment variable names", name)
+        for host in self.worker_hosts:
+            _check(bool(host) and "/" not in host, "admin.worker_hosts[]",
+                   "host names or addresses (no scheme, no path)", host)
+
+
+@dataclass(frozen=True)
 class LimitsConfig:
     max_in_flight: int = 4096  # past this, 429 + Retry-After
     max_body_bytes: int = 8 << 20
@@ -317,6 +345,7 @@ class ProxyConfig:
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     traces: TraceConfig = field(default_factory=TraceConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     optimize: OptimizeConfig = field(default_factory=OptimizeConfig)
@@ -326,6 +355,14 @@ class ProxyConfig:
         names = [w.name for w in self.workers]
         dupes = sorted({n for n in names if names.count(n) > 1})
         _check(not dupes, "workers[].name", "unique names", dupes)
+
+    def admin_worker_hosts(self) -> frozenset[str]:
+        """The hosts an admin request may point a worker at (``admin.worker_hosts``)."""
+        if self.admin.worker_hosts:
+            return frozenset(h.lower().strip("[]") for h in self.admin.worker_hosts)
+        hosts = {urlsplit(w.url).hostname or "" for w in self.workers if w.url}
+        hosts |= {w.launch.host for w in self.workers if w.launch is not None}
+        return frozenset(h.lower() for h in hosts if h)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], base_dir: Path | None = None) -> ProxyConfig:
