@@ -23,6 +23,10 @@ if [ ! -f "$VENV/.polyinfer-stamp" ] || [ "$(cat "$VENV/.polyinfer-stamp")" != "
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$stamp" > "$VENV/.polyinfer-stamp"
 fi
-# The venv may be shared between checkouts: point the editable install here.
-"$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT" 2>&1 | grep -v -i warning || true
+# The venv may be shared between checkouts: point the editable install here. Quiet
+# unless it fails: setuptools prints an information box on every editable install.
+if ! out=$("$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT" 2>&1); then
+  echo "$out" >&2
+  exit 1
+fi
 echo "setup: $VENV ready ($("$VENV/bin/python" --version))"
