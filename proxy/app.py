@@ -29,7 +29,7 @@ from proxy.routing import build_policy
 from proxy.shape import HeuristicShapeEstimator, ShapeEstimator
 from proxy.stats import Stats
 from proxy.step_times import StepTimeFeeds
-from proxy.traces import TraceWriter
+from proxy.traces import TraceCollector, TraceWriter
 from proxy.upstream import UpstreamClient
 from proxy.vllm_acceptance import ScrapedAcceptance
 from router.base import RoutingPolicy
@@ -54,6 +54,7 @@ def create_app(config: ProxyConfig, *, estimator: ShapeEstimator | None = None,
     app[keys.RELAY] = relay
     app[keys.TRACES] = TraceWriter(config.traces, Path(config.traces.dir))
     app[keys.REGISTRY] = make_registry(stats, pool, lambda: relay.policy.name)
+    app[keys.REGISTRY].register(TraceCollector(app[keys.TRACES]))
     app[keys.DASHBOARD] = resources.files("proxy").joinpath("static/dashboard.html").read_bytes()
     app[keys.BLUEGREEN] = BlueGreen(pool, config.limits.drain_timeout_s)
     app[keys.OPTIMIZER] = []
@@ -93,6 +94,7 @@ def default_estimator(config: ProxyConfig) -> ShapeEstimator:
 async def _traces_ctx(app: web.Application) -> AsyncIterator[None]:
     writer = app[keys.TRACES]
     if app[keys.CONFIG].traces.enabled:
+        writer.check_writable()  # every record would be lost: a start-up error
         app[keys.RELAY].traces = writer
         writer.start()
     yield

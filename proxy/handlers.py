@@ -109,7 +109,8 @@ async def stats(request: web.Request) -> web.Response:
     doc["loop_lag_ms"] = relay.loop_lag_s * 1e3
     doc["loop_busy"] = relay.loop_busy
     doc["traces"] = {"written": app[keys.TRACES].num_written,
-                     "dropped": app[keys.TRACES].num_dropped}
+                     "dropped": app[keys.TRACES].num_dropped,
+                     "failed": app[keys.TRACES].num_failed}
     for service in app[keys.OPTIMIZER]:
         doc["optimizer"] = service.snapshot()
     depth_policies = relay.depth_policies()

@@ -12,6 +12,10 @@ a latency spike every flush. File writes release the GIL; Python code doesn't.
 Files are ``traces-<start time>-<n>.jsonl`` in ``dir``; past ``max_bytes`` a
 new file starts and files beyond ``max_files`` are deleted,
 oldest first. ``close()`` flushes everything still pending.
+
+A directory that cannot be written is a start-up error (:meth:`TraceWriter.check_writable`);
+records lost later (a full disk, a directory removed) are counted in ``num_failed``, shown
+in ``/stats`` and in ``/metrics`` (:class:`TraceCollector`).
 """
 
 from __future__ import annotations
@@ -19,12 +23,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
 import orjson
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from proxy.config import TraceConfig
 from proxy.record import RequestRecord
@@ -87,6 +95,8 @@ class TraceWriter:
         self._task: asyncio.Task[None] | None = None
         self.num_written = 0
         self.num_dropped = 0
+        self.num_failed = 0  # records lost to write errors
+        self._failing = False
         self._io_lock = threading.Lock()  # a cancelled flush's thread may still be writing
 
     def append(self, rec: RequestRecord) -> None:
@@ -97,6 +107,21 @@ class TraceWriter:
         pending.append(orjson.dumps(rec.to_trace(), option=orjson.OPT_APPEND_NEWLINE))
         if len(pending) >= self.config.batch_size:
             self._wake.set()
+
+    def check_writable(self) -> None:
+        """Raise :class:`OSError` naming the directory unless a file can be written there.
+
+        Blocking (a few file-system calls): start-up only."""
+        directory = self._out.directory
+        probe = directory / f".write-check-{os.getpid()}"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise OSError(e.errno, f"traces.dir {str(directory)!r}: cannot write trace files "
+                                   f"there ({e.strerror or e}); make it writable, point "
+                                   "traces.dir elsewhere, or set traces.enabled: false") from None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="trace-writer")
@@ -115,7 +140,15 @@ class TraceWriter:
         try:
             await asyncio.to_thread(self._write, batch)
         except OSError as e:
-            logger.error("trace write failed, %d records lost: %s", len(batch), e)
+            self.num_failed += len(batch)
+            if not self._failing:  # NOTE: once per failing spell, not once per flush
+                logger.error("trace writes failing, records lost (counted in /stats "
+                             "traces.failed): %s", e)
+            self._failing = True
+            return
+        if self._failing:
+            logger.warning("trace writes work again; %d records were lost", self.num_failed)
+            self._failing = False
 
     def _write(self, lines: list[bytes]) -> None:
         with self._io_lock:
@@ -135,3 +168,20 @@ class TraceWriter:
         # thread; that thread still finishes. Flush what is left after it.
         await self.flush()
         await asyncio.to_thread(self._close_file)
+
+
+class TraceCollector(Collector):
+    """``polyinfer_trace_records_total{outcome}``: written, dropped (the disk was not keeping
+    up), failed (write errors)."""
+
+    def __init__(self, writer: TraceWriter) -> None:
+        self.writer = writer
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("polyinfer_trace_records", "Trace records by outcome",
+                                     labels=["outcome"])
+        w = self.writer
+        for outcome, value in (("written", w.num_written), ("dropped", w.num_dropped),
+                               ("failed", w.num_failed)):
+            family.add_metric([outcome], value)
+        yield family

@@ -123,3 +123,104 @@ def test_malformed_requests_leave_no_secret_in_the_log(proxy: ProxyThread, tmp_p
     assert SECRET_KEY not in caplog.text
     assert SECRET_PROMPT not in caplog.text
     assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR], caplog.text
+
+
+ADMIN = {"x-admin-key": "admin-test"}
+
+
+def test_admin_policy_by_registered_name_only(proxy: ProxyThread) -> None:
+    with httpx.Client(base_url=proxy.url, timeout=30, headers=ADMIN) as http:
+        for name in ("os:abort", "os:_exit", "builtins:int", "router.baselines:RoundRobinPolicy",
+                     "", 7, None, ["round_robin"]):
+            r = http.put("/admin/policy", json={"policy": name})
+            assert r.status_code == 400, (name, r.text)
+            assert r.json()["error"]["param"] == "policy"
+        assert http.put("/admin/policy", json={"policy": "round_robin", "seed": True}
+                        ).status_code == 400
+        r = http.put("/admin/policy", json={"policy": "least_outstanding"})
+        assert r.status_code == 200 and r.json()["policy"] == "least_outstanding"
+        assert http.get("/health").status_code == 200  # still alive
+
+
+def test_admin_worker_reach_is_what_the_config_declares(engines: list[EngineProcess],
+                                                        tmp_path: Path) -> None:
+    marker = tmp_path / "injected"
+    evil_path = tmp_path / "evil"
+    evil_path.mkdir()
+    (evil_path / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    config = external_config(engines, tmp_path, auth={"admin_key": "admin-test"},
+                             admin={"launch_env": ["OMP_NUM_THREADS"]})
+    latency = engines[0]
+    with ProxyThread(config) as p, httpx.Client(base_url=p.url, timeout=60,
+                                                headers=ADMIN) as http:
+        launch_spec = {"name": "evil", "config": {"backend": "engine"},
+                       "launch": {"env": {"PYTHONPATH": str(evil_path)}}}
+        r = http.post("/admin/workers", json=launch_spec)
+        assert r.status_code == 403 and "PYTHONPATH" in r.json()["error"]["message"], r.text
+        r = http.post("/admin/workers", json={**launch_spec, "launch": {"args": ["--x"]}})
+        assert r.status_code == 403, r.text
+        r = http.post("/admin/workers", json={
+            "name": "vargs", "config": {"backend": "vllm", "vllm": {"args": ["--x"]}},
+            "launch": {}})
+        assert r.status_code == 403, r.text
+        # another host: refused for a new worker and for a replacement by URL
+        r = http.post("/admin/workers", json={"name": "far", "url": "http://10.255.0.1:9",
+                                              "config": {"backend": "engine"}})
+        assert r.status_code == 403 and r.json()["error"]["param"] == "url", r.text
+        r = http.post("/admin/workers/latency/replace", json={"url": "http://evil.example:80"})
+        assert r.status_code == 403, r.text
+        # odd bodies: every one a clean 4xx
+        for body in (b"[]", b"{}", b'{"name": 5}', b'{"name": "a", "url": 5}',
+                     b'{"name": "a", "launch": [], "config": {}}', b'{"name": "a", "url": '
+                     b'"http://127.0.0.1:1", "config": {"backend": "nope"}}',
+                     b'{"name": "a", "url": "http://127.0.0.1:1", "max_outstanding": "x"}',
+                     b"[" * 300 + b"]" * 300, b"\xff\xfe"):
+            r = http.post("/admin/workers", content=body)
+            assert 400 <= r.status_code < 500, (body[:40], r.status_code, r.text)
+        for body in (b'{"config": 5}', b'{"launch": {"env": {"A": 1}}}', b'{"url": 5}'):
+            r = http.post("/admin/workers/latency/replace", content=body)
+            assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+        # the declared ones work: a configured worker's host
+        r = http.post("/admin/workers", json={"name": "again", "url": latency.url,
+                                              "config": latency.spec.config.to_dict()})
+        assert r.status_code == 201, r.text
+    assert not marker.exists()
+
+
+def test_an_unwritable_trace_directory_is_a_start_up_error(engines: list[EngineProcess],
+                                                           tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    config = external_config(engines, tmp_path, traces={"dir": str(blocker / "traces")})
+    p = ProxyThread(config)
+    try:
+        with pytest.raises(OSError, match="traces.dir"):
+            p.__enter__()
+    finally:
+        p.server = None  # never started
+        p.stop()
+
+
+def test_trace_write_failures_are_counted(engines: list[EngineProcess], tmp_path: Path) -> None:
+    traces = tmp_path / "traces"
+    config = external_config(engines, tmp_path, traces={"dir": str(traces), "max_bytes": 4096})
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    with ProxyThread(config) as p, httpx.Client(base_url=p.url, timeout=30) as http:
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+        assert _eventually(lambda: http.get("/stats").json()["traces"]["written"] >= 1)
+        for f in traces.iterdir():
+            f.unlink()
+        traces.rmdir()
+        traces.write_text("")  # the next file cannot be opened: every record is lost
+        for _ in range(40):
+            assert http.post("/v1/chat/completions", json=body).status_code == 200
+        assert _eventually(lambda: http.get("/stats").json()["traces"]["failed"] >= 20)
+        metrics = http.get("/metrics").text
+        failed = [line for line in metrics.splitlines()
+                  if line.startswith('polyinfer_trace_records_total{outcome="failed"}')]
+        assert failed and float(failed[0].split()[-1]) >= 20, metrics[-2000:]
+
+
+def _eventually(predicate: object, timeout_s: float = 10.0) -> bool:
+    from tests.proxy.servers import eventually
+    return eventually(predicate, timeout_s)
