@@ -20,7 +20,6 @@ import torch
 
 from engine.checkpoint import ModelSpec, load_weights
 from engine.cuda_graph import CudaGraphDecoder
-from engine.fused import verify_variants
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import (
     ContextLengthError,
@@ -30,6 +29,7 @@ from engine.errors import (
     RequestError,
     UnsupportedConfigError,
 )
+from engine.fused import verify_variants
 from engine.kv_cache import BlockAllocator
 from engine.model import LlamaModel
 from engine.pacing import step_terms

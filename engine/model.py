@@ -16,16 +16,21 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from engine import fused
 from engine.attention import AttnMetadata, paged_attention
 from engine.checkpoint import ModelSpec
 from engine.cpu_gemm import CpuGemm, CpuProjection, load_cpu_gemm, project
 from engine.errors import CheckpointError, UnsupportedConfigError
 from engine.kv_cache import KVCache
-from engine.triton_attention import DecodeMetadata, decode_attention
+from engine.triton_attention import DecodeMetadata, decode_attention, is_available
+
+if TYPE_CHECKING:
+    from polyinfer.config import ForwardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -77,20 +82,41 @@ def _layer(weights: dict[str, torch.Tensor], i: int, spec: ModelSpec,
 
 def rope_table(spec: ModelSpec, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[max_positions, head_dim]`` in float32, computed as transformers does."""
-    dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float()
-                                          / dim))
+    return rope_table_for(spec.head_dim, spec.rope_theta, max_positions)
+
+
+def rope_table_for(dim: int, theta: float,
+                   max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
 
-def _mlp_block(h: torch.Tensor, norm: torch.Tensor, gate_up: Weight, down: Weight,
-               eps: float, linear: Linear = F.linear) -> torch.Tensor:
-    """h + SwiGLU(RMSNorm(h)): the dense half of a layer, the part worth compiling."""
+def _dense_half(h: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, gate_up: Weight,
+                down: Weight, eps: float,
+                linear: Linear = F.linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, SwiGLU(RMSNorm(h + delta))): the dense half of a layer, the part worth
+    compiling; its residual add is the next layer's (or the final one)."""
+    h = h + delta
     x = F.rms_norm(h, (h.shape[-1],), norm, eps)
     gate, up = linear(x, gate_up).chunk(2, dim=-1)
-    return h + linear(F.silu(gate) * up, down)
+    return h, linear(F.silu(gate) * up, down)
+
+
+def forward_disabled_reason(variants: tuple[str, ...], device: str,
+                            execution: str) -> str | None:
+    """Why fused kernels ``variants`` cannot run here, or None when they can."""
+    if not variants:
+        return None
+    if execution == "compiled":
+        return "execution='compiled' fuses its own kernels"
+    if not is_available():
+        return "they need triton (pip install triton)"
+    if not str(device).startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"they need a CUDA device (or TRITON_INTERPRET=1, Triton's slow CPU "
+                f"interpreter); this engine runs on {device!r}")
+    return None
 
 
 def packing_disabled_reason(device: str, dtype: torch.dtype, execution: str) -> str | None:
@@ -128,7 +154,8 @@ class LlamaModel:
     ``torch.compile`` (dynamic shapes, so one graph serves every batch size;
     the first steps pay the compile). ``attention="naive"`` replaces SDPA by an
     explicit matmul-softmax-matmul (a reference, and a fallback for dtypes
-    SDPA handles badly). ``share``: a model built earlier from the same weights
+    SDPA handles badly). ``variants``: which fused kernels of :mod:`engine.fused` replace
+    their torch ops (every step, every path). ``share``: a model built earlier from the same weights
     (a hot reload); its device weights are reused when dtype, device, layer count
     and packing agree, so a reload neither casts nor packs again.
     """
@@ -136,7 +163,8 @@ class LlamaModel:
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: str = "float32",
                  device: str = "cpu", max_positions: int | None = None,
                  execution: str = "eager", attention: str = "sdpa",
-                 pack_weights: bool = True, share: LlamaModel | None = None) -> None:
+                 pack_weights: bool = True, variants: ForwardConfig | None = None,
+                 share: LlamaModel | None = None) -> None:
         if execution == "cuda_graph" or attention == "triton":
             if not str(device).startswith("cuda"):
                 raise UnsupportedConfigError(f"execution={execution!r} attention={attention!r} "
@@ -144,12 +172,21 @@ class LlamaModel:
         if attention == "triton":
             raise UnsupportedConfigError("attention='triton' is not implemented for every step "
                                          "shape; execution='cuda_graph' uses it for decode")
+        enabled = variants.enabled if variants is not None else ()
+        reason = forward_disabled_reason(enabled, device, execution)
+        if reason is not None:
+            raise UnsupportedConfigError(f"engine.forward {list(enabled)}: {reason}")
         self.execution = execution
         self.spec = spec
         self.naive_attention = attention == "naive"
-        self._mlp = _mlp_block
+        self.variants = enabled
+        self._dense = _dense_half
         if execution == "compiled":
-            self._mlp = torch.compile(_mlp_block, dynamic=True)
+            self._dense = torch.compile(_dense_half, dynamic=True)
+        self._add_norm = (fused.add_rms_norm if "fused_norm" in enabled
+                          else fused.add_rms_norm_reference)
+        self._silu_mul = (fused.silu_mul if "fused_silu" in enabled
+                          else fused.silu_mul_reference)
         self.dtype = DTYPES[dtype]
         self.device = device
         self.num_layers = sum(1 for k in weights if k.endswith(".input_layernorm.weight"))
@@ -210,13 +247,17 @@ class LlamaModel:
         that computes :meth:`logits` only for the rows it turns out to need (verification).
         """
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
-        cos = self.cos[meta.positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[meta.positions].unsqueeze(1)
         eps = self.spec.rms_norm_eps
+        rope = None  # cos, sin [T, 1, D] at the positions, for the unfused RoPE
+        if "fused_rope_kv" not in self.variants:
+            rope = self.cos[meta.positions].unsqueeze(1), self.sin[meta.positions].unsqueeze(1)
+        delta: torch.Tensor | None = None  # the last block's output, not yet added to h
         for i, layer in enumerate(self.layers):
-            x = F.rms_norm(h, (h.shape[-1],), layer.input_norm, eps)
-            h = h + self._attention(x, layer, i, cos, sin, meta, kv)
-            h = self._mlp(h, layer.post_norm, layer.gate_up, layer.down, eps, self.linear)
+            x, h = self._add_norm(h, delta, layer.input_norm, eps)
+            delta = self._attention(x, layer, i, meta, kv, rope)
+            h, delta = self._dense_block(h, delta, layer)
+        assert delta is not None
+        h = h + delta
         if logit_rows is not None:
             h = h.index_select(0, logit_rows)
         return h if hidden_only else self.logits(h)
@@ -227,20 +268,30 @@ class LlamaModel:
         h = F.rms_norm(h, (h.shape[-1],), self.norm, self.spec.rms_norm_eps)
         return self.linear(h, self.lm_head).float()
 
-    def _attention(self, x: torch.Tensor, layer: LayerWeights, i: int, cos: torch.Tensor,
-                   sin: torch.Tensor, meta: AttnMetadata | DecodeMetadata,
-                   kv: KVCache) -> torch.Tensor:
+    def _dense_block(self, h: torch.Tensor, delta: torch.Tensor,
+                     layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, the MLP's output on it): the MLP's residual add is left to the caller."""
+        eps = self.spec.rms_norm_eps
+        if not self.variants:  # the reference ops, compiled as one region when asked
+            return self._dense(h, delta, layer.post_norm, layer.gate_up, layer.down, eps,
+                               self.linear)
+        x, h = self._add_norm(h, delta, layer.post_norm, eps)
+        act = self._silu_mul(self.linear(x, layer.gate_up))  # [T, intermediate]
+        return h, self.linear(act, layer.down)
+
+    def _attention(self, x: torch.Tensor, layer: LayerWeights, i: int,
+                   meta: AttnMetadata | DecodeMetadata, kv: KVCache,
+                   rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         spec = self.spec
         nq, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         qkv = self.linear(x, layer.qkv, layer.qkv_bias).view(-1, nq + 2 * nkv, d)
-        qk = qkv[:, : nq + nkv]  # RoPE on q and k heads together: [T, nq + nkv, D]
-        half = d // 2
-        rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
-        qk = qk * cos + rotated * sin
-        kv.write(i, meta.slot_mapping, qk[:, nq:], qkv[:, nq + nkv:])
-        if isinstance(meta, DecodeMetadata):  # a captured decode step (engine.cuda_graph)
-            out = decode_attention(qk[:, :nq], kv.k[i], kv.v[i], meta, self.scale)
+        if rope is None:  # q rotated in place in qkv; k, v written to the cache: [T, nq, D]
+            q = fused.rope_kv_write(qkv, self.cos, self.sin, meta.positions, meta.slot_mapping,
+                                    kv.k[i], kv.v[i], nq, nkv)
         else:
-            out = paged_attention(qk[:, :nq], kv.k[i], kv.v[i], meta, self.scale,
-                                  self.naive_attention)
+            q = fused.rope_kv_rows(qkv, *rope, meta.slot_mapping, kv.k[i], kv.v[i], nq, nkv)
+        if isinstance(meta, DecodeMetadata):  # a captured decode step (engine.cuda_graph)
+            out = decode_attention(q, kv.k[i], kv.v[i], meta, self.scale)
+        else:
+            out = paged_attention(q, kv.k[i], kv.v[i], meta, self.scale, self.naive_attention)
         return self.linear(out, layer.o)

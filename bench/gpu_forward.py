@@ -1,0 +1,316 @@
+"""GPU decode per forward-pass variant: batch 1 / 8 / 64 against the roofline and transformers.
+
+On a random bf16 checkpoint of the Llama-3.2-1B shape (hidden 2048, intermediate
+8192, 16 layers, GQA 32/8, head_dim 64, vocab 128,256, tied embeddings: 2.47 GB),
+in one process on one GPU:
+
+1. the device's copy bandwidth, and the batch-1 roofline ``bandwidth / weight bytes``;
+2. the kernels against their torch references at the model's shapes (engine.fused);
+3. for each variant set (``engine.forward``), applied by hot reload onto one engine
+   (the reload's seconds are printed: weights stay, graphs are captured again), the
+   decode rate of ``b`` requests decoding together through ``EngineCore.step`` (the
+   engine's own loop: scheduler, graph replay, sampling, detokenizer), decode steps
+   only, and the device's share (one graph replay of the batch's bucket);
+4. transformers' eager ``generate`` on the same checkpoint and batches (greedy);
+5. with ``--profile``: the kernels of one uncaptured decode step per variant set and
+   batch, by CUDA time (torch.profiler), appended to that file.
+
+    python bench/gpu_forward.py [--batches 1 8 64] [--tokens 256]
+        [--variants default all] [--json out.json] [--profile kernels.txt]
+
+Needs CUDA. The checkpoint is written to a temporary folder with the bundled
+tokenizer, so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.cuda_graph import DecodeRow  # noqa: E402
+from engine.fused import VARIANTS, ForwardShape, check_forward  # noqa: E402
+from engine.loader import load_core  # noqa: E402
+from engine.sequence import GenerationParams  # noqa: E402
+from polyinfer.config import TINY_TARGET, CompiledConfig, EngineConfig, ForwardConfig  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+PROMPT_TOKENS = 32
+VARIANT_SETS = {"default": ForwardConfig(),
+                "fused_norm": ForwardConfig(fused_norm=True),
+                "fused_rope_kv": ForwardConfig(fused_rope_kv=True),
+                "fused_silu": ForwardConfig(fused_silu=True),
+                "all": ForwardConfig(fused_norm=True, fused_rope_kv=True, fused_silu=True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    hidden: int = 2048
+    intermediate: int = 8192
+    layers: int = 16
+    heads: int = 32
+    kv_heads: int = 8
+    vocab: int = 128256
+    rope_theta: float = 500000.0
+
+
+def write_checkpoint(out: Path, s: Shape) -> int:
+    """A random bf16 Llama checkpoint with tied embeddings; returns its weight bytes."""
+    head_dim = s.hidden // s.heads
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": s.hidden,
+        "intermediate_size": s.intermediate, "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads,
+        "head_dim": head_dim, "vocab_size": s.vocab, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": s.rope_theta, "tie_word_embeddings": True,
+        "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16", "hidden_act": "silu",
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    for name in TOKENIZER_FILES:
+        shutil.copy(TINY_TARGET / name, out / name)
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def w(*shape: int, scale: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16).cpu()
+
+    def norm() -> torch.Tensor:
+        return w(s.hidden, scale=0.1) + 1
+
+    t = {"model.embed_tokens.weight": w(s.vocab, s.hidden), "model.norm.weight": norm()}
+    for i in range(s.layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = norm()
+        t[p + "post_attention_layernorm.weight"] = norm()
+        t[p + "self_attn.q_proj.weight"] = w(s.heads * head_dim, s.hidden)
+        t[p + "self_attn.k_proj.weight"] = w(s.kv_heads * head_dim, s.hidden)
+        t[p + "self_attn.v_proj.weight"] = w(s.kv_heads * head_dim, s.hidden)
+        t[p + "self_attn.o_proj.weight"] = w(s.hidden, s.heads * head_dim)
+        t[p + "mlp.gate_proj.weight"] = w(s.intermediate, s.hidden)
+        t[p + "mlp.up_proj.weight"] = w(s.intermediate, s.hidden)
+        t[p + "mlp.down_proj.weight"] = w(s.hidden, s.intermediate)
+    save_file(t, str(out / "model.safetensors"))
+    return sum(v.numel() * v.element_size() for v in t.values())
+
+
+def measure_bandwidth(num_bytes: int = 4 << 30) -> float:
+    """Bytes moved per second by a device-to-device copy (read + write counted)."""
+    src = torch.empty(num_bytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    n = 10
+    t0 = time.perf_counter()
+    for _ in range(n):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * n / (time.perf_counter() - t0)
+
+
+def engine_config(model_dir: Path, max_batch: int, forward: ForwardConfig) -> CompiledConfig:
+    return CompiledConfig(model=str(model_dir), engine=EngineConfig(
+        device="cuda", dtype="bfloat16", execution="cuda_graph", max_num_seqs=max_batch,
+        max_num_batched_tokens=max(max_batch, 64), kv_cache_tokens=65536, max_model_len=2048,
+        enable_prefix_caching=False, forward=forward))
+
+
+def decode_rate(core: Any, batch: int, num_tokens: int, run: str) -> float:
+    """Output tokens per second of ``batch`` requests decoding together (decode steps only)."""
+    params = GenerationParams(max_tokens=num_tokens, ignore_eos=True)
+    for i in range(batch):  # distinct prompts: nothing shared, every row its own context
+        core.add_request(f"{run}-{i}", [(7 * i + j) % 5000 + 5 for j in range(PROMPT_TOKENS)],
+                         params)
+    produced = 0
+    while core.num_waiting or any(s.num_computed < PROMPT_TOKENS for s in core.requests.values()):
+        outputs, _ = core.step()  # prefill (and the first tokens)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while core.has_work:
+        outputs, _ = core.step()
+        produced += sum(len(o.new_token_ids) for o in outputs)
+    torch.cuda.synchronize()
+    return produced / (time.perf_counter() - t0)
+
+
+def replay_ms(core: Any, batch: int, context: int, iters: int = 50) -> float:
+    """Device ms of one graph replay for ``batch`` rows at ``context`` tokens each."""
+    graphs = core.runner.graphs
+    blocks = list(range(-(-context // 16) + 1))
+    rows = [DecodeRow(token=5 + i, position=context - 1, block_table=blocks)
+            for i in range(batch)]
+    graphs.run(rows)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graphs.run(rows)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def profile_step(core: Any, batch: int, context: int, out: Path,
+                 title: str) -> list[tuple[str, int, float]]:
+    """The kernels of one uncaptured decode step by CUDA time: (name, calls, total us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = core.runner.graphs
+    blocks = list(range(-(-context // 16) + 1))
+    rows = [DecodeRow(token=5 + i, position=context - 1, block_table=blocks)
+            for i in range(batch)]
+    graphs.run(rows)  # fills the inputs of the batch's bucket
+    bucket = graphs._bucket_for[batch]
+    for _ in range(3):
+        graphs._forward(bucket)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graphs._forward(bucket)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    with out.open("a") as f:
+        f.write(f"\n== {title}: 5 steps ==\n{table}\n")
+    rows_out = []
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if total > 0 and e.count:
+            rows_out.append((e.key, e.count // 5, total / 5))
+    return sorted(rows_out, key=lambda r: -r[2])
+
+
+def transformers_rate(model_dir: Path, batch: int, num_tokens: int) -> float:
+    """Greedy ``generate`` tok/s (eager, bf16): new tokens over the time beyond a 1-token call."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.bfloat16).to("cuda").eval()
+    ids = torch.tensor([[(7 * i + j) % 5000 + 5 for j in range(PROMPT_TOKENS)]
+                        for i in range(batch)], device="cuda")
+    kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+
+    def timed(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    timed(2)  # warm-up
+    first = timed(1)
+    total = timed(num_tokens)
+    del model
+    torch.cuda.empty_cache()
+    return batch * (num_tokens - 1) / (total - first)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--tokens", type=int, default=256, help="decode steps per batch-1 run")
+    p.add_argument("--variants", nargs="+", default=list(VARIANT_SETS), choices=VARIANT_SETS)
+    p.add_argument("--transformers-tokens", type=int, default=24, help="0 skips transformers")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--profile", type=Path, help="file the per-kernel profiles go to")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(),
+                              "torch": torch.__version__}
+    bw = measure_bandwidth()
+    print(f"device: {result['device']}  torch {torch.__version__}  copy bandwidth "
+          f"{bw / 1e12:.2f} TB/s", flush=True)
+    shape = Shape(layers=args.layers)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "random-llama-1b"
+        nbytes = write_checkpoint(model_dir, shape)
+        roof = bw / nbytes
+        result.update(bandwidth_Bps=bw, weight_bytes=nbytes, roofline_tok_s=roof)
+        print(f"checkpoint {nbytes / 1e9:.2f} GB -> batch-1 roofline {roof:.0f} tok/s", flush=True)
+        result["checks"] = check_kernels(shape)
+        result["engine"] = run_engine(model_dir, args, roof)
+        if args.transformers_tokens:
+            result["transformers"] = {}
+            for b in args.batches:
+                rate = transformers_rate(model_dir, b, args.transformers_tokens)
+                result["transformers"][str(b)] = rate
+                print(f"transformers eager generate  batch {b:>3}: {rate:9.0f} tok/s", flush=True)
+        summarize(result, args)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def check_kernels(shape: Shape) -> list[dict[str, Any]]:
+    fs = ForwardShape(shape.hidden, shape.intermediate, shape.heads, shape.kv_heads,
+                      shape.hidden // shape.heads, 1e-5, shape.rope_theta)
+    out = []
+    for rows in (1, 8, 64, 512):
+        for c in check_forward(VARIANTS, fs, "cuda", torch.bfloat16, rows):
+            out.append(dataclasses.asdict(c) | {"ok": c.ok})
+            print(f"check {c.variant:<14} rows {rows:>3}: max |err| {c.max_abs_err:.3g}, "
+                  f"{c.worst_ratio:.2f} of the bound  {'ok' if c.ok else 'FAILED'}", flush=True)
+    return out
+
+
+def run_engine(model_dir: Path, args: argparse.Namespace, roof: float) -> dict[str, Any]:
+    max_batch = max(args.batches)
+    core = load_core(engine_config(model_dir, max_batch, VARIANT_SETS[args.variants[0]]))
+    out: dict[str, Any] = {}
+    for name in args.variants:
+        cfg = engine_config(model_dir, max_batch, VARIANT_SETS[name])
+        reload_s = core.reload(cfg)
+        entry: dict[str, Any] = {"reload_s": reload_s, "tok_s": {}, "replay_ms": {}}
+        for b in args.batches:
+            tokens = max(64, args.tokens // max(1, b // 4)) if b > 1 else args.tokens
+            decode_rate(core, b, 16, f"{name}-warm-{b}")
+            rate = decode_rate(core, b, tokens, f"{name}-{b}")
+            ms = replay_ms(core, b, PROMPT_TOKENS + tokens // 2)
+            entry["tok_s"][str(b)], entry["replay_ms"][str(b)] = rate, ms
+            frac = f"  {rate / roof:.2f} of the roofline" if b == 1 else ""
+            print(f"engine {name:<14} reload {reload_s:5.2f} s  batch {b:>3}: {rate:9.0f} tok/s "
+                  f"(graph replay {ms:.3f} ms/step = {b / ms * 1e3:9.0f} tok/s){frac}", flush=True)
+            if args.profile is not None:
+                top = profile_step(core, b, PROMPT_TOKENS + tokens // 2, args.profile,
+                                   f"{name}, batch {b}")
+                entry.setdefault("profile", {})[str(b)] = top[:25]
+                total = sum(t for _, _, t in top)
+                calls = sum(c for _, c, _ in top)
+                print(f"  profile: {calls} kernels, {total:.0f} us of kernel time per step; top: "
+                      + "; ".join(f"{k[:40]} x{c} {t:.0f}us" for k, c, t in top[:6]), flush=True)
+        out[name] = entry
+    return out
+
+
+def summarize(result: dict[str, Any], args: argparse.Namespace) -> None:
+    engine, roof = result["engine"], result["roofline_tok_s"]
+    base = engine.get("default")
+    print("\n| variant set | " + " | ".join(f"batch {b}" for b in args.batches) + " | reload s |")
+    print("|---|" + "---|" * len(args.batches) + "---|")
+    for name, entry in engine.items():
+        cells = []
+        for b in args.batches:
+            rate = entry["tok_s"][str(b)]
+            ratio = f" ({rate / base['tok_s'][str(b)]:.2f}x)" if base and name != "default" else ""
+            frac = f" [{rate / roof:.2f} roof]" if b == 1 else ""
+            cells.append(f"{rate:,.0f}{ratio}{frac}")
+        print(f"| {name} | " + " | ".join(cells) + f" | {entry['reload_s']:.2f} |")
+    if "transformers" in result:
+        print("| transformers eager | " + " | ".join(
+            f"{result['transformers'][str(b)]:,.0f}" for b in args.batches) + " | - |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The Triton kernels behind :mod:`engine.fused` (kept apart so a CPU engine never imports Triton).
+
+Each kernel rounds its intermediate results to the output dtype wherever the torch
+reference rounds them (a bf16 op in torch computes in float32 and rounds once per op),
+so a fused step differs from the reference only where float32 arithmetic itself is
+ordered differently (the RMSNorm reduction, ``exp``).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """``x`` (float32) rounded to ``dtype`` and back, as a torch op in ``dtype`` stores it."""
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def add_rms_norm_kernel(h_ptr, delta_ptr, w_ptr, x_ptr, h_out_ptr,
+                        stride_h, stride_delta, stride_x, stride_h_out, num_cols, eps,
+                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: ``h_out = h + delta`` (when HAS_DELTA), ``x = rms_norm(h_out) * w``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < num_cols
+    dtype = x_ptr.dtype.element_ty
+    h = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        delta = tl.load(delta_ptr + row * stride_delta + cols, mask=ok, other=0.0)
+        h = _round(h + delta.to(tl.float32), dtype)
+        tl.store(h_out_ptr + row * stride_h_out + cols, h.to(dtype), mask=ok)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / num_cols + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(x_ptr + row * stride_x + cols, (h * rstd * w).to(dtype), mask=ok)
+
+
+@triton.jit
+def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr,
+                   stride_t, stride_table, stride_kh, stride_kb, stride_ks,
+                   NQ: tl.constexpr, NKV: tl.constexpr, HEADS_PAD: tl.constexpr,
+                   KV_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """One token: RoPE on its q and k heads (q in place in ``qkv``, k into the cache) and
+    its v heads copied into the cache at its slot."""
+    t = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = D // 2
+    dtype = qkv_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, HALF)
+    is_qk = heads < NQ + NKV
+    lo = qkv_ptr + t * stride_t + heads[:, None] * D + d[None, :]  # [HEADS_PAD, HALF]
+    x1 = tl.load(lo, mask=is_qk[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(lo + HALF, mask=is_qk[:, None], other=0.0).to(tl.float32)
+    table = pos * stride_table
+    cos1 = tl.load(cos_ptr + table + d).to(tl.float32)[None, :]
+    cos2 = tl.load(cos_ptr + table + HALF + d).to(tl.float32)[None, :]
+    sin1 = tl.load(sin_ptr + table + d).to(tl.float32)[None, :]
+    sin2 = tl.load(sin_ptr + table + HALF + d).to(tl.float32)[None, :]
+    # the reference: x * cos + cat(-x2, x1) * sin, each product rounded, then the sum
+    out1 = (_round(x1 * cos1, dtype) + _round(-x2 * sin1, dtype)).to(dtype)
+    out2 = (_round(x2 * cos2, dtype) + _round(x1 * sin2, dtype)).to(dtype)
+    is_q = heads < NQ
+    tl.store(lo, out1, mask=is_q[:, None])
+    tl.store(lo + HALF, out2, mask=is_q[:, None])
+    cache = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks
+    is_k = (heads >= NQ) & is_qk
+    k_at = k_ptr + cache + (heads - NQ)[:, None] * stride_kh + d[None, :]
+    tl.store(k_at, out1, mask=is_k[:, None])
+    tl.store(k_at + HALF, out2, mask=is_k[:, None])
+    kv_heads = tl.arange(0, KV_PAD)
+    dd = tl.arange(0, D)
+    is_v = kv_heads < NKV
+    v = tl.load(qkv_ptr + t * stride_t + (NQ + NKV + kv_heads)[:, None] * D + dd[None, :],
+                mask=is_v[:, None], other=0.0)
+    tl.store(v_ptr + cache + kv_heads[:, None] * stride_kh + dd[None, :], v, mask=is_v[:, None])
+
+
+@triton.jit
+def silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, num_cols,
+                    BLOCK: tl.constexpr):
+    """One tile of one row: ``silu(gate) * up`` from ``[gate | up]``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < num_cols
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + num_cols + cols, mask=ok, other=0.0)
+    act = _round(gate / (1.0 + tl.exp(-gate)), dtype)  # F.silu rounds to the dtype
+    tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(dtype), mask=ok)

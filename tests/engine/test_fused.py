@@ -1,0 +1,231 @@
+"""Fused forward-pass variants (engine.fused): config, the reference check, planted faults,
+the whole model and a hot reload, the kernels run by Triton's CPU interpreter.
+
+NOTE: the interpreter converts float32 to bfloat16 by truncation (the GPU rounds to
+nearest even), so here the kernels are checked in float32 and float16; bf16 is checked
+on the GPU (``-m gpu``) and by the engine itself whenever it builds with a variant.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.errors import UnsupportedConfigError
+from engine.fused import KernelCheck, error_bound
+from polyinfer.config import FUSED_FORWARD, CompiledConfig, ConfigError, EngineConfig, ForwardConfig
+from tests.engine.drive import run_interpreted
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _interpreted(code: str, timeout_s: float = 110) -> None:
+    pytest.importorskip("triton")
+    done = run_interpreted(code, timeout_s=timeout_s)
+    assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-3000:]
+
+
+# -- config and bounds, any machine ----------------------------------------------------------
+
+def test_forward_variants_parse_validate_and_round_trip() -> None:
+    cfg = CompiledConfig.from_dict({"engine": {"forward": {"fused_norm": True,
+                                                           "fused_silu": True}}})
+    assert cfg.engine.forward == ForwardConfig(fused_norm=True, fused_silu=True)
+    assert cfg.engine.forward.enabled == ("fused_norm", "fused_silu")
+    assert CompiledConfig.from_dict(cfg.to_dict()) == cfg
+    assert EngineConfig().forward.enabled == ()
+    assert FUSED_FORWARD.enabled == ("fused_norm", "fused_rope_kv", "fused_silu")
+    with pytest.raises(ConfigError, match="engine.forward: unknown key"):
+        CompiledConfig.from_dict({"engine": {"forward": {"fused_rope": True}}})
+    with pytest.raises(ConfigError, match="engine.forward.fused_norm: expected true or false"):
+        CompiledConfig.from_dict({"engine": {"forward": {"fused_norm": "yes"}}})
+    with pytest.raises(ConfigError, match="execution 'compiled'"):
+        EngineConfig(execution="compiled", forward=FUSED_FORWARD)
+
+
+def test_the_error_bound_is_two_ulps_of_the_reference() -> None:
+    ref = torch.tensor([1.0, -4.0, 0.0], dtype=torch.bfloat16)
+    assert error_bound(ref).tolist() == pytest.approx([1e-6 + 2**-6, 1e-6 + 2**-4, 1e-6])
+    assert error_bound(ref.half()).tolist() == pytest.approx([1e-6 + 2**-9, 1e-6 + 2**-7, 1e-6])
+    assert KernelCheck("fused_norm", 1, 0.01, 1.0).ok
+    assert not KernelCheck("fused_norm", 1, 0.02, 1.01).ok
+
+
+def test_a_model_refuses_fused_kernels_on_a_cpu_without_the_interpreter(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.checkpoint import load_weights, read_spec
+    from engine.model import LlamaModel
+    from polyinfer.config import TINY_TARGET
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    spec = read_spec(TINY_TARGET)
+    with pytest.raises(UnsupportedConfigError, match="CUDA device"):
+        LlamaModel(spec, load_weights(TINY_TARGET, 1), variants=ForwardConfig(fused_silu=True))
+    assert LlamaModel(spec, load_weights(TINY_TARGET, 1), variants=ForwardConfig()).variants == ()
+
+
+# -- the kernels against their references, in the interpreter -------------------------------
+
+def check_kernels(dtype: str) -> None:
+    """Every variant at two shapes (GQA 4/2 and 32/8, odd head counts padded), fresh seeds."""
+    from engine.fused import VARIANTS, ForwardShape, check_forward
+
+    shapes = [ForwardShape(256, 768, 4, 2, 64), ForwardShape(320, 600, 5, 1, 32, 1e-6),
+              ForwardShape(2048, 1024, 32, 8, 64, rope_theta=500000.0)]
+    for shape in shapes:
+        for num_rows in (1, 6):
+            checks = check_forward(VARIANTS, shape, "cpu", getattr(torch, dtype), num_rows)
+            assert [c.variant for c in checks] == list(VARIANTS)
+            assert all(c.ok for c in checks), checks
+
+
+@pytest.mark.timeout(120)
+def test_kernels_match_their_references_in_the_interpreter() -> None:
+    _interpreted("from tests.engine.test_fused import check_kernels; "
+                 "check_kernels('float32'); check_kernels('float16')")
+
+
+def check_planted_faults() -> None:
+    """Broken kernels, each close to a real one, are all refused."""
+    from engine import fused
+    from engine.fused import ForwardShape, check_forward
+
+    def norm_without_residual_store(h, delta, w, eps):  # type: ignore[no-untyped-def]
+        x, _ = fused.add_rms_norm(h, delta, w, eps)
+        return x, h
+
+    def norm_eps_inside_mean(h, delta, w, eps):  # type: ignore[no-untyped-def]
+        x, h = fused.add_rms_norm(h, delta, w, 0.5)
+        return x, h
+
+    def rope_one_position_late(qkv, cos, sin, pos, *rest):  # type: ignore[no-untyped-def]
+        return fused.rope_kv_write(qkv, cos, sin, pos + 1, *rest)
+
+    def rope_without_v(qkv, cos, sin, pos, slots, k, v, nq, nkv):  # type: ignore[no-untyped-def]
+        return fused.rope_kv_write(qkv, cos, sin, pos, slots, k, v.clone(), nq, nkv)
+
+    def silu_of_up(gate_up):  # type: ignore[no-untyped-def]
+        return fused.silu_mul(gate_up.flip(-1))
+
+    shape = ForwardShape(256, 768, 4, 2, 64)
+    planted = [("fused_norm", norm_without_residual_store), ("fused_norm", norm_eps_inside_mean),
+               ("fused_rope_kv", rope_one_position_late), ("fused_rope_kv", rope_without_v),
+               ("fused_silu", silu_of_up)]
+    for name, impl in planted:
+        [check] = check_forward([name], shape, "cpu", torch.float32, 3, impls={name: impl})
+        assert not check.ok, (impl.__name__, check)
+
+
+@pytest.mark.timeout(120)
+def test_planted_faults_are_refused_in_the_interpreter() -> None:
+    _interpreted("from tests.engine.test_fused import check_planted_faults; "
+                 "check_planted_faults()")
+
+
+# -- the whole model and a hot reload, in the interpreter -----------------------------------
+
+def check_model_and_reload() -> None:
+    """The tiny model with every variant: logits as the reference's, greedy text equal, and
+    a hot reload onto the variants (and back) reuses the weights; a reload onto a planted
+    faulty kernel is refused and the previous config keeps serving."""
+    import dataclasses
+
+    from engine import fused
+    from engine.errors import EngineError
+    from engine.loader import load_core
+    from engine.sequence import GenerationParams
+    from polyinfer.config import TINY_TARGET
+    from tests.engine.drive import generate
+
+    base = CompiledConfig(model=str(TINY_TARGET), engine=EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, kv_cache_tokens=1024, max_model_len=128,
+        measure_num_layers=2))
+    core = load_core(base)
+    prompts = [list(range(5, 25)), list(range(40, 47)), [9] * 12]
+    params = [GenerationParams(max_tokens=6, ignore_eos=True)] * 3
+    want, _, _ = generate(core, prompts, params)
+    embed = core.model.embed
+    core.reload(base.with_engine(forward=FUSED_FORWARD))
+    assert core.model.variants == FUSED_FORWARD.enabled and core.model.embed is embed
+    got, _, _ = generate(core, prompts, params)
+    assert got == want, (got, want)
+    core.reload(base.with_engine(forward=ForwardConfig(fused_rope_kv=True)))
+    assert generate(core, prompts, params)[0] == want
+    fused._FUSED["fused_silu"] = lambda gate_up: fused.silu_mul(gate_up) * 1.01
+    try:
+        core.reload(base.with_engine(forward=FUSED_FORWARD))
+        raise AssertionError("a faulty kernel was accepted")
+    except EngineError as e:
+        assert "fused_silu" in str(e), e
+    assert core.config.engine.forward == ForwardConfig(fused_rope_kv=True)
+    assert generate(core, prompts, params)[0] == want
+    core.reload(dataclasses.replace(base))
+    assert core.model.variants == () and generate(core, prompts, params)[0] == want
+
+
+@pytest.mark.timeout(200)
+def test_variants_hot_reload_and_keep_greedy_outputs_in_the_interpreter() -> None:
+    _interpreted("from tests.engine.test_fused import check_model_and_reload; "
+                 "check_model_and_reload()", timeout_s=190)
+
+
+# -- on a GPU --------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kernels_match_their_references_on_the_gpu(dtype: torch.dtype) -> None:
+    from engine.fused import VARIANTS, ForwardShape, check_forward
+
+    for shape in (ForwardShape(2048, 8192, 32, 8, 64, rope_theta=500000.0),
+                  ForwardShape(4096, 14336, 32, 8, 128), ForwardShape(896, 4864, 14, 2, 64)):
+        for num_rows in (1, 8, 64, 512):
+            checks = check_forward(VARIANTS, shape, "cuda", dtype, num_rows)
+            assert all(c.ok for c in checks), checks
+
+
+def _gpu_core(model_dir, dtype: str, forward: ForwardConfig):  # type: ignore[no-untyped-def]
+    from engine.loader import load_core
+
+    return load_core(CompiledConfig(model=str(model_dir), engine=EngineConfig(
+        device="cuda", dtype=dtype, execution="cuda_graph", max_num_seqs=8,  # type: ignore[arg-type]
+        max_num_batched_tokens=128, kv_cache_tokens=8192, max_model_len=1024, forward=forward)))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(300)
+def test_greedy_outputs_equal_with_every_variant_set_on_the_gpu(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """float32, cuda_graph, batches 1..8 and prompts longer than a chunk: the fused engine
+    answers token for token as the reference one; a hot reload swaps the variants in."""
+    from engine.sequence import GenerationParams
+    from tests.engine.drive import generate
+
+    prompts = [[(13 * i + 7 * j) % 8000 + 5 for j in range(n)]
+               for i, n in enumerate([40, 7, 300, 16, 25, 12, 140, 3])]
+    params = [GenerationParams(max_tokens=n, ignore_eos=True)
+              for n in (40, 33, 12, 45, 20, 8, 30, 25)]
+    core = _gpu_core(tiny_model_dir, "float32", ForwardConfig())
+    want = [generate(core, [p], [q])[0][0] for p, q in zip(prompts[:2], params[:2])]
+    want_batch = generate(core, prompts, params)[0]
+    for forward in (FUSED_FORWARD, ForwardConfig(fused_norm=True),
+                    ForwardConfig(fused_rope_kv=True), ForwardConfig(fused_silu=True)):
+        seconds = core.reload(core.config.with_engine(forward=forward))
+        assert core.model.variants == forward.enabled and seconds < 30
+        assert [generate(core, [p], [q])[0][0] for p, q in zip(prompts[:2], params[:2])] == want
+        assert generate(core, prompts, params)[0] == want_batch
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bf16_step_logits_within_bound_of_the_reference_on_the_gpu(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """bf16: one decode step's logits through the graphs, fused vs reference, close."""
+    from engine.cuda_graph import DecodeRow
+
+    ref = _gpu_core(tiny_model_dir, "bfloat16", ForwardConfig())
+    fused_core = _gpu_core(tiny_model_dir, "bfloat16", FUSED_FORWARD)
+    rows = [DecodeRow.chunk(list(range(5, 5 + 20)), 0, [0, 1])]
+    want = ref.runner.graphs.run(rows).clone()
+    got = fused_core.runner.graphs.run(rows)
+    assert (got - want).abs().max().item() < 0.1 * want.abs().max().item()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
