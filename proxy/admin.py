@@ -154,7 +154,7 @@ async def set_policy(request: web.Request) -> web.Response:
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise InvalidRequest("'seed' must be an integer", param="seed")
     try:
-        policy = build_policy(name, seed)
+        policy = build_policy(name, seed, request.app[keys.CONFIG].speculation.max_depth)
     except ConfigError as e:
         raise InvalidRequest(str(e), param="policy") from e
     relay = request.app[keys.RELAY]

@@ -46,7 +46,8 @@ def create_app(config: ProxyConfig, *, estimator: ShapeEstimator | None = None,
     stats = Stats()
     pool = WorkerPool(config.health, Path(config.run_dir))
     relay = Relay(config, pool, stats, estimator or default_estimator(config),
-                  policy or build_policy(config.routing.policy, config.routing.seed),
+                  policy or build_policy(config.routing.policy, config.routing.seed,
+                                         config.speculation.max_depth),
                   DepthPolicy(PolicyConfig(max_depth=config.speculation.max_depth)))
     app[keys.CONFIG] = config
     app[keys.STATS] = stats

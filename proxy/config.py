@@ -39,6 +39,7 @@ from polyinfer.config import (
     load_mapping,
 )
 from proxy.routing import POLICIES, is_policy_name
+from router.speculation import SpeculationConfig
 from router.tokens import MAX_BLOCK_CHARS, MIN_BLOCK_CHARS
 
 
@@ -185,27 +186,6 @@ class RoutingConfig:
         table: dict[str, float] = getattr(self, name)
         default = table.get("*")
         return {d: float(v) for d in DOMAINS if (v := table.get(d, default)) is not None}
-
-
-@dataclass(frozen=True)
-class SpeculationConfig:
-    """How ``speculative_depth`` is chosen for engine workers; a client's own value always wins.
-
-    adaptive: the routing decision's depth if it gives one, else
-    :class:`specdec.policy.DepthPolicy` (learned acceptance x step time);
-    policy: the routing decision's depth only (none = the worker's default);
-    fixed: ``fixed_depth``; off: 0.
-    """
-
-    mode: Literal["adaptive", "policy", "fixed", "off"] = "adaptive"
-    fixed_depth: int = 0  # sent when mode == fixed
-    max_depth: int = 6  # cap for the adaptive depth policy
-
-    def __post_init__(self) -> None:
-        modes = ("adaptive", "policy", "fixed", "off")
-        _check(self.mode in modes, "speculation.mode", f"one of {list(modes)}", self.mode)
-        _check(0 <= self.fixed_depth <= 16, "speculation.fixed_depth", "0..16", self.fixed_depth)
-        _check(0 <= self.max_depth <= 16, "speculation.max_depth", "0..16", self.max_depth)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,9 @@ class RequestShape:
     # chained hashes of the prompt's leading fixed-size blocks, in order (equal = shared
     # prefix up to that block; the block size is the shape estimator's, TokenConfig.block_chars)
     prefix_hashes: tuple[int, ...] = ()
-    speculative_depth: int | None = None  # client-requested depth, if any
+    # the depth fixed before routing: the client's, else the speculation settings'
+    # (router.speculation.DepthChooser.pin); None = chosen with the worker
+    speculative_depth: int | None = None
     slo_ttft_s: float | None = None  # per-request or per-domain SLO, seconds
     slo_tpot_s: float | None = None
     prefix_block_tokens: float = 0.0  # prompt tokens per prefix block (0: unknown)
