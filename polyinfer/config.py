@@ -299,15 +299,40 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that repeats a key (the last value would win
+    silently: a second ``admin_key`` would replace the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    dupes = sorted({k for k in keys if keys.count(k) > 1})
+    if dupes:
+        raise ValueError(f"duplicate key(s) {dupes}")
+    return dict(pairs)
+
+
 def load_mapping(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON file into a mapping; errors name the file and the problem."""
+    """Read a YAML or JSON file into a mapping; errors name the file and the problem (a key
+    given twice in one mapping is one)."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
         raise ConfigError(f"{p}: cannot read config file ({e.strerror})") from e
     try:
-        data = yaml.safe_load(text) if p.suffix not in (".json",) else json.loads(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader) if p.suffix not in (".json",) \
+            else json.loads(text, object_pairs_hook=_unique_pairs)
     except (yaml.YAMLError, ValueError) as e:
         raise ConfigError(f"{p}: not valid YAML/JSON: {e}") from e
     if data is None:

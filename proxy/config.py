@@ -83,8 +83,10 @@ class LaunchSpec:
         _check(0 <= self.port < 65536, "launch.port", "0..65535", self.port)
         _check(all(c >= 0 for c in self.cpus) and len(set(self.cpus)) == len(self.cpus),
                "launch.cpus", "distinct CPU ids >= 0", list(self.cpus))
-        _check(self.startup_timeout_s > 0, "launch.startup_timeout_s", "> 0",
-               self.startup_timeout_s)
+        _check(0 < self.startup_timeout_s < float("inf"), "launch.startup_timeout_s",
+               "a finite number > 0", self.startup_timeout_s)
+        _check(self.max_backoff_s < float("inf"), "launch.max_backoff_s", "a finite number",
+               self.max_backoff_s)
         _check(0 < self.restart_backoff_s <= self.max_backoff_s, "launch.restart_backoff_s",
                f"in (0, max_backoff_s={self.max_backoff_s}]", self.restart_backoff_s)
         # NOTE: the mapping's values are not type-checked on load; a number here would fail
@@ -202,7 +204,8 @@ class TraceConfig:
     def __post_init__(self) -> None:
         _check(self.max_bytes >= 4096, "traces.max_bytes", ">= 4096", self.max_bytes)
         _check(self.max_files >= 1, "traces.max_files", ">= 1", self.max_files)
-        _check(self.flush_interval_s > 0, "traces.flush_interval_s", "> 0", self.flush_interval_s)
+        _check(0 < self.flush_interval_s < float("inf"), "traces.flush_interval_s",
+               "a finite number > 0", self.flush_interval_s)
         _check(self.batch_size >= 1, "traces.batch_size", ">= 1", self.batch_size)
         _check(self.max_pending >= self.batch_size, "traces.max_pending",
                f">= batch_size ({self.batch_size})", self.max_pending)
@@ -255,6 +258,11 @@ class LimitsConfig:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0  # no byte from the worker for this long = failure
     drain_timeout_s: float = 30.0  # SIGTERM: wait this long for in-flight requests
+    # A request head must arrive whole within header_timeout_s of its first byte, and its
+    # body within body_timeout_s of the head; else the connection is closed (slow clients
+    # would hold connections open for ever).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
     # A request waiting for room under the workers' max_outstanding caps goes anyway this
     # long after it arrived (proxy.admission).
     max_queue_s: float = 30.0
@@ -270,8 +278,11 @@ class LimitsConfig:
     def __post_init__(self) -> None:
         for name in ("max_in_flight", "max_body_bytes", "max_attempts"):
             _check(getattr(self, name) >= 1, f"limits.{name}", ">= 1", getattr(self, name))
-        for name in ("connect_timeout_s", "read_timeout_s", "drain_timeout_s", "max_queue_s"):
-            _check(getattr(self, name) > 0, f"limits.{name}", "> 0", getattr(self, name))
+        for name in ("connect_timeout_s", "read_timeout_s", "drain_timeout_s", "max_queue_s",
+                     "header_timeout_s", "body_timeout_s"):
+            # NOTE: finite: an infinite timeout is no timeout (and asyncio cannot arm one)
+            _check(0 < getattr(self, name) < float("inf"), f"limits.{name}",
+                   "a finite number > 0", getattr(self, name))
         _check(self.retry_after_s >= 0, "limits.retry_after_s", ">= 0", self.retry_after_s)
         _check(self.max_loop_lag_s >= 0, "limits.max_loop_lag_s", ">= 0", self.max_loop_lag_s)
         _check(self.busy_loop_lag_s >= 0, "limits.busy_loop_lag_s", ">= 0",
@@ -289,7 +300,8 @@ class HealthConfig:
     breaker_cooldown_s: float = 5.0  # open -> half-open after this long
 
     def __post_init__(self) -> None:
-        _check(self.interval_s > 0, "health.interval_s", "> 0", self.interval_s)
+        _check(0 < self.interval_s < float("inf"), "health.interval_s", "a finite number > 0",
+               self.interval_s)
         # NOTE: finite: aiohttp's timeout timer cannot be set to infinity (every probe, the
         # first one at start-up included, would fail with an error naming no key).
         _check(0 < self.timeout_s < float("inf"), "health.timeout_s", "a finite number > 0",
@@ -298,8 +310,8 @@ class HealthConfig:
                self.metrics_interval_s)
         _check(self.breaker_failures >= 1, "health.breaker_failures", ">= 1",
                self.breaker_failures)
-        _check(self.breaker_cooldown_s > 0, "health.breaker_cooldown_s", "> 0",
-               self.breaker_cooldown_s)
+        _check(0 < self.breaker_cooldown_s < float("inf"), "health.breaker_cooldown_s",
+               "a finite number > 0", self.breaker_cooldown_s)
 
 
 @dataclass(frozen=True)

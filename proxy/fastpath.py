@@ -21,7 +21,10 @@ ever looked at, so the hand-over is byte-exact: aiohttp sees the same bytes
 it would have read itself, and decides (404, 405, 413, 400 bad HTTP...).
 
 A client that disconnects cancels its request's task: the relay closes the
-upstream connection, which aborts the request on the worker.
+upstream connection, which aborts the request on the worker. A request head that
+has not arrived whole ``header_timeout_s`` after its first byte (a body
+``body_timeout_s`` after its head) closes the connection, here or before a hand-over,
+so that a client trickling bytes cannot hold it open.
 """
 
 from __future__ import annotations
@@ -188,7 +191,8 @@ class FastConnection(asyncio.Protocol):
     def __init__(self, server: FastServer) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
-        self.idle_since = 0.0  # loop time of the last request end or data; for the sweep
+        self.idle_since = 0.0  # loop time of the last request end; for the sweep
+        self.reading_since = 0.0  # loop time of the first byte of the request being read
         self._buf = bytearray()
         self._head: RequestHead | None = None  # parsed head of a request still receiving its body
         self._need = 0  # bytes of buffer the request above spans
@@ -209,13 +213,14 @@ class FastConnection(asyncio.Protocol):
         self.server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
+        if not self._buf and self._head is None:
+            self.reading_since = self.server.loop.time()
         self._buf += data
         if self._task is not None:
             # pipelined: kept until the current response ends; bounded like a body
             if len(self._buf) > self.server.max_body_bytes + MAX_HEAD_BYTES:
                 self._pause_reading()
             return
-        self.idle_since = self.server.loop.time()
         self._next_request()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -281,12 +286,16 @@ class FastConnection(asyncio.Protocol):
             if not buf:
                 return
             if not _PREFIX.startswith(buf[:len(_PREFIX)]):
-                self._hand_over()
+                # NOTE: handed over once its head is whole, so the header timeout holds
+                # for every route (aiohttp's parser has none)
+                if len(buf) > MAX_HEAD_BYTES or b"\n\n" in buf or b"\n\r\n" in buf:
+                    self._hand_over()
                 return
             end = buf.find(b"\r\n\r\n")
             if end == -1:
-                # NOTE: bare-LF line ends are legal for aiohttp's parser, never seen here
-                if len(buf) > MAX_HEAD_BYTES or buf.count(b"\n") != buf.count(b"\r\n"):
+                # NOTE: bare-LF line ends are for aiohttp's parser (which refuses them),
+                # never seen here; handed over once that head is whole too
+                if len(buf) > MAX_HEAD_BYTES or b"\n\n" in buf or b"\n\r\n" in buf:
                     self._hand_over()
                 return
             head = parse_head(bytes(buf[:end]))
@@ -294,6 +303,7 @@ class FastConnection(asyncio.Protocol):
                 self._hand_over()
                 return
             self._head, self._need = head, end + 4 + head.content_length
+            self.reading_since = self.server.loop.time()  # the body's clock
         if len(buf) < self._need:
             return  # the body is still arriving
         body = bytes(buf[self._need - head.content_length:self._need])
@@ -341,6 +351,7 @@ class FastConnection(asyncio.Protocol):
             self._reading_paused = False
             transport.resume_reading()
         if self._buf:
+            self.reading_since = self.idle_since
             # NOTE: not called directly: pipelined requests answered eagerly would recurse.
             self.server.loop.call_soon(self._next_request)
 
@@ -364,9 +375,19 @@ class FastConnection(asyncio.Protocol):
         if data:
             handler.data_received(data)
 
-    def close_if_idle(self, idle_before: float) -> None:
-        """Close a keep-alive connection with no request running since ``idle_before``."""
-        if self._task is None and self.idle_since < idle_before and self.transport is not None:
+    def close_if_idle(self, now: float) -> None:
+        """Close the connection if it is kept alive past the keep-alive timeout with no
+        request, or a request's head (body) is still arriving past its timeout."""
+        if self._task is not None or self.transport is None:
+            return
+        server = self.server
+        if self._head is not None:
+            late = now - self.reading_since > server.body_timeout_s
+        elif self._buf:
+            late = now - self.reading_since > server.header_timeout_s
+        else:
+            late = now - self.idle_since > server.keepalive_timeout_s
+        if late:
             self.transport.close()
 
     def close(self) -> None:
@@ -386,11 +407,14 @@ class FastServer:
     """Makes a :class:`FastConnection` per accepted socket; owns their shared state."""
 
     def __init__(self, relay: Relay, aiohttp_factory: Callable[[], asyncio.Protocol],
-                 max_body_bytes: int, keepalive_timeout_s: float = 75.0) -> None:
+                 max_body_bytes: int, keepalive_timeout_s: float = 75.0,
+                 header_timeout_s: float = 10.0, body_timeout_s: float = 60.0) -> None:
         self.relay = relay
         self.aiohttp_factory = aiohttp_factory
         self.max_body_bytes = max_body_bytes
         self.keepalive_timeout_s = keepalive_timeout_s
+        self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
         self.loop = asyncio.get_running_loop()
         self.connections: set[FastConnection] = set()
         self.date = _DateHeader()
@@ -402,12 +426,13 @@ class FastServer:
         return FastConnection(self)
 
     async def _sweep(self) -> None:
-        period_s = max(0.5, min(10.0, self.keepalive_timeout_s / 4))
+        period_s = max(0.5, min(10.0, self.keepalive_timeout_s / 4,
+                                self.header_timeout_s / 4))
         while True:
             await asyncio.sleep(period_s)
-            idle_before = self.loop.time() - self.keepalive_timeout_s
+            now = self.loop.time()
             for conn in list(self.connections):
-                conn.close_if_idle(idle_before)
+                conn.close_if_idle(now)
 
     def close(self) -> None:
         """Stop the sweep and close every connection (requests still running are cancelled)."""

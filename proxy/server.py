@@ -27,6 +27,9 @@ from proxy.config import ProxyConfig
 from proxy.fastpath import FastServer
 
 logger = logging.getLogger(__name__)
+# NOTE: aiohttp's default (3,630 s) would let an idle or trickling client hold a
+# connection it was handed for an hour
+KEEPALIVE_TIMEOUT_S = 75.0
 
 
 class ProxyServer:
@@ -50,6 +53,7 @@ class ProxyServer:
         # logger: a client's malformed request is logged without its bytes (polyinfer.http_log)
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=self.config.limits.drain_timeout_s,
+                                     keepalive_timeout=KEEPALIVE_TIMEOUT_S,
                                      logger=server_logger())
         await self._runner.setup()
         site_type = FastSite if self.config.server.fast_path else web.TCPSite
@@ -115,8 +119,10 @@ class FastSite(web.TCPSite):
         aiohttp_server = self._runner.server
         assert aiohttp_server is not None
         app = cast(web.AppRunner, self._runner).app
-        self._fast = FastServer(app[keys.RELAY], aiohttp_server,
-                                app[keys.CONFIG].limits.max_body_bytes)
+        limits = app[keys.CONFIG].limits
+        self._fast = FastServer(app[keys.RELAY], aiohttp_server, limits.max_body_bytes,
+                                KEEPALIVE_TIMEOUT_S, limits.header_timeout_s,
+                                limits.body_timeout_s)
         self._server = await asyncio.get_running_loop().create_server(
             self._fast, self._host, self._port, backlog=self._backlog,
             reuse_address=self._reuse_address, reuse_port=self._reuse_port)

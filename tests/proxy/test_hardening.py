@@ -224,3 +224,63 @@ def test_trace_write_failures_are_counted(engines: list[EngineProcess], tmp_path
 def _eventually(predicate: object, timeout_s: float = 10.0) -> bool:
     from tests.proxy.servers import eventually
     return eventually(predicate, timeout_s)
+
+
+@pytest.mark.parametrize("start", [b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n",
+                                   b"GET /stats HTTP/1.1\r\nHost: x\r\n",
+                                   b"POST /v1/completions HTTP/1.1\r\nContent-Length: 9\r\n\r\n{"])
+def test_a_trickling_client_is_cut_off(engines: list[EngineProcess], tmp_path: Path,
+                                       start: bytes) -> None:
+    """A head (or body) trickled a byte at a time is closed at the header (body) timeout."""
+    config = external_config(engines, tmp_path, limits={"header_timeout_s": 1.0,
+                                                        "body_timeout_s": 1.0})
+    with ProxyThread(config) as p:
+        host, port = p.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(start)
+            t0 = time.monotonic()
+            closed_after = None
+            while time.monotonic() - t0 < 8:
+                try:
+                    s.sendall(b"x")
+                except OSError:
+                    closed_after = time.monotonic() - t0
+                    break
+                s.settimeout(0.3)
+                try:
+                    if s.recv(4096) == b"":
+                        closed_after = time.monotonic() - t0
+                        break
+                except TimeoutError:
+                    pass
+            assert closed_after is not None and closed_after < 5, closed_after
+        with httpx.Client(base_url=p.url, timeout=30) as http:
+            assert http.get("/health").status_code == 200
+
+
+def test_infinite_timeouts_are_refused() -> None:
+    from polyinfer.config import ConfigError
+    from proxy.config import ProxyConfig
+    for section, key in (("limits", "read_timeout_s"), ("limits", "header_timeout_s"),
+                         ("limits", "connect_timeout_s"), ("health", "interval_s"),
+                         ("health", "breaker_cooldown_s"), ("traces", "flush_interval_s")):
+        for value in (float("inf"), float("nan")):
+            with pytest.raises(ConfigError, match=f"{section}.{key}"):
+                ProxyConfig.from_dict({section: {key: value}})
+
+
+@pytest.mark.parametrize("text,suffix", [
+    ("auth:\n  admin_key: first\n  admin_key: second\n", ".yaml"),
+    ("limits: {max_in_flight: 8}\nlimits: {max_in_flight: 9}\n", ".yaml"),
+    ('{"auth": {"admin_key": "a", "admin_key": "b"}}', ".json"),
+])
+def test_a_config_key_given_twice_is_refused(tmp_path: Path, text: str, suffix: str) -> None:
+    from polyinfer.config import ConfigError
+    from proxy.config import ProxyConfig
+    path = tmp_path / f"polyinfer{suffix}"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="duplicate key"):
+        ProxyConfig.load(path)
+    good = tmp_path / "good.yaml"
+    good.write_text("auth:\n  admin_key: only\n")
+    assert ProxyConfig.load(good).auth.admin_key == "only"
