@@ -245,6 +245,14 @@ class Board:
             return [Result(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]))
                     for r in conn.execute(sql + " ORDER BY r.id", args)]
 
+    def experiment_times(self, since_s: float) -> list[tuple[str, str, float]]:
+        """(campaign, tier, unix seconds) of each measurement made since ``since_s``, oldest
+        first: the experiments on a time axis (the proxy's dashboard)."""
+        with self._connect() as conn:
+            return [(r[0], r[1], r[2]) for r in conn.execute(
+                "SELECT p.campaign, r.tier, r.created_at FROM results r JOIN proposals p "
+                "ON p.id = r.proposal_id WHERE r.created_at >= ? ORDER BY r.id", (since_s,))]
+
     # -- notes and promotions -----------------------------------------------
 
     def note(self, campaign: str, author: str, kind: str, body: dict[str, Any]) -> None:

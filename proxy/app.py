@@ -3,8 +3,9 @@
 Lifetimes are ``cleanup_ctx`` generators, started in order and stopped in
 reverse: the trace writer (last to stop, so it flushes every record), the
 upstream client, then the worker pool (supervised workers started and
-waited for; probe and scrape loops), the loop-lag probe and, with
-``optimize.enabled``, the background optimizer (first to stop).
+waited for; probe and scrape loops), the loop-lag probe, with
+``optimize.enabled`` the background optimizer, and the dashboard's once-a-second
+sampler (first to stop).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from proxy import admin, handlers, keys
+from proxy import admin, dashboard, handlers, keys
 from proxy.bluegreen import BlueGreen
 from proxy.config import ProxyConfig
 from proxy.metrics import make_registry
@@ -63,9 +64,11 @@ def create_app(config: ProxyConfig, *, estimator: ShapeEstimator | None = None,
     pool.on_scrape.append(acceptance.on_scrape)
     pool.on_scrape.append(StepTimeFeeds(relay).on_scrape)  # engine: per-step timings
     relay.on_finish.append(acceptance.on_finish)
-    app.cleanup_ctx.extend([_traces_ctx, _client_ctx, _pool_ctx, _lag_ctx, optimizer_ctx])
+    app.cleanup_ctx.extend([_traces_ctx, _client_ctx, _pool_ctx, _lag_ctx, optimizer_ctx,
+                            dashboard.sampler_ctx])
     handlers.add_routes(app)
     admin.add_routes(app)
+    dashboard.add_routes(app)
     return app
 
 

@@ -10,6 +10,7 @@ from proxy.config import ProxyConfig
 from proxy.pool import WorkerPool
 from proxy.relay import Relay
 from proxy.stats import Stats
+from proxy.timeline import OptimizerTimeline
 from proxy.traces import TraceWriter
 
 CONFIG = web.AppKey("config", ProxyConfig)
@@ -22,3 +23,5 @@ DASHBOARD = web.AppKey("dashboard", bytes)
 BLUEGREEN = web.AppKey("bluegreen", BlueGreen)
 # The background optimizer service, when `optimize.enabled` (0 or 1 item).
 OPTIMIZER = web.AppKey("optimizer", list)
+# What the optimizer did, for the dashboard (proxy.dashboard).
+TIMELINE = web.AppKey("timeline", OptimizerTimeline)

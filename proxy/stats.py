@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from polyinfer.trace import STATUS_OK
+from proxy.history import History
 from proxy.record import RequestRecord
 
 if TYPE_CHECKING:
@@ -77,8 +78,10 @@ class Stats:
         self.queued_s = 0.0
         self.latency: dict[str, dict[str, LatencySeries]] = {
             m: {ALL: LatencySeries()} for m in ("ttft", "tpot", "e2e")}
+        self.history = History()  # the dashboard's per-second rings
 
     def record(self, rec: RequestRecord) -> None:
+        self.history.record(rec)
         worker = rec.worker or "none"
         domain = rec.domain or "none"
         self.requests[(worker, domain, rec.status)] += 1
