@@ -209,8 +209,6 @@ def transformers_rate(model_dir: Path, batch: int, num_tokens: int) -> float:
     timed(2)  # warm-up
     first = timed(1)
     total = timed(num_tokens)
-    del model
-    torch.cuda.empty_cache()
     return batch * (num_tokens - 1) / (total - first)
 
 
@@ -245,6 +243,7 @@ def main() -> int:
             result["transformers"] = {}
             for b in args.batches:
                 rate = transformers_rate(model_dir, b, args.transformers_tokens)
+                torch.cuda.empty_cache()
                 result["transformers"][str(b)] = rate
                 print(f"transformers eager generate  batch {b:>3}: {rate:9.0f} tok/s", flush=True)
         summarize(result, args)

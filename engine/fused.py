@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -206,7 +206,7 @@ def error_bound(reference: torch.Tensor, scale: torch.Tensor | None = None) -> t
     return 1e-6 + rtol * size
 
 
-Impl = Callable[..., object]  # a kernel or its reference, called the same way
+Impl = Callable[..., Any]  # a kernel or its reference, called the same way
 # a check's outputs: fused, reference, and per output the scale of its terms (None: |ref|)
 Case = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None]]
 
@@ -275,8 +275,8 @@ def _norm_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: torch.Generat
                ) -> Case:
     h, delta = _rand(g, device, dtype, n, s.hidden), _rand(g, device, dtype, n, s.hidden)
     w = _rand(g, device, dtype, s.hidden, scale=0.1) + 1
-    got = [*fused(h, delta, w, s.eps), fused(h, None, w, s.eps)[0]]  # type: ignore[misc]
-    want = [*ref(h, delta, w, s.eps), ref(h, None, w, s.eps)[0]]  # type: ignore[misc]
+    got = [*fused(h, delta, w, s.eps), fused(h, None, w, s.eps)[0]]
+    want = [*ref(h, delta, w, s.eps), ref(h, None, w, s.eps)[0]]
     return got, want, [None] * 3
 
 
@@ -293,17 +293,17 @@ def _rope_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: torch.Generat
     positions = torch.randint(0, max_positions, (n,), generator=g).to(device)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:n].to(device)
     cache = _rand(g, device, dtype, 2, s.num_kv_heads, num_blocks, block_size, s.head_dim)
-    outs = []
+    outs: list[list[torch.Tensor]] = []
     for impl in (fused, ref):
         k, v, x = cache[0].clone(), cache[1].clone(), qkv.clone()
         q = impl(x, cos, sin, positions, slots, k, v, s.num_heads, s.num_kv_heads)
-        outs.append([q, k, v])  # type: ignore[list-item]
+        outs.append([q, k, v])
     return outs[0], outs[1], _rope_scales(qkv, cos, sin, positions, slots, cache, s)
 
 
 def _rope_scales(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
-                 s: ForwardShape) -> list[torch.Tensor]:
+                 s: ForwardShape) -> list[torch.Tensor | None]:
     """|x| |cos| + |rotated x| |sin| for q and k (the terms RoPE sums), |v| for v."""
     nq, nkv, half = s.num_heads, s.num_kv_heads, s.head_dim // 2
     x = qkv.float().abs()
@@ -320,7 +320,7 @@ def _silu_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: torch.Generat
                device: str | torch.device, dtype: torch.dtype
                ) -> Case:
     gate_up = _rand(g, device, dtype, n, 2 * s.intermediate, scale=3.0)
-    return [fused(gate_up)], [ref(gate_up)], [None]  # type: ignore[list-item]
+    return [fused(gate_up)], [ref(gate_up)], [None]
 
 
 _FUSED: dict[str, Impl] = {"fused_norm": add_rms_norm, "fused_rope_kv": rope_kv_write,

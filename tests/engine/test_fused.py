@@ -206,13 +206,13 @@ def test_greedy_outputs_equal_with_every_variant_set_on_the_gpu(tiny_model_dir) 
     params = [GenerationParams(max_tokens=n, ignore_eos=True)
               for n in (40, 33, 12, 45, 20, 8, 30, 25)]
     core = _gpu_core(tiny_model_dir, "float32", ForwardConfig())
-    want = [generate(core, [p], [q])[0][0] for p, q in zip(prompts[:2], params[:2])]
+    want = [generate(core, [p], [q])[0][0] for p, q in zip(prompts[:2], params[:2], strict=True)]
     want_batch = generate(core, prompts, params)[0]
     for forward in (FUSED_FORWARD, ForwardConfig(fused_norm=True),
                     ForwardConfig(fused_rope_kv=True), ForwardConfig(fused_silu=True)):
         seconds = core.reload(core.config.with_engine(forward=forward))
         assert core.model.variants == forward.enabled and seconds < 30
-        assert [generate(core, [p], [q])[0][0] for p, q in zip(prompts[:2], params[:2])] == want
+        assert [generate(core, [p], [q])[0][0] for p, q in zip(prompts[:2], params[:2], strict=True)] == want
         assert generate(core, prompts, params)[0] == want_batch
 
 
