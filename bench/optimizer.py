@@ -302,7 +302,7 @@ async def run_service(args: argparse.Namespace, work: Path, recs_a: list[dict[st
         sample=SampleConfig(args.max_prompt_tokens, args.max_output_tokens),
         search=SearchConfig(fast_budget=args.budget, finalists=2, idle_timeout_s=60),
         promotion=PromotionConfig(watch_s=args.watch_s),
-        verify=VerifyConfig(num_prompts=4, max_tokens=16),
+        verify=VerifyConfig(max_batch=8, max_tokens=(8, 16)),
         min_records=len(recs_a) // 2, window_records=len(recs_b), refresh_s=1.0, seed=args.seed)
     service = OptimizerService(cfg)
     task = asyncio.create_task(service.run())

@@ -87,12 +87,19 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
+# python arguments that run the `polyinfer` CLI; a launcher of the same CLI can stand in
+# (the verifier's mutation suite runs the engine under tests.optimizer.faults)
+ENGINE_LAUNCHER = ("-m", "proxy.cli")
+
+
 class EngineProcess:
     """One engine child process; ``start()`` returns the seconds until it served."""
 
     def __init__(self, config: CompiledConfig, port: int | None = None,
-                 log_path: str | Path | None = None, nice: int = 0) -> None:
+                 log_path: str | Path | None = None, nice: int = 0,
+                 launcher: tuple[str, ...] = ENGINE_LAUNCHER) -> None:
         self.config = config
+        self.launcher = launcher
         self.port = port or free_port()
         self.log_path = Path(log_path) if log_path else None
         self.nice = nice
@@ -106,7 +113,7 @@ class EngineProcess:
     async def start(self, timeout_s: float = 180.0) -> float:
         cfg_path = Path(self._tmp.name) / "compiled.yaml"
         cfg_path.write_text(yaml.safe_dump(self.config.to_dict()))
-        cmd = [sys.executable, "-m", "proxy.cli", "--log-level", "WARNING", "engine",
+        cmd = [sys.executable, *self.launcher, "--log-level", "WARNING", "engine",
                "--model", self.config.model, "--port", str(self.port), "--config", str(cfg_path)]
         if self.nice:
             cmd = ["nice", "-n", str(self.nice), *cmd]

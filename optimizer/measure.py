@@ -170,6 +170,25 @@ class EngineClient:
                 raise MeasurementError(f"completion failed (HTTP {resp.status}): {text[:300]}")
         return str(orjson.loads(text)["choices"][0]["text"])
 
+    async def generate(self, body: dict[str, Any]) -> str:
+        """The text of one non-streamed completion with ``body`` as sent (verification)."""
+        async with self.session.post(self._url("/v1/completions"), json=body) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise MeasurementError(f"completion failed (HTTP {resp.status}): {text[:300]}")
+        return str(orjson.loads(text)["choices"][0]["text"])
+
+    async def counter(self, name: str) -> float:
+        """A counter of the engine's /metrics, summed over its labels (0 when absent)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        async with self.session.get(self._url("/metrics")) as resp:
+            if resp.status != 200:
+                raise EngineUnavailable(f"GET /metrics: HTTP {resp.status}")
+            text = await resp.text()
+        return sum(float(s.value) for family in text_string_to_metric_families(text)
+                   for s in family.samples if s.name == name)
+
     async def replay(self, requests: Sequence[ReplayRequest], concurrency: int,
                      open_loop: bool = False) -> ReplayStats:
         client_cfg = ClientConfig(target=self.base_url, endpoint="completions", model=self.model,

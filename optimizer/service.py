@@ -44,7 +44,7 @@ from optimizer.agents.evolution import EvolutionAgent
 from optimizer.agents.llm import LlmAgent
 from optimizer.board import Board
 from optimizer.campaign import Campaign, Confirmed, SearchConfig
-from optimizer.costmodel import CostModel, HardwareConstants, StepTimeModel, Workload
+from optimizer.costmodel import CostModel, ForwardTimeModel, HardwareConstants, Workload
 from optimizer.engine_proc import EngineProcess
 from optimizer.errors import OptimizerError, PromotionError
 from optimizer.measure import EngineClient, Measurer, Tier
@@ -60,7 +60,13 @@ from optimizer.profile import (
 from optimizer.promote import ConfigSink, Promoter, PromotionConfig, WorkerSwitch
 from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
 from optimizer.space import DEFAULT_KNOBS, Knob, ModelShape, SearchSpace
-from optimizer.verify import VerifyConfig, fixed_prompts, reference_outputs, verify_candidate
+from optimizer.verify import (
+    VerifyConfig,
+    VerifyRequest,
+    reference_outputs,
+    verification_plan,
+    verify_candidate,
+)
 from polyinfer.config import RESTART_FIELDS, TINY_DRAFT, CompiledConfig, needs_restart
 from polyinfer.trace import TraceRecord
 
@@ -256,7 +262,7 @@ class OptimizerService:
         space = SearchSpace.default(base, self.config.memory_budget_bytes, knobs,
                                     draft_model=draft)
         hw = HardwareConstants.measure()
-        steps = StepTimeModel.fit(space.shape, hw)
+        steps = ForwardTimeModel.fit(space.shape, hw)
         draft_shape = ModelShape.from_model_dir(draft) if draft else None
         self.timings["hardware_s"] = time.perf_counter() - t0
         self.hardware = {"mem_bandwidth_gbps": round(hw.mem_bandwidth_bps / 1e9, 2),
@@ -319,8 +325,7 @@ class OptimizerService:
         campaign = self.campaign = Campaign(cid, board, space, measurer, cost_model, work,
                                             incumbent, self.config.search)
         ref_engine = (await self._pool.get(incumbent))[0].client if self._pool else engine
-        reference = await reference_outputs(ref_engine, incumbent, prompts,
-                                            self.config.verify.max_tokens)
+        reference = await reference_outputs(ref_engine, incumbent, prompts)
         self.state = "screening"
         await campaign.measure_incumbent()
         stop = asyncio.Event()
@@ -360,13 +365,14 @@ class OptimizerService:
                                  "optimizer (no measure_url)")
         return self.config.objective
 
-    def _samples(self, synth: PromptSynthesizer) -> tuple[dict[str, list[Any]], list[str]]:
+    def _samples(self, synth: PromptSynthesizer
+                 ) -> tuple[dict[str, list[Any]], list[VerifyRequest]]:
         records = list(self._records)
         samples = {}
         for i, tier in enumerate((self.config.fast, self.config.slow)):
             picked = stratified_sample(records, tier.num_requests, seed=self.config.seed + i)
             samples[tier.name] = build_replay(picked, synth, self.config.sample)
-        return samples, fixed_prompts(synth, self.config.verify)
+        return samples, verification_plan(synth, self.config.verify)
 
     def _agents(self, space: SearchSpace, campaign: Campaign) -> list[Agent]:
         seed = self.config.seed
@@ -379,7 +385,8 @@ class OptimizerService:
             made["llm"] = LlmAgent(space, self.config.llm_url, self.config.llm_model)
         return [made[n] for n in self.config.agents]
 
-    async def _finish(self, winner: Confirmed | None, engine: EngineClient, prompts: list[str],
+    async def _finish(self, winner: Confirmed | None, engine: EngineClient,
+                      prompts: list[VerifyRequest],
                       reference: list[str], promoter: Promoter, board: Board,
                       cid: str) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
@@ -395,13 +402,16 @@ class OptimizerService:
         if self._pool is not None:  # NOTE: a restart-only winner is verified on its own engine
             engine = (await self._pool.get(winner.config))[0].client
         report = await verify_candidate(engine, winner.config, prompts, reference,
-                                        self.config.verify.max_tokens)
+                                        self.config.verify)
         await loop.run_in_executor(None, board.note, cid, "verifier", "verification",
-                                   {"key": winner.key, "ok": report.ok,
-                                    "mismatches": list(report.mismatches), **report.details})
+                                   {"key": winner.key, "ok": report.ok, "batch": report.batch,
+                                    "reason": report.reason, "coverage": report.coverage,
+                                    "mismatches": {k: list(v) for k, v in
+                                                   report.mismatches.items()},
+                                    **report.details})
         if not report.ok:
-            return {**out, "status": "verification_failed",
-                    "mismatches": list(report.mismatches)}
+            return {**out, "status": "verification_failed", "reason": report.reason,
+                    "mismatches": list(report.bad)}
         return {**out, **await self._promote(winner, promoter, board, cid)}
 
     async def _promote(self, winner: Confirmed, promoter: Promoter, board: Board,

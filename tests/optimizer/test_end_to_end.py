@@ -16,7 +16,13 @@ from optimizer.measure import EngineClient, Measurer, Tier
 from optimizer.promote import Promoter, PromotionConfig
 from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
 from optimizer.service import OptimizerConfig, OptimizerService
-from optimizer.verify import VerifyConfig, fixed_prompts, reference_outputs, verify_candidate
+from optimizer.verify import (
+    Reference,
+    VerifyConfig,
+    reference_outputs,
+    verification_plan,
+    verify_candidate,
+)
 from polyinfer.config import TINY_TARGET, CompiledConfig
 from polyinfer.trace import TraceRecord
 
@@ -85,32 +91,32 @@ async def test_open_loop_replay_keeps_the_arrival_pattern(engines: tuple[str, st
     assert opened.details["in_flight"] < closed.details["in_flight"]
 
 
-async def test_verification_passes_equivalent_and_catches_different_outputs(
+async def test_verification_passes_speculation_and_catches_another_model(
         engines: tuple[str, str]) -> None:
     url, _ = engines
-    vcfg = VerifyConfig(num_prompts=4, prompt_tokens=32, max_tokens=12)
-    prompts = fixed_prompts(synth(), vcfg)
+    vcfg = VerifyConfig(max_batch=8, prompt_tokens=(56, 96), max_tokens=(6, 10))
+    plan = verification_plan(synth(), vcfg)
     async with aiohttp.ClientSession() as s:
         engine = EngineClient(url, s)
         await engine.wait_ready()
-        ref = await reference_outputs(engine, BASE, prompts, vcfg.max_tokens)
-        # Lossless speculation and a smaller batch must not change greedy outputs.
-        same = BASE.with_engine(max_num_seqs=2, max_num_batched_tokens=256, spec_method="ngram",
+        ref = await reference_outputs(engine, BASE, plan)
+        # Lossless speculation and a smaller batch must not change outputs, greedy or seeded.
+        same = BASE.with_engine(max_num_seqs=4, max_num_batched_tokens=256, spec_method="ngram",
                                 spec_max_depth=4, spec_default_depth=3)
-        ok = await verify_candidate(engine, same, prompts, ref, vcfg.max_tokens)
-        assert ok.ok, ok
+        ok = await verify_candidate(engine, same, plan, ref, vcfg)
+        assert ok.ok, (ok.reason, ok.details)
+        assert ok.coverage["preemptions"] > 0 and ok.coverage["prefix_hit_tokens"] > 0
         # A reference from a different model (first 2 layers) must be told apart.
-        bad_ref = await reference_outputs(engine, BASE, prompts, vcfg.max_tokens)
         await engine.reload(BASE.with_engine(measure_num_layers=2))
-        two_layer = [await engine.complete(p, vcfg.max_tokens) for p in prompts]
-        assert two_layer != bad_ref
-        caught = await verify_candidate(engine, BASE, prompts, two_layer, vcfg.max_tokens)
-        assert not caught.ok and caught.mismatches and not caught.sequential_match
+        two_layer = [await engine.generate(r.body(engine.model)) for r in plan]
+        assert tuple(two_layer) != ref.outputs
+        caught = await verify_candidate(engine, BASE, plan, Reference(BASE, tuple(two_layer)), vcfg)
+        assert not caught.ok and set(caught.mismatches) == {"batch", "cached", "pressure"}
 
 
 async def test_hot_reload_promotion_drops_no_requests(engines: tuple[str, str]) -> None:
     _, live = engines
-    prompts = fixed_prompts(synth(), VerifyConfig(num_prompts=6, prompt_tokens=32))
+    prompts = [r.prompt for r in verification_plan(synth(), VerifyConfig(max_batch=8))]
     winner = BASE.with_engine(max_num_seqs=8, max_num_batched_tokens=512)
     async with aiohttp.ClientSession() as s:
         engine = EngineClient(live, s)
@@ -146,7 +152,7 @@ async def test_service_runs_one_campaign_end_to_end(engines: tuple[str, str],
         fast=Tier("fast", 2, 4, concurrency=4, warmup_requests=1),
         slow=Tier("slow", None, 4, repeats=2, concurrency=4, warmup_requests=1),
         sample=SAMPLE, search=SearchConfig(fast_budget=4, finalists=1, idle_timeout_s=20),
-        promotion=PromotionConfig(watch_s=0.5), verify=VerifyConfig(num_prompts=3, max_tokens=8),
+        promotion=PromotionConfig(watch_s=0.5), verify=VerifyConfig(max_batch=8, max_tokens=(4, 8)),
         min_records=10, once=True)
     service = OptimizerService(cfg)
     assert service.snapshot()["state"] == "starting"

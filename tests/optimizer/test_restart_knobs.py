@@ -186,7 +186,7 @@ async def test_service_measures_a_restart_only_candidate_on_an_engine_it_starts(
         slow=Tier("slow", None, 2, repeats=2, concurrency=2, warmup_requests=0),
         sample=SampleConfig(max_prompt_tokens=48, max_output_tokens=8),
         search=SearchConfig(fast_budget=2, finalists=1, idle_timeout_s=15),
-        verify=VerifyConfig(num_prompts=2, max_tokens=4), min_records=10, once=True)
+        verify=VerifyConfig(max_batch=8, max_tokens=(2, 4)), min_records=10, once=True)
     service = OptimizerService(cfg)
     await asyncio.wait_for(service.run(), 240)
     (entry,) = service.history
