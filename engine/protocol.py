@@ -4,7 +4,10 @@ Parsing is strict about types and ranges (every problem is a
 :class:`~engine.errors.RequestError` naming the field) and explicit about what
 is not implemented: an option that would change the output (``n > 1``,
 ``logprobs``, penalties...) is refused with a 400 rather than silently ignored.
-Unknown fields are ignored, as vLLM does, so a proxy may add its own. Beside OpenAI's,
+Unknown fields are ignored, as vLLM does, so a proxy may add its own. A prompt that
+cannot fit the context is refused from its length in characters (or messages, or ids)
+before it is rendered or tokenized: an 8 MB prompt costs a length check, not seconds of
+tokenizing and a heap that stays grown. Beside OpenAI's,
 the engine reads ``speculative_depth``, ``slo_tpot_s`` and ``slo_ttft_s`` (the request's
 SLOs in seconds: a TPOT SLO paces the prompt chunks beside it, a TTFT SLO sets the least pace
 of its own prompt; engine.pacing).
@@ -137,6 +140,8 @@ class RequestParser:
         # and then text can encode to ids past it (token-id prompts are checked as they are read)
         self.vocab = min(tokenizer.vocab_size, vocab_size or tokenizer.vocab_size)
         self._text_past_vocab = self.vocab < tokenizer.vocab_size
+        # a text of more characters has more than max_model_len tokens
+        self.max_prompt_chars = max_model_len * tokenizer.max_token_chars
 
     def parse(self, body: Any, chat: bool) -> ParsedRequest:
         if not isinstance(body, dict):
@@ -163,8 +168,11 @@ class RequestParser:
         elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             raise UnsupportedOptionError("prompt", "one prompt per request (no batches)")
         if isinstance(prompt, str):
+            self._check_chars(len(prompt), "prompt")
             ids = self.tokenizer.encode(prompt)
         else:
+            if isinstance(prompt, list) and len(prompt) >= self.max_model_len:
+                self._too_long(f"{len(prompt)} tokens", "prompt")
             ids = _token_list(prompt, "prompt", self.vocab)
         if not ids:
             raise InvalidRequestError("'prompt' must not be empty", "prompt")
@@ -174,9 +182,23 @@ class RequestParser:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("'messages' must be a non-empty list", "messages")
+        if len(messages) >= self.max_model_len:  # a message renders to a token at least
+            self._too_long(f"{len(messages)} messages", "messages")
         plain = [_message(m, i) for i, m in enumerate(messages)]
+        self._check_chars(sum(len(m["content"]) for m in plain), "messages")
         add_gen = _field(body, "add_generation_prompt", bool, True, "true or false")
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(plain, add_gen))
+        text = self.tokenizer.apply_chat_template(plain, add_gen)
+        self._check_chars(len(text), "messages")
+        return self.tokenizer.encode(text)
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            self._too_long(f"{num_chars} characters (more than {self.max_model_len} tokens of "
+                           f"at most {self.tokenizer.max_token_chars} characters)", param)
+
+    def _too_long(self, what: str, param: str) -> None:
+        raise ContextLengthError(f"This model's maximum context length is {self.max_model_len} "
+                                 f"tokens; the prompt has {what}.", param)
 
     def _params(self, body: Mapping[str, Any], chat: bool, num_prompt: int) -> GenerationParams:
         room = self.max_model_len - num_prompt

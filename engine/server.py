@@ -6,13 +6,21 @@ JSON body), ``/v1/models``, ``/health``, ``/metrics`` (vLLM metric names),
 (vLLM's path: empties the prefix cache, e.g. between benchmark runs). The model is loaded once at
 start-up in a ``cleanup_ctx`` (off the event loop); the step loop runs in the
 background for the app's lifetime.
+
+With ``POLYINFER_ENGINE_ADMIN_KEY`` in its environment (set it through the proxy's
+``launch.env``), ``POST /admin/reload`` and ``POST /reset_prefix_cache`` want that key
+(``Authorization: Bearer <key>`` or ``x-admin-key``); without it they are open, as on a
+loopback-only worker. A key in the environment, not on the command line, where any
+local user's ``ps`` would show it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
+import os
 import signal
 import time
 import uuid
@@ -63,6 +71,21 @@ class EngineState:
 
 STATE = web.AppKey("engine_state", EngineState)
 CONFIG = web.AppKey("engine_config", CompiledConfig)
+ADMIN_KEY = web.AppKey("engine_admin_key", str)
+ADMIN_KEY_ENV = "POLYINFER_ENGINE_ADMIN_KEY"
+
+
+def _admin_refused(request: web.Request) -> web.Response | None:
+    """A 401 unless the request carries the engine's admin key (when it has one)."""
+    key = request.app[ADMIN_KEY]
+    if not key:
+        return None
+    given = request.headers.get("x-admin-key") or \
+        request.headers.get("Authorization", "").removeprefix("Bearer ")
+    if hmac.compare_digest(given.encode(), key.encode()):
+        return None
+    return _json(error_body("invalid or missing admin key", "authentication_error", None,
+                            "invalid_api_key"), 401)
 
 
 def _error(e: RequestError) -> web.Response:
@@ -209,6 +232,8 @@ async def handle_get_config(request: web.Request) -> web.Response:
 
 
 async def handle_reload(request: web.Request) -> web.Response:
+    if (refused := _admin_refused(request)) is not None:
+        return refused
     state = request.app[STATE]
     try:
         body = await _read_json(request)
@@ -237,6 +262,8 @@ async def _reload(state: EngineState, config: CompiledConfig) -> float:
 
 
 async def handle_reset_prefix_cache(request: web.Request) -> web.Response:
+    if (refused := _admin_refused(request)) is not None:
+        return refused
     try:
         num_blocks = await request.app[STATE].engine.reset_prefix_cache()
     except RequestError as e:
@@ -259,9 +286,11 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     await engine.stop()
 
 
-def create_app(config: CompiledConfig) -> web.Application:
+def create_app(config: CompiledConfig, admin_key: str | None = None) -> web.Application:
+    """The engine's app; ``admin_key`` None = from ``POLYINFER_ENGINE_ADMIN_KEY``."""
     app = web.Application(client_max_size=32 * 2**20)
     app[CONFIG] = config
+    app[ADMIN_KEY] = os.environ.get(ADMIN_KEY_ENV, "") if admin_key is None else admin_key
     app.cleanup_ctx.append(_engine_ctx)
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_post("/v1/chat/completions", handle_chat)

@@ -49,6 +49,10 @@ class TextTokenizer:
         eos = {self.tokenizer.token_to_id(self.eos_token)} if self.eos_token else set()
         self.eos_token_ids = frozenset(i for i in eos | set(extra_eos_ids) if i is not None)
         self.vocab_size = self.tokenizer.get_vocab_size()
+        # the most characters one token can stand for: a text longer than N times this has
+        # more than N tokens, known without tokenizing it (engine.protocol)
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)),
+                                   default=1)
         template = cfg.get("chat_template")
         self._template = None
         if isinstance(template, str):

@@ -53,6 +53,7 @@ class TraceRecord:
     tpot_s: float | None = None
     e2e_s: float | None = None
     queue_s: float = 0.0  # waited in the proxy for room under the workers' caps
+    num_attempts: int = 0  # workers the request was sent to (> 1: failed over; 0: none)
     status: str = STATUS_OK
     error: str | None = None
     # chained hashes of the prompt's leading blocks (never the text)
@@ -87,6 +88,7 @@ class TraceRecord:
             "tpot_s": self.tpot_s,
             "e2e_s": self.e2e_s,
             "queue_s": self.queue_s,
+            "num_attempts": self.num_attempts,
             "status": self.status,
             "error": self.error,
             "prefix_hashes": list(self.prefix_hashes),
@@ -130,6 +132,7 @@ def parse_record(obj: Any) -> TraceRecord:
         tpot_s=_seconds_or_none(obj.get("tpot_s")),
         e2e_s=_seconds_or_none(obj.get("e2e_s")),
         queue_s=_seconds_or_none(obj.get("queue_s")) or 0.0,
+        num_attempts=_count_or_zero(obj.get("num_attempts")),
         status=str(obj.get("status", STATUS_OK)),
         error=error if isinstance(error, str) else None,
         prefix_hashes=block_ids(obj.get("prefix_hashes"), "prefix_hashes"),

@@ -215,10 +215,15 @@ class TraceConfig:
 class AuthConfig:
     api_keys: tuple[str, ...] = ()  # empty = no client auth
     admin_key: str = ""  # empty = admin endpoints disabled
+    # Also ask for an API key (or the admin key) on the read endpoints: /stats, /metrics,
+    # /v1/models. /health stays open (load balancers probe it).
+    protect_reads: bool = False
 
     def __post_init__(self) -> None:
         for k in self.api_keys:
             _check(bool(k), "auth.api_keys[]", "non-empty strings", k)
+        _check(not self.protect_reads or bool(self.api_keys), "auth.protect_reads",
+               "auth.api_keys to check against", self.protect_reads)
 
 
 @dataclass(frozen=True)

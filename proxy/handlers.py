@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -12,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from polyinfer.errors import error_body
 from proxy import keys
-from proxy.errors import ModelNotFound, ProxyError
+from proxy.errors import ModelNotFound, ProxyError, Unauthorized
 from proxy.exchange import REC_KEY, AiohttpExchange
 from proxy.pool import WorkerPool
 from proxy.relay import proxy_headers
@@ -75,7 +76,21 @@ def _model_card(pool: WorkerPool, name: str, now: int) -> dict[str, object]:
             "root": pool.model_root(name), "parent": None}
 
 
+def authorize_read(request: web.Request) -> None:
+    """With ``auth.protect_reads``, a read endpoint wants an API key or the admin key."""
+    auth = request.app[keys.CONFIG].auth
+    if not auth.protect_reads:
+        return
+    given = request.headers.get("Authorization", "").encode()
+    # NOTE: every key compared (no early exit), in constant time
+    allowed = [hmac.compare_digest(given, f"Bearer {k}".encode())
+               for k in (*auth.api_keys, auth.admin_key) if k]
+    if not any(allowed):
+        raise Unauthorized("invalid or missing API key (Authorization: Bearer <key>)")
+
+
 async def models(request: web.Request) -> web.Response:
+    authorize_read(request)
     now = int(time.time())
     pool = request.app[keys.POOL]
     return _json({"object": "list", "data": [_model_card(pool, m, now)
@@ -84,6 +99,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def model(request: web.Request) -> web.Response:
     """``GET /v1/models/{model}`` (the openai SDK's ``models.retrieve``)."""
+    authorize_read(request)
     name = request.match_info["model"]
     pool = request.app[keys.POOL]
     if name not in pool.model_names():
@@ -103,6 +119,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
+    authorize_read(request)
     app = request.app
     relay = app[keys.RELAY]
     doc = app[keys.STATS].snapshot(app[keys.POOL], relay.policy.name)
@@ -120,6 +137,7 @@ async def stats(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    authorize_read(request)
     body = generate_latest(request.app[keys.REGISTRY])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -84,7 +84,8 @@ class RequestRecord:
             completion_tokens=self.completion_tokens, worker=self.worker,
             spec_depth=self.spec_depth, spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens, ttft_s=self.ttft_s,
-            tpot_s=self.tpot_s, e2e_s=self.e2e_s, queue_s=self.queue_s, status=self.status,
+            tpot_s=self.tpot_s, e2e_s=self.e2e_s, queue_s=self.queue_s,
+            num_attempts=self.num_attempts, status=self.status,
             error=self.error or None,
             prefix_hashes=shape.prefix_hashes if shape else (),
             prefix_block_tokens=_block_tokens(shape), prompt_text=self.prompt_text)

@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +56,8 @@ from specdec.policy import DepthPolicy
 logger = logging.getLogger(__name__)
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+# A client's own x-request-id is kept when it is an id: else the proxy makes one
+_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 _JSON_HEADERS = {"Content-Type": "application/json"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -160,7 +163,7 @@ class Relay:
     async def handle(self, ex: ClientExchange, endpoint: str) -> None:
         """Serve one request; a :class:`ProxyError` raised means nothing was sent yet."""
         rid = ex.header("x-request-id")
-        if not rid or len(rid) > 128 or not (rid.isascii() and rid.isprintable()):
+        if not rid or not _REQUEST_ID.fullmatch(rid):  # what traces and logs may hold
             rid = self.new_request_id()
         rec = RequestRecord(request_id=rid, ts=time.time(), t0=time.perf_counter(),
                             endpoint=endpoint)

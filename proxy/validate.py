@@ -18,6 +18,7 @@ from proxy.errors import InvalidRequest
 CHAT = "chat/completions"
 COMPLETIONS = "completions"
 MAX_SPEC_DEPTH = 16
+MAX_MODEL_NAME_CHARS = 256  # the name lands in traces and error messages
 
 
 # NOTE: orjson re-encodes at most 254 levels (and parses 1,024): a body nested deeper would
@@ -65,6 +66,10 @@ def check_body(body: dict[str, Any], endpoint: str) -> None:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required and must be a non-empty string", param="model")
+    if len(model) > MAX_MODEL_NAME_CHARS or not model.isprintable():
+        raise InvalidRequest(f"'model' must be a model name (printable, at most "
+                             f"{MAX_MODEL_NAME_CHARS} characters), got {describe(model)}",
+                             param="model")
     if endpoint == CHAT:
         _check_messages(body.get("messages"))
     else:

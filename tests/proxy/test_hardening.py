@@ -284,3 +284,43 @@ def test_a_config_key_given_twice_is_refused(tmp_path: Path, text: str, suffix: 
     good = tmp_path / "good.yaml"
     good.write_text("auth:\n  admin_key: only\n")
     assert ProxyConfig.load(good).auth.admin_key == "only"
+
+
+def test_read_endpoints_behind_the_api_keys_when_asked(engines: list[EngineProcess],
+                                                       tmp_path: Path) -> None:
+    config = external_config(engines, tmp_path, auth={"api_keys": ["sk-a"], "admin_key": "adm",
+                                                      "protect_reads": True})
+    with ProxyThread(config) as p, httpx.Client(base_url=p.url, timeout=30) as http:
+        for path in ("/stats", "/metrics", "/v1/models", f"/v1/models/{MODEL}"):
+            assert http.get(path).status_code == 401, path
+            assert http.get(path, headers={"Authorization": "Bearer nope"}).status_code == 401
+            for key in ("sk-a", "adm"):
+                r = http.get(path, headers={"Authorization": f"Bearer {key}"})
+                assert r.status_code == 200, (path, r.text)
+        assert http.get("/health").status_code == 200
+    from polyinfer.config import ConfigError
+    with pytest.raises(ConfigError, match="auth.protect_reads"):
+        external_config(engines, tmp_path, auth={"protect_reads": True})
+
+
+def test_traces_hold_ids_and_attempts_not_client_bytes(engines: list[EngineProcess],
+                                                       tmp_path: Path) -> None:
+    config = external_config(engines, tmp_path)
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    hostile = ["x" * 200, "id with spaces", "<script>", SECRET_PROMPT + "\u00e9"]
+    with ProxyThread(config) as p, httpx.Client(base_url=p.url, timeout=30) as http:
+        r = http.post("/v1/chat/completions", json=body, headers={"x-request-id": "req-1.a:b"})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "req-1.a:b"
+        for rid in hostile:
+            r = http.post("/v1/chat/completions", json=body,
+                          headers=[(b"x-request-id", rid.encode())])
+            assert r.status_code == 200 and r.headers["x-request-id"].startswith("pi-")
+        r = http.post("/v1/chat/completions", json={**body, "model": "m" * 300})
+        assert r.status_code == 400 and "m" * 300 not in r.text
+    records = read_traces(tmp_path / "traces")
+    assert len(records) == 2 + len(hostile)
+    text = orjson.dumps(records).decode()
+    assert SECRET_PROMPT not in text and "x" * 100 not in text and "m" * 100 not in text
+    served = [r for r in records if r["status"] == "ok"]
+    assert served and all(r["num_attempts"] == 1 for r in served)
+    assert [r["num_attempts"] for r in records if r["status"] != "ok"] == [0]
