@@ -158,6 +158,7 @@ class EngineCore:
         if changed:
             raise ReloadError(f"reload cannot change engine.{changed[0]} (restart-only); "
                               "start a new engine")
+        self._check_fits(config)
         seqs = self.scheduler.drain()
         if self.proposer is not None:
             for seq in seqs:
@@ -179,6 +180,19 @@ class EngineCore:
         finally:
             self._requeue(seqs)
         return time.perf_counter() - t0
+
+    def _check_fits(self, config: CompiledConfig) -> None:
+        """Refuse a config that would cut a request in flight short of its own max_tokens.
+
+        NOTE: in-flight requests are recomputed under the new config, never cut: a
+        config too small for one of them is refused, the old one keeps serving.
+        """
+        room = config.engine.usable_model_len
+        need = max((s.num_prompt_tokens + s.params.max_tokens for s in self.requests.values()),
+                   default=0)
+        if need > room:
+            raise ReloadError(f"a request in flight needs {need} tokens and this config holds "
+                              f"{room} per sequence; reload when it has finished")
 
     def _requeue(self, seqs: list[Sequence]) -> None:
         for seq in seqs:

@@ -58,7 +58,7 @@ def create_app(config: ProxyConfig, *, estimator: ShapeEstimator | None = None,
     app[keys.REGISTRY] = make_registry(stats, pool, lambda: relay.policy.name)
     app[keys.REGISTRY].register(TraceCollector(app[keys.TRACES]))
     app[keys.DASHBOARD] = resources.files("proxy").joinpath("static/dashboard.html").read_bytes()
-    app[keys.BLUEGREEN] = BlueGreen(pool, config.limits.drain_timeout_s)
+    app[keys.BLUEGREEN] = BlueGreen(pool, stall_timeout_s=config.limits.read_timeout_s)
     app[keys.OPTIMIZER] = []
     acceptance = ScrapedAcceptance(stats, relay.depth_policy)  # vLLM: scraped spec counters
     pool.on_scrape.append(acceptance.on_scrape)

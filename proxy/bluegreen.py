@@ -12,6 +12,14 @@ losing a request::
     drain    wait until the old worker has no request from this proxy in flight
     stop     stop the old process (or detach the old URL)
 
+NOTE: the drain has no fixed deadline: a request in flight finishes where it
+started, bounded by its own limits (its ``max_tokens``, and the relay's
+``read_timeout_s`` without a byte, after which the relay fails it anyway). The
+drain gives up only when no request on the old worker finished for
+``stall_timeout_s`` (the read timeout), or at a deadline the replace request
+names itself. A fixed 30 s drain once stopped a worker at capacity with 113
+requests still running on it (99 of them got 502s).
+
 If the candidate fails to start, to serve the worker's models, or to warm up,
 it is stopped and the live worker is untouched. Requests already running on
 the old worker finish there; a request that the old worker fails before any
@@ -63,7 +71,8 @@ class ReplaceRequest:
     config: CompiledConfig | None = None  # None = the live worker's config
     launch: LaunchSpec | None = None  # None = the live worker's (with a fresh port)
     url: str = ""  # attach this running server instead of launching one
-    drain_timeout_s: float | None = None  # None = limits.drain_timeout_s
+    # a hard deadline for the drain; None = until the old worker is idle (stall-bounded)
+    drain_timeout_s: float | None = None
     warmup: bool = True  # send one 1-token completion before the shift
     warmup_timeout_s: float = 120.0
 
@@ -100,9 +109,10 @@ class Replacement:
 class BlueGreen:
     """Replaces workers of one pool, one replacement per worker at a time."""
 
-    def __init__(self, pool: WorkerPool, drain_timeout_s: float) -> None:
+    def __init__(self, pool: WorkerPool, stall_timeout_s: float) -> None:
         self.pool = pool
-        self.drain_timeout_s = drain_timeout_s
+        self.stall_timeout_s = stall_timeout_s  # give up draining when nothing finished this long
+        self.last: Replacement | None = None  # the last replacement that completed
         self._running: dict[str, asyncio.Task[Replacement]] = {}
 
     def busy(self, name: str) -> bool:
@@ -148,21 +158,20 @@ class BlueGreen:
         shift(self.pool, name, candidate, old)
         logger.info("worker %s: traffic shifted from %s to %s (%d in flight on the old one)",
                     name, old.url, candidate.url, num_in_flight)
-        timeout = self.drain_timeout_s if request.drain_timeout_s is None \
-            else request.drain_timeout_s
         num_abandoned = -1
         try:
-            num_abandoned = await drain(old, timeout)
+            num_abandoned = await drain(old, self.stall_timeout_s, request.drain_timeout_s)
         finally:  # NOTE: even when cancelled: the old process is no longer in the pool
             t_drained = time.monotonic()
             if old.supervisor is not None:
                 await old.supervisor.stop()
         t_end = time.monotonic()
-        return Replacement(name=name, old_url=old.url, new_url=candidate.url,
-                           start_s=t_started - t0, warmup_s=t_warm - t_started,
-                           drain_s=t_drained - t_warm, stop_s=t_end - t_drained,
-                           total_s=t_end - t0, num_in_flight_at_shift=num_in_flight,
-                           num_abandoned=num_abandoned)
+        self.last = Replacement(name=name, old_url=old.url, new_url=candidate.url,
+                                start_s=t_started - t0, warmup_s=t_warm - t_started,
+                                drain_s=t_drained - t_warm, stop_s=t_end - t_drained,
+                                total_s=t_end - t0, num_in_flight_at_shift=num_in_flight,
+                                num_abandoned=num_abandoned)
+        return self.last
 
     async def _start(self, old: Worker, spec: WorkerSpec) -> Worker:
         try:
@@ -236,23 +245,35 @@ def shift(pool: WorkerPool, name: str, candidate: Worker, old: Worker) -> None:
     candidate.view.draining = False
 
 
-async def drain(old: Worker, timeout_s: float, poll_s: float = 0.02) -> int:
-    """Wait until ``old`` has no request in flight; answer how many remained at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while old.view.outstanding_requests > 0 and time.monotonic() < deadline:
-        await asyncio.sleep(poll_s)
+async def drain(old: Worker, stall_timeout_s: float, deadline_s: float | None = None,
+                poll_s: float = 0.02) -> int:
+    """Wait until ``old`` has no request in flight; answer how many remained when it gave up.
+
+    It gives up when no request finished for ``stall_timeout_s`` (they are stuck, and the
+    relay fails them on its own read timeout) or after ``deadline_s`` when one is given.
+    """
+    t0 = last_progress = time.monotonic()
     remaining = old.view.outstanding_requests
-    if remaining:
-        logger.warning("worker %s (%s): %d request(s) still in flight after %.1f s of drain",
-                       old.name, old.url, remaining, timeout_s)
+    while remaining > 0:
+        now = time.monotonic()
+        if now - last_progress > stall_timeout_s or (deadline_s is not None
+                                                     and now - t0 > deadline_s):
+            logger.warning("worker %s (%s): %d request(s) still in flight after %.1f s of "
+                           "drain", old.name, old.url, remaining, now - t0)
+            break
+        await asyncio.sleep(poll_s)
+        if old.view.outstanding_requests < remaining:
+            last_progress = time.monotonic()
+        remaining = old.view.outstanding_requests
     return remaining
 
 
 async def replace_worker(pool: WorkerPool, name: str, request: ReplaceRequest, *,
-                         drain_timeout_s: float = 30.0) -> Replacement:
-    """One-shot :meth:`BlueGreen.replace`; ``drain_timeout_s`` applies unless the request sets one.
+                         stall_timeout_s: float = 600.0) -> Replacement:
+    """One-shot :meth:`BlueGreen.replace` (the drain gives up after ``stall_timeout_s``
+    without a finished request, or at the request's own ``drain_timeout_s``).
 
     Prefer the app's :class:`BlueGreen` where one exists: it refuses concurrent
     replacements of the same worker.
     """
-    return await BlueGreen(pool, drain_timeout_s).replace(name, request)
+    return await BlueGreen(pool, stall_timeout_s).replace(name, request)
