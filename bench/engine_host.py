@@ -3,7 +3,7 @@
 Runs one engine server per code tree (this working tree, and with ``--baseline REV`` the
 tree of a git revision, exported with ``git archive`` to a temporary directory), each in
 its own process with timers wrapped around the step's parts, and streams the same
-prompts to them over HTTP at concurrency 1 (chat completions, SSE, as bench/specdec.py
+prompts to them over HTTP at concurrency 1 (chat completions, SSE, as bench/spec_depth.py
 does), alternating trees and depths request by request (ABBA), so every ratio printed
 comes from one run on the same noisy machine.
 
@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import functools
 import importlib
-import importlib.util
 import json
 import os
 import socket
@@ -209,12 +208,10 @@ def _free_port() -> int:
 
 
 def _load_bench_specdec() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_specdec", REPO / "bench" / "specdec.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_specdec"] = module
-    spec.loader.exec_module(module)
-    return module
+    """bench/spec_depth.py, from this tree's bench package."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    return importlib.import_module("bench.spec_depth")
 
 
 @contextlib.contextmanager
@@ -321,7 +318,7 @@ def _print(cells: dict[tuple[str, int], Cell]) -> None:
 
 
 def bench(args: argparse.Namespace) -> None:
-    # NOTE: before bench/specdec.py loads: it takes bench/ off the path
+    # NOTE: before bench/spec_depth.py loads: run as a script, it puts the tree in bench/'s place
     from revtree import export  # bench/, on the path when this file runs as a script
 
     bs = _load_bench_specdec()
@@ -383,7 +380,7 @@ def main() -> int:
     if args.concurrency < 1:
         parser.error(f"--concurrency: expected >= 1, got {args.concurrency}")
     if args.serve:
-        # NOTE: bench/ holds a specdec.py; the engine must import the specdec package
+        # NOTE: bench/ holds an optimizer.py; the engine imports the tree's packages only
         here = Path(__file__).resolve().parent
         sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
         serve(args.serve, args.port)

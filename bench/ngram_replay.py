@@ -8,14 +8,14 @@ ignored), are replayed step by step here for every proposer variant, with no mod
 in the loop. The output pool is fed in request order as the engine feeds it (a
 finished request's output joins before the next request is proposed for; the pool's
 ``prompt_key`` rule keeps a request's own earlier output out), over ``--rounds``
-passes of the prompt list as bench/specdec.py runs them::
+passes of the prompt list as bench/spec_depth.py runs them::
 
     python bench/ngram_replay.py --set dev              # judge variants here
-    python bench/ngram_replay.py --set heldout          # bench/specdec.py's selection, once
+    python bench/ngram_replay.py --set heldout          # bench/spec_depth.py's selection, once
 
-Two disjoint prompt sets: ``heldout`` is bench/specdec.py's own selection
+Two disjoint prompt sets: ``heldout`` is bench/spec_depth.py's own selection
 (``load_prompts(per_domain=3, seed=0)``); ``dev`` takes up to ``--dev-per-domain``
-prompts per domain that no selection of bench/specdec.py with its default seed (0) and 1-6
+prompts per domain that no selection of bench/spec_depth.py with its default seed (0) and 1-6
 prompts per domain picks. Prints tokens per step per domain and variant, ratios over the
 current proposer side by side, and microseconds per propose call.
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import random
 import sys
@@ -43,33 +42,18 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 REPO = Path(__file__).resolve().parent.parent
-# NOTE: run as a script, bench/ comes first on sys.path and bench/specdec.py would shadow the
-# specdec package: take bench/ off the path and load that file under another name.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
-sys.path.insert(0, str(REPO))
-_spec = importlib.util.spec_from_file_location("bench_specdec", REPO / "bench" / "specdec.py")
-assert _spec is not None and _spec.loader is not None
-bench_specdec = importlib.util.module_from_spec(_spec)
-sys.modules["bench_specdec"] = bench_specdec
-_spec.loader.exec_module(bench_specdec)
-PROMPTS, REPETITIVE_DOMAINS = bench_specdec.PROMPTS, bench_specdec.REPETITIVE_DOMAINS
-load_prompts = bench_specdec.load_prompts
+sys.path.insert(0, str(REPO))  # NOTE: run as a script: the bench package is the tree's
 
+from bench.spec_depth import PROMPTS, REPETITIVE_DOMAINS, Prompt, load_prompts  # noqa: E402
 from specdec.base import ProposalRequest  # noqa: E402
 from specdec.ngram import NgramConfig, NgramProposer, _SeqState  # noqa: E402
 from specdec.pool import OutputPool  # noqa: E402
 
 CACHE_DIR = REPO / "bench" / "out" / "ngram_replay"
-BENCH_SEEDS = (0,)  # bench/specdec.py's default seed, with --per-domain 1-6 (default 6)
+BENCH_SEEDS = (0,)  # bench/spec_depth.py's default seed, with --per-domain 1-6 (default 6)
 BENCH_PER_DOMAIN = range(1, 7)
-
-
-class Prompt(Protocol):  # bench/specdec.py's Prompt (loaded at run time)
-    domain: str
-    text: str
 
 
 @dataclass(frozen=True)
@@ -80,7 +64,7 @@ class Record:
 
 
 def dev_prompts(per_domain: int) -> list[Prompt]:
-    """Prompts that bench/specdec.py never selects with its default seed 0 and 1-6 per domain."""
+    """Prompts that bench/spec_depth.py never selects with its default seed 0 and 1-6 per domain."""
     taken = {p.text for s in BENCH_SEEDS for n in BENCH_PER_DOMAIN
              for p in load_prompts(PROMPTS, n, s)}
     every = load_prompts(PROMPTS, 10_000, 0)  # all of them (shuffled)

@@ -149,7 +149,7 @@ def run_level(inflight: int, num: int, seed: int) -> tuple[float, list[tuple]]:
 
 
 def child(args: argparse.Namespace) -> None:
-    # NOTE: bench/specdec.py would shadow the specdec package: import from the tree alone
+    # NOTE: bench/optimizer.py would shadow the optimizer package: import from the tree alone
     here = Path(__file__).resolve().parent
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     import router

@@ -28,7 +28,7 @@ questions, all 13 categories, and GSM8K problems) as chat requests, with arrival
 times and output lengths taken from the Azure LLM 2023 conversation trace
 (time-scaled to the rate; outputs scaled by ``--output-scale`` and clipped),
 replayed with loadgen's Python API, greedy (temperature 0, as Spec-Bench and
-bench/specdec.py measure). ``prefix-mix`` (the default): ``--prefix-share`` of the
+bench/spec_depth.py measure). ``prefix-mix`` (the default): ``--prefix-share`` of the
 requests (and of the rate) are Mooncake requests with shared prefixes (lengths and
 ``hash_ids`` as recorded; prompts scaled by 1/16, so 512-token blocks become 32-token
 blocks, and cut to their leading blocks to fit the context; outputs as recorded,
@@ -127,7 +127,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-# NOTE: bench/specdec.py would shadow the specdec package when this file runs as a script.
+# NOTE: bench/optimizer.py would shadow the optimizer package when this file runs as a script.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import aiohttp
@@ -252,7 +252,7 @@ COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                *((s, base) for s in SPLITS
                  for base in ("adaptive", "least_outstanding", "round_robin")))
 MAX_MODEL_LEN = 2048
-# NOTE: greedy decoding, as Spec-Bench and bench/specdec.py measure: the traces carry no
+# NOTE: greedy decoding, as Spec-Bench and bench/spec_depth.py measure: the traces carry no
 # sampling parameters, and the engine's default (temperature 1, as OpenAI's) makes the
 # tiny model's n-gram acceptance near zero (session 3: adaptive depth 0 for 83-97%).
 TEMPERATURE = 0.0

@@ -19,13 +19,13 @@ modes are interleaved per prompt instead (every prompt runs in every mode back
 to back, in a rotating order), which also gives the per-domain table: speed-up
 over depth 0 per domain, the repetitive domains marked (rule: REPETITIVE_DOMAINS).
 
-    python bench/specdec.py                     # full run (a few minutes on 2 cores)
-    python bench/specdec.py --quick             # smaller, for a smoke test
-    python bench/specdec.py --micro             # proposer / policy / verify micro-costs only
-    python bench/specdec.py --step-costs        # forward ms per verify width k + 1 (no engine)
-    python bench/specdec.py --draft-confidence 0 0.2 0.4   # draft cut A/B, in-process, c=1
-    python bench/specdec.py --caps-ab --depths 8 16 --max-tokens 128 --per-domain 3  # n-gram caps
-    python bench/specdec.py ... --domains chat --requests-out r.jsonl  # one domain; per request
+    python bench/spec_depth.py                     # full run (a few minutes on 2 cores)
+    python bench/spec_depth.py --quick             # smaller, for a smoke test
+    python bench/spec_depth.py --micro             # proposer / policy / verify micro-costs only
+    python bench/spec_depth.py --step-costs        # forward ms per verify width k + 1 (no engine)
+    python bench/spec_depth.py --draft-confidence 0 0.2 0.4   # draft cut A/B, in-process, c=1
+    python bench/spec_depth.py --caps-ab --depths 8 16 --max-tokens 128 --per-domain 3  # n-gram caps
+    python bench/spec_depth.py ... --domains chat --requests-out r.jsonl  # one domain; per request
 
 At concurrency 1 it also prints adaptive against fixed k at the same depth on the same
 prompts (:func:`same_depth`): equal drafted/accepted, so the time ratio is the request
@@ -33,10 +33,10 @@ path plus noise (see print_same_depth's NOTE).
 
 Session-2 runs (bench/RESULTS.md), each under 10 minutes on the 2-core box:
 
-    python bench/specdec.py --methods ngram --concurrency 1 --max-tokens 128 \
+    python bench/spec_depth.py --methods ngram --concurrency 1 --max-tokens 128 \
         --depths 4 8 16 --rounds 2 --per-domain 3
-    python bench/specdec.py --methods ngram --concurrency 4 16 --rounds 2
-    python bench/specdec.py --methods draft --concurrency 1 4 16 --depths 1 2 4 --rounds 2 \
+    python bench/spec_depth.py --methods ngram --concurrency 4 16 --rounds 2
+    python bench/spec_depth.py --methods draft --concurrency 1 4 16 --depths 1 2 4 --rounds 2 \
         --per-domain 2
 
 Session 3 (bench/RESULTS.md "Speculative decoding (session 3)"): the same n-gram
@@ -47,10 +47,10 @@ Session 4 ("Speculative decoding (session 4)"): the adaptive mode also learns st
 from the engine's scraped per-step sums (specdec.step_feed), ``--client-fit`` runs the
 previous policy beside it; under load, ``--rounds 6`` (rotated ABBA)::
 
-    python bench/specdec.py --methods ngram --concurrency 4 16 --rounds 6 --client-fit
+    python bench/spec_depth.py --methods ngram --concurrency 4 16 --rounds 6 --client-fit
     # parallel instances pinned to their own cores, then pooled:
-    taskset -c 2,3 python bench/specdec.py ... --seed 0 --json-out r0.json   # (and so on)
-    python bench/specdec.py --combine r*.json
+    taskset -c 2,3 python bench/spec_depth.py ... --seed 0 --json-out r0.json   # (and so on)
+    python bench/spec_depth.py --combine r*.json
 """
 
 from __future__ import annotations
@@ -79,8 +79,7 @@ import aiohttp
 import orjson
 
 REPO = Path(__file__).resolve().parents[1]
-# NOTE: run as a script, this file's directory comes first on sys.path and the
-# file's name would shadow the specdec package; specdec is imported lazily below.
+# NOTE: run as a script, bench/ comes first on sys.path; the packages are the tree's
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(REPO)
 PROMPTS = REPO / "data" / "prompts" / "spec_bench_questions.jsonl"
@@ -1189,7 +1188,7 @@ def main() -> int:
     if args.draft_confidence is not None:
         run_draft_confidence(prompts, args.draft_confidence, max(args.depths), args.max_tokens)
         return 0
-    print(f"bench/specdec.py  {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  prompts={len(prompts)} "
+    print(f"bench/spec_depth.py  {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  prompts={len(prompts)} "
           f"max_tokens={args.max_tokens} rounds={args.rounds} concurrency={args.concurrency} "
           f"device={args.device} execution={args.execution} dtype={args.dtype} "
           f"ngram_caps={args.ngram_caps} cpus={os.cpu_count()}")

@@ -76,6 +76,10 @@ def _rope_theta(cfg: dict[str, Any], where: Path) -> float:
 def read_spec(model_dir: str | Path) -> ModelSpec:
     """Parse ``config.json`` (and ``generation_config.json`` if present) into a ModelSpec."""
     where = Path(model_dir) / "config.json"
+    if not where.parent.is_dir():
+        raise CheckpointError(f"model directory {where.parent} does not exist; give a "
+                              "checkpoint directory (the config's model / engine.draft_model, "
+                              "or --model)")
     try:
         cfg = json.loads(where.read_text())
     except (OSError, ValueError) as e:

@@ -224,7 +224,7 @@ class RowDecoder:
 
     :class:`CudaGraphDecoder` replays this forward from graphs; run plainly it is the
     same computation launch by launch, which the CPU tests run under Triton's
-    interpreter (``TRITON_INTERPRET=1``) and ``bench/specdec.py --step-costs`` times.
+    interpreter (``TRITON_INTERPRET=1``) and ``bench/spec_depth.py --step-costs`` times.
     """
 
     def __init__(self, model: LlamaModel, kv: KVCache, buckets: Sequence[int],

@@ -39,7 +39,7 @@ from engine.cpu_attention import cpu_attention_for
 from engine.cuda_graph import CudaGraphDecoder, DecodeRow, RowDecoder
 from engine.kv_cache import BlockAllocator, KVCache, blocks_needed
 from engine.model import LlamaModel
-from polyinfer.config import REPO_ROOT, EngineConfig
+from polyinfer.config import MODELS_DIR, EngineConfig
 from specdec.base import ProposalRequest
 from specdec.draft import DraftProposer, Round
 from specdec.errors import ProposerConfigError
@@ -101,11 +101,12 @@ class _DraftSeq:
 
 
 def resolve_model_dir(path: str) -> Path:
-    """A draft path as given, else relative to the repository (configs name ``models/...``)."""
+    """A draft path as given, else relative to the folder that holds the bundled ``models/``
+    (configs name ``models/tiny-draft``): the checkout, or the installed package."""
     p = Path(path)
     if p.exists() or p.is_absolute():
         return p
-    return REPO_ROOT / p
+    return MODELS_DIR.parent / p
 
 
 class DraftModelRunner:

@@ -4,7 +4,7 @@ Three layers, each learned from something measured on this machine:
 
 1. ``HardwareConstants.measure()``: memory bandwidth (a large array copy) and
    matmul FLOP/s (a square float32 matmul), seconds.
-2. ``StepTimeModel.fit()``: times forward passes of a layer stack of the
+2. ``ForwardTimeModel.fit()``: times forward passes of a layer stack of the
    model's shape (the real matmuls + activation, synthetic weights) at several
    token counts and fits ``step_s = c0 + c1 * roofline_s(tokens)``; ``c0`` is
    the per-step overhead the roofline cannot see.
@@ -76,8 +76,12 @@ def roofline_s(shape: ModelShape, hw: HardwareConstants, num_tokens: int,
 
 
 @dataclass(frozen=True)
-class StepTimeModel:
-    """step_s(tokens) = overhead_s + scale * roofline_s(tokens), fitted on timed passes."""
+class ForwardTimeModel:
+    """step_s(tokens) = overhead_s + scale * roofline_s(tokens), fitted on timed passes.
+
+    NOTE: a prior for configs never run, from a synthetic layer stack timed here; not
+    :class:`specdec.step_model.StepTimeModel`, which a worker's own decode steps fit online.
+    """
 
     shape: ModelShape
     hw: HardwareConstants
@@ -93,7 +97,8 @@ class StepTimeModel:
 
     @classmethod
     def fit(cls, shape: ModelShape, hw: HardwareConstants,
-            token_counts: Sequence[int] = (1, 4, 16, 64, 256), repeats: int = 3) -> StepTimeModel:
+            token_counts: Sequence[int] = (1, 4, 16, 64, 256), repeats: int = 3
+            ) -> ForwardTimeModel:
         samples = tuple((n, _time_layer_stack(shape, n, repeats)) for n in token_counts)
         x = np.array([roofline_s(shape, hw, n) for n, _ in samples])
         y = np.array([s for _, s in samples])
@@ -169,7 +174,7 @@ def expected_tokens_per_step(alpha: float, depth: int) -> float:
 class CostModel:
     """Predicts output tokens/s of a config on a workload; calibrated on measured results."""
 
-    def __init__(self, space: SearchSpace, steps: StepTimeModel,
+    def __init__(self, space: SearchSpace, steps: ForwardTimeModel,
                  draft_shape: ModelShape | None = None) -> None:
         self.space = space
         self.steps = steps

@@ -7,6 +7,11 @@ real code completion), templated word problems for ``math``, and library
 docstrings (prose) for the rest. Lengths are measured with the served
 model's tokenizer and capped (``SampleConfig``) so a replay stays short on a
 CPU. The same records + seed always give the same requests.
+
+NOTE: not :class:`loadgen.synth.PromptSynthesizer`, which builds prompts of an exact
+length from one corpus, with shared prefix blocks: a replay here is judged on what
+speculation accepts, which depends on each domain's text (code's repeats), so the text
+is the domain's own, cut by the same tokenizer wrapper (:class:`loadgen.tokenizer.HfTokenCounter`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from loadgen.tokenizer import HfTokenCounter
 from optimizer.errors import OptimizerError
 from polyinfer.trace import TraceRecord
 
@@ -60,23 +66,20 @@ class PromptSynthesizer:
     """Makes a prompt of a given domain and token length; deterministic per seed."""
 
     def __init__(self, tokenizer_path: str | Path, seed: int = 0) -> None:
-        from tokenizers import Tokenizer  # NOTE: imported here to keep module import light
-
-        self._tok = Tokenizer.from_file(str(tokenizer_path))
+        self._counter = HfTokenCounter(tokenizer_path)
         self._rng = random.Random(seed)
         self._code = _module_texts(_CODE_MODULES, source=True)
         self._prose = _module_texts(_PROSE_MODULES, source=False)
 
     def count_tokens(self, text: str) -> int:
-        return len(self._tok.encode(text, add_special_tokens=False).ids)
+        return self._counter.count(text)
 
     def make(self, domain: str, num_tokens: int) -> str:
         return self.truncate(self._raw_text(domain, num_tokens), num_tokens)
 
     def truncate(self, text: str, num_tokens: int) -> str:
         """``text`` cut to at most ``num_tokens`` tokens (unchanged when shorter)."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return text if len(ids) <= num_tokens else str(self._tok.decode(ids[:num_tokens]))
+        return self._counter.truncate(text, num_tokens)
 
     def _raw_text(self, domain: str, num_tokens: int) -> str:
         # NOTE: ~4 characters per token, doubled for slack; cut by tokens afterwards.

@@ -42,8 +42,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 EXECUTIONS = ("eager", "compiled", "cuda_graph")
 ATTENTIONS = ("sdpa", "naive", "triton")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-MODELS_DIR = REPO_ROOT / "models"
+# NOTE: the bundled tiny pair: models/ in a checkout (polyinfer/models links to it), inside
+# the package in a wheel (package data), so an installed proxy finds its default model
+MODELS_DIR = (Path(__file__).resolve().parent / "models").resolve()
 TINY_TARGET = MODELS_DIR / "tiny-target"
 TINY_DRAFT = MODELS_DIR / "tiny-draft"
 

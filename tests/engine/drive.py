@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from engine.sequence import GenerationParams
-from polyinfer.config import REPO_ROOT
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_interpreted(code: str, timeout_s: float) -> subprocess.CompletedProcess[str]:

@@ -256,7 +256,7 @@ def test_bfloat16_graph_speculation_equals_k0_up_to_near_ties_gpu(
     so greedy outputs may depart from k=0: the same schedule repeats exactly, and where
     speculation departs from k=0, the two tokens chosen at the first difference are a near
     tie of the float32 model (gap < BF16_TIE). The fraction of departing prompts is in the
-    failure message and bench/specdec.py --dtype bfloat16 prints it."""
+    failure message and bench/spec_depth.py --dtype bfloat16 prints it."""
     graph = gpu_core(tiny_model_dir, "cuda_graph", dtype="bfloat16")
     assert graph.model.dtype == torch.bfloat16
     paths = record_paths(graph)

@@ -10,8 +10,8 @@ import pytest
 
 from optimizer.costmodel import (
     CostModel,
+    ForwardTimeModel,
     HardwareConstants,
-    StepTimeModel,
     Workload,
     expected_tokens_per_step,
     roofline_s,
@@ -89,7 +89,7 @@ def cost_model(model_dir: Path) -> tuple[CostModel, Workload, SearchSpace]:
                                                             max_model_len=1024)
     space = SearchSpace.default(base, 1 << 30)
     hw = HardwareConstants(mem_bandwidth_bps=10e9, matmul_flops=20e9)
-    steps = StepTimeModel(space.shape, hw, overhead_s=0.004, scale=2.0)
+    steps = ForwardTimeModel(space.shape, hw, overhead_s=0.004, scale=2.0)
     profile = build_profile([TraceRecord(float(i), "code", 200, completion_tokens=40)
                              for i in range(10)])
     return CostModel(space, steps), Workload(8, profile), space
@@ -127,7 +127,7 @@ def test_step_time_fit_on_this_machine(model_dir: Path) -> None:
         kv_cache_tokens=8192, max_model_len=1024), 1 << 30)
     hw = HardwareConstants.measure(size_mb=8, matmul_n=128, repeats=2)
     assert hw.mem_bandwidth_bps > 1e8 and hw.matmul_flops > 1e8
-    steps = StepTimeModel.fit(space.shape, hw, token_counts=(1, 16), repeats=1)
+    steps = ForwardTimeModel.fit(space.shape, hw, token_counts=(1, 16), repeats=1)
     assert [n for n, _ in steps.samples] == [1, 16]
     assert all(s > 0 and math.isfinite(s) for _, s in steps.samples)
     assert steps.step_s(16) >= steps.step_s(1)

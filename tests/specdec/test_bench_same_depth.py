@@ -1,4 +1,4 @@
-"""bench/specdec.py's same-depth comparison and per-request dump (concurrency 1).
+"""bench/spec_depth.py's same-depth comparison and per-request dump (concurrency 1).
 
 The adaptive mode's requests are compared with fixed-k requests of the same prompt at the
 depth it chose; the dump names prompts by index and never writes prompt or output text.
@@ -18,7 +18,7 @@ from tests.bench_module import load_bench
 @pytest.fixture(scope="module")
 def bench():  # type: ignore[no-untyped-def]
     try:
-        yield load_bench("specdec.py", "bench_specdec")
+        yield load_bench("spec_depth.py", "bench_specdec")
     finally:
         sys.modules.pop("bench_specdec", None)
 

@@ -10,7 +10,7 @@ depths can go either way on one noisy history).
 
 Two workers: step time linear in k ("flat"), and one with a fixed cost for any
 verifying step ("verify_jump"), which is what the engine measures on the CPU
-(``bench/specdec.py --step-costs``: a 2-token step ~1.35x a 1-token one).
+(``bench/spec_depth.py --step-costs``: a 2-token step ~1.35x a 1-token one).
 
 NOTE: ``share_depth_under_load`` is off here: this simulated step costs
 t(batch, k) for each request's own k, with no padding to the deepest query,
