@@ -7,7 +7,7 @@ the hardware is. Without calibration a worker that has not been picked yet
 keeps predicting those constants, so as soon as one worker measures faster
 than its prior, every unmeasured worker looks slow and is never tried: the
 first worker to learn wins all the traffic. bench/routing.py showed exactly
-that (session 3): 50 of 60 requests on one of two identical workers, the long
+that: 50 of 60 requests on one of two identical workers, the long
 prompts meant for the bulk worker included.
 
 :class:`Calibration` learns one factor per key: a running geometric mean of

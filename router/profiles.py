@@ -14,7 +14,7 @@ Two linear models per (worker, shape bucket):
   the engine-measured step time at the sample's batch over batch 1, at its depth.
   Then a sample is divided by it and learned at batch 1, and a prediction at batch b
   is the batch-1 one times the ratio at b: how TPOT grows with the batch comes from
-  the steps, not from the requests' TPOT. NOTE: on the device (session 7 round 4)
+  the steps, not from the requests' TPOT. NOTE: on the device (a routing A/B)
   the request-level fit charged the 4-sequence spec worker 8.4 ms per added
   sequence where the steps grow ~0.5 ms: whatever rises with load in a request's
   TPOT (prefill stalls the stall model leaves in, a lower depth under load) landed
@@ -35,7 +35,7 @@ A shape bucket is ``(domain, prompt-length band)``. A bucket's TTFT model starts
 from the worker-level model's current fit (scaled by the bucket's prior factor),
 so one bucket's evidence informs the others until they have their own; TTFT has
 the prompt length as a feature. TPOT has none, and a long prompt's decode steps
-attend over its whole context: on the device (session 8 round 6) spec's
+attend over its whole context: on the device spec's
 shared-prefix prompts (800-2,000 tokens) decoded at 4.5 ms a token unloaded
 against 1.2 ms for the short repetitive ones, and the worker-level TPOT fit they
 dominated (9.9 ms at batch 1) was what a new short bucket started from, so short
@@ -47,7 +47,7 @@ that band (:mod:`router.calibration`); ``band_tpot=False`` keeps the worker-wide
 start (sessions 1-8 round 6). The worker-wide fit still gives the batch slope
 (:meth:`WorkerProfile.tpot_per_seq_s`). A predict is a 3-term dot product; an
 update ~6 us on the 2-core dev box (plain floats, the eigenvalue cap in closed form:
-:mod:`router.sym3`; numpy's calls on 3-vectors made it ~40 us up to session 9).
+:mod:`router.sym3`; numpy's calls on 3-vectors made it ~40 us).
 """
 
 from __future__ import annotations

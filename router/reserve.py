@@ -3,8 +3,8 @@
 The adaptive policy (:mod:`router.adaptive`) prices each request by its own predicted
 latency. A request with slack takes a scarce fast worker's slot as readily as one that
 needs it, so when the fleet has one fast worker (say 4 slots) that alone meets a tight
-class's SLO, a slack-rich class fills it and the tight class misses (session 7 rounds
-4-5 on the device: Mooncake prompts took 115 of the fast worker's slots).
+class's SLO, a slack-rich class fills it and the tight class misses (on the device,
+Mooncake prompts took 115 of the fast worker's slots in one routing run).
 
 A request is *exclusive* to a worker when the policy predicts it meets its SLO there
 given a free slot and no prefill queued ahead, and on no other worker (the policy's

@@ -115,8 +115,8 @@ class PolicyConfig:
                     f"policy.{name}: expected {expected}, got {getattr(self, name)!r}")
 
 
-# Per-token n-gram acceptance per domain, measured on the bundled pair in session 1
-# (bench/RESULTS.md); a starting point for a worker the policy has not seen yet.
+# Per-token n-gram acceptance per domain, measured on the bundled pair
+# (bench/spec_depth.py); a starting point for a worker the policy has not seen yet.
 NGRAM_DOMAIN_PRIORS: tuple[tuple[str, float], ...] = (
     ("translation", 0.69), ("qa", 0.60), ("chat", 0.50), ("extraction", 0.49),
     ("code", 0.40), ("math", 0.29), ("summarization", 0.19), ("rag", 0.17))
@@ -471,8 +471,8 @@ class DepthPolicy:
 
         NOTE: the calibration's factor for a depth moves only with requests sent at it. Once
         it priced speculation out of a bucket (two stalled requests put every k > 0 of the
-        spec worker's 2-sequence bucket at x4 on the device, session 14; in session 13's call
-        3 the spec worker ran k=0 for 647 of 693 requests), nothing measured it again. A
+        spec worker's 2-sequence bucket at x4 on the device; in one routing call the spec
+        worker ran k=0 for 647 of 693 requests), nothing measured it again. A
         probe costs at most one request's speculation loss in 20.
         """
         c = self.config

@@ -3,7 +3,7 @@
 The policy needs ``t(batch, k)``: how long one decode step of ``batch`` sequences
 takes when each asks for ``k`` speculative tokens. A client only sees per-request
 averages, which blur prefill chunks, other requests' depths and queueing into one
-number (session 3 measured that such a fit priced a token of depth at batch 16 at
+number (a fit of them was measured to have priced a token of depth at batch 16 at
 ~7% of a step against ~30% measured). The engine knows each step exactly, so it
 keeps the least-squares sufficient statistics of its decode steps and
 exports them as counters on ``/metrics``; whoever scrapes the worker (the proxy's

@@ -339,7 +339,7 @@ class StepTimeModel:
         request of 7 decoded tokens that shared one 30-ms prefill chunk measured 6 ms a token
         over the model's 2, and with every request weighing the same, a few such put every
         speculating depth of the spec worker's 2-sequence bucket at the clamp (x4) on the
-        device (session 14), so the depth policy sent k=0 there."""
+        device, so the depth policy sent k=0 there."""
         if not (seconds > 0.0 and math.isfinite(seconds)) or batch <= 0 or k < 0 \
                 or not (expected >= 1.0 and math.isfinite(expected)) \
                 or not (tokens > 0.0 and math.isfinite(tokens)):
@@ -388,7 +388,7 @@ class StepTimeModel:
         c=4 on the H200), over all depths for k=0. The speculating depths' mean is itself
         shrunk toward the bucket's by ``calibration_prior`` samples: taken alone, a bucket's
         first few speculating requests set every k > 0 there (two stalled ones put all six
-        at the clamp, x4, on the device in session 14). A factor common to every depth cancels in
+        at the clamp, x4, on the device). A factor common to every depth cancels in
         the argmax, so only measured differences between depths move a choice. The client's
         wait per step
         (:meth:`overhead`) is a mean over all depths that moves with whichever depths ran
