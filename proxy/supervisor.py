@@ -5,6 +5,12 @@ backend is one more builder. A :class:`SupervisedWorker` writes the compiled
 config next to its log in the run directory, starts the child, waits for
 ``/health``, restarts it with exponential backoff when it dies, and stops it
 (SIGTERM, then SIGKILL) on shutdown.
+
+A worker dies with its proxy, however the proxy ends: it starts through a trampoline
+that asks the kernel for SIGTERM when the proxy goes (Linux ``PR_SET_PDEATHSIG``) and
+exits if the proxy is already gone. Where that is not available, the worker's pid file
+(``run_dir/pids/<name>.pid``) lets the next proxy on the same run directory stop a
+worker left behind before it starts a new one.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from proxy.config import WorkerSpec
 logger = logging.getLogger(__name__)
 
 CommandBuilder = Callable[[WorkerSpec, str, int, Path], list[str]]
+WORKER_MARK_ENV = "POLYINFER_WORKER"  # a launched worker's mark: its config file's path
 
 
 def engine_command(spec: WorkerSpec, host: str, port: int, config_path: Path) -> list[str]:
@@ -59,26 +66,59 @@ def vllm_command(spec: WorkerSpec, host: str, port: int, config_path: Path) -> l
 
 LAUNCH_BUILDERS: dict[str, CommandBuilder] = {"engine": engine_command, "vllm": vllm_command}
 
-# Runs in the child before the worker's command: confine it, then exec (same pid).
-_PIN_THEN_EXEC = ("import os, sys\n"
-                  "cpus = [int(c) for c in sys.argv[1].split(',')]\n"
-                  "try:\n"
-                  "    os.sched_setaffinity(0, cpus)\n"
-                  "except OSError as e:\n"
-                  "    sys.exit(f'launch.cpus {cpus}: {e}')\n"
-                  "os.execvp(sys.argv[2], sys.argv[2:])\n")
+# Runs in the child before the worker's command: tie it to the proxy's life, confine it,
+# then exec (same pid; the parent-death signal survives exec).
+_TRAMPOLINE = ("import os, signal, sys\n"
+               "parent, cpus = int(sys.argv[1]), sys.argv[2]\n"
+               "try:\n"
+               "    import ctypes\n"
+               "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)"
+               "  # PR_SET_PDEATHSIG\n"
+               "except (OSError, AttributeError):\n"
+               "    pass  # not Linux: the pid file is what is left\n"
+               "if os.getppid() != parent:\n"
+               "    sys.exit('the proxy exited before its worker started')\n"
+               "if cpus:\n"
+               "    cpus = [int(c) for c in cpus.split(',')]\n"
+               "    try:\n"
+               "        os.sched_setaffinity(0, cpus)\n"
+               "    except OSError as e:\n"
+               "        sys.exit(f'launch.cpus {cpus}: {e}')\n"
+               "os.execvp(sys.argv[3], sys.argv[3:])\n")
+
+
+def child_command(cmd: list[str], cpus: tuple[int, ...]) -> list[str]:
+    """``cmd`` as a child of this process that dies with it (SIGTERM when this process
+    goes), confined to ``cpus`` (if any) from its first instruction on.
+
+    NOTE: a trampoline that sets the parent-death signal and its own affinity and execs,
+    rather than Popen's preexec_fn (unsafe in a threaded parent), setting it after the
+    spawn (racing the child's start-up) or ``taskset`` (not on every host). The signal
+    follows the thread that forks the child: the event loop's, alive as long as the proxy.
+    """
+    return [sys.executable, "-S", "-c", _TRAMPOLINE, str(os.getpid()),
+            ",".join(map(str, cpus)), *cmd]
 
 
 def pinned_command(cmd: list[str], cpus: tuple[int, ...]) -> list[str]:
-    """``cmd`` confined to ``cpus`` from its first instruction on (``cmd`` as is if empty).
+    """``cmd`` confined to ``cpus`` (:func:`child_command`); ``cmd`` as is if empty."""
+    return child_command(cmd, cpus) if cpus else cmd
 
-    NOTE: a trampoline that sets its own affinity and execs, rather than Popen's
-    preexec_fn (unsafe in a threaded parent), setting it after the spawn (racing the
-    child's start-up) or ``taskset`` (not on every host).
-    """
-    if not cpus:
-        return cmd
-    return [sys.executable, "-S", "-c", _PIN_THEN_EXEC, ",".join(map(str, cpus)), *cmd]
+
+def stop_leftover(pid_path: Path) -> None:
+    """Stop the process group a previous proxy's worker left (its pid in ``pid_path``),
+    when that process is still that worker (its environment carries the same
+    ``POLYINFER_WORKER`` mark: a pid reused by another program is left alone)."""
+    try:
+        pid_text, marker = pid_path.read_text().split("\n", 1)
+        pid = int(pid_text)
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except (OSError, ValueError):
+        return
+    if f"{WORKER_MARK_ENV}={marker.strip()}".encode() in environ:
+        logger.warning("stopping worker process %d left by an earlier proxy (%s)", pid, pid_path)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def log_tail(path: Path, num_lines: int = 12, max_bytes: int = 64 << 10) -> str:
@@ -118,6 +158,7 @@ class SupervisedWorker:
         self.run_dir = run_dir
         self.log_path = run_dir / "logs" / f"{spec.name}.log"
         self.config_path = run_dir / "configs" / f"{spec.name}.yaml"
+        self.pid_path = run_dir / "pids" / f"{spec.name}.pid"
         self.num_restarts = 0
         self._proc: asyncio.subprocess.Process | None = None
         self._watch_task: asyncio.Task[None] | None = None
@@ -152,16 +193,19 @@ class SupervisedWorker:
                                    f"{self.spec.backend!r}")
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.pid_path.parent.mkdir(parents=True, exist_ok=True)
+        stop_leftover(self.pid_path)  # on the same port, or holding the same GPU
         self.config_path.write_text(yaml.safe_dump(self.spec.config.to_dict(), sort_keys=False))
-        cmd = pinned_command(builder(self.spec, self.host, self.port, self.config_path),
+        cmd = child_command(builder(self.spec, self.host, self.port, self.config_path),
                              self.launch.cpus)
-        env = {**os.environ, **self.launch.env}
+        env = {**os.environ, **self.launch.env, WORKER_MARK_ENV: str(self.config_path)}
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} start: {' '.join(cmd)}\n"
                       .encode())
             self._proc = await asyncio.create_subprocess_exec(
                 *cmd, stdout=log, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
                 env=env, start_new_session=True)
+        self.pid_path.write_text(f"{self._proc.pid}\n{self.config_path}\n")
         logger.info("worker %s started (pid %s) at %s; log %s", self.spec.name, self._proc.pid,
                     self.url, self.log_path)
 
@@ -219,4 +263,6 @@ class SupervisedWorker:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
+        with contextlib.suppress(OSError):
+            self.pid_path.unlink()
         logger.info("worker %s stopped", self.spec.name)
