@@ -96,6 +96,8 @@ def rule_slos(context_s: float = 0.0) -> dict[str, tuple[float, float]]:
               "prefix": "code"}
     out = {}
     for c, (k_ttft, k_tpot) in _slo_rule().items():
+        if c not in MEDIAN_PROMPT:  # the bench's --trace class: not in this workload
+            continue
         prompt = MEDIAN_PROMPT[c]
         ttft, tpot = math.inf, math.inf
         for w in bench_fleet(context_s):

@@ -157,27 +157,88 @@ def test_runs_split_over_calls_merge_into_one_report() -> None:
 
 
 def test_slos_follow_the_rule_on_the_run_s_own_probe_unless_fixed_or_given() -> None:
-    # unloaded probe per worker and class: (TTFT s, TPOT s); the best per class is taken
-    ref = {"spec": {"repetitive": (0.02, 0.001), "conversational": (0.03, 0.004),
-                    "long": (0.30, 0.005), "prefix": (0.20, 0.003)},
-           "batch": {"repetitive": (0.04, 0.002), "conversational": (0.02, 0.005),
-                     "long": (0.25, 0.006), "prefix": (0.30, 0.002)}}
+    # unloaded probe per worker, class and prompt: (TTFT s, TPOT s); per prompt the slowest
+    # worker's, then the 90th percentile over the prompts (linear: 0.1 of the way from the
+    # second prompt's to the third's)
+    def two(a: tuple[float, float], b: tuple[float, float]) -> list[tuple[float, float]]:
+        return [a, b, (2 * b[0], 2 * b[1])]
+    samples = {"spec": {"repetitive": two((0.02, 0.001), (0.01, 0.001)),
+                        "conversational": two((0.03, 0.004), (0.03, 0.004)),
+                        "long": two((0.30, 0.005), (0.30, 0.005)),
+                        "prefix": two((0.20, 0.003), (0.20, 0.003))},
+               "batch": {"repetitive": two((0.04, 0.002), (0.02, 0.002)),
+                         "conversational": two((0.02, 0.005), (0.02, 0.005)),
+                         "long": two((0.25, 0.006), (0.25, 0.006)),
+                         "prefix": two((0.30, 0.002), (0.30, 0.002))}}
 
     def args(**kw: Any) -> argparse.Namespace:
         return argparse.Namespace(**{"slo_seconds": None, "fixed_slos": False,
                                      "prefix_slo": None, **kw})
 
-    rule = BENCH.slos_from(args(), ref)  # SLO_RULE: 10x / 2.5x, long and prefix 5x / 5x
-    assert rule.ttft_s == pytest.approx({"repetitive": 0.2, "conversational": 0.2,
-                                         "long": 1.25, "prefix": 1.0})
-    assert rule.tpot_s == pytest.approx({"repetitive": 0.0025, "conversational": 0.01,
-                                         "long": 0.025, "prefix": 0.01})
-    fixed = BENCH.slos_from(args(fixed_slos=True), ref)
+    # repetitive: slowest per prompt 0.04, 0.02, 0.04 s -> q90 = 0.04; TPOT 0.002, 0.002,
+    # 0.004 -> 0.002 + 0.8 x 0.002 = 0.0036; the others' third prompt is twice the second
+    rule = BENCH.slos_from(args(), samples)  # SLO_RULE: 10x / 2.5x, long and prefix 5x / 5x
+    assert rule.ttft_s == pytest.approx({"repetitive": 0.4, "conversational": 0.54,
+                                         "long": 5 * 0.54, "prefix": 5 * 0.54})
+    assert rule.tpot_s == pytest.approx({"repetitive": 2.5 * 0.0036,
+                                         "conversational": 2.5 * 0.009,
+                                         "long": 5 * 0.0108, "prefix": 5 * 0.0054})
+    fixed = BENCH.slos_from(args(fixed_slos=True), samples)
     assert fixed.ttft_s["repetitive"] == 0.30 and fixed.tpot_s["long"] == 0.023
-    assert fixed.ttft_s["prefix"] == pytest.approx(1.0)  # the prefix class: always the rule
-    given = BENCH.slos_from(args(slo_seconds=[1, 2, 3, 4, 5, 6], prefix_slo=[7, 8]), ref)
+    assert fixed.ttft_s["prefix"] == pytest.approx(2.7)  # the prefix class: always the rule
+    given = BENCH.slos_from(args(slo_seconds=[1, 2, 3, 4, 5, 6], prefix_slo=[7, 8]), samples)
     assert given.ttft_s == {"repetitive": 1, "conversational": 3, "long": 5, "prefix": 7}
     assert given.tpot_s == {"repetitive": 2, "conversational": 4, "long": 6, "prefix": 8}
+
+
+def test_probe_lengths_spread_over_the_distribution() -> None:
+    assert BENCH.spread_lengths(list(range(1, 101)), 5) == [11, 31, 51, 71, 91]
+    assert BENCH.spread_lengths([0, 0, 7], 2) == [1, 7]  # never an empty prompt
+
+
+def test_a_trace_workload_is_its_own_class_with_its_slo_in_the_bodies() -> None:
+    records = list(BENCH.read_trace(DATA / "traces" / "azure_llm_2023_code.csv"))[:300]
+    synth = BENCH.trace_synthesizer("code", 0)
+    sched = BENCH.build_trace_workload(records, synth, "code", 0.25, 48, 20, 2.0, seed=3)
+    assert len(sched) == 20 and {BENCH.record_class(r) for r in sched} == {"trace"}
+    assert {r.domain for r in sched} == {"code"}
+    span = sched[-1].timestamp_s - sched[0].timestamp_s
+    assert span == pytest.approx(20 / 2.0)  # arrival gaps scaled to the rate
+    first = records[sched[0].line - BENCH.TRACE_LINE]
+    n = BENCH.trace_lengths([first], 0.25, 48)[0]
+    text = sched[0].messages[0]["content"]
+    assert synth.counter.count(text) == n and "def" in text.split()  # code, as recorded x 0.25
+    again = BENCH.build_trace_workload(records, synth, "code", 0.25, 48, 20, 4.0, seed=3)
+    assert [r.line for r in again] == [r.line for r in sched]  # same window at every rate
+
+
+def test_capacities_per_round_give_an_interval_and_round_by_round_ratios() -> None:
+    # round 0: LO 95% -> 70% between 4 and 8 (4.8 at 90%); adaptive 100% -> 85% (6.67)
+    # round 1: LO 100% -> 50% (4.8); adaptive 100% -> 90% -> holds to 8 (>= 8)
+    sweep = {"rates": {
+        "4.0": {"least_outstanding": [run(0, 19, 20), run(0, 20, 20)],
+                "adaptive": [run(0, 20, 20), run(0, 20, 20)]},
+        "8.0": {"least_outstanding": [run(0, 14, 20), run(0, 10, 20)],
+                "adaptive": [run(0, 17, 20), run(0, 18, 20)]}}}
+    lines = BENCH.capacity_summary(sweep)
+    assert lines[0] == ("capacity at 90% attainment, median (min-max) of rounds: "
+                        "least_outstanding 4.80 (4.80-4.80) / adaptive 7.33 (6.67-8.00) [=,>=]")
+    assert lines[1] == "  adaptive/least_outstanding at 90%: 1.53 (1.39-1.67)"
+
+
+def test_the_never_worse_line_pools_rounds_beside_the_a_a() -> None:
+    sweep = {"rates": {
+        "1.0": {"least_outstanding": [run(0, 9), run(0, 9)],
+                "least_outstanding-twin": [run(0, 10), run(0, 8)],
+                "adaptive": [run(0, 9), run(0, 10)]},
+        "2.0": {"least_outstanding": [run(0, 5), run(0, 5)],
+                "least_outstanding-twin": [run(0, 5), run(0, 6)],
+                "adaptive": [run(0, 4), run(0, 5)]}}}
+    lines = BENCH.never_worse_summary(sweep)
+    assert lines == ["pooled SLOs met adaptive/least_outstanding per rate: 1.0 1.06x, "
+                     "2.0 0.90x | min 0.90x",
+                     "pooled SLOs met least_outstanding-twin/least_outstanding per rate: "
+                     "1.0 1.00x, 2.0 1.10x | min 1.00x"]
 
 
 def test_goal_rate_is_where_attainment_first_falls_below_the_goal_interpolated() -> None:
