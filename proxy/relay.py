@@ -145,6 +145,11 @@ class Relay:
         self._slo_tables = {key: config.routing.slo_by_domain(key)
                             for key in ("slo_ttft_s", "slo_tpot_s")}
         self.admission = AdmissionQueue()
+        # the requests in progress (id of their record -> their task), for a drain that
+        # must cut them; and those of them whose stream has started
+        self._running: dict[int, asyncio.Task[Any]] = {}
+        self._streaming: set[int] = set()
+        self._cut: set[int] = set()
 
     def new_request_id(self) -> str:
         return f"pi-{self._id_prefix}-{next(self._ids)}"
@@ -175,12 +180,19 @@ class Relay:
             self._finish(rec)
             raise
         self.stats.in_flight += 1
+        key = id(rec)
+        task = asyncio.current_task()
+        if task is not None:
+            self._running[key] = task
         try:
             await self._handle(ex, rec)
         except ProxyError as e:
             self._fail(rec, e)
             raise
         except asyncio.CancelledError:
+            if key in self._cut:
+                await self._end_cut(ex, rec)  # a ShuttingDown error unless it streamed
+                return
             # NOTE: a client that closes as soon as it has read [DONE] is not a cancellation.
             if not rec.responded:
                 rec.status, rec.error = STATUS_CANCELLED, "client_disconnected"
@@ -189,10 +201,37 @@ class Relay:
             rec.status, rec.error, rec.http_status = STATUS_ERROR, f"internal: {e!r}", 500
             raise
         finally:
+            self._running.pop(key, None)
+            self._streaming.discard(key)
+            self._cut.discard(key)
             self.stats.in_flight -= 1
             if rec.e2e_s is None:
                 rec.e2e_s = time.perf_counter() - rec.t0
             self._finish(rec)
+
+    def cut_all(self) -> int:
+        """End every request in progress (the drain's deadline has come): a stream gets an
+        SSE error event and its end, a request not yet answered a 503; their traces say
+        so. Returns how many were cut."""
+        for key, task in self._running.items():
+            self._cut.add(key)
+            task.cancel()
+        return len(self._running)
+
+    async def _end_cut(self, ex: ClientExchange, rec: RequestRecord) -> None:
+        rec.status, rec.http_status = STATUS_ERROR, 503
+        rec.error = (f"shutting_down: cut at the drain deadline "
+                     f"(limits.drain_timeout_s = {self.limits.drain_timeout_s:g} s)")
+        if id(rec) not in self._streaming:
+            raise ShuttingDown("the proxy is shutting down and could not finish this request",
+                               retry_after_s=self.limits.retry_after_s)
+        await _write_quietly(ex, sse_error_event(
+            f"the proxy is shutting down; the response is incomplete (request "
+            f"{rec.request_id})", "service_unavailable"))
+        try:
+            await ex.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
 
     def _admit(self, ex: ClientExchange) -> None:
         retry = self.limits.retry_after_s
@@ -512,6 +551,7 @@ class Relay:
             raise _Retryable(f"{worker.name}: a stream request answered with a JSON body, "
                              f"not SSE events")
         await ex.start_stream({**_SSE_HEADERS, **proxy_headers(rec)})
+        self._streaming.add(id(rec))
         try:
             last = await self._pump(content, first, ex, rec, strip_usage)
             if last is None or not await self._unfinished(ex, rec, worker, last):

@@ -324,3 +324,49 @@ def test_traces_hold_ids_and_attempts_not_client_bytes(engines: list[EngineProce
     served = [r for r in records if r["status"] == "ok"]
     assert served and all(r["num_attempts"] == 1 for r in served)
     assert [r["num_attempts"] for r in records if r["status"] != "ok"] == [0]
+
+
+def test_drain_cuts_streams_with_an_error_event(engines: list[EngineProcess],
+                                                tmp_path: Path) -> None:
+    import threading
+    config = external_config(engines, tmp_path, limits={"drain_timeout_s": 1.0})
+    long = {"model": MODEL, "max_tokens": 1500, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "count"}]}
+    p = ProxyThread(config).__enter__()
+    started = threading.Barrier(3)
+    results: dict[str, object] = {}
+
+    def stream() -> None:
+        with httpx.Client(base_url=p.url, timeout=60) as http, \
+                http.stream("POST", "/v1/chat/completions", json={**long, "stream": True}) as r:
+            lines = r.iter_lines()
+            results["first"] = next(lines)
+            started.wait()
+            results["events"] = [line for line in lines if line.startswith("data:")]
+
+    def whole() -> None:
+        with httpx.Client(base_url=p.url, timeout=60) as http:
+            started.wait()
+            r = http.post("/v1/completions", json={
+                "model": MODEL, "max_tokens": 1500, "ignore_eos": True, "prompt": "count"})
+            results["whole"] = (r.status_code, r.json())
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
+    try:
+        for t in threads:
+            t.start()
+        started.wait(60)
+        time.sleep(0.3)  # the whole request is in flight
+    finally:
+        p.stop()
+    for t in threads:
+        t.join(60)
+    events = results["events"]
+    assert isinstance(events, list) and events, results
+    last = orjson.loads(events[-1].removeprefix("data:").strip())
+    assert "shutting down" in last["error"]["message"], events[-3:]
+    status, body = results["whole"]  # type: ignore[misc]
+    assert status == 503 and body["error"]["code"] == "shutting_down", body
+    records = read_traces(tmp_path / "traces")
+    cut = [r for r in records if (r["error"] or "").startswith("shutting_down: cut")]
+    assert len(cut) == 2, [r["error"] for r in records]
