@@ -56,6 +56,8 @@ from specdec.policy import DepthPolicy
 logger = logging.getLogger(__name__)
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+# a request answered with a server error by this many workers is not sent to another
+MAX_REFUSALS = 2
 # A client's own x-request-id is kept when it is an id: else the proxy makes one
 _REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 _JSON_HEADERS = {"Content-Type": "application/json"}
@@ -64,6 +66,10 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 
 class _Retryable(Exception):
     """The worker failed before any byte reached the client."""
+
+
+class _Refused(_Retryable):
+    """The worker answered with a server error (5xx) before any byte reached the client."""
 
 
 class _NotServed(_Retryable):
@@ -301,7 +307,8 @@ class Relay:
         return await ex.read_body(limit)
 
     async def _handle(self, ex: ClientExchange, rec: RequestRecord) -> None:
-        body = parse_body(await self._read_body(ex))
+        raw = await self._read_body(ex)
+        body = parse_body(raw)
         check_body(body, rec.endpoint)
         rec.model = body["model"]
         rec.stream = body.get("stream") is True
@@ -316,14 +323,17 @@ class Relay:
         strip_usage = rec.stream and not wants_usage(body)
         if strip_usage:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        await self._forward(ex, rec, body, strip_usage)
+        await self._forward(ex, rec, body, strip_usage, hash(raw))
 
     async def _forward(self, ex: ClientExchange, rec: RequestRecord, body: dict[str, Any],
-                       strip_usage: bool) -> None:
+                       strip_usage: bool, body_key: int) -> None:
+        """Try workers until one answers; ``body_key`` (a hash of the client's body) tells
+        the breakers one request's failures from a worker's."""
         assert rec.shape is not None
         tried: list[str] = []
         last_error = ""
         not_served: _NotServed | None = None
+        refused: list[Worker] = []  # the workers that answered it with a server error
         for _ in range(self.limits.max_attempts):
             views = await self._views_with_room(rec, tried)
             if not views:
@@ -335,7 +345,14 @@ class Relay:
             rec.num_attempts += 1
             rec.spec_depth = decision.spec_depth
             try:
-                return await self._attempt(ex, rec, worker, body, strip_usage)
+                return await self._attempt(ex, rec, worker, body, strip_usage, body_key)
+            except _Refused as e:
+                last_error = str(e)
+                tried.append(worker.name)
+                refused.append(worker)
+                if len(refused) >= MAX_REFUSALS:
+                    self._own_failure(refused, body_key, last_error)
+                self.stats.errors[(worker.name, "retried")] += 1
             except _NotServed as e:
                 not_served = e
                 tried.append(worker.name)
@@ -352,6 +369,15 @@ class Relay:
         if not tried:
             raise NoHealthyWorker(f"no healthy worker serves '{rec.model}'", retry_after_s=retry)
         raise UpstreamError(f"{len(tried)} worker(s) failed: {last_error}")
+
+    def _own_failure(self, refused: list[Worker], body_key: int, last_error: str) -> None:
+        """The request got a server error from ``MAX_REFUSALS`` workers: its own doing (a
+        body no worker can serve), not theirs. Their breakers take it back, and it is not
+        sent to another worker to fail there too."""
+        for worker in refused:
+            worker.breaker.forgive(body_key)
+        raise UpstreamError(f"the request failed on {len(refused)} workers, so it is not "
+                            f"retried on more (last: {last_error})")
 
     def _not_serving(self, worker: Worker, model: str) -> None:
         """A 404 from ``worker`` for ``model``: no more requests for it go there (the
@@ -429,7 +455,7 @@ class Relay:
                 body.pop(key, None)
 
     async def _attempt(self, ex: ClientExchange, rec: RequestRecord, worker: Worker,
-                       body: dict[str, Any], strip_usage: bool) -> None:
+                       body: dict[str, Any], strip_usage: bool, body_key: int) -> None:
         if rec.spec_depth is not None:
             body["speculative_depth"] = rec.spec_depth
         else:
@@ -443,7 +469,7 @@ class Relay:
         view.outstanding_tokens += num_tokens
         rec.batch_size = view.running
         try:
-            upstream = await self._send(worker, payload, rec)
+            upstream = await self._send(worker, payload, rec, body_key)
             try:
                 if rec.stream and upstream.status == 200:
                     await self._relay_stream(ex, rec, worker, upstream, strip_usage)
@@ -458,7 +484,8 @@ class Relay:
             view.outstanding_tokens -= num_tokens
             self.admission.release()
 
-    async def _send(self, worker: Worker, payload: bytes, rec: RequestRecord) -> UpstreamResponse:
+    async def _send(self, worker: Worker, payload: bytes, rec: RequestRecord,
+                    body_key: int) -> UpstreamResponse:
         assert self.client is not None
         try:
             upstream = await self.client.post(worker.url, f"/v1/{rec.endpoint}", payload,
@@ -479,10 +506,11 @@ class Relay:
             except UPSTREAM_ERRORS:
                 detail = b""
             upstream.release()
-            if upstream.status >= 500:
-                worker.breaker.record_failure()
-            raise _Retryable(f"{worker.name}: HTTP {upstream.status} "
-                             f"{self._error_detail(detail)}")
+            message = f"{worker.name}: HTTP {upstream.status} {self._error_detail(detail)}"
+            if upstream.status == 429:
+                raise _Retryable(message)
+            worker.breaker.record_failure(request_key=body_key)
+            raise _Refused(message)
         return upstream
 
     async def _relay_body(self, ex: ClientExchange, rec: RequestRecord, worker: Worker,
