@@ -5,6 +5,7 @@ The tree::
     ProxyError                      (500 internal_error)
     ├── ClientRequestError          (4xx: the client's request is wrong)
     │   ├── InvalidRequest          (400 invalid_request_error; names the bad field)
+    │   │   └── ContextTooLong      (400 context_length_exceeded: no worker could hold it)
     │   ├── BodyTooLarge            (413 invalid_request_error)
     │   ├── Unauthorized            (401 invalid_api_key)
     │   ├── Forbidden               (403 permission_error)
@@ -62,6 +63,10 @@ class ClientRequestError(ProxyError):
 
 class InvalidRequest(ClientRequestError):
     pass
+
+
+class ContextTooLong(InvalidRequest):
+    code = "context_length_exceeded"
 
 
 class BodyTooLarge(ClientRequestError):

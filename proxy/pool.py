@@ -51,6 +51,9 @@ class Worker:
     probe_ok: bool = False
     discovered: bool = False
     num_probe_failures: int = 0
+    # tokens one request can hold (prompt + output): /v1/models' max_model_len, else an
+    # engine's config; None = not known
+    context_tokens: int | None = None
     scraped_draft_tokens: float = 0.0  # worker-lifetime counters from /metrics
     scraped_accepted_tokens: float = 0.0
 
@@ -127,7 +130,9 @@ class WorkerPool:
         view = WorkerView(name=spec.name, url=url, backend=spec.backend, config=spec.config,
                           healthy=False, max_outstanding=spec.max_outstanding)
         models = set() if spec.discover else {spec.config.model_name}
+        context = spec.config.engine.usable_model_len if spec.backend == "engine" else None
         return Worker(spec=spec, url=url, view=view, models=models, supervisor=supervisor,
+                      context_tokens=None if spec.discover else context,
                       breaker=CircuitBreaker(self.health.breaker_failures,
                                              self.health.breaker_cooldown_s))
 
@@ -165,6 +170,14 @@ class WorkerPool:
 
     def serves(self, model: str) -> bool:
         return any(model in w.models for w in self.workers.values())
+
+    def max_context_tokens(self, model: str) -> int | None:
+        """The longest request (tokens) some worker of ``model`` can hold; None when a
+        worker of it does not say."""
+        lengths = [w.context_tokens for w in self.workers.values() if model in w.models]
+        if not lengths or any(n is None for n in lengths):
+            return None
+        return max(n for n in lengths if n is not None)
 
     def model_names(self) -> list[str]:
         return sorted({m for w in self.workers.values() for m in w.models})
@@ -216,6 +229,10 @@ class WorkerPool:
             async with self.session.get(f"{worker.url}/v1/models") as r:
                 data = orjson.loads(await r.read()) if r.status == 200 else {}
             models = {m["id"] for m in data.get("data", []) if isinstance(m, dict) and "id" in m}
+            lengths = [m.get("max_model_len") for m in data.get("data", []) if isinstance(m, dict)]
+            known = [n for n in lengths if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+            if known:
+                worker.context_tokens = max(known)
             if worker.spec.discover:
                 worker.models |= models
             elif models and not worker.models <= models:

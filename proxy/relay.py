@@ -48,7 +48,15 @@ from proxy.shape import ShapeEstimator, prompt_text
 from proxy.stats import Stats
 from proxy.traces import TraceWriter
 from proxy.upstream import UpstreamClient, UpstreamResponse
-from proxy.validate import check_body, encode_body, parse_body, wants_usage
+from proxy.validate import (
+    CHAT,
+    check_body,
+    check_fits,
+    encode_body,
+    parse_body,
+    prompt_chars,
+    wants_usage,
+)
 from router.base import RequestShape, RouteDecision, RoutingPolicy, WorkerView
 from router.speculation import DepthChooser
 from specdec.policy import DepthPolicy
@@ -315,9 +323,14 @@ class Relay:
         if not self.pool.serves(rec.model):
             raise ModelNotFound(f"the model '{rec.model}' does not exist; see GET /v1/models",
                                 param="model")
+        # NOTE: refused before the shape is estimated (which tokenizes or renders it)
+        context = self.pool.max_context_tokens(rec.model)
+        param = "messages" if rec.endpoint == CHAT else "prompt"
+        check_fits(prompt_chars(body, rec.endpoint), None, context, param)
         # NOTE: a depth fixed before routing (the client's, speculation mode off / fixed) is
         # in the shape, so the policy prices and records the depth that is sent
         rec.shape = self.speculation.pin(self.estimator.estimate(body, ex.path))
+        check_fits(0, rec.shape.prompt_tokens, context, param)
         if self.config.traces.record_prompt_text:
             rec.prompt_text = prompt_text(body)
         strip_usage = rec.stream and not wants_usage(body)

@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from proxy.errors import InvalidRequest
+from proxy.errors import ContextTooLong, InvalidRequest
 
 CHAT = "chat/completions"
 COMPLETIONS = "completions"
@@ -149,6 +149,50 @@ _FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "slo_ttft_s": (_is_seconds, "a positive number of seconds"),
     "slo_tpot_s": (_is_seconds, "a positive number of seconds"),
 }
+
+
+# A token stands for at most this many characters of text (the longest tokens of common
+# vocabularies are runs of spaces or symbols, well under it): a prompt of more characters
+# than this times a context cannot fit that context, whatever the tokenizer.
+MAX_CHARS_PER_TOKEN = 128
+# A shape estimate this many times past the context is too long whatever its error.
+ESTIMATE_SLACK = 2
+
+
+def prompt_chars(body: dict[str, Any], endpoint: str) -> int:
+    """The prompt's length in characters (token ids count as one each), from a body
+    :func:`check_body` accepted: the lengths of its strings, no rendering. A chat message
+    counts as ``MAX_CHARS_PER_TOKEN`` characters at least: it renders to a token or more."""
+    if endpoint != CHAT:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return len(prompt)
+        return sum(len(p) for p in prompt) if prompt and isinstance(prompt[0], (str, list)) \
+            else len(prompt)
+    total = MAX_CHARS_PER_TOKEN * len(body["messages"])
+    for m in body["messages"]:
+        content = m.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p.get("text") or "") for p in content
+                         if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return total
+
+
+def check_fits(num_chars: int, prompt_tokens: int | None, context_tokens: int | None,
+               param: str) -> None:
+    """Raise :class:`ContextTooLong` when a prompt cannot fit ``context_tokens`` (the
+    longest any worker of the model holds; None: unknown, nothing checked): by its
+    characters (before the shape is estimated), or by the estimated ``prompt_tokens``."""
+    if context_tokens is None:
+        return
+    if num_chars > context_tokens * MAX_CHARS_PER_TOKEN:
+        raise ContextTooLong(f"the prompt has {num_chars} characters: more than the "
+                             f"{context_tokens} tokens the model's workers hold", param=param)
+    if prompt_tokens is not None and prompt_tokens > context_tokens * ESTIMATE_SLACK:
+        raise ContextTooLong(f"the prompt has about {prompt_tokens} tokens: more than the "
+                             f"{context_tokens} the model's workers hold", param=param)
 
 
 def wants_usage(body: dict[str, Any]) -> bool:

@@ -370,3 +370,30 @@ def test_drain_cuts_streams_with_an_error_event(engines: list[EngineProcess],
     records = read_traces(tmp_path / "traces")
     cut = [r for r in records if (r["error"] or "").startswith("shutting_down: cut")]
     assert len(cut) == 2, [r["error"] for r in records]
+
+
+def test_a_prompt_too_long_for_every_worker_is_refused_before_forwarding(
+        proxy: ProxyThread) -> None:
+    """The engines hold 2,048 tokens: 1 MB of text cannot fit (refused by its length,
+    before the shape is estimated), nor ~30,000 estimated tokens; neither reaches them."""
+    with httpx.Client(base_url=proxy.url, timeout=60) as http:
+        for body, path in (
+                ({"prompt": "hello world " * 90_000}, "/v1/completions"),
+                ({"messages": [{"role": "user", "content": "word " * 30_000}]},
+                 "/v1/chat/completions"),
+                ({"messages": [{"role": "user", "content": [
+                    {"type": "text", "text": "x" * 300_000}]}]}, "/v1/chat/completions"),
+                ({"messages": [{"role": "user", "content": "hi"}] * 5_000},
+                 "/v1/chat/completions"),
+                ({"prompt": [1] * 5_000}, "/v1/completions")):
+            t0 = time.perf_counter()
+            r = http.post(path, json={"model": MODEL, "max_tokens": 1, **body})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "context_length_exceeded", r.text
+            assert time.perf_counter() - t0 < 2
+        r = http.post("/v1/completions", json={"model": MODEL, "max_tokens": 1,
+                                               "prompt": "hello " * 200})
+        assert r.status_code == 200, r.text
+    records = read_traces(Path(proxy.config.traces.dir))
+    refused = [r for r in records if r["status"] != "ok"]
+    assert len(refused) == 5 and all(r["num_attempts"] == 0 for r in refused), refused
