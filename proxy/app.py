@@ -85,10 +85,14 @@ def default_estimator(config: ProxyConfig) -> ShapeEstimator:
         from router.shape import ShapeConfig
         from router.shape import ShapeEstimator as ClassifierShapeEstimator
         from router.tokens import TokenConfig
+        # the engine workers' context limits: counted exactly near them
+        limits = {w.config.engine.usable_model_len for w in config.workers
+                  if w.config.backend == "engine"}
         shape_config = ShapeConfig(
             tokens=TokenConfig(block_chars=config.routing.prefix_block_chars),
             slo_ttft_s=config.routing.slo_by_domain("slo_ttft_s"),
-            slo_tpot_s=config.routing.slo_by_domain("slo_tpot_s"))
+            slo_tpot_s=config.routing.slo_by_domain("slo_tpot_s"),
+            exact_edges_tokens=tuple(sorted(limits)))
         return ClassifierShapeEstimator.load(tokenizer_dir, config=shape_config)
     except Exception as e:  # a broken artefact must not stop the proxy from serving
         logger.warning("router shape estimator unavailable (%s); using the heuristic one", e)

@@ -329,7 +329,7 @@ class Relay:
         check_fits(prompt_chars(body, rec.endpoint), None, context, param)
         # NOTE: a depth fixed before routing (the client's, speculation mode off / fixed) is
         # in the shape, so the policy prices and records the depth that is sent
-        rec.shape = self.speculation.pin(self.estimator.estimate(body, ex.path))
+        rec.shape = self.speculation.pin(await self.estimator.estimate(body, ex.path))
         check_fits(0, rec.shape.prompt_tokens, context, param)
         if self.config.traces.record_prompt_text:
             rec.prompt_text = prompt_text(body)

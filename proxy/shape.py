@@ -1,9 +1,10 @@
 """The proxy's fallback request-shape estimator (the router's classifier replaces it).
 
 A shape estimator turns a parsed request body into a
-:class:`router.base.RequestShape`. It runs on the event loop for every request,
-so it must stay in the tens of microseconds: no tokenizer, no model. This one
-estimates tokens from text length and picks a domain from a few keywords.
+:class:`router.base.RequestShape`. The proxy awaits it for every request: what
+it does on the event loop must stay in the tens of microseconds whatever the
+prompt's size (work of unbounded size goes to an executor). This one estimates
+tokens from text length and picks a domain from a few keywords.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from router.base import RequestOutcome, RequestShape
 CHARS_PER_TOKEN = 4  # rough average for English text and code with BPE tokenizers
 BLOCK_TOKENS = 512  # prefix-hash block size, as in the trace schema
 _BLOCK_CHARS = BLOCK_TOKENS * CHARS_PER_TOKEN
+MAX_HASH_BLOCKS = 32  # hash at most this many leading blocks (~16k tokens)
 
 # (domain, keywords) in priority order; matched on the lower-cased last user text.
 _DOMAIN_KEYWORDS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -32,9 +34,9 @@ _DOMAIN_KEYWORDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 class ShapeEstimator(Protocol):
-    """Computes a request's shape from its parsed body; synchronous and cheap."""
+    """Computes a request's shape from its parsed body; bounded work on the event loop."""
 
-    def estimate(self, body: Mapping[str, Any], endpoint: str) -> RequestShape:
+    async def estimate(self, body: Mapping[str, Any], endpoint: str) -> RequestShape:
         """``endpoint`` is the request path, e.g. ``/v1/chat/completions``."""
         ...
 
@@ -66,10 +68,12 @@ def _content_text(content: Any) -> str:
 
 
 def prefix_hashes(text: str) -> tuple[int, ...]:
-    """Chained 64-bit hashes of the prompt's full 512-token blocks (equal = shared prefix)."""
+    """Chained 64-bit hashes of the prompt's leading full 512-token blocks (equal = shared
+    prefix), at most MAX_HASH_BLOCKS."""
     hashes = []
     h = hashlib.blake2b(digest_size=8)
-    for start in range(0, len(text) - _BLOCK_CHARS + 1, _BLOCK_CHARS):
+    end = min(len(text) // _BLOCK_CHARS, MAX_HASH_BLOCKS) * _BLOCK_CHARS
+    for start in range(0, end, _BLOCK_CHARS):
         h.update(text[start:start + _BLOCK_CHARS].encode())
         hashes.append(int.from_bytes(h.digest(), "little") >> 1)  # fits a signed int64
     return tuple(hashes)
@@ -90,7 +94,7 @@ def guess_domain(text: str) -> str:
 class HeuristicShapeEstimator:
     """Length-based token estimate + keyword domain; the default until a classifier is wired."""
 
-    def estimate(self, body: Mapping[str, Any], endpoint: str) -> RequestShape:
+    async def estimate(self, body: Mapping[str, Any], endpoint: str) -> RequestShape:
         text = prompt_text(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):

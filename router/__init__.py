@@ -5,9 +5,9 @@ Modules, in the order a request meets them:
 - ``base``: the routing contract (RequestShape, WorkerView, RouteDecision,
   RequestOutcome, RoutingPolicy).
 - ``shape``: ``ShapeEstimator.load(tokenizer_dir)`` at start-up, then
-  ``estimate(body, endpoint) -> RequestShape`` inline per request and
-  ``observe(outcome)`` to learn output lengths per domain.
-- ``tokens``: exact/extrapolated prompt token counts, ChatML rendering, prefix hashes.
+  ``await estimate(body, endpoint) -> RequestShape`` per request (bounded work on the
+  loop) and ``observe(outcome)`` to learn output lengths per domain.
+- ``tokens``: calibrated and exact prompt token counts, ChatML rendering, prefix-block ids.
 - ``features`` + ``classifier``: the hashed n-gram domain classifier and its
   ``.npz`` artefact (``data/domain_classifier.npz``; sources in ``data/SOURCES.md``).
 - ``corpus``, ``templates``, ``dataset``, ``training``, ``cli``: the training data,

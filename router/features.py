@@ -3,18 +3,19 @@
 The featurizer is deterministic across processes (no salted ``hash()``), so
 training (``router.classifier.fit``) and serving compute identical features
 and the shipped artefact is just weights plus these parameters. It looks at a
-capped window of the text — the head, where instructions like "Summarize:" or
-a system prompt live, and the tail, where a RAG question or the last chat turn
-lives — which bounds its cost however long the prompt is.
+bounded sample of the text — a head window, where instructions like
+"Summarize:" or a system prompt live, and a tail window, where a RAG question
+or the last chat turn lives — which bounds its cost however long the prompt is.
+Reading the whole text instead is no better on held-out prompts (worse on
+Spec-Bench: bench/classify.py --train-full).
 
 NOTE: speed. Hashing every n-gram string in Python costs ~0.3 us each and a
 prompt has ~1,500 of them. Instead character 4-grams are hashed as a
 polynomial over code points, vectorised in numpy; word hashes come from a
 bounded per-instance cache (crc32 of the word, computed once per distinct
 word); bigrams combine two word hashes arithmetically. All hashes go through
-one 64-bit mixer with a per-kind salt and are masked to ``n_bits``. The
-hashes of a window (head or tail) are memoised, so a shared system prompt or
-template is hashed once.
+one 64-bit mixer with a per-kind salt, in one vectorised pass over both
+windows, and are masked to ``n_bits``.
 
 Example::
 
@@ -25,7 +26,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import re
 import zlib
 from dataclasses import asdict, dataclass
@@ -42,15 +42,17 @@ _WORD, _HEAD, _TAIL, _BIGRAM, _CHAR, _SHAPE = (
 _P = _U64(0x100000001B3)  # FNV prime: polynomial base for character n-grams
 _M1, _M2 = _U64(0xFF51AFD7ED558CCD), _U64(0xC4CEB9FE1A85EC53)
 _WORD_CACHE_SIZE = 200_000
-_WINDOW_CACHE_SIZE = 1024  # memoised windows: <= ~8 kB each (text + hashes), ~8 MB in all
 
 
 @dataclass(frozen=True)
 class FeatureConfig:
     n_bits: int = 18  # feature space is 2**n_bits hashed buckets
-    head_chars: int = 640  # characters read from the start of the text
-    tail_chars: int = 256  # characters read from the end (RAG question, last turn)
-    char_ngram: int = 4  # character n-gram length (0 disables)
+    # NOTE: 256 + 128 characters read as well as 640 + 256 with char 4-grams (validation
+    # split of the training side, bench/classify.py --quality on the held-out one) at a
+    # fifth of the features (~200 a text, each a random read of the weights).
+    head_chars: int = 256  # characters read from the start of the text
+    tail_chars: int = 128  # characters read from the end (RAG question, last turn)
+    char_ngram: int = 0  # character n-gram length (0 disables)
     char_window: int = 384  # characters of each window that feed char n-grams
     word_bigrams: bool = True
     hash_version: int = 2  # 2 = vectorised hashing (this module)
@@ -72,9 +74,12 @@ class FeatureConfig:
 def _mix(x: np.ndarray, salt: np.ndarray | np.uint64) -> np.ndarray:
     """A 64-bit finaliser (murmur3 fmix64) over ``x ^ salt``; uint64 arithmetic wraps."""
     x = x ^ salt
-    x = (x ^ (x >> _U64(33))) * _M1
-    x = (x ^ (x >> _U64(33))) * _M2
-    return x ^ (x >> _U64(33))
+    x ^= x >> _U64(33)
+    x *= _M1
+    x ^= x >> _U64(33)
+    x *= _M2
+    x ^= x >> _U64(33)
+    return x
 
 
 class Featurizer:
@@ -84,10 +89,6 @@ class Featurizer:
         self.config = config
         self._mask = _U64((1 << config.n_bits) - 1)
         self._word_cache: dict[str, int] = {}
-        # NOTE: windows repeat across requests (a system prompt or template at the head,
-        # a fixed instruction at the tail): their hashes are memoised, per instance.
-        self._window_hashes = functools.lru_cache(maxsize=_WINDOW_CACHE_SIZE)(
-            self._compute_window_hashes)
 
     @property
     def num_features(self) -> int:
@@ -104,48 +105,60 @@ class Featurizer:
         return parts
 
     def hashes(self, text: str) -> np.ndarray:
-        """All feature hashes of ``text`` (uint64, with repeats), before masking."""
-        parts = [_mix(self._shape(text), _SHAPE)]
-        for i, part in enumerate(self.windows(text)):
-            parts.append(self._window_hashes(part, i == 0))
-        return np.concatenate(parts)
+        """All feature hashes of ``text`` (uint64, with repeats), before masking.
 
-    def _compute_window_hashes(self, part: str, is_head: bool) -> np.ndarray:
-        words = np.array(self._word_hashes(_WORD_RE.findall(part)), np.uint64)
-        keys = [words, words]
-        salts = [_WORD, _HEAD if is_head else _TAIL]
-        if self.config.word_bigrams and len(words) > 1:
-            keys.append(words[:-1] * _P + words[1:])
-            salts.append(_BIGRAM)
-        keys.append(self._char_keys(part[: self.config.char_window]))
-        salts.append(_CHAR)
-        # NOTE: one vectorised mix over every key, each with its kind's salt.
+        NOTE: one vectorised mix over every key of every window, each key with its kind's
+        salt; numpy's per-call overhead (~1 us) is most of the cost at these sizes.
+        """
+        c = self.config
+        windows = self.windows(text)
+        words = [_WORD_RE.findall(w) for w in windows]
+        nums = [len(w) for w in words]
+        hashed = np.array(self._word_hashes([x for w in words for x in w]), np.uint64)
+        keys = [self._shape(text), hashed]
+        salts = [_SHAPE, _WORD]
+        start = 0
+        for i, n in enumerate(nums):  # each window's words again, salted by position
+            keys.append(hashed[start:start + n])
+            salts.append(_HEAD if i == 0 else _TAIL)
+            start += n
+        if c.word_bigrams and len(hashed) > 1:
+            pairs = hashed[:-1] * _P + hashed[1:]
+            start = 0
+            for n in nums:  # no bigram across the head / tail seam
+                keys.append(pairs[start:start + n - 1] if n > 1 else pairs[:0])
+                salts.append(_BIGRAM)
+                start += n
+        for w in windows:
+            keys.append(self._char_keys(w[: c.char_window]))
+            salts.append(_CHAR)
         salt = np.repeat(np.array(salts, np.uint64), [len(k) for k in keys])
-        hashed = _mix(np.concatenate(keys), salt)
-        hashed.flags.writeable = False  # shared by every text with this window
-        return hashed
+        return _mix(np.concatenate(keys), salt)
 
     def transform(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """Feature ids (int64, sorted unique) and values (float32, unit l2 norm)."""
-        ids = np.sort((self.hashes(text) & self._mask).astype(np.int64))
+        ids = (self.hashes(text) & self._mask).astype(np.int64)
+        ids.sort()
         # run lengths of the sorted ids (np.unique, without its overhead)
-        starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
-        idx = ids[starts]
+        new = np.empty(len(ids), bool)
+        new[0] = True
+        np.not_equal(ids[1:], ids[:-1], out=new[1:])
+        starts = np.flatnonzero(new)
         counts = np.diff(np.append(starts, len(ids)))
-        val = (1.0 + np.log(counts)).astype(np.float32)
-        val /= np.float32(np.sqrt(np.dot(val, val)))
-        return idx, val
+        val = np.log(counts, dtype=np.float32)
+        val += np.float32(1.0)
+        val /= np.sqrt(np.dot(val, val))
+        return ids[starts], val
 
-    def _word_hashes(self, words: list[str]) -> list[int]:
+    def _word_hashes(self, words: list[str]) -> list[int | None]:
         cache = self._word_cache
-        if len(cache) > _WORD_CACHE_SIZE:
-            cache.clear()
-        out = []
-        for w in words:
-            h = cache.get(w)
-            if h is None:
-                h = cache[w] = zlib.crc32(w.encode("utf-8", "surrogatepass"))
-            out.append(h)
+        out: list[int | None] = list(map(cache.get, words))  # NOTE: a C loop; misses are rare
+        if None in out:
+            if len(cache) > _WORD_CACHE_SIZE:
+                cache.clear()
+            for i, w in enumerate(words):
+                if out[i] is None:
+                    out[i] = cache[w] = zlib.crc32(w.encode("utf-8", "surrogatepass"))
         return out
 
     def _char_keys(self, span: str) -> np.ndarray:

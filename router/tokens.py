@@ -1,45 +1,56 @@
-"""Prompt token counts and prefix-block hashes, cheap enough for the event loop.
+"""Prompt token counts and prefix-block identities, sized for the event loop.
 
-With the served model's tokenizer (``tokenizers``, from ``tokenizer.json``)
-the count is exact for prompts up to ``exact_max_chars`` rendered characters;
-longer prompts encode only a head of ``sample_chars`` and extrapolate with
-that prompt's own characters-per-token ratio (so a 20 kB RAG prompt costs the
-same as a 1 kB one). Without a tokenizer the count is ``chars / chars_per_token``.
+Routing needs a prompt's token count to the precision of its latency model
+(prefill time, prompt-length band, cached share), not to the token; it needs
+the exact count only where a decision turns on it, near a worker's context
+limit. So there are two counts:
+
+- :meth:`TokenCounter.estimate`: UTF-8 bytes / the domain's bytes per token,
+  O(1) once the bytes are known. The ratios are fitted at load on the served
+  model's tokenizer (:meth:`TokenCounter.calibrate`) over a shipped sample of
+  prompts of every domain (``router/data/token_calibration.json``, from the
+  classifier's training side); without a tokenizer the ratios fitted on the
+  bundled one are used. bench/classify.py measures the error on held-out
+  prompts (on the bundled tokenizer: |relative error| p50 ~6%, p99 ~30%,
+  mostly short prompts; ~4% / ~14% at >= 500 tokens).
+- :meth:`TokenCounter.count_exact`: the tokenizer over the whole text. Its
+  cost grows with the text (~0.3 us a character), so the shape estimator calls
+  it inline only for short texts and otherwise off the event loop.
 
 Chat messages are rendered as ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``
 + the generation prompt), which is exactly the bundled models' template and a
 close approximation of other templates' overhead.
 
-Token counts of the encoded pieces (word-aligned chunks of ~256 characters,
-cut at positions that depend only on the text before them) are memoised in a
-bounded LRU: prompts that share a prefix (a system prompt, a few-shot
-template, the earlier turns of a conversation) encode only what is new. The
-count is the same either way.
+Exact counts encode word-aligned pieces of ~256 characters, cut at positions
+that depend only on the text before them, memoised in a bounded LRU: prompts
+that share a prefix encode only what is new; the count is the same either way.
 
-Prefix hashes: blake2b over fixed blocks of ``block_chars`` bytes of the
-UTF-8 rendered prompt, chained so a block hash identifies the whole prefix up
-to it, for at most ``max_hash_blocks`` blocks. Equal prefixes give equal
-hashes in every process. The router's prefix-cache model (:mod:`router.affinity`)
-counts a request's cached tokens in these blocks, so they should be small
-against the shared prefixes of the traffic (a system prompt, earlier turns)
-and large against the engine's 16-token KV blocks: the default, 256 bytes, is
-about 64 tokens of English. Bytes, not tokens: block edges need no full
-tokenisation (a long prompt's count is extrapolated from its head), and the
-tokens per block of a prompt come from its own count
-(:func:`tokens_per_block`).
+Prefix identities: fixed blocks of ``block_chars`` bytes of the UTF-8 rendered
+prompt, each identified by the CRC-32 and Adler-32 of the whole prefix up to
+its end (both chain in one C call a block: ~0.3 us a block against ~1.4 us for
+blake2b), for at most ``max_hash_blocks`` blocks. Equal prefixes give equal
+ids in every process. No tokenisation is needed: the router's prefix-cache
+model (:mod:`router.affinity`) counts a request's cached tokens as matched
+blocks x the prompt's own tokens per block (:func:`tokens_per_block`). The
+blocks should be small against the shared prefixes of the traffic (a system
+prompt, earlier turns) and large against the engine's 16-token KV blocks: the
+default, 256 bytes, is about 64 tokens of English. The cost against
+token-aligned blocks (a shared prefix is credited up to its last whole byte
+block) is measured by bench/classify.py --prefix on Mooncake-shaped prompts.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
+import json
 import logging
+import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from polyinfer.config import ConfigError
+from polyinfer.config import DOMAINS, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +59,12 @@ CHUNK_CHARS = 256  # encode in word-aligned pieces of about this many characters
 # NOTE: below ~16 bytes a block is a few tokens (more hashing than the cache model can use:
 # the engine caches 16-token KV blocks); above 64 kB one block is most prompts (no sharing seen).
 MIN_BLOCK_CHARS, MAX_BLOCK_CHARS, MAX_HASH_BLOCKS = 16, 65536, 4096
+CALIBRATION_SAMPLE = Path(__file__).resolve().parent / "data" / "token_calibration.json"
+# NOTE: UTF-8 bytes per token of the bundled tokenizer (models/tiny-target), fitted by
+# TokenCounter.calibrate on CALIBRATION_SAMPLE; used without a tokenizer.
+BUNDLED_BYTES_PER_TOKEN = {"chat": 3.398, "code": 3.848, "extraction": 3.032, "math": 3.579,
+                           "qa": 3.166, "rag": 3.005, "summarization": 3.235,
+                           "translation": 2.342}
 
 
 def _chunk_end(text: str, target: int) -> int | None:
@@ -71,50 +88,54 @@ def _check_int(value: object, key: str, low: int, high: int) -> None:
 
 @dataclass(frozen=True)
 class TokenConfig:
-    exact_max_chars: int = 1024  # encode the whole prompt up to this many characters
-    sample_chars: int = 768  # otherwise encode this head and extrapolate
-    chars_per_token: float = 4.0  # used without a tokenizer
+    # UTF-8 bytes per token per domain before calibration (no tokenizer: these are used)
+    bytes_per_token: dict[str, float] = field(
+        default_factory=lambda: dict(BUNDLED_BYTES_PER_TOKEN))
+    # NOTE: the estimate's relative error at ~p99 on held-out prompts (bench/classify.py);
+    # a decision edge (a context limit) this close to the estimate gets an exact count.
+    exact_margin: float = 0.35
+    exact_inline_chars: int = 512  # exact counts of texts up to this size run inline (~150 us)
     block_chars: int = 256  # prefix-hash block in UTF-8 bytes, ~64 tokens of English
     max_hash_blocks: int = 128  # hash at most this many leading blocks (~8k tokens)
-    chunk_cache_entries: int = 8192  # memoised chunk counts (0 = none); ~256 chars each
+    chunk_cache_entries: int = 8192  # memoised chunk counts of exact counts (0 = none)
 
     def __post_init__(self) -> None:
         if self.chunk_cache_entries < 0:
             raise ConfigError(f"chunk_cache_entries: expected >= 0, got {self.chunk_cache_entries!r}")
-        if not 0 < self.sample_chars <= self.exact_max_chars:
-            raise ConfigError("sample_chars: expected 0 < sample_chars <= exact_max_chars, got "
-                              f"{self.sample_chars!r} and {self.exact_max_chars!r}")
-        if self.chars_per_token <= 0:
-            raise ConfigError(f"chars_per_token: expected > 0, got {self.chars_per_token!r}")
+        bad = {d: v for d, v in self.bytes_per_token.items()
+               if d not in DOMAINS or not isinstance(v, (int, float)) or not v > 0}
+        if bad:
+            raise ConfigError(f"bytes_per_token: expected > 0 for domains of {DOMAINS}, got {bad}")
+        if not 0.0 <= self.exact_margin < 1.0:
+            raise ConfigError(f"exact_margin: expected [0, 1), got {self.exact_margin!r}")
+        _check_int(self.exact_inline_chars, "exact_inline_chars", 0, 1 << 20)
         _check_int(self.block_chars, "block_chars", MIN_BLOCK_CHARS, MAX_BLOCK_CHARS)
         _check_int(self.max_hash_blocks, "max_hash_blocks", 0, MAX_HASH_BLOCKS)
 
 
-def tokens_per_block(num_tokens: int, num_chars: int, block_chars: int) -> float:
+def tokens_per_block(num_tokens: int, num_bytes: int, block_chars: int) -> float:
     """Prompt tokens in one ``block_chars``-byte prefix block, from the prompt's own ratio."""
-    return block_chars * num_tokens / num_chars if num_chars > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class TokenCount:
-    num_tokens: int
-    exact: bool
+    return block_chars * num_tokens / num_bytes if num_bytes > 0 else 0.0
 
 
 class TokenCounter:
-    """Counts prompt tokens (exactly when a tokenizer is known) and hashes prefix blocks."""
+    """Estimates prompt tokens from bytes, counts them exactly on request, hashes prefix
+    blocks."""
 
     def __init__(self, config: TokenConfig, tokenizer: Any | None = None) -> None:
         self.config = config
         self._tok = tokenizer  # tokenizers.Tokenizer or None
+        self.bytes_per_token = dict(config.bytes_per_token)  # replaced by calibrate()
+        self._default_bpt = sum(self.bytes_per_token.values()) / max(1, len(self.bytes_per_token))
         # NOTE: per instance, not module-level; functools' C LRU costs ~0.1 us a hit.
         self._chunk_len = functools.lru_cache(maxsize=config.chunk_cache_entries)(
             self._encode_len)
 
     @classmethod
-    def load(cls, tokenizer_dir: str | Path | None, config: TokenConfig | None = None
-             ) -> TokenCounter:
-        """Load ``tokenizer.json`` from a model directory; ``None`` (or no file) = estimate."""
+    def load(cls, tokenizer_dir: str | Path | None, config: TokenConfig | None = None,
+             calibration: Path | None = CALIBRATION_SAMPLE) -> TokenCounter:
+        """Load ``tokenizer.json`` from a model directory and calibrate on it (blocking:
+        start-up only); ``None`` (or no file) = estimates from the bundled ratios."""
         config = config or TokenConfig()
         if tokenizer_dir is None:
             return cls(config)
@@ -124,24 +145,39 @@ class TokenCounter:
             return cls(config)
         from tokenizers import Tokenizer
 
-        return cls(config, Tokenizer.from_file(str(path)))
+        counter = cls(config, Tokenizer.from_file(str(path)))
+        if calibration is not None:
+            counter.calibrate(load_calibration_sample(calibration))
+        return counter
 
     @property
     def has_tokenizer(self) -> bool:
         return self._tok is not None
 
-    def count(self, text: str) -> TokenCount:
-        c = self.config
-        if self._tok is None:
-            return TokenCount(max(1, round(len(text) / c.chars_per_token)) if text else 0, False)
-        if len(text) <= c.exact_max_chars:
-            return TokenCount(self._encoded_len(text), True)
-        cut = _chunk_end(text, c.sample_chars) or c.sample_chars
-        head = self._encoded_len(text[:cut])
-        return TokenCount(round(head * len(text) / cut), False)
+    def calibrate(self, texts: Mapping[str, Sequence[str]]) -> dict[str, float]:
+        """Fit each domain's bytes per token on this tokenizer (ratio of sums, so long
+        prompts weigh as they cost); domains without texts keep their ratio."""
+        for domain, sample in texts.items():
+            num_tokens = sum(self.count_exact(t) for t in sample)
+            if domain in DOMAINS and num_tokens > 0:
+                self.bytes_per_token[domain] = sum(len(t.encode()) for t in sample) / num_tokens
+        self._default_bpt = sum(self.bytes_per_token.values()) / len(self.bytes_per_token)
+        return dict(self.bytes_per_token)
 
-    def _encoded_len(self, text: str) -> int:
-        """Token count of ``text``, encoded in word-aligned chunks of about CHUNK_CHARS.
+    def estimate(self, num_bytes: int, domain: str) -> int:
+        """Tokens of a text of ``num_bytes`` UTF-8 bytes in ``domain``."""
+        if num_bytes <= 0:
+            return 0
+        return max(1, round(num_bytes / self.bytes_per_token.get(domain, self._default_bpt)))
+
+    def near(self, num_tokens: int, edge: int) -> bool:
+        """Whether the exact count could fall on either side of ``edge``."""
+        return abs(num_tokens - edge) <= self.config.exact_margin * max(num_tokens, 1)
+
+    def count_exact(self, text: str) -> int:
+        """Token count of ``text`` with the tokenizer (the estimate without one).
+
+        Blocking, ~0.3 us a character: off the event loop for long texts.
 
         NOTE: the tokenizers library's encode cost grows faster than linearly past a
         few hundred characters here (~0.3 us/char at 256, ~0.8 at 1024, ~1.9 at
@@ -149,10 +185,11 @@ class TokenCounter:
         (ByteLevel) pre-tokenizer splits anyway, so BPE sees the same words and the
         count is the same (tests/router/test_tokens.py checks it on real prompts).
         """
+        if self._tok is None:
+            return self.estimate(len(text.encode("utf-8", "surrogatepass")), "")
         total, start = 0, 0
         while start < len(text):
-            # no boundary nearby (one huge "word"): encode the rest whole; the caller
-            # bounds len(text) by exact_max_chars
+            # no boundary nearby (one huge "word"): encode the rest whole
             end = _chunk_end(text, start + CHUNK_CHARS) or len(text)
             total += self._chunk_len(text[start:end])
             start = end
@@ -166,20 +203,31 @@ class TokenCounter:
         info = self._chunk_len.cache_info()
         return {"hits": info.hits, "misses": info.misses, "entries": info.currsize}
 
-    def prefix_hashes(self, text: str) -> tuple[int, ...]:
+    def prefix_hashes(self, data: bytes) -> tuple[int, ...]:
+        """Ids of the leading whole ``block_chars``-byte blocks of ``data`` (UTF-8), each
+        identifying the whole prefix up to its block's end."""
         c = self.config
-        limit = c.block_chars * c.max_hash_blocks
-        data = memoryview(text[: limit + 1].encode("utf-8", "replace"))  # chars <= bytes
-        num_blocks = min(len(data) // c.block_chars, c.max_hash_blocks)
-        out: list[int] = []
-        digest = b""
-        # NOTE: each block hashed with the previous block's digest in front (the chain): one
-        # C call per block, 30% cheaper than copying a running hash (~1.4 us a block).
-        for i in range(num_blocks):
-            digest = hashlib.blake2b(digest + data[i * c.block_chars: (i + 1) * c.block_chars],
-                                     digest_size=8).digest()
-            out.append(int.from_bytes(digest, "little") >> 1)  # non-negative int63
+        size = c.block_chars
+        view = memoryview(data)
+        crc, adler = 0, 1
+        out = []
+        # NOTE: both checksums chain (the previous value is the next call's start), so one
+        # block's id covers every byte before it; 63 bits so that it fits a signed int64.
+        for start in range(0, min(len(data) // size, c.max_hash_blocks) * size, size):
+            block = view[start:start + size]
+            crc = zlib.crc32(block, crc)
+            adler = zlib.adler32(block, adler)
+            out.append((crc << 31) ^ adler)
         return tuple(out)
+
+
+def load_calibration_sample(path: Path) -> dict[str, list[str]]:
+    """``{"texts": {domain: [prompt, ...]}}`` as written by bench/classify.py."""
+    try:
+        texts = json.loads(path.read_text())["texts"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{path}: cannot read the token calibration sample: {e}") from e
+    return {d: [t for t in v if isinstance(t, str)] for d, v in texts.items() if d in DOMAINS}
 
 
 def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:

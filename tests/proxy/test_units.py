@@ -4,6 +4,7 @@ scanning, shapes, stats, trace rotation, the CLI config builder."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 from pathlib import Path
 
 import orjson
@@ -166,11 +167,11 @@ def test_usage_scan_with_null_usage_in_every_chunk_and_crlf() -> None:
 
 def test_heuristic_shape() -> None:
     est = HeuristicShapeEstimator()
-    s = est.estimate({"messages": [{"role": "user", "content": "def f(x):\n  return x"}],
-                      "max_tokens": 5, "stream": True, "speculative_depth": 2},
-                     "/v1/chat/completions")
+    s = asyncio.run(est.estimate(
+        {"messages": [{"role": "user", "content": "def f(x):\n  return x"}],
+         "max_tokens": 5, "stream": True, "speculative_depth": 2}, "/v1/chat/completions"))
     assert (s.domain, s.max_tokens, s.stream, s.speculative_depth) == ("code", 5, True, 2)
-    ids = est.estimate({"prompt": [1, 2, 3, 4]}, "/v1/completions")
+    ids = asyncio.run(est.estimate({"prompt": [1, 2, 3, 4]}, "/v1/completions"))
     assert ids.prompt_tokens == 4 and ids.predicted_output_tokens == 256
 
 
@@ -259,9 +260,9 @@ def test_routing_slo_reaches_the_router_shape() -> None:
         "routing": {"slo_ttft_s": {"*": 2.0, "code": 0.5}, "slo_tpot_s": {"code": 0.05}}})
     estimator = default_estimator(config)
     code = {"messages": [{"role": "user", "content": "def f(x):\n    return x\nFix this function."}]}
-    shape = estimator.estimate(code, "/v1/chat/completions")
+    shape = asyncio.run(estimator.estimate(code, "/v1/chat/completions"))
     assert shape.domain == "code" and (shape.slo_ttft_s, shape.slo_tpot_s) == (0.5, 0.05)
-    shape = estimator.estimate({**code, "slo_ttft_s": 0.2}, "/v1/chat/completions")
+    shape = asyncio.run(estimator.estimate({**code, "slo_ttft_s": 0.2}, "/v1/chat/completions"))
     assert shape.slo_ttft_s == 0.2
     assert ProxyConfig.from_dict({}).routing.slo_by_domain("slo_ttft_s") == {}
 

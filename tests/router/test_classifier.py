@@ -34,7 +34,7 @@ def test_featurizer_is_deterministic_bounded_and_normalised() -> None:
     assert float(np.dot(val, val)) == pytest.approx(1.0, rel=1e-5)
     # a 1 MB prompt reads only the capped head and tail windows
     huge = "word " * 200_000
-    assert sum(len(w) for w in f.windows(huge)) == 640 + 256
+    assert sum(len(w) for w in f.windows(huge)) == 256 + 128
 
 
 def test_featurizer_empty_text() -> None:
@@ -88,7 +88,7 @@ def test_shipped_artefact_loads_and_classifies_obvious_prompts() -> None:
         assert clf.predict(text) == domain, text[:60]
 
 
-def test_memoised_windows_give_the_same_features() -> None:
+def test_memoised_words_give_the_same_features() -> None:
     system = "You are a support agent for ACME. Be polite, cite the manual. " * 20  # > head
     texts = [system + f"Customer {i}: my order {i * 7} never arrived, what now?" for i in range(4)]
     warm = Featurizer(FeatureConfig())
@@ -97,6 +97,51 @@ def test_memoised_windows_give_the_same_features() -> None:
             idx, val = warm.transform(text)
             ref_idx, ref_val = Featurizer(FeatureConfig()).transform(text)  # empty caches
             assert np.array_equal(idx, ref_idx) and np.array_equal(val, ref_val)
-    info = warm._window_hashes.cache_info()
-    assert info.misses == 1 + len(texts)  # one shared head window, one tail per text
-    assert info.hits == 2 * len(texts) * 2 - info.misses
+
+
+def _reference_features(config: FeatureConfig, text: str) -> dict[int, float]:
+    """The features spelled out one by one (no vectorising, no caches)."""
+    import zlib
+
+    from router.features import _BIGRAM, _CHAR, _HEAD, _P, _SHAPE, _TAIL, _WORD, _WORD_RE, _mix
+
+    def key(x: int, salt: np.uint64) -> int:
+        return int(_mix(np.array([x], np.uint64), salt)[0]) & ((1 << config.n_bits) - 1)
+
+    counts: dict[int, int] = {}
+
+    def add(f: int) -> None:
+        counts[f] = counts.get(f, 0) + 1
+
+    add(key(min(len(text).bit_length(), 20), _SHAPE))
+    add(key(32 + min(text.count("\n", 0, 4096), 20) // 4, _SHAPE))
+    for i, part in enumerate(Featurizer(config).windows(text)):
+        words = [zlib.crc32(w.encode()) for w in _WORD_RE.findall(part)]
+        for w in words:
+            add(key(w, _WORD))
+            add(key(w, _HEAD if i == 0 else _TAIL))
+        if config.word_bigrams:
+            for a, b in zip(words, words[1:], strict=False):
+                add(key((a * int(_P) + b) % 2**64, _BIGRAM))
+        span = part[: config.char_window]
+        n = config.char_ngram
+        for j in range(len(span) - n + 1 if n else 0):
+            h = ord(span[j])
+            for c in span[j + 1: j + n]:
+                h = (h * int(_P) + ord(c)) % 2**64
+            add(key(h, _CHAR))
+    norm = sum((1 + np.log(c)) ** 2 for c in counts.values()) ** 0.5
+    return {f: float((1 + np.log(c)) / norm) for f, c in counts.items()}
+
+
+@pytest.mark.parametrize("config", [FeatureConfig(), FeatureConfig(char_ngram=4, head_chars=64),
+                                    FeatureConfig(word_bigrams=False, n_bits=12)])
+def test_vectorised_features_equal_the_features_spelled_out(config: FeatureConfig) -> None:
+    texts = ["", "Translate to French: good morning", "x\n" * 50, "Über straße, naïve café",
+             "Summarize: " + "The cat sat on the mat. " * 40 + "What did the cat do?"]
+    f = Featurizer(config)
+    for text in texts:
+        idx, val = f.transform(text)
+        ref = _reference_features(config, text)
+        assert sorted(ref) == idx.tolist(), text[:40]
+        assert np.allclose(val, [ref[i] for i in idx.tolist()], rtol=1e-5), text[:40]
