@@ -629,7 +629,7 @@ class AdaptivePolicy:
         if pending is not None:
             self.errors.observe(outcome.worker, shape.domain, shape.prompt_tokens,
                                 (pending.ttft_s, pending.tpot_s),
-                                (outcome.ttft_s, outcome.tpot_s))
+                                (outcome.ttft_s, outcome.tpot_s), outcome.completion_tokens)
         queue = pending.queue if pending else (outcome.batch_size or 0)
         batch = pending.batch if pending else max(1, outcome.batch_size or 1)
         depth = outcome.spec_depth if outcome.spec_depth is not None else (

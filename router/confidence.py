@@ -9,11 +9,13 @@ model at all.
 
 :class:`PredictionErrors` measures the model online. Every finished request
 compares what the decision predicted on the worker it went to with what it
-measured: the log ratio ``ln(observed / predicted)`` of its TTFT and of its
-TPOT, kept as a running root-mean-square per worker and shape class (domain,
-prompt band: the buckets the profiles learn in). A key's error band is the
-larger of the two (the cost is TTFT plus output tokens x TPOT, and either part
-can carry it); a key with fewer than ``min_samples`` outcomes has an infinite
+measured: the log ratio ``ln(observed / predicted)`` of its TTFT, of its TPOT,
+and of its end-to-end time (the predicted TTFT + the tokens it produced x the
+predicted TPOT: the latency the cost is made of), each kept as a running
+root-mean-square per worker and shape class (domain, prompt band: the buckets
+the profiles learn in). A key's error band is its end-to-end RMS log error (the
+TTFT and TPOT errors partly cancel in it, as they do in the cost; both are in
+the stats); a key with fewer than ``min_samples`` outcomes has an infinite
 band.
 
 :meth:`PredictionErrors.distinguishable` is the rule the policy applies: the
@@ -66,6 +68,8 @@ class _Error:
     tpot_sq: float = 0.0
     ttft_bias: float = 0.0  # mean of ln(observed / predicted): > 0, the model is optimistic
     tpot_bias: float = 0.0
+    num_e2e: int = 0
+    e2e_sq: float = 0.0
 
 
 def _log_error(predicted_s: float | None, observed_s: float | None) -> float | None:
@@ -88,10 +92,11 @@ class PredictionErrors:
         return max(1.0 / n, self.config.weight)
 
     def observe(self, worker: str, domain: str, prompt_tokens: int,
-                predicted: tuple[float, float], observed: tuple[float | None, float | None]
-                ) -> None:
+                predicted: tuple[float, float], observed: tuple[float | None, float | None],
+                num_tokens: int = 2) -> None:
         """One finished request: (TTFT, TPOT) as the decision predicted them on ``worker``
-        and as measured, seconds (an unmeasured one, None, is skipped)."""
+        and as measured, seconds (an unmeasured one, None, is skipped), and the tokens it
+        produced (for its end-to-end time)."""
         key = (worker, domain, prompt_band(prompt_tokens))
         err = self._errors.setdefault(key, _Error())
         x = _log_error(predicted[0], observed[0])
@@ -106,14 +111,20 @@ class PredictionErrors:
             w = self._weight(err.num_tpot)
             err.tpot_sq += w * (x * x - err.tpot_sq)
             err.tpot_bias += w * (x - err.tpot_bias)
+        if observed[0] is not None and observed[1] is not None:
+            gaps = max(num_tokens - 1, 0)
+            x = _log_error(predicted[0] + gaps * predicted[1], observed[0] + gaps * observed[1])
+            if x is not None:
+                err.num_e2e += 1
+                err.e2e_sq += self._weight(err.num_e2e) * (x * x - err.e2e_sq)
 
     def band(self, worker: str, domain: str, prompt_tokens: int) -> float:
-        """The key's error band in log space: the larger RMS log error of TTFT and TPOT;
-        inf while it has fewer than ``min_samples`` outcomes of either."""
+        """The key's error band in log space: its end-to-end RMS log error; inf while it has
+        fewer than ``min_samples`` outcomes."""
         err = self._errors.get((worker, domain, prompt_band(prompt_tokens)))
-        if err is None or min(err.num_ttft, err.num_tpot) < self.config.min_samples:
+        if err is None or err.num_e2e < self.config.min_samples:
             return math.inf
-        return math.sqrt(max(err.ttft_sq, err.tpot_sq))
+        return math.sqrt(err.e2e_sq)
 
     def distinguishable(self, cost_pick_s: float, band_pick: float, cost_other_s: float,
                         band_other: float) -> bool:
@@ -131,6 +142,7 @@ class PredictionErrors:
             out.setdefault(worker, {})[f"{domain}/{band}"] = {
                 "ttft_rms_log": round(math.sqrt(e.ttft_sq), 4),
                 "tpot_rms_log": round(math.sqrt(e.tpot_sq), 4),
+                "e2e_rms_log": round(math.sqrt(e.e2e_sq), 4),
                 "ttft_bias_log": round(e.ttft_bias, 4), "tpot_bias_log": round(e.tpot_bias, 4),
                 "num_ttft": e.num_ttft, "num_tpot": e.num_tpot}
         return out
@@ -141,6 +153,9 @@ class PredictionErrors:
         num_tpot = sum(e.num_tpot for e in self._errors.values())
         ttft = sum(e.ttft_sq * e.num_ttft for e in self._errors.values()) / max(num_ttft, 1)
         tpot = sum(e.tpot_sq * e.num_tpot for e in self._errors.values()) / max(num_tpot, 1)
+        num_e2e = sum(e.num_e2e for e in self._errors.values())
+        e2e = sum(e.e2e_sq * e.num_e2e for e in self._errors.values()) / max(num_e2e, 1)
         return {"ttft_rms_log": round(math.sqrt(ttft), 4),
                 "tpot_rms_log": round(math.sqrt(tpot), 4),
+                "e2e_rms_log": round(math.sqrt(e2e), 4),
                 "num_ttft": num_ttft, "num_tpot": num_tpot}

@@ -19,9 +19,10 @@ BIG = CompiledConfig().with_engine(max_num_seqs=32, max_num_batched_tokens=2048)
 
 def test_band_is_infinite_until_min_samples_then_the_rms_log_error() -> None:
     errors = PredictionErrors(ConfidenceConfig(min_samples=2))
-    errors.observe("w", "code", 100, (0.1, 0.01), (0.2, 0.01))  # TTFT 2x, TPOT exact
+    # one token: the end-to-end time is the TTFT alone
+    errors.observe("w", "code", 100, (0.1, 0.01), (0.2, 0.01), 1)  # TTFT 2x, TPOT exact
     assert errors.band("w", "code", 100) == math.inf
-    errors.observe("w", "code", 100, (0.1, 0.01), (0.05, 0.01))  # TTFT 0.5x
+    errors.observe("w", "code", 100, (0.1, 0.01), (0.05, 0.01), 1)  # TTFT 0.5x
     # mean of ln(2)^2 and ln(0.5)^2 = ln(2)^2: the RMS is ln 2; TPOT's is 0
     assert errors.band("w", "code", 100) == pytest.approx(math.log(2))
     assert errors.band("w", "code", 2000) == math.inf  # another prompt band: unproven
@@ -33,10 +34,12 @@ def test_band_is_infinite_until_min_samples_then_the_rms_log_error() -> None:
 
 def test_an_unmeasured_latency_is_skipped() -> None:
     errors = PredictionErrors(ConfidenceConfig(min_samples=1))
-    errors.observe("w", "code", 100, (0.1, 0.01), (None, 0.02))
-    assert errors.band("w", "code", 100) == math.inf  # no TTFT sample yet
-    errors.observe("w", "code", 100, (0.1, 0.01), (0.1, 0.02))
-    assert errors.band("w", "code", 100) == pytest.approx(math.log(2))
+    errors.observe("w", "code", 100, (0.1, 0.01), (None, 0.02), 11)
+    assert errors.band("w", "code", 100) == math.inf  # no end-to-end sample yet
+    assert errors.snapshot()["w"]["code/0"]["num_tpot"] == 1
+    # 11 tokens: predicted 0.1 + 10 x 0.01 = 0.2 s, measured 0.1 + 10 x 0.02 = 0.3 s
+    errors.observe("w", "code", 100, (0.1, 0.01), (0.1, 0.02), 11)
+    assert errors.band("w", "code", 100) == pytest.approx(math.log(1.5))
 
 
 def test_distinguishable_needs_a_gap_wider_than_both_bands() -> None:
