@@ -26,6 +26,7 @@ class CircuitBreaker:
         self.opened_at: float | None = None  # monotonic seconds, None = closed
         self.num_opened = 0
         self._streak_keys: set[int] = set()  # request keys of the answers counted in the streak
+        self.last_success_s = float("-inf")  # monotonic seconds
 
     def allows(self, now: float | None = None) -> bool:
         """True when closed, or open for longer than the cooldown (half-open)."""
@@ -42,7 +43,13 @@ class CircuitBreaker:
     def record_success(self) -> None:
         self.consecutive_failures = 0
         self.opened_at = None
-        self._streak_keys.clear()
+        if self._streak_keys:
+            self._streak_keys.clear()
+        self.last_success_s = time.monotonic()
+
+    def succeeded_within(self, seconds: float) -> bool:
+        """Whether the worker served a request successfully in the last ``seconds``."""
+        return time.monotonic() - self.last_success_s <= seconds
 
     def record_failure(self, now: float | None = None, request_key: int | None = None) -> None:
         """A failure; ``request_key`` (a hash of the request's body) for an error answer,

@@ -303,6 +303,9 @@ class HealthConfig:
     metrics_interval_s: float = 1.0  # /metrics scrape period; 0 = off
     breaker_failures: int = 3  # consecutive failures that open a worker's breaker
     breaker_cooldown_s: float = 5.0  # open -> half-open after this long
+    # failed probes in a row that mark a worker down (its breaker opens on failed requests
+    # sooner); one slow probe says little
+    probe_failures: int = 3
 
     def __post_init__(self) -> None:
         _check(0 < self.interval_s < float("inf"), "health.interval_s", "a finite number > 0",
@@ -317,6 +320,8 @@ class HealthConfig:
                self.breaker_failures)
         _check(0 < self.breaker_cooldown_s < float("inf"), "health.breaker_cooldown_s",
                "a finite number > 0", self.breaker_cooldown_s)
+        _check(self.probe_failures >= 1, "health.probe_failures", ">= 1",
+               self.probe_failures)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,10 @@ _STATUS_TEXT = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Fo
                 500: b"Internal Server Error", 502: b"Bad Gateway",
                 503: b"Service Unavailable", 504: b"Gateway Timeout"}
 _EAGER = {"eager_start": True} if sys.version_info >= (3, 12) else {}
+_SHED_BODY = orjson.dumps(error_body("proxy saturated: retry after the Retry-After seconds",
+                                     "rate_limit_exceeded", None, "overloaded"))
+_SHED_HEADERS = {"x-polyinfer-worker": "none", "x-polyinfer-domain": "none",
+                 "x-polyinfer-spec-depth": "none"}
 
 
 class RequestHead:
@@ -309,6 +313,9 @@ class FastConnection(asyncio.Protocol):
         body = bytes(buf[self._need - head.content_length:self._need])
         del buf[:self._need]
         self._head = None
+        if self.server.relay.shedding:
+            self._shed(head)
+            return
         task = _start_task(self.server.loop, self._serve(FastExchange(self, head, body), head))
         if not task.done():  # an eager task may have finished (an error answered at once)
             self._task = task
@@ -326,6 +333,28 @@ class FastConnection(asyncio.Protocol):
         finally:
             self._task = None
         self._request_done(ex, head.keep_alive)
+
+    def _shed(self, head: RequestHead) -> None:
+        """Answer 429 + Retry-After at once, before the body is parsed or a record made.
+
+        NOTE: past capacity, what a refusal costs decides the goodput: the proxy's core
+        serves S requests and refuses the rest, S x cost + refused x cost_refused <= 1 s,
+        so a refusal must cost a small fraction of a request (no JSON, no task, no trace;
+        counted in /stats as shed_at_door)."""
+        relay = self.server.relay
+        relay.num_shed_at_door += 1
+        retry = str(relay.limits.retry_after_s)
+        headers = {"Content-Type": "application/json", "Retry-After": retry,
+                   "x-request-id": relay.new_request_id(), **_SHED_HEADERS}
+        try:
+            self.write(self.response_head(429, headers, len(_SHED_BODY)) + _SHED_BODY)
+        except ConnectionError:
+            return
+        if not head.keep_alive or self.server.closing:
+            if self.transport is not None:
+                self.transport.close()
+        elif self._buf:
+            self.server.loop.call_soon(self._next_request)
 
     def _send_error(self, ex: FastExchange, status: int, body: dict[str, object],
                     headers: dict[str, str]) -> None:

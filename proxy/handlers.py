@@ -125,6 +125,7 @@ async def stats(request: web.Request) -> web.Response:
     doc = app[keys.STATS].snapshot(app[keys.POOL], relay.policy.name)
     doc["loop_lag_ms"] = relay.loop_lag_s * 1e3
     doc["loop_busy"] = relay.loop_busy
+    doc["shed_at_door"] = relay.num_shed_at_door  # 429s before a request was read (no trace)
     doc["traces"] = {"written": app[keys.TRACES].num_written,
                      "dropped": app[keys.TRACES].num_dropped,
                      "failed": app[keys.TRACES].num_failed}

@@ -3,8 +3,13 @@
 Health has two sources. Active: a probe loop GETs each worker's ``/health``
 every ``health.interval_s``. Passive: the request path reports each
 success/failure to the worker's :class:`CircuitBreaker`. A worker is routable
-when its last probe passed, its breaker allows traffic, and it is not
-draining. A scrape loop reads each worker's ``/metrics`` (vLLM metric names)
+when its probes pass, its breaker allows traffic, and it is not draining.
+
+NOTE: the proxy's own load must not fail a healthy worker's probe. A probe runs in a
+thread with a blocking socket, so its timeout is the worker's time to answer, not the
+event loop's lateness; a worker is marked down only after ``health.probe_failures``
+failed probes in a row, and a failed probe does not count while the worker has
+answered real requests within the last probe interval. A scrape loop reads each worker's ``/metrics`` (vLLM metric names)
 into its :class:`router.base.WorkerView`.
 """
 
@@ -12,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -51,6 +58,7 @@ class Worker:
     probe_ok: bool = False
     discovered: bool = False
     num_probe_failures: int = 0
+    probe_streak: int = 0  # failed probes in a row
     # tokens one request can hold (prompt + output): /v1/models' max_model_len, else an
     # engine's config; None = not known
     context_tokens: int | None = None
@@ -68,6 +76,24 @@ class Worker:
     def refresh_health(self, now: float) -> bool:
         self.view.healthy = self.probe_ok and self.breaker.allows(now)
         return self.view.can_route
+
+
+def probe_health(url: str, timeout_s: float) -> bool:
+    """Whether ``url``/health answers 200 within ``timeout_s``. Blocking: run it in a
+    thread (the time it measures is then the worker's, not the event loop's)."""
+    parts = urlsplit(url)
+    conn_type = http.client.HTTPSConnection if parts.scheme == "https" else \
+        http.client.HTTPConnection
+    conn = conn_type(parts.hostname or "127.0.0.1", parts.port, timeout=timeout_s)
+    try:
+        conn.request("GET", parts.path.rstrip("/") + "/health")
+        response = conn.getresponse()
+        response.read(1 << 16)
+        return response.status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -204,22 +230,24 @@ class WorkerPool:
         return self._session
 
     async def probe(self, worker: Worker) -> None:
-        try:
-            async with self.session.get(f"{worker.url}/health") as r:
-                ok = r.status == 200
-        except (TimeoutError, aiohttp.ClientError):
-            ok = False
+        ok = await asyncio.to_thread(probe_health, worker.url, self.health.timeout_s)
         if ok and not worker.discovered:
             await self._discover(worker)
         self._set_probe(worker, ok)
 
     def _set_probe(self, worker: Worker, ok: bool) -> None:
+        worker.num_probe_failures += 0 if ok else 1
+        worker.probe_streak = 0 if ok else worker.probe_streak + 1
+        if not ok and worker.probe_ok and (
+                worker.probe_streak < self.health.probe_failures
+                or worker.breaker.succeeded_within(self.health.interval_s)):
+            return  # not down yet: one slow probe, or it is answering real requests
         if ok and not worker.probe_ok:
             logger.info("worker %s is healthy", worker.name)
             worker.breaker.record_success()  # recovered: give it traffic again at once
         elif not ok and worker.probe_ok:
-            logger.warning("worker %s failed its health probe", worker.name)
-        worker.num_probe_failures += 0 if ok else 1
+            logger.warning("worker %s failed %d health probes in a row", worker.name,
+                           worker.probe_streak)
         worker.probe_ok = ok
         worker.refresh_health(time.monotonic())
 

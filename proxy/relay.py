@@ -153,6 +153,10 @@ class Relay:
         self.draining = False
         self.loop_lag_s = 0.0  # smoothed event-loop lag, from measure_loop_lag()
         self.loop_busy = 0.0  # smoothed share of the time the loop's thread was on the CPU
+        # the loop is saturated: shed new requests (at the door, proxy.fastpath, for the
+        # hot routes); set by measure_loop_lag
+        self.shedding = False
+        self.num_shed_at_door = 0
         self._api_keys = frozenset(f"Bearer {k}" for k in config.auth.api_keys)
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
@@ -256,8 +260,7 @@ class Relay:
         if self.stats.in_flight >= self.limits.max_in_flight:
             raise Overloaded(f"more than {self.limits.max_in_flight} requests in flight",
                              retry_after_s=retry)
-        max_lag = self.limits.max_loop_lag_s
-        if max_lag and (self.loop_lag_s > max_lag or self._saturated()):
+        if self.shedding:
             raise Overloaded(f"proxy saturated (event loop {self.loop_lag_s * 1e3:.0f} ms late, "
                              f"{self.loop_busy:.0%} busy)", retry_after_s=retry)
 
@@ -287,6 +290,8 @@ class Relay:
             lag = 0.5 * lag + 0.5 * (elapsed - period_s)
             busy = 0.5 * busy + 0.5 * min(1.0, (time.thread_time() - cpu) / elapsed)
             self.loop_lag_s, self.loop_busy = lag, busy
+            max_lag = self.limits.max_loop_lag_s
+            self.shedding = bool(max_lag) and (lag > max_lag or self._saturated())
 
     @staticmethod
     def _fail(rec: RequestRecord, e: ProxyError) -> None:

@@ -1,0 +1,135 @@
+"""Overload: polyinfer at 3x its capacity, on its own core, in front of an instant upstream.
+
+DESIGN's target: past capacity the proxy sheds load (429/503 with Retry-After) instead of
+collapsing: at 3x capacity goodput >= 0.9x of capacity, accepted requests keep a bounded
+p99, and the proxy's own load never marks its healthy worker down.
+
+Capacity is measured first: the highest goodput over a sweep of offered rates (streaming
+chat, bench/proxy_overhead.py's open-loop load processes, FakeFastUpstream processes).
+Then the load is held at 3x that for ``--duration`` seconds and the run prints goodput /
+capacity, the p99 of the accepted (200) requests, the answers by status, and what the
+proxy's /stats says about shedding and its worker (probe failures, breaker, healthy).
+
+    python bench/overload.py                                  # sweep 1000..4000, then 3x
+    python bench/overload.py --sweep 2000 2500 3000 --duration 10 --prompts unique
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import proxy_overhead as po  # noqa: E402  (a bench sibling, not a package)
+
+
+def load(url: str, rate: float, seconds: float, prompts: str, data: Path,
+         cores: tuple[int | None, ...]) -> list[dict]:
+    """Raw samples of one open-loop run, ``rate`` split over one process per core."""
+    n = len(cores)
+    procs = [subprocess.Popen(po.pinned([po.PY, po.__file__, "--loadgen", url, str(rate / n),
+                                         str(seconds), prompts, str(data),
+                                         str(i * int(rate * seconds / n + po.NUM_WARMUP))],
+                                        core), stdout=subprocess.PIPE, text=True)
+             for i, core in enumerate(cores)]
+    parts = []
+    for proc in procs:
+        out, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"load process failed ({proc.returncode})")
+        parts.append(json.loads(out.strip().splitlines()[-1]))
+    return parts
+
+
+def summary(parts: list[dict], rate: float) -> dict:
+    samples = [s for p in parts for s in p["samples"]]
+    wall = max(p["wall_s"] for p in parts)
+    ok_e2e = np.array([e for _, e, st in samples if st == 200 and e is not None])
+    ok_ttft = np.array([t for t, _, st in samples if st == 200 and t is not None])
+    by_status: dict[str, int] = {}
+    for _, _, st in samples:
+        by_status[str(st)] = by_status.get(str(st), 0) + 1
+
+    def pct(a: np.ndarray, q: float) -> float | None:
+        return round(float(np.percentile(a, q)), 2) if len(a) else None
+    return {"offered_rps": rate, "goodput_rps": round(len(ok_e2e) / wall, 1),
+            "by_status": by_status, "e2e_p50_ms": pct(ok_e2e, 50),
+            "e2e_p99_ms": pct(ok_e2e, 99), "ttft_p99_ms": pct(ok_ttft, 99),
+            "e2e_max_ms": pct(ok_e2e, 100)}
+
+
+def proxy_stats(url: str) -> dict:
+    with urllib.request.urlopen(url.replace("/v1/chat/completions", "/stats"), timeout=10) as r:
+        doc = json.loads(r.read())
+    worker = doc["workers"][0] if isinstance(doc.get("workers"), list) else \
+        next(iter(doc.get("workers", {}).values()), {})
+    return {"shed_at_door": doc.get("shed_at_door"), "worker": {
+        k: worker.get(k) for k in ("healthy", "probe_ok", "breaker")}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", type=float, nargs="+", default=[1000, 2000, 3000, 4000],
+                   help="offered rates (req/s) whose best goodput is the capacity")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds per sweep point")
+    p.add_argument("--overload-duration", type=float, default=20.0,
+                   help="seconds at 3x capacity")
+    p.add_argument("--factor", type=float, default=3.0)
+    p.add_argument("--chunks", type=int, default=16)
+    p.add_argument("--upstream-procs", type=int, default=4)
+    p.add_argument("--loadgen-procs", type=int, default=6)
+    p.add_argument("--prompts", choices=po.PROMPT_MODES, default="fixed")
+    p.add_argument("--shape-estimator", default="classifier")
+    p.add_argument("--data", type=Path, default=po.DATA)
+    p.add_argument("--source", type=Path, default=None,
+                   help="run the proxy from another source tree (e.g. an earlier commit)")
+    args = p.parse_args()
+    layout = po.Layout.plan(os.cpu_count() or 1, args.upstream_procs, args.loadgen_procs, True)
+    print(f"# cores: proxy {layout.proxy}, upstream {list(layout.upstream)}, "
+          f"load {list(layout.loadgen)} (of {os.cpu_count()})", flush=True)
+    workdir = Path(tempfile.mkdtemp(prefix="overload-"))
+    up_url, upstreams = po.start_upstreams(args, layout)
+    target = None
+    rows = []
+    try:
+        po.wait_http(f"{up_url}/health")
+        target = po.start_polyinfer(up_url, workdir, layout.proxy, args.shape_estimator,
+                                    args.source.resolve() if args.source else None)
+        for rate in args.sweep:
+            row = summary(load(target.url, rate, args.duration, args.prompts, args.data,
+                               layout.loadgen), rate)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            time.sleep(1)
+        capacity = max(r["goodput_rps"] for r in rows)
+        rate = args.factor * capacity
+        print(f"# capacity {capacity:.0f} req/s; holding {rate:.0f} req/s for "
+              f"{args.overload_duration:.0f} s", flush=True)
+        over = summary(load(target.url, rate, args.overload_duration, args.prompts,
+                            args.data, layout.loadgen), rate)
+        over["goodput_over_capacity"] = round(over["goodput_rps"] / capacity, 3)
+        over["proxy"] = proxy_stats(target.url)
+        print(json.dumps(over), flush=True)
+        (workdir / "overload.json").write_text(json.dumps({"sweep": rows, "overload": over}))
+        print(f"# raw: {workdir / 'overload.json'}; proxy log {workdir}/polyinfer-*.log")
+    finally:
+        if target is not None and target.proc is not None:
+            target.proc.terminate()
+            target.proc.wait(timeout=30)
+        for up in upstreams:
+            up.terminate()
+            up.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    main()
