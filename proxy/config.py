@@ -145,7 +145,9 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    policy: str = "round_robin"  # a name from proxy.routing.POLICIES
+    # a name from proxy.routing.POLICIES. NOTE: adaptive becomes the default once measured
+    # never worse than least_outstanding on held-out traffic (bench/RESULTS.md, Routing)
+    policy: str = "round_robin"
     seed: int = 0  # for randomised policies
     # classifier: router.shape.ShapeEstimator (tokenizer + domain classifier, exact
     # token counts); heuristic: proxy.shape (length / keywords, ~10x cheaper).
