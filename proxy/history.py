@@ -9,25 +9,27 @@
                                               from the pool and the router (a Sample),
                                               keeps it in the 1 s ring (the last 5 min)
                                               and folds it into the 10 s ring (the last hour)
-    the page asks   -> History.window(w, s)   merges the slots of each step into one point
+    the page asks   -> History.window(w, s)   the slots of each step merged into a point
 
-Memory is bounded: ``FINE_SLOTS + COARSE_SLOTS`` slots, each holding counters keyed by
-worker, domain, reason and status (sets the fleet bounds), and latency histograms of
-at most ``NUM_BUCKETS`` buckets per series. Percentiles come from log-spaced buckets
-(ratio ``BUCKET_RATIO`` between edges), so a percentile is within 10% of the sample it
-stands for: enough for a chart, and mergeable across slots, which samples are not.
+Memory is bounded: ``FINE_SLOTS + COARSE_SLOTS`` slots (:mod:`proxy.history_slot`),
+each holding counters keyed by worker, domain, reason and status (sets the fleet
+bounds) and latency histograms of at most ``NUM_BUCKETS`` buckets per series. A
+window's finished points are kept between calls (:mod:`proxy.history_window`), so a
+refresh of the page costs the points that changed, not the window.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from polyinfer.trace import STATUS_ERROR, STATUS_OK
+from proxy.history_slot import Slot, bucket_of, count_latency
+from proxy.history_window import Frame
 from proxy.record import RequestRecord
 
 FINE_S = 1.0  # seconds per slot of the fine ring
@@ -36,82 +38,7 @@ COARSE_S = 10.0  # seconds per slot of the coarse ring
 COARSE_SLOTS = 360  # 1 hour
 MAX_WINDOW_S = COARSE_S * COARSE_SLOTS
 TARGET_POINTS = 150  # points per series when the caller names no step
-
-MIN_LATENCY_S = 1e-4  # bucket 0 holds everything at or below this
-BUCKET_RATIO = 1.2
-NUM_BUCKETS = 84  # the last bucket holds everything above ~440 s
-_LOG_RATIO = math.log(BUCKET_RATIO)
-PERCENTILES = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
-GAUGES = ("outstanding", "running", "waiting")  # per worker, sampled each second
-
-
-def bucket_of(value_s: float) -> int:
-    """The histogram bucket of a latency: bucket i >= 1 holds (MIN * R^(i-1), MIN * R^i]."""
-    if not value_s > MIN_LATENCY_S:  # NaN lands here too
-        return 0
-    i = math.ceil(math.log(value_s / MIN_LATENCY_S) / _LOG_RATIO)
-    return min(max(i, 1), NUM_BUCKETS - 1)
-
-
-def bucket_value(i: int) -> float:
-    """What bucket ``i`` stands for: its geometric middle (within R^0.5 of any member)."""
-    return MIN_LATENCY_S if i == 0 else MIN_LATENCY_S * BUCKET_RATIO ** (i - 0.5)
-
-
-def percentile(hist: Mapping[int, int], q: float) -> float | None:
-    """The nearest-rank ``q`` quantile of a bucket histogram; None when it is empty."""
-    total = sum(hist.values())
-    if not total:
-        return None
-    rank = max(1, math.ceil(q * total))
-    seen = 0
-    for i in sorted(hist):
-        seen += hist[i]
-        if seen >= rank:
-            return bucket_value(i)
-    raise AssertionError("unreachable: rank <= total")
-
-
-@dataclass(slots=True)
-class Slot:
-    """What happened in one interval; slots merge into longer ones by adding up."""
-
-    start_s: float  # unix seconds
-    span_s: float = 0.0  # seconds covered (a merged slot: the sum of its parts)
-    requests: Counter[str] = field(default_factory=Counter)  # worker -> finished
-    errors: Counter[str] = field(default_factory=Counter)  # worker -> status "error"
-    refused: Counter[str] = field(default_factory=Counter)  # HTTP status -> no worker tried
-    routed: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # (domain, worker, reason)
-    depth: dict[str, list[float]] = field(default_factory=dict)  # domain -> [sum of k, requests]
-    # (metric, "worker" | "domain", name) -> bucket -> requests
-    latency: dict[tuple[str, str, str], Counter[int]] = field(default_factory=dict)
-    gauges: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (gauge, worker) -> [sum, n]
-    tokens: dict[str, list[float]] = field(default_factory=dict)  # domain -> [drafted, accepted]
-    calibration: dict[str, float] = field(default_factory=dict)  # key -> factor at the end
-
-    def merge(self, other: Slot) -> None:
-        self.span_s += other.span_s
-        self.requests.update(other.requests)
-        self.errors.update(other.errors)
-        self.refused.update(other.refused)
-        self.routed.update(other.routed)
-        _add_pairs(self.depth, other.depth)
-        _add_pairs(self.gauges, other.gauges)
-        _add_pairs(self.tokens, other.tokens)
-        for key, hist in other.latency.items():
-            mine = self.latency.get(key)
-            if mine is None:
-                self.latency[key] = Counter(hist)
-            else:
-                mine.update(hist)
-        self.calibration.update(other.calibration)
-
-
-def _add_pairs(into: dict[Any, list[float]], other: Mapping[Any, list[float]]) -> None:
-    for key, (a, b) in other.items():
-        pair = into.setdefault(key, [0.0, 0.0])
-        pair[0] += a
-        pair[1] += b
+MAX_FRAMES = 4  # views (ring, step, window) whose finished points are kept
 
 
 @dataclass(frozen=True)
@@ -134,6 +61,7 @@ class History:
         self._open = Slot(clock())
         self._coarse_open: Slot | None = None
         self._last_tokens: dict[tuple[str, str], tuple[int, int]] = {}
+        self._frames: dict[tuple[bool, float, float], Frame] = {}  # (fine, step, window)
 
     # -- the request path ------------------------------------------------------------
 
@@ -152,17 +80,14 @@ class History:
             depth[0] += rec.spec_depth
             depth[1] += 1
         if rec.status == STATUS_OK:
-            for metric, value in (("ttft", rec.ttft_s), ("tpot", rec.tpot_s)):
-                if value is not None:
-                    self._add(slot, (metric, "worker", worker), value)
-                    self._add(slot, (metric, "domain", domain), value)
-
-    @staticmethod
-    def _add(slot: Slot, key: tuple[str, str, str], value_s: float) -> None:
-        hist = slot.latency.get(key)
-        if hist is None:
-            hist = slot.latency[key] = Counter()
-        hist[bucket_of(value_s)] += 1
+            latency = slot.latency
+            if rec.ttft_s is not None:
+                count_latency(latency, ("ttft", "worker", worker), ("ttft", "domain", domain),
+                       bucket_of(rec.ttft_s))
+            tpot_s = rec.tpot_s
+            if tpot_s is not None:
+                count_latency(latency, ("tpot", "worker", worker), ("tpot", "domain", domain),
+                       bucket_of(tpot_s))
 
     # -- the sampler -----------------------------------------------------------------
 
@@ -215,99 +140,24 @@ class History:
 
         Points are aligned to multiples of the step, so a refresh moves a point only when a
         slot enters it. A point's rates divide by the seconds its slots cover (None when
-        they cover none), so a partial first or last point is not drawn low.
+        they cover none), so a partial point is not drawn low.
         """
         window_s = min(max(window_s, FINE_S), MAX_WINDOW_S)
         fine = window_s <= FINE_S * FINE_SLOTS
         ring, resolution = (list(self.fine), FINE_S) if fine else (list(self.coarse), COARSE_S)
+        closed_until = self._open.start_s  # a point that ends by then has all its slots
         if not fine and self._coarse_open is not None:
             ring.append(self._coarse_open)  # NOTE: the hour's last seconds, still folding in
+            closed_until = self._coarse_open.start_s
         step = max(resolution, round((step_s or window_s / TARGET_POINTS) / resolution)
                    * resolution)
         end = self._open.start_s
         first = math.floor((end - window_s) / step) * step
-        points = [Slot(first + i * step) for i in range(math.ceil((end - first) / step))]
-        for slot in ring:
-            i = math.floor((slot.start_s - first) / step)
-            if 0 <= i < len(points) and slot.start_s >= end - window_s:
-                points[i].merge(slot)
-        total = Slot(first)
-        for p in points:
-            total.merge(p)
+        frame = self._frames.pop((fine, step, window_s), None) or Frame()
+        self._frames[(fine, step, window_s)] = frame  # NOTE: the most recently asked last
+        while len(self._frames) > MAX_FRAMES:
+            del self._frames[next(iter(self._frames))]
+        points, series, routing = frame.view(ring, first, step, math.ceil((end - first) / step),
+                                             closed_until)
         return {"window_s": window_s, "step_s": step, "end_s": end,
-                "t": [p.start_s for p in points],
-                "series": _series(points), "routing": _routing(total)}
-
-
-def _series(points: list[Slot]) -> dict[str, Any]:
-    workers = sorted({w for p in points for w in p.requests}
-                     | {w for p in points for _, w in p.gauges})
-    depth_domains = sorted({d for p in points for d in p.depth})
-    token_domains = sorted({d for p in points for d in p.tokens})
-    statuses = sorted({s for p in points for s in p.refused})
-    calibration = sorted({k for p in points for k in p.calibration})
-    return {
-        "requests_per_s": {w: _rates(points, lambda p: p.requests, w) for w in workers},
-        "errors_per_s": {w: _rates(points, lambda p: p.errors, w) for w in workers},
-        "refused_per_s": {s: _rates(points, lambda p: p.refused, s) for s in statuses},
-        "ttft_s": _latency(points, "ttft"),
-        "tpot_s": _latency(points, "tpot"),
-        **{g: {w: _means(points, lambda p: p.gauges, (g, w)) for w in workers} for g in GAUGES},
-        "spec_depth": {d: _means(points, lambda p: p.depth, d) for d in depth_domains},
-        "acceptance": {d: _ratios(points, lambda p: p.tokens, d) for d in token_domains},
-        "calibration": {k: [p.calibration.get(k) for p in points] for k in calibration},
-    }
-
-
-def _rates(points: list[Slot], counts: Callable[[Slot], Counter[str]], key: str
-           ) -> list[float | None]:
-    """Per second; None where the point covers no time."""
-    return [round(counts(p)[key] / p.span_s, 4) if p.span_s else None for p in points]
-
-
-def _means(points: list[Slot], pairs: Callable[[Slot], Mapping[Any, list[float]]], key: Any
-           ) -> list[float | None]:
-    """sum / n of each point's [sum, n] pair; None where it has none."""
-    out: list[float | None] = []
-    for p in points:
-        pair = pairs(p).get(key)
-        out.append(round(pair[0] / pair[1], 3) if pair and pair[1] else None)
-    return out
-
-
-def _ratios(points: list[Slot], pairs: Callable[[Slot], Mapping[Any, list[float]]], key: Any
-            ) -> list[float | None]:
-    """b / a of each point's [a, b] pair (accepted / drafted); None where a is 0."""
-    out: list[float | None] = []
-    for p in points:
-        pair = pairs(p).get(key)
-        out.append(round(pair[1] / pair[0], 4) if pair and pair[0] else None)
-    return out
-
-
-def _latency(points: list[Slot], metric: str) -> dict[str, dict[str, dict[str, list[Any]]]]:
-    """{"worker": {name: {"p50": [...], ...}}, "domain": {...}}: seconds, None where empty."""
-    out: dict[str, dict[str, dict[str, list[Any]]]] = {"worker": {}, "domain": {}}
-    keys = sorted({k for p in points for k in p.latency if k[0] == metric})
-    for key in keys:
-        hists = [p.latency.get(key) for p in points]
-        out[key[1]][key[2]] = {
-            name: [None if not h else _round_s(percentile(h, q)) for h in hists]
-            for name, q in PERCENTILES}
-    return out
-
-
-def _round_s(value: float | None) -> float | None:
-    return None if value is None else float(f"{value:.4g}")
-
-
-def _routing(total: Slot) -> dict[str, Any]:
-    """The window's domain x worker counts, and the decision reasons of each cell."""
-    matrix: dict[str, dict[str, int]] = {}
-    reasons: dict[str, dict[str, dict[str, int]]] = {}
-    for (domain, worker, reason), n in total.routed.items():
-        row = matrix.setdefault(domain, {})
-        row[worker] = row.get(worker, 0) + n
-        cell = reasons.setdefault(domain, {}).setdefault(worker, {})
-        cell[reason or "none"] = cell.get(reason or "none", 0) + n
-    return {"matrix": matrix, "reasons": reasons}
+                "t": [p.start_s for p in points], "series": series, "routing": routing}

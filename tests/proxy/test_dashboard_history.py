@@ -11,16 +11,9 @@ import pytest
 
 from optimizer.board import Board
 from polyinfer.trace import STATUS_ERROR
-from proxy.history import (
-    BUCKET_RATIO,
-    COARSE_SLOTS,
-    FINE_SLOTS,
-    History,
-    Sample,
-    bucket_of,
-    bucket_value,
-    percentile,
-)
+from proxy.history import COARSE_SLOTS, FINE_SLOTS, History, Sample
+from proxy.history_slot import BUCKET_RATIO, bucket_of, bucket_value
+from proxy.history_window import percentiles
 from proxy.record import RequestRecord
 from proxy.timeline import OptimizerTimeline, read_board
 from router.base import RequestShape
@@ -58,15 +51,16 @@ def test_buckets_stand_for_their_members_within_ten_percent():
     assert bucket_of(1e9) == bucket_of(1e12)  # the last bucket holds the rest
 
 
-def test_percentile_is_the_nearest_rank_bucket():
+def test_percentiles_are_the_nearest_rank_buckets():
     values = [0.010] * 50 + [0.100] * 40 + [1.0] * 10  # p50 0.010, p90 0.100, p99 1.0
     hist: dict[int, int] = {}
     for v in values:
         hist[bucket_of(v)] = hist.get(bucket_of(v), 0) + 1
-    assert percentile(hist, 0.50) == pytest.approx(0.010, rel=0.1)
-    assert percentile(hist, 0.90) == pytest.approx(0.100, rel=0.1)
-    assert percentile(hist, 0.99) == pytest.approx(1.0, rel=0.1)
-    assert percentile({}, 0.5) is None
+    p50, p90, p99 = percentiles(hist)
+    assert p50 == pytest.approx(0.010, rel=0.1)
+    assert p90 == pytest.approx(0.100, rel=0.1)
+    assert p99 == pytest.approx(1.0, rel=0.1)
+    assert percentiles({bucket_of(0.5): 1}) == (0.4808,) * 3  # one sample: its bucket, 4 digits
 
 
 def test_a_second_of_requests_becomes_one_point_of_every_series():
@@ -193,3 +187,28 @@ async def test_timeline_counts_experiments_on_the_history_points(tmp_path: Path)
     assert doc["candidates"]["campaign"] == "c1"  # the live campaign's
     assert timeline.states_since(50.0) == [[100.0, "screening"], [105.0, "confirming"]]
     assert timeline.states_since(103.0) == [[103.0, "screening"], [105.0, "confirming"]]
+
+
+def test_a_refreshed_window_equals_one_built_from_scratch():
+    """The finished points a view keeps between calls (proxy.history_window.Frame) give the
+    same answer as a history asked once, as the window slides past them."""
+    import random
+    rng = random.Random(7)
+    asked, fresh = History(Clock(5000.0)), History(Clock(5000.0))
+    for second in range(700):
+        for _ in range(rng.randint(0, 3)):
+            r = rec(rng.choice(["w1", "w2"]), rng.choice(["code", "chat", "math"]),
+                    ttft_s=rng.uniform(0.01, 0.5), depth=rng.choice([None, 2, 4]),
+                    reason=rng.choice(["fit", "balance"]))
+            asked.record(r)
+            fresh.record(r)
+        sample = Sample(gauges={("outstanding", "w1"): second % 5},
+                        spec_tokens={("w1", "code"): [second * 3, second * 2]})
+        for h in (asked, fresh):
+            h.clock.now += 1  # type: ignore[attr-defined]
+            h.tick(sample)
+        if second % 7 == 0:
+            asked.window(300, step_s=2)
+            asked.window(3600)
+    assert asked.window(300, step_s=2) == fresh.window(300, step_s=2)
+    assert asked.window(3600) == fresh.window(3600)
