@@ -86,6 +86,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import aiohttp  # noqa: E402
 
+from optimizer.abtest import paired_gain  # noqa: E402
 from optimizer.agents.base import Agent, BoardView  # noqa: E402
 from optimizer.agents.bayes import BayesAgent  # noqa: E402
 from optimizer.agents.costagent import CostModelAgent  # noqa: E402
@@ -100,7 +101,7 @@ from optimizer.promote import PromotionConfig  # noqa: E402
 from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay  # noqa: E402
 from optimizer.service import OptimizerConfig, OptimizerService  # noqa: E402
 from optimizer.space import Knob, SearchSpace  # noqa: E402
-from optimizer.verify import VerifyConfig, paired_gain  # noqa: E402
+from optimizer.verify import VerifyConfig  # noqa: E402
 from polyinfer.config import TINY_TARGET, CompiledConfig  # noqa: E402
 
 logger = logging.getLogger("bench.optimizer")

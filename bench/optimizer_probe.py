@@ -34,12 +34,12 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import aiohttp  # noqa: E402
 
+from optimizer.abtest import paired_gain  # noqa: E402
 from optimizer.engine_proc import EngineProcess  # noqa: E402
 from optimizer.measure import EngineClient, Measurer, Tier  # noqa: E402
 from optimizer.pool import EnginePool  # noqa: E402
 from optimizer.profile import read_trace_files, stratified_sample  # noqa: E402
 from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay  # noqa: E402
-from optimizer.verify import paired_gain  # noqa: E402
 from polyinfer.config import TINY_TARGET, CompiledConfig  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_optimizer", _HERE / "optimizer.py")

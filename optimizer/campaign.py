@@ -23,13 +23,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from optimizer.abtest import GainReport, detectable_effect, paired_gain, pairs_needed
 from optimizer.board import Board, Proposal, best_by_key
 from optimizer.costmodel import CostModel, Workload
 from optimizer.errors import MeasurementError
 from optimizer.measure import Measurement, Measurer
 from optimizer.pruner import PruneConfig, Pruner
 from optimizer.space import SearchSpace
-from optimizer.verify import GainReport, paired_gain
 from polyinfer.config import CompiledConfig
 
 logger = logging.getLogger(__name__)
@@ -49,12 +49,18 @@ class SearchConfig:
     # the top `finalists`. None = off.
     spec_method_margin: float | None = 0.15
     idle_timeout_s: float = 30.0  # screening ends when no proposal arrives for this long
-    min_gain: float = 0.02  # a winner must beat the incumbent by this much (and the noise)
+    min_gain: float = 0.02  # the gain's 95% CI must lie above this
+    # confirmation measures enough interleaved pairs to detect a gain this large with 80%
+    # power (from the pilot's variance: the slow tier's repeats), at most max_pairs
+    min_detectable_effect: float = 0.05
+    max_pairs: int = 10
     prune: PruneConfig = field(default_factory=PruneConfig)
 
     def __post_init__(self) -> None:
         if self.fast_budget < 1 or self.finalists < 1 or self.idle_timeout_s <= 0:
             raise ValueError("search: fast_budget, finalists >= 1 and idle_timeout_s > 0")
+        if not 0 < self.min_detectable_effect < 1 or self.max_pairs < 2:
+            raise ValueError("search: min_detectable_effect in (0, 1) and max_pairs >= 2")
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,8 @@ class Confirmed:
     measurement: Measurement  # slow tier
     incumbent: Measurement  # slow tier, same run
     gain: GainReport
+    pairs_needed: int = 0  # for min_detectable_effect, from the pilot's variance
+    detectable: float = 0.0  # the effect the pairs measured could detect (80% power)
 
 
 class Campaign:
@@ -202,30 +210,36 @@ class Campaign:
                                    self.config.spec_method_margin)
         best: Confirmed | None = None
         for key in finalists:
-            pair = await self._confirm_pairs(inc_key, key)
-            if pair is None:
-                continue
-            cand, inc = pair
-            gain = paired_gain(cand.values, inc.values, self.config.min_gain)
-            if best is None or gain.gain > best.gain.gain:
-                best = Confirmed(self.space.from_key(key), key, cand, inc, gain)
+            confirmed = await self._confirm_one(inc_key, key)
+            if confirmed is not None and (best is None or confirmed.gain.gain > best.gain.gain):
+                best = confirmed
         return best
 
-    async def _confirm_pairs(self, inc_key: str,
-                             key: str) -> tuple[Measurement, Measurement] | None:
+    async def _confirm_one(self, inc_key: str, key: str) -> Confirmed | None:
+        """A pilot of interleaved pairs, then as many more as the MDE needs (max_pairs)."""
         inc_p = await self._call(self.board.find, self.id, inc_key)
         cand_p = await self._call(self.board.find, self.id, key)
         assert inc_p is not None and cand_p is not None
         inc_runs: list[Measurement] = []
         cand_runs: list[Measurement] = []
-        for _ in range(self.measurer.tiers[self.slow].repeats):
+        pilot = max(2, self.measurer.tiers[self.slow].repeats)
+        wanted = pilot
+        while len(cand_runs) < wanted:
             inc = await self._measure(inc_p, self.slow, repeats=1)
             cand = await self._measure(cand_p, self.slow, repeats=1)
             if inc is None or cand is None:
                 return None
             inc_runs.append(inc)
             cand_runs.append(cand)
-        return _merge(cand_runs), _merge(inc_runs)
+            if len(cand_runs) == pilot:
+                sd = paired_gain(_merge(cand_runs).values, _merge(inc_runs).values).sd
+                needed = pairs_needed(sd, self.config.min_detectable_effect,
+                                      self.config.max_pairs)
+                wanted = max(pilot, needed)
+        cand_m, inc_m = _merge(cand_runs), _merge(inc_runs)
+        gain = paired_gain(cand_m.values, inc_m.values, self.config.min_gain)
+        return Confirmed(self.space.from_key(key), key, cand_m, inc_m, gain, wanted,
+                         detectable_effect(gain.sd, gain.num_pairs))
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         """Board calls are blocking SQLite I/O: keep them off the event loop."""

@@ -35,6 +35,7 @@ from polyinfer.config import RESTART_FIELDS, CompiledConfig, needs_restart
 logger = logging.getLogger(__name__)
 
 TPOT_METRIC = "vllm:time_per_output_token_seconds"
+TTFT_METRIC = "vllm:time_to_first_token_seconds"
 E2E_METRIC = "vllm:e2e_request_latency_seconds"
 
 
@@ -43,6 +44,10 @@ class PromotionConfig:
     watch_s: float = 10.0  # window after a switch before judging it, seconds
     min_requests: int = 3  # finished requests needed in a window to judge
     max_tpot_regression: float = 0.15  # roll back above +15% live TPOT
+    max_ttft_regression: float = 0.5  # roll back above +50% live TTFT
+    # the watch after a switch is extended (watch_s at a time) until min_requests finished,
+    # up to this long; a switch never judged is reported as such
+    max_watch_s: float = 120.0
     hot_reload_cost_s: float = 1.0  # what a hot reload costs (measured reload_s replaces it)
     restart_cost_s: float = 120.0  # what a cold restart / blue-green switch costs
     payback_horizon_s: float = 1800.0  # how long a promoted config is expected to live
@@ -89,6 +94,8 @@ class LiveSample:
     tpot_sum_s: float
     tpot_count: float
     e2e_count: float
+    ttft_sum_s: float = 0.0
+    ttft_count: float = 0.0
 
 
 async def scrape(session: aiohttp.ClientSession, worker_url: str) -> LiveSample:
@@ -96,13 +103,15 @@ async def scrape(session: aiohttp.ClientSession, worker_url: str) -> LiveSample:
         if resp.status != 200:
             raise PromotionError(f"{worker_url}/metrics: HTTP {resp.status}")
         text = await resp.text()
-    sums = {TPOT_METRIC + "_sum": 0.0, TPOT_METRIC + "_count": 0.0, E2E_METRIC + "_count": 0.0}
+    sums = {TPOT_METRIC + "_sum": 0.0, TPOT_METRIC + "_count": 0.0, E2E_METRIC + "_count": 0.0,
+            TTFT_METRIC + "_sum": 0.0, TTFT_METRIC + "_count": 0.0}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name in sums:
                 sums[s.name] += float(s.value)
     return LiveSample(time.monotonic(), sums[TPOT_METRIC + "_sum"],
-                      sums[TPOT_METRIC + "_count"], sums[E2E_METRIC + "_count"])
+                      sums[TPOT_METRIC + "_count"], sums[E2E_METRIC + "_count"],
+                      sums[TTFT_METRIC + "_sum"], sums[TTFT_METRIC + "_count"])
 
 
 def window_tpot(a: LiveSample, b: LiveSample) -> tuple[float | None, int]:
@@ -112,6 +121,12 @@ def window_tpot(a: LiveSample, b: LiveSample) -> tuple[float | None, int]:
     if count <= 0:
         return None, finished
     return (b.tpot_sum_s - a.tpot_sum_s) / count, finished
+
+
+def window_ttft(a: LiveSample, b: LiveSample) -> float | None:
+    """Mean TTFT (seconds) between two scrapes."""
+    count = b.ttft_count - a.ttft_count
+    return (b.ttft_sum_s - a.ttft_sum_s) / count if count > 0 else None
 
 
 @dataclass(frozen=True)
@@ -167,20 +182,43 @@ class Promoter:
         switched = await self.switch(worker_url, backend, winner, restart)
         live = switched.worker_url  # NOTE: a blue-green switch serves from a new server
         after_a = await scrape(self.session, live)
-        await asyncio.sleep(self.config.watch_s)
-        after_b = await scrape(self.session, live)
+        after_b = await self._watch(live, after_a)
         tpot_before, n_before = window_tpot(before_a, before_b)
         tpot_after, n_after = window_tpot(after_a, after_b)
-        if self._regressed(tpot_before, n_before, tpot_after, n_after):
+        why = self._regression(before_a, before_b, after_a, after_b)
+        if why:
             back = await self.switch(live, backend, previous, restart)
             return PromotionOutcome("rolled_back", switched.seconds, tpot_before, tpot_after,
-                                    f"live TPOT {tpot_after:.4f}s vs {tpot_before:.4f}s before",
-                                    back.worker_url)
+                                    why, back.worker_url)
         for sink in self.sinks:
             sink.config_promoted(live, winner, tokens_per_s)
         judged = n_before >= self.config.min_requests and n_after >= self.config.min_requests
         return PromotionOutcome("promoted", switched.seconds, tpot_before, tpot_after,
                                 "" if judged else "too little live traffic to judge", live)
+
+    async def _watch(self, live: str, start: LiveSample) -> LiveSample:
+        """Scrapes every watch_s until min_requests finished after the switch (max_watch_s)."""
+        deadline = time.monotonic() + self.config.max_watch_s
+        while True:
+            await asyncio.sleep(self.config.watch_s)
+            now = await scrape(self.session, live)
+            finished = now.e2e_count - start.e2e_count
+            if finished >= self.config.min_requests or time.monotonic() >= deadline:
+                return now
+
+    def _regression(self, before_a: LiveSample, before_b: LiveSample, after_a: LiveSample,
+                    after_b: LiveSample) -> str:
+        """Why the live windows say the switch regressed ("" = it did not, or cannot tell)."""
+        tpot_before, n_before = window_tpot(before_a, before_b)
+        tpot_after, n_after = window_tpot(after_a, after_b)
+        if self._regressed(tpot_before, n_before, tpot_after, n_after):
+            return f"live TPOT {tpot_after:.4f}s vs {tpot_before:.4f}s before"
+        ttft_before, ttft_after = window_ttft(before_a, before_b), window_ttft(after_a, after_b)
+        enough = min(n_before, n_after) >= self.config.min_requests
+        if (enough and ttft_before and ttft_after
+                and ttft_after > ttft_before * (1.0 + self.config.max_ttft_regression)):
+            return f"live TTFT {ttft_after:.4f}s vs {ttft_before:.4f}s before"
+        return ""
 
     def _regressed(self, before: float | None, n_before: int, after: float | None,
                    n_after: int) -> bool:

@@ -81,6 +81,7 @@ class OptimizerConfig:
     traces: tuple[str, ...] = ()  # JSONL trace files, tailed
     board_path: str = "optimizer-board.sqlite"
     worker_url: str | None = None  # live worker to promote to; None = search only
+    worker_name: str = ""  # the worker's name in the host (shown in snapshots)
     worker_backend: str = "engine"
     measure_url: str | None = None  # a persistent engine to measure on; None = start one
     # engines kept up at once for restart-only knobs (data_parallel_size), one per value
@@ -212,6 +213,7 @@ class OptimizerService:
     def snapshot(self) -> dict[str, Any]:
         m = self.measurer
         return {
+            "worker": self.config.worker_name,
             "state": self.state,
             "records": len(self._records), "bad_records": self._num_bad_lines,
             "profile": _profile_summary(self.profile),
@@ -347,6 +349,14 @@ class OptimizerService:
         await loop.run_in_executor(None, board.note, cid, "service", "campaign_done", outcome)
         self._record_history(campaign, winner, outcome, runners, time.monotonic() - t0)
 
+    async def _profile_drift(self) -> float | None:
+        """How far the traffic moved from the campaign's profile, when beyond the threshold."""
+        await self._read_traces()
+        if self.profile is None or len(self._records) < self.config.min_records:
+            return None
+        distance = profile_distance(build_profile(list(self._records)), self.profile)
+        return distance if distance >= self.config.shift_threshold else None
+
     def _tier_for(self, tier: Tier, profile: TrafficProfile) -> Tier:
         if not self.config.concurrency_from_traffic or profile.mean_concurrency <= 0:
             return tier
@@ -392,12 +402,19 @@ class OptimizerService:
         loop = asyncio.get_running_loop()
         if winner is None:
             return {"status": "no_candidate"}
-        out: dict[str, Any] = {"key": json.loads(winner.key), "gain": round(winner.gain.gain, 4),
-                               "noise": round(winner.gain.noise, 4),
+        out: dict[str, Any] = {"key": json.loads(winner.key), **winner.gain.to_dict(),
+                               "pairs_needed": winner.pairs_needed,
+                               "detectable_effect": round(winner.detectable, 4),
+                               "min_detectable_effect": self.config.search.min_detectable_effect,
                                "slow_tokens_per_s": round(winner.measurement.value, 2),
                                "incumbent_slow_tokens_per_s": round(winner.incumbent.value, 2)}
         if not winner.gain.significant:
             return {**out, "status": "within_noise"}
+        drift = await self._profile_drift()
+        if drift is not None:
+            # NOTE: a winner tuned on traffic that has since moved is not promoted; the
+            # loop's next look at the traffic sees the shift and starts a fresh campaign.
+            return {**out, "status": "profile_stale", "profile_distance": round(drift, 3)}
         self.state = "verifying"
         if self._pool is not None:  # NOTE: a restart-only winner is verified on its own engine
             engine = (await self._pool.get(winner.config))[0].client

@@ -105,6 +105,22 @@ def thread_counts(num_cpus: int | None = None) -> tuple[int, ...]:
     return (0, *(1 << i for i in range(cpus.bit_length()) if 1 << i <= cpus))
 
 
+def resolved_threads(e: EngineConfig, num_cpus: int | None = None) -> int:
+    """The step-loop threads the engine runs with: ``num_threads`` 0 (auto) resolved.
+
+    NOTE: auto is half the cores (at least 1) in the HTTP process, 1 per engine-core
+    process with data_parallel_size >= 1 (engine.core, engine.core_proc): on a 2-core
+    box 0 and 1 are one engine, measured once.
+    """
+    if e.num_threads:
+        return e.num_threads
+    if e.data_parallel_size >= 1:
+        return 1
+    cpus = num_cpus or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                        else os.cpu_count() or 2)
+    return max(1, cpus // 2)
+
+
 def dp_sizes(num_cpus: int | None = None) -> tuple[int, ...]:
     """0 (the step loop in the HTTP process) then 2, 4, ... engine-core processes up to the cores."""
     cpus = max(1, num_cpus or os.cpu_count() or 1)
@@ -179,6 +195,7 @@ class SearchSpace:
         return cfg
 
     def canonical(self, cfg: CompiledConfig) -> CompiledConfig:
+        cfg = cfg.with_engine(num_threads=resolved_threads(cfg.engine))
         e = cfg.engine
         if e.spec_method == "none":
             base = self.base.engine

@@ -31,18 +31,13 @@ depend on batch composition (checked here on the clean engine, by the mutation
 suite's clean run). A candidate that legitimately changes floating point
 (another dtype or attention kernel) cannot be compared that way; the
 teacher-forced logit bound for it is :mod:`optimizer.numerics`.
-
-``paired_gain`` (the noise-aware gain of interleaved measurements) also lives
-here: a candidate is verified only once its gain is beyond noise.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -52,7 +47,6 @@ from polyinfer.config import CompiledConfig
 
 logger = logging.getLogger(__name__)
 
-NOISE_FLOOR = 0.01  # smallest standard error a paired comparison is credited with
 VERIFY_DOMAINS = ("code", "chat", "math", "qa", "extraction", "summarization")
 PREEMPTIONS = "vllm:num_preemptions_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
@@ -278,35 +272,3 @@ async def _diagnose(engine: EngineClient, plan: Sequence[VerifyRequest],
         kind = "isolation (alone it matches)" if alone == reference[i] else "differs alone too"
         out[str(i)] = f"{kind}: ref={reference[i][:40]!r} alone={alone[:40]!r}"
     return out
-
-
-@dataclass(frozen=True)
-class GainReport:
-    gain: float  # geometric mean of candidate / incumbent over the pairs, minus 1
-    noise: float  # standard error of the mean log ratio (~ relative noise of the gain)
-    threshold: float  # what the mean log ratio had to exceed
-    significant: bool
-    num_pairs: int
-
-
-def paired_gain(candidate: Sequence[float], incumbent: Sequence[float], min_gain: float = 0.02,
-                num_sigma: float = 2.0) -> GainReport:
-    """Gain from interleaved pairs (incumbent, candidate, incumbent, candidate, ...).
-
-    NOTE: pairs measured back to back share the machine's state at that moment,
-    so the ratio cancels slow drifts (other tenants' load) that would swamp a
-    comparison of two separately measured means on a shared box. The gain counts
-    only when the mean log ratio beats both ``log(1 + min_gain)`` and
-    ``num_sigma`` standard errors; a single pair is assumed 5% noisy.
-    """
-    pairs = [(c, i) for c, i in zip(candidate, incumbent, strict=True) if c > 0 and i > 0]
-    if not pairs:
-        return GainReport(0.0, math.inf, math.inf, False, 0)
-    logs = [math.log(c / i) for c, i in pairs]
-    mean = statistics.fmean(logs)
-    se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.05
-    # NOTE: a few identical ratios (coarse clocks: CPU time ticks at 10 ms) would claim
-    # zero noise; no comparison of two replays on one machine is better than ~1%.
-    se = max(se, NOISE_FLOOR)
-    threshold = max(math.log1p(min_gain), num_sigma * se)
-    return GainReport(math.exp(mean) - 1.0, se, threshold, mean > threshold, len(pairs))

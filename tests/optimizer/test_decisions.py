@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from optimizer.abtest import paired_gain
 from optimizer.costmodel import (
     CostModel,
     ForwardTimeModel,
@@ -20,7 +21,6 @@ from optimizer.profile import build_profile
 from optimizer.promote import LiveSample, Promoter, PromotionConfig, window_tpot
 from optimizer.pruner import PruneConfig, Pruner
 from optimizer.space import SearchSpace
-from optimizer.verify import paired_gain
 from polyinfer.config import CompiledConfig
 from polyinfer.trace import TraceRecord
 
@@ -75,6 +75,17 @@ def test_window_tpot_and_rollback_rule() -> None:
     assert not promoter._regressed(0.020, 5, 0.022, 5)
     assert not promoter._regressed(0.020, 2, 0.040, 5)  # too little traffic before
     assert not promoter._regressed(None, 5, 0.040, 5)
+
+
+def test_ttft_regression_rolls_back_with_its_reason() -> None:
+    promoter = Promoter(None, PromotionConfig(min_requests=3))  # type: ignore[arg-type]
+    before = (LiveSample(0.0, 1.0, 100, 10, ttft_sum_s=1.0, ttft_count=10),
+              LiveSample(5.0, 2.0, 200, 20, ttft_sum_s=2.0, ttft_count=20))  # TTFT 0.1 s
+    slow_start = (LiveSample(6.0, 2.0, 200, 20, ttft_sum_s=2.0, ttft_count=20),
+                  LiveSample(11.0, 3.0, 300, 30, ttft_sum_s=4.0, ttft_count=30))  # 0.2 s
+    assert "TTFT" in promoter._regression(*before, *slow_start)
+    same = (slow_start[0], LiveSample(11.0, 3.0, 300, 30, ttft_sum_s=3.1, ttft_count=30))
+    assert promoter._regression(*before, *same) == ""
 
 
 def test_expected_tokens_per_step() -> None:
@@ -137,7 +148,26 @@ def test_identical_ratios_still_carry_the_noise_floor() -> None:
     # identical ratios (a coarse clock) must not read as zero noise: 2 x 1% is the bar
     g = paired_gain([101.5, 101.5, 101.5], [100.0, 100.0, 100.0], min_gain=0.0)
     assert g.noise == 0.01 and not g.significant
-    assert paired_gain([103.0, 103.0, 103.0], [100.0, 100.0, 100.0], min_gain=0.0).significant
+    # 3% over 5 pairs at the 1% floor: the t interval (2.78 x 1%) clears 0
+    assert paired_gain([103.0] * 5, [100.0] * 5, min_gain=0.0).significant
+
+
+def test_gain_counts_only_when_its_interval_clears_the_minimum() -> None:
+    g = paired_gain([105.0, 106.0, 104.0, 105.5, 105.0, 104.5], [100.0] * 6, min_gain=0.02)
+    assert g.significant and g.ci_low > 0.02 and g.ci_low < g.gain < g.ci_high
+    # the same +5% mean with +-4% per-pair noise: the interval reaches below 2%
+    wide = paired_gain([109.0, 101.0] * 3, [100.0] * 6, min_gain=0.02)
+    assert wide.gain > 0.04 and wide.ci_low < 0.02 and not wide.significant
+
+
+def test_sample_size_follows_the_measured_variance() -> None:
+    from optimizer.abtest import detectable_effect, pairs_needed
+
+    # n = ((1.96 + 0.84) * sd / log(1.05))^2: 10% per-pair noise needs ~33 pairs for 5%
+    assert pairs_needed(0.10, 0.05) == 33
+    assert pairs_needed(0.02, 0.05) == 2  # quiet pairs: the pilot already suffices
+    assert pairs_needed(0.10, 0.05, max_pairs=10) == 10
+    assert detectable_effect(0.10, 33) == pytest.approx(0.05, abs=0.002)
 
 
 def test_finalists_include_the_best_of_each_spec_method() -> None:

@@ -151,7 +151,8 @@ async def test_service_runs_one_campaign_end_to_end(engines: tuple[str, str],
         worker_url=live_url, measure_url=measure_url,
         fast=Tier("fast", 2, 4, concurrency=4, warmup_requests=1),
         slow=Tier("slow", None, 4, repeats=2, concurrency=4, warmup_requests=1),
-        sample=SAMPLE, search=SearchConfig(fast_budget=4, finalists=1, idle_timeout_s=20),
+        sample=SAMPLE, search=SearchConfig(fast_budget=4, finalists=1, idle_timeout_s=20,
+                                           max_pairs=3),
         promotion=PromotionConfig(watch_s=0.5), verify=VerifyConfig(max_batch=8, max_tokens=(4, 8)),
         min_records=10, once=True)
     service = OptimizerService(cfg)
@@ -165,7 +166,7 @@ async def test_service_runs_one_campaign_end_to_end(engines: tuple[str, str],
     # 1 request/s x 0.5 s recorded e2e: half a request in flight -> per-request tokens/s
     assert entry["objective"] == "request" and entry["concurrency"] == 1
     assert entry["status"] in ("no_candidate", "within_noise", "verification_failed",
-                               "promoted", "rolled_back", "not_worth_switching")
+                               "promoted", "rolled_back", "not_worth_switching", "profile_stale")
     board = Board(cfg.board_path)
     results = board.results(entry["campaign"], "fast")
     assert len(results) >= 4

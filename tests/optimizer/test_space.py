@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -101,3 +102,17 @@ def test_repair_raises_batch_budget() -> None:
                           "spec_method": "ngram", "spec_max_depth": 0, "spec_default_depth": 0})
     assert fixed is not None
     assert fixed.engine.spec_max_depth == 1 and fixed.engine.max_num_batched_tokens == 64
+
+
+def test_auto_threads_fold_into_the_count_they_resolve_to(space: SearchSpace) -> None:
+    from optimizer.space import resolved_threads
+
+    cpus = len(os.sched_getaffinity(0))
+    auto = space.base.with_engine(num_threads=0)
+    same = space.base.with_engine(num_threads=max(1, cpus // 2))
+    assert space.key(auto) == space.key(same)
+    assert resolved_threads(auto.engine, num_cpus=2) == 1
+    assert resolved_threads(auto.with_engine(data_parallel_size=2).engine, num_cpus=8) == 1
+    assert resolved_threads(auto.engine, num_cpus=8) == 4
+    keys = {space.key(space.base.with_engine(num_threads=n)) for n in (0, 1, 2)}
+    assert len(keys) == len({max(1, cpus // 2), 1, 2})
