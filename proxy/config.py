@@ -331,9 +331,11 @@ class OptimizeConfig:
     """The background optimizer (``polyinfer serve --optimize``) for one engine worker."""
 
     enabled: bool = False
-    worker: str = ""  # worker name; "" = the first engine worker
+    worker: str = ""  # worker name; "" = every engine worker, each for its own traffic
     board_path: str = "optimizer-board.sqlite"  # relative paths live under run_dir
     agents: tuple[str, ...] = ("costmodel", "bayes", "evolution")
+    llm_url: str = ""  # OpenAI-compatible endpoint of the "llm" agent
+    llm_model: str = ""
     min_records: int = 20  # finished requests before the first campaign
 
     def __post_init__(self) -> None:

@@ -129,8 +129,11 @@ async def stats(request: web.Request) -> web.Response:
     doc["traces"] = {"written": app[keys.TRACES].num_written,
                      "dropped": app[keys.TRACES].num_dropped,
                      "failed": app[keys.TRACES].num_failed}
-    for service in app[keys.OPTIMIZER]:
-        doc["optimizer"] = service.snapshot()
+    services = app[keys.OPTIMIZER]
+    if services:  # NOTE: "optimizer" is the first tuned worker's, "optimizers" all of them
+        snapshots = [s.snapshot() for s in services]
+        doc["optimizer"] = snapshots[0]
+        doc["optimizers"] = {snap["worker"]: snap for snap in snapshots}
     depth_policies = relay.depth_policies()
     if depth_policies:  # the one that picks the depths
         doc["depth_policy"] = depth_policies[0].snapshot()

@@ -14,6 +14,7 @@ import logging
 
 from polyinfer.config import ConfigError
 from proxy.config import (
+    OptimizeConfig,
     ProxyConfig,
     RoutingConfig,
     ServerConfig,
@@ -42,7 +43,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--optimize", action="store_true",
                    help="run the background optimizer on an engine worker (see optimize.*)")
     p.add_argument("--optimize-worker", metavar="NAME",
-                   help="the worker to optimize (default: the first engine worker)")
+                   help="the worker to optimize (default: every engine worker)")
+    p.add_argument("--optimize-agents", metavar="NAMES",
+                   help="comma-separated proposer agents: costmodel,bayes,evolution,llm")
+    p.add_argument("--optimize-llm-url", metavar="URL",
+                   help="OpenAI-compatible endpoint for the llm agent (implies it)")
+    p.add_argument("--optimize-llm-model", metavar="NAME", default="",
+                   help="model name the llm agent asks for")
     p.set_defaults(func=main)
 
 
@@ -64,8 +71,7 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
             config, routing=dataclasses.replace(config.routing, policy=args.policy))
     optimize_worker = getattr(args, "optimize_worker", None)
     if getattr(args, "optimize", False) or optimize_worker:
-        config = dataclasses.replace(config, optimize=dataclasses.replace(
-            config.optimize, enabled=True, worker=optimize_worker or config.optimize.worker))
+        config = dataclasses.replace(config, optimize=_optimize_flags(config.optimize, args))
     if not config.workers:
         raise ConfigError("workers: expected at least one worker (config or --worker URL)")
     return config
@@ -83,3 +89,16 @@ def main(args: argparse.Namespace) -> int:
         logger.error("polyinfer serve failed: %s", e)
         return 1
     return 0
+
+
+def _optimize_flags(cfg: OptimizeConfig, args: argparse.Namespace) -> OptimizeConfig:
+    """``optimize`` with the --optimize-* flags over it (the llm URL adds the llm agent)."""
+    agents = cfg.agents
+    if getattr(args, "optimize_agents", None):
+        agents = tuple(a.strip() for a in args.optimize_agents.split(",") if a.strip())
+    llm_url = getattr(args, "optimize_llm_url", None) or cfg.llm_url
+    if llm_url and "llm" not in agents:
+        agents = (*agents, "llm")
+    return dataclasses.replace(cfg, enabled=True, agents=agents, llm_url=llm_url,
+                               worker=getattr(args, "optimize_worker", None) or cfg.worker,
+                               llm_model=getattr(args, "optimize_llm_model", "") or cfg.llm_model)
