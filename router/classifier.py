@@ -57,7 +57,8 @@ class DomainClassifier:
 
     def scores(self, text: str) -> np.ndarray:
         idx, val = self.featurizer.transform(text)
-        return val @ self.weights[idx] + self.bias  # [num_classes]
+        # NOTE: take() gathers rows ~3x faster than fancy indexing at these sizes
+        return val @ self.weights.take(idx, axis=0) + self.bias  # [num_classes]
 
     def predict(self, text: str) -> str:
         return self.classes[int(np.argmax(self.scores(text)))]
