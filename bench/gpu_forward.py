@@ -13,10 +13,15 @@ in one process on one GPU:
    only, and the device's share (one graph replay of the batch's bucket);
 4. transformers' eager ``generate`` on the same checkpoint and batches (greedy);
 5. with ``--profile``: the kernels of one uncaptured decode step per variant set and
-   batch, by CUDA time (torch.profiler), appended to that file.
+   batch, by CUDA time (torch.profiler), appended to that file;
+6. the projections alone at 1 and 8 rows (``skinny_gemm``'s tuned launch against cuBLAS,
+   weights from HBM): device us and the bandwidth they reach;
+7. with ``--profile-host``: the host functions of each variant set's loop by own time
+   (cProfile), appended to that file.
 
     python bench/gpu_forward.py [--batches 1 8 64] [--tokens 256]
         [--variants default all] [--json out.json] [--profile kernels.txt]
+        [--profile-host host.txt]
 
 Needs CUDA. The checkpoint is written to a temporary folder with the bundled
 tokenizer, so nothing is downloaded.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import shutil
 import sys
@@ -43,7 +49,15 @@ from engine.cuda_graph import DecodeRow  # noqa: E402
 from engine.fused import VARIANTS, ForwardShape, check_forward  # noqa: E402
 from engine.loader import load_core  # noqa: E402
 from engine.sequence import GenerationParams  # noqa: E402
-from polyinfer.config import TINY_TARGET, CompiledConfig, EngineConfig, ForwardConfig  # noqa: E402
+from engine.skinny_gemm import CUBLAS, SkinnyGemm, skinny_linear, time_ms  # noqa: E402
+from polyinfer.config import (  # noqa: E402
+    FUSED_FORWARD,
+    GPU_FORWARD,
+    TINY_TARGET,
+    CompiledConfig,
+    EngineConfig,
+    ForwardConfig,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 PROMPT_TOKENS = 32
@@ -51,7 +65,8 @@ VARIANT_SETS = {"default": ForwardConfig(),
                 "fused_norm": ForwardConfig(fused_norm=True),
                 "fused_rope_kv": ForwardConfig(fused_rope_kv=True),
                 "fused_silu": ForwardConfig(fused_silu=True),
-                "all": ForwardConfig(fused_norm=True, fused_rope_kv=True, fused_silu=True)}
+                "skinny_gemm": ForwardConfig(skinny_gemm=True),
+                "all": FUSED_FORWARD, "all+skinny": GPU_FORWARD}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +159,48 @@ def decode_rate(core: Any, batch: int, num_tokens: int, run: str) -> float:
     return produced / (time.perf_counter() - t0)
 
 
+def host_profile(core: Any, batch: int, num_tokens: int, run: str, out: Path) -> None:
+    """cProfile of one decode run's loop (by own time), appended to ``out``."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    decode_rate(core, batch, num_tokens, run)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    with out.open("a") as f:
+        f.write(f"\n== host, {run}: batch {batch}, {num_tokens} tokens ==\n{text.getvalue()}")
+
+
+def projection_rates(shape: Shape, nbytes_per: int = 2) -> list[dict[str, Any]]:
+    """Each projection of the shape alone at 1 and 8 rows: cuBLAS vs the tuned skinny launch."""
+    head_dim = shape.hidden // shape.heads
+    q, kv = shape.heads * head_dim, shape.kv_heads * head_dim
+    shapes = {"qkv": (q + 2 * kv, shape.hidden), "o": (shape.hidden, q),
+              "gate_up": (2 * shape.intermediate, shape.hidden),
+              "down": (shape.hidden, shape.intermediate), "lm_head": (shape.vocab, shape.hidden)}
+    gemm = SkinnyGemm.for_shapes(shapes.values(), "cuda", torch.bfloat16)
+    out = []
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+        cfg = gemm.configs[(n, k)]
+        for rows in (1, 8):
+            x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+            cublas, skinny = (time_ms(functools.partial(skinny_linear, x, w, None, c), iters=50)
+                              for c in (CUBLAS, cfg))
+            gb = n * k * nbytes_per / 1e9
+            out.append({"proj": name, "rows": rows, "n": n, "k": k, "config": str(cfg),
+                        "cublas_us": cublas * 1e3, "skinny_us": skinny * 1e3,
+                        "cublas_TBps": gb / cublas, "skinny_TBps": gb / skinny})
+            print(f"proj {name:<8} [{n:>6}, {k:>5}] rows {rows}: cuBLAS {cublas * 1e3:7.1f} us "
+                  f"({gb / cublas:.2f} TB/s)  skinny {skinny * 1e3:7.1f} us "
+                  f"({gb / skinny:.2f} TB/s)  {cfg}", flush=True)
+    return out
+
+
 def replay_ms(core: Any, batch: int, context: int, iters: int = 50) -> float:
     """Device ms of one graph replay for ``batch`` rows at ``context`` tokens each."""
     graphs = core.runner.graphs
@@ -221,6 +278,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--json", type=Path)
     p.add_argument("--profile", type=Path, help="file the per-kernel profiles go to")
+    p.add_argument("--profile-host", type=Path, help="file the host (cProfile) profiles go to")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
@@ -238,6 +296,7 @@ def main() -> int:
         result.update(bandwidth_Bps=bw, weight_bytes=nbytes, roofline_tok_s=roof)
         print(f"checkpoint {nbytes / 1e9:.2f} GB -> batch-1 roofline {roof:.0f} tok/s", flush=True)
         result["checks"] = check_kernels(shape)
+        result["projections"] = projection_rates(shape)
         result["engine"] = run_engine(model_dir, args, roof)
         if args.transformers_tokens:
             result["transformers"] = {}
@@ -254,10 +313,12 @@ def main() -> int:
 
 def check_kernels(shape: Shape) -> list[dict[str, Any]]:
     fs = ForwardShape(shape.hidden, shape.intermediate, shape.heads, shape.kv_heads,
-                      shape.hidden // shape.heads, 1e-5, shape.rope_theta)
+                      shape.hidden // shape.heads, 1e-5, shape.rope_theta, shape.vocab)
+    tuned: dict[str, Any] = {
+        "skinny_gemm": SkinnyGemm.for_shapes(fs.projections(), "cuda", torch.bfloat16)}
     out = []
     for rows in (1, 8, 64, 512):
-        for c in check_forward(VARIANTS, fs, "cuda", torch.bfloat16, rows):
+        for c in check_forward(VARIANTS, fs, "cuda", torch.bfloat16, rows, impls=tuned):
             out.append(dataclasses.asdict(c) | {"ok": c.ok})
             print(f"check {c.variant:<14} rows {rows:>3}: max |err| {c.max_abs_err:.3g}, "
                   f"{c.worst_ratio:.2f} of the bound  {'ok' if c.ok else 'FAILED'}", flush=True)
@@ -289,6 +350,8 @@ def run_engine(model_dir: Path, args: argparse.Namespace, roof: float) -> dict[s
                 calls = sum(c for _, c, _ in top)
                 print(f"  profile: {calls} kernels, {total:.0f} us of kernel time per step; top: "
                       + "; ".join(f"{k[:40]} x{c} {t:.0f}us" for k, c, t in top[:6]), flush=True)
+            if args.profile_host is not None and b in (1, max(args.batches)):
+                host_profile(core, b, 64, f"{name}-host-{b}", args.profile_host)
         out[name] = entry
     return out
 

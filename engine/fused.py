@@ -8,13 +8,16 @@ variant here replaces a run of those by one Triton kernel:
 - ``fused_norm``: the residual add and the next RMSNorm (``h += delta; x = rms(h) * w``);
 - ``fused_rope_kv``: RoPE on the q and k heads (q in place) and the K/V-cache write of
   k and v at each token's slot;
-- ``fused_silu``: ``silu(gate) * up`` from the ``[gate | up]`` projection.
+- ``fused_silu``: ``silu(gate) * up`` from the ``[gate | up]`` projection;
+- ``skinny_gemm``: every projection of at most 16 rows (decode at small batch) as one
+  stream over its weight (:mod:`engine.skinny_gemm`), in place of cuBLAS.
 
 Which ones a model uses is :class:`polyinfer.config.ForwardConfig`, part of the
 compiled config, so a hot reload swaps them without reloading weights. Every variant
 is checked against its reference on fresh random inputs at the model's shapes before
 it serves (:func:`check_forward`, run by the engine on every build): the fused result
-must lie within :func:`error_bound` of the reference, elementwise. The kernels round
+must lie within :func:`error_bound` of the reference, elementwise (the projections:
+within :func:`engine.skinny_gemm.skinny_bound` of ``F.linear``). The kernels round
 where torch rounds (:mod:`engine.fused_kernels`), so in practice they agree to an ulp.
 
     x, h = add_rms_norm(h, delta, weight, eps)           # [T, hidden] each
@@ -25,7 +28,7 @@ where torch rounds (:mod:`engine.fused_kernels`), so in practice they agree to a
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,13 +36,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import UnsupportedConfigError
+from engine.skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS
+from engine.skinny_gemm import skinny_bound, skinny_linear
 
 if TYPE_CHECKING:
     from engine.checkpoint import ModelSpec
 
 logger = logging.getLogger(__name__)
 
-VARIANTS = ("fused_norm", "fused_rope_kv", "fused_silu")
+VARIANTS = ("fused_norm", "fused_rope_kv", "fused_silu", "skinny_gemm")
 NORM_BLOCK_MAX = 16384  # widest hidden size one program normalizes
 SILU_BLOCK = 1024  # columns per program of silu_mul
 
@@ -166,11 +171,19 @@ class ForwardShape:
     head_dim: int
     eps: float = 1e-5
     rope_theta: float = 10000.0
+    vocab: int = 0  # the LM head's rows; 0: its projection is not checked
 
     @classmethod
     def of(cls, spec: ModelSpec) -> ForwardShape:
         return cls(spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads,
-                   spec.head_dim, spec.rms_norm_eps, spec.rope_theta)
+                   spec.head_dim, spec.rms_norm_eps, spec.rope_theta, spec.vocab_size)
+
+    def projections(self) -> list[tuple[int, int]]:
+        """Weight shapes ``(N, K)`` of the model's projections: q|k|v, o, gate|up, down, head."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        out = [(q + 2 * kv, self.hidden), (self.hidden, q), (2 * self.intermediate, self.hidden),
+               (self.hidden, self.intermediate)]
+        return out + ([(self.vocab, self.hidden)] if self.vocab else [])
 
 
 @dataclass(frozen=True)
@@ -207,13 +220,13 @@ def error_bound(reference: torch.Tensor, scale: torch.Tensor | None = None) -> t
 
 
 Impl = Callable[..., Any]  # a kernel or its reference, called the same way
-# a check's outputs: fused, reference, and per output the scale of its terms (None: |ref|)
+# a check's outputs: fused, reference, and per output its bound (None: error_bound(ref))
 Case = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None]]
 
 
 def check_forward(variants: Sequence[str], shape: ForwardShape, device: str | torch.device,
                   dtype: torch.dtype, num_rows: int = 5, seed: int | None = None,
-                  impls: dict[str, Impl] | None = None) -> list[KernelCheck]:
+                  impls: Mapping[str, Impl] | None = None) -> list[KernelCheck]:
     """Each of ``variants`` (names from :data:`VARIANTS`) against its torch reference.
 
     ``impls`` replaces a variant's fused kernel (a test plants a faulty one there).
@@ -227,17 +240,21 @@ def check_forward(variants: Sequence[str], shape: ForwardShape, device: str | to
     for name in variants:
         case = _CASES[name]
         fused = impls.get(name, _FUSED[name])
-        got, want, scales = case(fused, _REFERENCE[name], shape, num_rows, g, device, dtype)
-        out.append(_compare(name, num_rows, got, want, scales))
+        got, want, bounds = case(fused, _REFERENCE[name], shape, num_rows, g, device, dtype)
+        out.append(_compare(name, num_rows, got, want, bounds))
     return out
 
 
 def verify_variants(variants: Sequence[str], spec: ModelSpec, device: str | torch.device,
-                    dtype: torch.dtype) -> list[KernelCheck]:
+                    dtype: torch.dtype, impls: Mapping[str, Impl] | None = None
+                    ) -> list[KernelCheck]:
     """:func:`check_forward` at ``spec``'s shapes, twice (1 row, as in batch-1 decode, and 37
-    rows); raises :class:`UnsupportedConfigError` naming any kernel outside its bound."""
+    rows; the projections at 16, the most ``skinny_gemm`` takes); raises
+    :class:`UnsupportedConfigError` naming any kernel outside its bound. ``impls``: the
+    kernels as the model will call them (its tuned projections)."""
     shape = ForwardShape.of(spec)
-    checks = [c for n in (1, 37) for c in check_forward(variants, shape, device, dtype, n)]
+    checks = [c for n in (1, 37)
+              for c in check_forward(variants, shape, device, dtype, n, impls=impls)]
     for c in checks:
         logger.info("forward variant %s, %d rows: max |err| %.3g, %.2f of its bound",
                     c.variant, c.num_rows, c.max_abs_err, c.worst_ratio)
@@ -252,16 +269,16 @@ def verify_variants(variants: Sequence[str], spec: ModelSpec, device: str | torc
 
 
 def _compare(name: str, num_rows: int, got: Sequence[torch.Tensor],
-             want: Sequence[torch.Tensor], scales: Sequence[torch.Tensor | None]) -> KernelCheck:
+             want: Sequence[torch.Tensor], bounds: Sequence[torch.Tensor | None]) -> KernelCheck:
     max_err, worst = 0.0, 0.0
-    for a, b, scale in zip(got, want, scales, strict=True):
+    for a, b, bound in zip(got, want, bounds, strict=True):
         if a.shape != b.shape or a.dtype != b.dtype:
             return KernelCheck(name, num_rows, float("inf"), float("inf"))
         err = (a.float() - b.float()).abs()
         if not bool(torch.isfinite(a.float()).all()):
             return KernelCheck(name, num_rows, float("inf"), float("inf"))
         max_err = max(max_err, float(err.max()))
-        worst = max(worst, float((err / error_bound(b, scale)).max()))
+        worst = max(worst, float((err / (error_bound(b) if bound is None else bound)).max()))
     return KernelCheck(name, num_rows, max_err, worst)
 
 
@@ -298,7 +315,9 @@ def _rope_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: torch.Generat
         k, v, x = cache[0].clone(), cache[1].clone(), qkv.clone()
         q = impl(x, cos, sin, positions, slots, k, v, s.num_heads, s.num_kv_heads)
         outs.append([q, k, v])
-    return outs[0], outs[1], _rope_scales(qkv, cos, sin, positions, slots, cache, s)
+    scales = _rope_scales(qkv, cos, sin, positions, slots, cache, s)
+    return outs[0], outs[1], [error_bound(b, scale) for b, scale in zip(outs[1], scales,
+                                                                         strict=True)]
 
 
 def _rope_scales(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -323,9 +342,35 @@ def _silu_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: torch.Generat
     return [fused(gate_up)], [ref(gate_up)], [None]
 
 
+def _skinny_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: torch.Generator,
+                 device: str | torch.device, dtype: torch.dtype) -> Case:
+    """Every projection shape at ``min(n, 16)`` rows (the first also with a bias), weights
+    at the scale of a trained model's (0.02) drawn on the device (the LM head is large)."""
+    rows = min(n, SKINNY_MAX_ROWS)
+    dev = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**31 - 1, (),
+                                                                       generator=g)))
+    got: list[torch.Tensor] = []
+    want: list[torch.Tensor] = []
+    bounds: list[torch.Tensor | None] = []
+    for i, (out_dim, in_dim) in enumerate(s.projections()):
+        x = torch.randn(rows, in_dim, generator=dev, device=device).to(dtype)
+        w = (torch.randn(out_dim, in_dim, generator=dev, device=device) * 0.02).to(dtype)
+        bias = None
+        if i == 0:
+            bias = (torch.randn(out_dim, generator=dev, device=device) * 0.1).to(dtype)
+        for b in (None, bias) if bias is not None else (None,):
+            ref_out = ref(x, w, b)
+            got.append(fused(x, w, b))
+            want.append(ref_out)
+            bounds.append(skinny_bound(ref_out, x, w))
+        del w
+    return got, want, bounds
+
+
 _FUSED: dict[str, Impl] = {"fused_norm": add_rms_norm, "fused_rope_kv": rope_kv_write,
-                           "fused_silu": silu_mul}
+                           "fused_silu": silu_mul, "skinny_gemm": skinny_linear}
 _REFERENCE: dict[str, Impl] = {"fused_norm": add_rms_norm_reference,
                                "fused_rope_kv": rope_kv_reference,
-                               "fused_silu": silu_mul_reference}
-_CASES = {"fused_norm": _norm_case, "fused_rope_kv": _rope_case, "fused_silu": _silu_case}
+                               "fused_silu": silu_mul_reference, "skinny_gemm": F.linear}
+_CASES = {"fused_norm": _norm_case, "fused_rope_kv": _rope_case, "fused_silu": _silu_case,
+          "skinny_gemm": _skinny_case}

@@ -27,6 +27,7 @@ from engine.checkpoint import ModelSpec
 from engine.cpu_gemm import CpuGemm, CpuProjection, load_cpu_gemm, project
 from engine.errors import CheckpointError, UnsupportedConfigError
 from engine.kv_cache import KVCache
+from engine.skinny_gemm import SkinnyGemm
 from engine.triton_attention import DecodeMetadata, decode_attention, is_available
 
 if TYPE_CHECKING:
@@ -193,6 +194,8 @@ class LlamaModel:
         cast: dict[str, object] = {"dtype": self.dtype, "device": device}
         reason = (packing_disabled_reason(device, self.dtype, execution) if pack_weights
                   else "pack_weights=False")
+        if reason is None and "skinny_gemm" in enabled:
+            reason = "skinny_gemm streams plain weights"
         self.weights_key = (self.dtype, str(device), self.num_layers, reason is None)
         self.embed: torch.Tensor
         self.layers: list[LayerWeights]
@@ -205,6 +208,14 @@ class LlamaModel:
             self.lm_head, self.linear, self.packed = share.lm_head, share.linear, share.packed
         else:
             self._cast_weights(weights, cast, reason)
+        self.skinny: SkinnyGemm | None = None
+        self._project: Linear = self.linear  # the projections' product (self.linear or skinny)
+        # the last tuned launches, handed on by every reload (one without the variant too)
+        self.skinny_tuned: SkinnyGemm | None = share.skinny_tuned if share else None
+        if "skinny_gemm" in enabled:
+            self.skinny = SkinnyGemm.for_shapes(self._projection_shapes(), device, self.dtype,
+                                                share=self.skinny_tuned)
+            self._project = self.skinny_tuned = self.skinny
         cos, sin = rope_table(spec, max(max_positions or 0, spec.max_position_embeddings))
         self.cos = cos.to(**cast)  # type: ignore[call-overload]
         self.sin = sin.to(**cast)  # type: ignore[call-overload]
@@ -233,6 +244,12 @@ class LlamaModel:
                 self.lm_head = head.to(**cast) if head is not None else self.embed  # type: ignore
         if reason is not None:
             logger.debug("projections use F.linear: %s", reason)
+
+    def _projection_shapes(self) -> list[tuple[int, int]]:
+        """``(N, K)`` of every projection weight (one layer's four, the LM head)."""
+        layer = self.layers[0]
+        weights = [layer.qkv, layer.o, layer.gate_up, layer.down, self.lm_head]
+        return [(int(w.shape[0]), int(w.shape[1])) for w in weights]  # type: ignore[union-attr]
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         return KVCache(self.num_layers, num_blocks, block_size, self.spec.num_kv_heads,
@@ -266,7 +283,7 @@ class LlamaModel:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states ``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
         h = F.rms_norm(h, (h.shape[-1],), self.norm, self.spec.rms_norm_eps)
-        return self.linear(h, self.lm_head).float()
+        return self._project(h, self.lm_head).float()
 
     def _dense_block(self, h: torch.Tensor, delta: torch.Tensor,
                      layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,15 +293,15 @@ class LlamaModel:
             return self._dense(h, delta, layer.post_norm, layer.gate_up, layer.down, eps,
                                self.linear)
         x, h = self._add_norm(h, delta, layer.post_norm, eps)
-        act = self._silu_mul(self.linear(x, layer.gate_up))  # [T, intermediate]
-        return h, self.linear(act, layer.down)
+        act = self._silu_mul(self._project(x, layer.gate_up))  # [T, intermediate]
+        return h, self._project(act, layer.down)
 
     def _attention(self, x: torch.Tensor, layer: LayerWeights, i: int,
                    meta: AttnMetadata | DecodeMetadata, kv: KVCache,
                    rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         spec = self.spec
         nq, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        qkv = self.linear(x, layer.qkv, layer.qkv_bias).view(-1, nq + 2 * nkv, d)
+        qkv = self._project(x, layer.qkv, layer.qkv_bias).view(-1, nq + 2 * nkv, d)
         if rope is None:  # q rotated in place in qkv; k, v written to the cache: [T, nq, D]
             q = fused.rope_kv_write(qkv, self.cos, self.sin, meta.positions, meta.slot_mapping,
                                     kv.k[i], kv.v[i], nq, nkv)
@@ -294,4 +311,4 @@ class LlamaModel:
             out = decode_attention(q, kv.k[i], kv.v[i], meta, self.scale)
         else:
             out = paged_attention(q, kv.k[i], kv.v[i], meta, self.scale, self.naive_attention)
-        return self.linear(out, layer.o)
+        return self._project(out, layer.o)

@@ -38,7 +38,14 @@ from typing import Any
 import numpy as np
 
 from optimizer.errors import SpaceError
-from polyinfer.config import CompiledConfig, ConfigError, EngineConfig
+from polyinfer.config import (
+    FUSED_FORWARD,
+    GPU_FORWARD,
+    CompiledConfig,
+    ConfigError,
+    EngineConfig,
+    ForwardConfig,
+)
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -147,6 +154,11 @@ DEFAULT_KNOBS: tuple[Knob, ...] = (
 # whatever they say, so searching them would only spend measurements on noise.
 # Add them (Knob("execution", ("eager", "compiled", "cuda_graph"))) on a GPU engine.
 
+# A GPU engine (execution "cuda_graph") also searches its code: the forward-pass variants
+# (engine.forward, each checked against the torch reference before it serves), ordered
+# from the torch ops to every fused kernel and the skinny projections.
+FORWARD_KNOB = Knob("forward", (ForwardConfig(), FUSED_FORWARD, GPU_FORWARD))
+
 
 @dataclass(frozen=True)
 class SearchSpace:
@@ -239,10 +251,14 @@ class SearchSpace:
 
     def key(self, cfg: CompiledConfig) -> str:
         """Canonical JSON of the knob values: equal keys = the same candidate."""
-        return json.dumps(self.point_of(self.canonical(cfg)), sort_keys=True)
+        return json.dumps(self.point_of(self.canonical(cfg)), sort_keys=True,
+                          default=dataclasses.asdict)
 
     def from_key(self, key: str) -> CompiledConfig:
-        return self.build(json.loads(key))
+        point = json.loads(key)
+        if isinstance(point.get("forward"), dict):  # a ForwardConfig, written as its fields
+            point["forward"] = ForwardConfig(**point["forward"])
+        return self.build(point)
 
     # -- encodings ----------------------------------------------------------
 

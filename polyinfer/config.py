@@ -72,6 +72,9 @@ class ForwardConfig:
     fused_norm: bool = False  # residual add + RMSNorm in one kernel
     fused_rope_kv: bool = False  # RoPE on q and k + the K/V-cache write in one kernel
     fused_silu: bool = False  # silu(gate) * up in one kernel
+    # projections of <= 16 rows (small-batch decode) as one stream over the weight, the
+    # launch tuned per shape on the device, cuBLAS kept where it is faster
+    skinny_gemm: bool = False
 
     @property
     def enabled(self) -> tuple[str, ...]:
@@ -80,6 +83,9 @@ class ForwardConfig:
 
 
 FUSED_FORWARD = ForwardConfig(fused_norm=True, fused_rope_kv=True, fused_silu=True)
+# the fused kernels and the skinny projections: the fastest small-batch GPU decode
+GPU_FORWARD = ForwardConfig(fused_norm=True, fused_rope_kv=True, fused_silu=True,
+                            skinny_gemm=True)
 
 
 @dataclass(frozen=True)

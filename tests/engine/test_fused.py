@@ -13,7 +13,14 @@ import torch
 
 from engine.errors import UnsupportedConfigError
 from engine.fused import KernelCheck, error_bound
-from polyinfer.config import FUSED_FORWARD, CompiledConfig, ConfigError, EngineConfig, ForwardConfig
+from polyinfer.config import (
+    FUSED_FORWARD,
+    GPU_FORWARD,
+    CompiledConfig,
+    ConfigError,
+    EngineConfig,
+    ForwardConfig,
+)
 from tests.engine.drive import run_interpreted
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -72,11 +79,31 @@ def check_kernels(dtype: str) -> None:
 
     shapes = [ForwardShape(256, 768, 4, 2, 64), ForwardShape(320, 600, 5, 1, 32, 1e-6),
               ForwardShape(2048, 1024, 32, 8, 64, rope_theta=500000.0)]
+    variants = [v for v in VARIANTS if v != "skinny_gemm"]  # check_skinny: smaller shapes
     for shape in shapes:
         for num_rows in (1, 6):
-            checks = check_forward(VARIANTS, shape, "cpu", getattr(torch, dtype), num_rows)
-            assert [c.variant for c in checks] == list(VARIANTS)
+            checks = check_forward(variants, shape, "cpu", getattr(torch, dtype), num_rows)
+            assert [c.variant for c in checks] == variants
             assert all(c.ok for c in checks), checks
+
+
+def check_skinny(dtype: str) -> None:
+    """The projections at 1, 7 and 16 rows (a full tile), the LM head too, K split in two
+    and not, columns and K not multiples of the tile (K 300, N 320 + 2 x 32)."""
+    from engine.fused import ForwardShape, check_forward
+    from engine.skinny_gemm import SkinnyConfig, skinny_linear
+
+    wide, odd = SkinnyConfig(64, 256, 2), SkinnyConfig(16, 64, 1)
+    for shape, num_rows, cfgs in ((ForwardShape(256, 768, 4, 2, 64, vocab=1000), 1, [wide]),
+                                  (ForwardShape(256, 768, 4, 2, 64), 16, [wide]),
+                                  (ForwardShape(320, 300, 5, 1, 32, 1e-6), 7, [wide, odd])):
+        for cfg in cfgs:
+            def tuned(x, w, b, cfg=cfg):  # type: ignore[no-untyped-def]
+                return skinny_linear(x, w, b, cfg)
+
+            [check] = check_forward(["skinny_gemm"], shape, "cpu", getattr(torch, dtype),
+                                    num_rows, impls={"skinny_gemm": tuned})
+            assert check.ok, (shape, num_rows, cfg, check)
 
 
 @pytest.mark.timeout(120)
@@ -85,10 +112,17 @@ def test_kernels_match_their_references_in_the_interpreter() -> None:
                  "check_kernels('float32'); check_kernels('float16')")
 
 
+@pytest.mark.timeout(150)
+def test_skinny_projections_match_f_linear_in_the_interpreter() -> None:
+    _interpreted("from tests.engine.test_fused import check_skinny; "
+                 "check_skinny('float32'); check_skinny('float16')", timeout_s=140)
+
+
 def check_planted_faults() -> None:
     """Broken kernels, each close to a real one, are all refused."""
     from engine import fused
     from engine.fused import ForwardShape, check_forward
+    from engine.skinny_gemm import SkinnyConfig, skinny_linear
 
     def norm_without_residual_store(h, delta, w, eps):  # type: ignore[no-untyped-def]
         x, _ = fused.add_rms_norm(h, delta, w, eps)
@@ -107,10 +141,27 @@ def check_planted_faults() -> None:
     def silu_of_up(gate_up):  # type: ignore[no-untyped-def]
         return fused.silu_mul(gate_up.flip(-1))
 
+    def skinny_without_bias(x, w, bias):  # type: ignore[no-untyped-def]
+        return skinny_linear(x, w, None)
+
+    def skinny_without_last_block(x, w, bias):  # type: ignore[no-untyped-def]
+        x = x.clone()
+        x[:, -64:] = 0
+        return skinny_linear(x, w, bias)
+
+    def skinny_row_zero_everywhere(x, w, bias):  # type: ignore[no-untyped-def]
+        return skinny_linear(x[:1].expand_as(x), w, bias)
+
+    def skinny_a_thousandth_high(x, w, bias):  # type: ignore[no-untyped-def]
+        return skinny_linear(x, w, bias, SkinnyConfig(16, 64, 4)) * (1 + 2**-10)
+
     shape = ForwardShape(256, 768, 4, 2, 64)
     planted = [("fused_norm", norm_without_residual_store), ("fused_norm", norm_eps_inside_mean),
                ("fused_rope_kv", rope_one_position_late), ("fused_rope_kv", rope_without_v),
-               ("fused_silu", silu_of_up)]
+               ("fused_silu", silu_of_up), ("skinny_gemm", skinny_without_bias),
+               ("skinny_gemm", skinny_without_last_block),
+               ("skinny_gemm", skinny_row_zero_everywhere),
+               ("skinny_gemm", skinny_a_thousandth_high)]
     for name, impl in planted:
         [check] = check_forward([name], shape, "cpu", torch.float32, 3, impls={name: impl})
         assert not check.ok, (impl.__name__, check)
@@ -158,6 +209,10 @@ def check_model_and_reload() -> None:
     except EngineError as e:
         assert "fused_silu" in str(e), e
     assert core.config.engine.forward == ForwardConfig(fused_rope_kv=True)
+    assert generate(core, prompts, params)[0] == want
+    fused._FUSED["fused_silu"] = fused.silu_mul
+    core.reload(base.with_engine(forward=GPU_FORWARD))  # the projections too
+    assert core.model.skinny is not None and core.model.variants == GPU_FORWARD.enabled
     assert generate(core, prompts, params)[0] == want
     core.reload(dataclasses.replace(base))
     assert core.model.variants == () and generate(core, prompts, params)[0] == want
@@ -209,7 +264,8 @@ def test_greedy_outputs_equal_with_every_variant_set_on_the_gpu(tiny_model_dir) 
     want = [generate(core, [p], [q])[0][0] for p, q in zip(prompts[:2], params[:2], strict=True)]
     want_batch = generate(core, prompts, params)[0]
     for forward in (FUSED_FORWARD, ForwardConfig(fused_norm=True),
-                    ForwardConfig(fused_rope_kv=True), ForwardConfig(fused_silu=True)):
+                    ForwardConfig(fused_rope_kv=True), ForwardConfig(fused_silu=True),
+                    ForwardConfig(skinny_gemm=True), GPU_FORWARD):
         seconds = core.reload(core.config.with_engine(forward=forward))
         assert core.model.variants == forward.enabled and seconds < 30
         assert [generate(core, [p], [q])[0][0] for p, q in zip(prompts[:2], params[:2], strict=True)] == want

@@ -1,0 +1,196 @@
+"""Projections of a few rows (decode at small batch) as one pass over the weight, in Triton.
+
+At batch 1-8 a decode step's projections are matrix-vector products: each weight is read
+once and the arithmetic is nothing, so the step can go no faster than the weight bytes
+over the memory bandwidth. cuBLAS picks kernels for these shapes that stream the 1B
+Llama's q|k|v and o weights at 1.5-2.2 TB/s of the H200's 4.2 (bench/RESULTS.md, GPU
+decode). :func:`skinny_linear` tiles the output columns (``BLOCK_N`` weight rows a
+program), pads the few input rows to one 16-row ``tl.dot`` tile, and for short, wide
+weights splits K over more programs (float32 partial sums, then one kernel that adds
+them in a fixed order: the result does not depend on the launch).
+
+:class:`SkinnyGemm` chooses the launch per weight shape by timing the candidates (and
+cuBLAS, which it keeps where it is faster) on the device, once per model build; a hot
+reload hands the choices on. It is the ``skinny_gemm`` forward variant
+(``engine.forward.skinny_gemm``), checked like the others against ``F.linear`` on fresh
+random inputs at the model's projection shapes (:func:`skinny_bound`).
+
+    gemm = SkinnyGemm.for_shapes([(3072, 2048), (2048, 2048)], "cuda", torch.bfloat16)
+    y = gemm(x, w)            # x [rows, K], w [N, K] -> [rows, N]; > MAX_ROWS rows: F.linear
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 16  # rows one program's tl.dot tile holds; more rows go to F.linear
+SUM_BLOCK = 1024  # columns per program of the split-K sum
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """One launch of :func:`skinny_linear`; ``block_n == 0`` means ``F.linear`` (cuBLAS)."""
+
+    block_n: int = 16  # weight rows (output columns) per program
+    block_k: int = 128  # K per loop step
+    split: int = 1  # programs along K (> 1: float32 partials, then split_sum_kernel)
+    num_stages: int = 4  # Triton's software pipelining depth of the weight loads
+    num_warps: int = 4
+
+
+CUBLAS = SkinnyConfig(block_n=0)
+DEFAULT = SkinnyConfig(block_n=64, block_k=256, split=2)  # untuned (the interpreter)
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                  cfg: SkinnyConfig = DEFAULT) -> torch.Tensor:
+    """``x @ w.T + bias`` for ``x`` ``[rows <= MAX_ROWS, K]``, ``w`` ``[N, K]``: ``[rows, N]``."""
+    from engine.fused_kernels import skinny_gemm_kernel, split_sum_kernel
+
+    rows, k = x.shape
+    n = w.shape[0]
+    if cfg.block_n == 0 or rows > MAX_ROWS or rows == 0:
+        return F.linear(x, w, bias)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    assert w.shape[1] == k and w.stride(-1) == 1
+    k_per_split = -(-k // (cfg.split * cfg.block_k)) * cfg.block_k
+    split = -(-k // k_per_split)
+    even = n % cfg.block_n == 0 and k % k_per_split == 0
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    part = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32,
+                                              device=x.device)
+    grid = (-(-n // cfg.block_n), split)
+    skinny_gemm_kernel[grid](
+        x, w, bias if bias is not None else w, part, rows, n, k, k_per_split,
+        x.stride(0), w.stride(0), part.stride(-2), part.stride(0) if split > 1 else 0,
+        HAS_BIAS=bias is not None and split == 1, PARTIAL=split > 1, EVEN=even,
+        IEEE=x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_stages=cfg.num_stages, num_warps=cfg.num_warps)
+    if split > 1:
+        split_sum_kernel[(rows, -(-n // SUM_BLOCK))](
+            part, bias if bias is not None else w, out, n, part.stride(0), part.stride(1),
+            out.stride(0), SPLIT=split, HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK,
+            num_warps=4)
+    return out
+
+
+def skinny_bound(reference: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The elementwise bound :func:`skinny_linear` must meet against ``F.linear``.
+
+    ``atol + rtol * max(|ref|, l2) + sqrt(K) 2^-21 l2``, where ``l2`` is the L2 norm of
+    the K products an output sums (``sqrt(x^2 @ w^2.T)``: the size of a sum of K terms of
+    either sign, so outputs that cancel keep a bound). Both sides accumulate in float32,
+    in different orders: the last term is eight times that order's typical effect. rtol
+    is four units in the last place for the 16-bit dtypes: each side rounds its result
+    once, and cuBLAS may keep its own split-K partials in the 16-bit type (torch's
+    ``allow_bf16_reduced_precision_reduction``); 2^-18 in float32.
+    """
+    xf, wf = x.float(), w.float()
+    l2 = torch.sqrt(F.linear(xf * xf, wf * wf))
+    rtol = 2.0**-18 if reference.dtype == torch.float32 else 4.0 * torch.finfo(reference.dtype).eps
+    order = x.shape[-1] ** 0.5 * 2.0**-21
+    return 1e-6 + rtol * torch.maximum(reference.float().abs(), l2) + order * l2
+
+
+def candidates(n: int, k: int) -> list[SkinnyConfig]:
+    """The launches :class:`SkinnyGemm` times for a ``[n, k]`` weight."""
+    out = []
+    for block_n in (16, 32):
+        for block_k in (128, 256):
+            for split in (1, 2, 4):
+                if k // split < block_k or k % (split * block_k):
+                    continue
+                if split > 1 and -(-n // block_n) >= 1024:  # already many programs
+                    continue
+                out.append(SkinnyConfig(block_n, block_k, split))
+    return out
+
+
+class SkinnyGemm:
+    """:func:`skinny_linear` with a launch per weight shape ``(N, K)``; called as ``F.linear``.
+
+    On a CUDA device :meth:`tune` times every candidate and cuBLAS on random inputs of the
+    shape (8 rows: a tile holds 16, so the time hardly depends on the rows) and keeps the
+    fastest; elsewhere (Triton's interpreter) the default launch serves every shape.
+    """
+
+    def __init__(self, device: str | torch.device, dtype: torch.dtype,
+                 configs: dict[tuple[int, int], SkinnyConfig] | None = None) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.configs = dict(configs or {})
+
+    @classmethod
+    def for_shapes(cls, shapes: Iterable[tuple[int, int]], device: str | torch.device,
+                   dtype: torch.dtype, share: SkinnyGemm | None = None) -> SkinnyGemm:
+        """Tuned for weight ``shapes``; a ``share`` on the same device and dtype lends its
+        choices (a hot reload tunes nothing it already knows)."""
+        known = {}
+        if share is not None and share.device == torch.device(device) and share.dtype == dtype:
+            known = share.configs
+        gemm = cls(device, dtype, known)
+        gemm.tune(shapes)
+        return gemm
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] > MAX_ROWS or x.dim() != 2:
+            return F.linear(x, w, bias)
+        cfg = self.configs.get((w.shape[0], w.shape[1]))
+        if cfg is None:
+            cfg = self._tune_one(w.shape[0], w.shape[1])
+        return skinny_linear(x, w, bias, cfg)
+
+    def tune(self, shapes: Iterable[tuple[int, int]]) -> None:
+        todo = [s for s in dict.fromkeys(shapes) if s not in self.configs]
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        for n, k in todo:
+            self._tune_one(n, k)
+        logger.info("skinny_gemm tuned %d shapes in %.1f s: %s", len(todo),
+                    time.perf_counter() - t0, {s: self.configs[s] for s in todo})
+
+    def _tune_one(self, n: int, k: int) -> SkinnyConfig:
+        if self.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+            self.configs[(n, k)] = DEFAULT
+            return DEFAULT
+        g = torch.Generator(device=self.device).manual_seed(n * 7919 + k)
+        x = torch.randn(8, k, device=self.device, generator=g).to(self.dtype)
+        w = torch.randn(n, k, device=self.device, generator=g).to(self.dtype)
+        timed = {c: time_ms(lambda c=c: skinny_linear(x, w, None, c))
+                 for c in [CUBLAS, *candidates(n, k)]}
+        best = min(timed, key=timed.__getitem__)
+        logger.debug("skinny_gemm [%d, %d]: best %s %.4f ms, cuBLAS %.4f ms", n, k, best,
+                     timed[best], timed[CUBLAS])
+        self.configs[(n, k)] = best
+        return best
+
+
+def time_ms(fn, iters: int = 20) -> float:  # type: ignore[no-untyped-def]
+    """Median device ms of ``fn``, the L2 cache flushed before each call (weights come from
+    HBM in a real step: the whole model is 40x the L2)."""
+    flush = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
