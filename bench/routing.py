@@ -204,37 +204,19 @@ CLASS_OF = {d: c for c, ds in CLASSES.items() for d in ds}
 # session 9 at 0.96x of adaptive and retired in session 12.
 POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive",
-    "adaptive-nostall": "adaptive", "adaptive-r4": "adaptive", "adaptive-noreserve": "adaptive",
-    "adaptive-pooledprior": "adaptive", "adaptive-twin": "adaptive",
-    "adaptive-noslodepth": "adaptive", "adaptive-slos": "adaptive",
+    "adaptive-twin": "adaptive", "adaptive-slos": "adaptive",
     "split-soft": "adaptive", "split-hard": "adaptive", "split-tight": "adaptive",
     "adaptive-cap": "adaptive", "adaptive-cap8": "adaptive", "least_outstanding-cap": "policy",
-    "adaptive-nocal": "adaptive", "adaptive-headroom1": "adaptive",
-    "adaptive-exploreany": "adaptive", "least_outstanding-twin": "policy"}
+    "adaptive-nocal": "adaptive", "least_outstanding-twin": "policy"}
 SPLITS = ("split-soft", "split-hard", "split-tight")  # diagnostics (SplitDiagnostic)
-NOSTALL = "adaptive-nostall"
-R4 = "adaptive-r4"
-NORESERVE = "adaptive-noreserve"
-POOLED = "adaptive-pooledprior"
 TWIN = "adaptive-twin"
-NOSLODEPTH = "adaptive-noslodepth"
 SLOS = "adaptive-slos"
 CAP = "adaptive-cap"
 CAP8 = "adaptive-cap8"
 LO_CAP = "least_outstanding-cap"
 NOCAL = "adaptive-nocal"
-HEADROOM1 = "adaptive-headroom1"
-EXPLOREANY = "adaptive-exploreany"
 LO_TWIN = "least_outstanding-twin"  # LO again, on its own fleet: the A/A that sizes the noise
-VARIANTS: dict[str, dict[str, Any]] = {NOSTALL: {"price_prefill_stalls": False},
-                                        R4: {"step_scaled_batch": False},
-                                        NORESERVE: {"reserve_slots": False},
-                                        POOLED: {"tpot_prior_by_band": False},
-                                        TWIN: {},
-                                        NOSLODEPTH: {"slo_depth": False}, SLOS: {},
-                                        CAP: {}, CAP8: {}, NOCAL: {},
-                                        HEADROOM1: {"slo_depth_headroom": 1.0},
-                                        EXPLOREANY: {"explore_within_slo": False}}
+VARIANTS: dict[str, dict[str, Any]] = {TWIN: {}, SLOS: {}, CAP: {}, CAP8: {}, NOCAL: {}}
 # variants of the adaptive policy's depth policy (specdec.policy.PolicyConfig): ``adaptive-nocal``
 # prices each depth by the step model alone, without the calibration by finished requests'
 # seconds per token (calibrate_token_cost)
@@ -251,12 +233,11 @@ CAPPED_BASELINES = {LO_CAP: "least_outstanding", LO_TWIN: "least_outstanding"}  
 DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive"]
 # (policy, baseline) pairs whose goodput ratios the reports print, where both ran
 COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
-               ("adaptive", NOSTALL), ("adaptive", R4), ("adaptive", NORESERVE),
-               ("adaptive", POOLED), (TWIN, "adaptive"), ("adaptive", NOSLODEPTH),
+               (TWIN, "adaptive"),
                (SLOS, "adaptive"), (CAP, "adaptive"), (CAP, "round_robin"),
                (CAP, "least_outstanding"), (CAP8, "adaptive"), (CAP, LO_CAP),
                (LO_CAP, "least_outstanding"), (NOCAL, "adaptive"), (NOCAL, "round_robin"),
-               (NOCAL, "least_outstanding"), ("adaptive", HEADROOM1), ("adaptive", EXPLOREANY),
+               (NOCAL, "least_outstanding"),
                (LO_TWIN, "least_outstanding"),
                *((s, base) for s in SPLITS
                  for base in ("adaptive", "least_outstanding", "round_robin")))
@@ -1499,11 +1480,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fast-long fleet: engine-core processes (one thread each) of the "
                          "long-prompt worker")
     ap.add_argument("--policies", nargs="+", choices=list(POLICIES), default=DEFAULT_POLICIES,
-                    help="each on its own fleet; adaptive-nostall: adaptive with "
-                         "price_prefill_stalls off, adaptive-r4: with step_scaled_batch off, "
-                         "adaptive-noreserve: with reserve_slots off, adaptive-pooledprior: "
-                         "with tpot_prior_by_band off, adaptive-noslodepth: with slo_depth "
-                         "off, adaptive-twin: adaptive (A/Bs); split-soft, split-hard, split-tight: adaptive over a hand-made "
+                    help="each on its own fleet; adaptive-twin: adaptive (an A/A); split-soft, split-hard, split-tight: adaptive over a hand-made "
                          "split of the fleet (diagnostics, SplitDiagnostic); a subset needs "
                          "fewer cores")
     ap.add_argument("--seed", type=int, default=0)

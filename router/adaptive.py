@@ -7,8 +7,8 @@ current load, with the speculative depth the depth policy
 
     cost = (TTFT + predicted_output_tokens * TPOT) x SLO penalty  +  interference
 
-with TTFT = the profile's + the wait for a batch slot + the prefill ahead, and TPOT the
-profile's.
+with TTFT = the profile's + the wait for a batch slot, and TPOT = the profile's + the
+prefill ahead spread over the request's decode.
 
 TTFT's prefill part counts only the prompt tokens the worker would have to
 compute: the prompt less the leading blocks its prefix cache is expected to
@@ -21,28 +21,18 @@ more than that.
 
 The SLO penalty grows with the predicted relative miss of the request's
 TTFT/TPOT SLO. ``prefill ahead`` is the prefill still to run on the worker for
-prompts routed there earlier: the engine gives each step's prompt budget to the
-oldest prompts first, so it runs before this request's own prompt (session 5
-spread it over the TPOT instead: ``price_prefill_stalls=False``).
+prompts routed there earlier, spread over this request's decode (its TPOT).
 ``interference`` is what this prompt's own prefill costs the requests running
-there: it stalls each of their decodes by its prefill time (times the worker's
-learned stall factor, :mod:`router.stalls`), so each one's penalised cost with
-that stall and the stalls already routed onto it since it was sent, minus with
-those alone (:mod:`router.inflight`). So a long prompt is steered away from
-workers full of tight-TPOT decodes, the more so the more prefill they have
-already been sent, and a short one away from a worker busy prefilling, without
-any rule about domains. The profiles learn TPOT with the stalls each request
-met taken out (the prompts routed to its worker while it decoded), so they
-predict the worker's step time, and a stall is priced once, where it arises.
+there: it stalls each of their decodes by its prefill time, so each one's
+penalised cost with that stall, minus as predicted when it was sent
+(:mod:`router.inflight`). So a long prompt is steered away from workers full
+of tight-TPOT decodes, and a short one away from a worker busy prefilling,
+without any rule about domains.
 
 Profiles that have no samples yet predict their config's prior scaled by what
 the other workers measured against theirs (:mod:`router.calibration`). The lowest cost wins, except that
 with probability ``explore_prob`` a random unsaturated worker is tried, so
-every profile keeps getting fresh samples: one predicted to meet the request's SLO
-when the cheapest worker does (``explore_within_slo``; exploring never spends an SLO the
-policy expects to keep), any otherwise. In the simulator (prefix-mix, rates 12-16, seeds
-1-3) this met 0.9% more SLOs than exploring anywhere; not exploring at all, 1.4% more, and
-no fresh samples.
+every profile keeps getting fresh samples.
 
 Load enters three times, which is what keeps it from herding: the profiles'
 TTFT depends on the batch and TPOT on the batch size; a worker past its batch
@@ -55,7 +45,9 @@ the capacity-aware spill: a worker that is best for each request alone is
 still the wrong place for the next one once the requests already there would
 be pushed past their SLOs. So when one domain's favourite saturates, its cost
 rises above the next-best worker's and traffic spreads
-(tests/router/test_adaptive.py, tests/router/test_adaptive_sim.py). The same
+(tests/router/test_adaptive.py, tests/router/test_adaptive_sim.py; in the simulator, a
+chunked-prefill fleet at 12 req/s met 0.926 of its SLOs with this interference and
+crowding priced, 0.895 without). The same
 holds for a hot prefix: its worker's saving is one prefill, its load grows with
 every request sent there, and once another worker has been sent the prefix it
 saves the same.
@@ -65,9 +57,7 @@ Every decision's reason is counted (``stats()``, for the proxy's /stats):
 ``load`` (a different worker than the unloaded favourite, because of load),
 ``slo`` (the unloaded favourite would miss the SLO), ``affinity`` (the
 cheapest worker only because of its cached prefix: another would win without
-the prefix caches), ``reserve`` (the cheapest worker's free slots are kept for
-the requests that meet their SLO only there, :mod:`router.reserve`, and another
-worker meets this one's), ``explore``, ``balance`` (least-outstanding's pick, below).
+the prefix caches), ``explore``, ``balance`` (least-outstanding's pick, below).
 
 Never worse than load-balancing: the policy measures its own prediction error online
 (predicted against observed TTFT and TPOT per worker and shape class,
@@ -99,10 +89,7 @@ from router.calibration import Calibration
 from router.confidence import ConfidenceConfig, PredictionErrors
 from router.inflight import Flight, InFlight
 from router.profiles import LatencyPrior, Prediction, PriorConfig, WorkerProfile, batch_capacity
-from router.reserve import ReserveConfig, SlotReserve
-from router.stalls import Prefill, PrefillStalls, StallConfig
 from specdec.policy import DepthPolicy
-from specdec.step_model import StepTimeModel
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +97,6 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class AdaptiveConfig:
     explore_prob: float = 0.03  # chance of routing to a random unsaturated worker
-    # ...among those predicted to meet the request's SLO, when the cheapest worker meets it:
-    # exploring never spends an SLO the policy expects to keep (a request that meets its SLO
-    # nowhere, or carries none, still explores anywhere)
-    explore_within_slo: bool = True
     # prefix caches (router.affinity): the modelled cache size of a worker whose config
     # does not give one (vLLM: its KV cache on the GPU), tokens; the tokens per prefix
     # block when the shape does not say; the weight of each realised hit in a worker's ratio
@@ -124,48 +107,6 @@ class AdaptiveConfig:
     forgetting: float = 0.98  # RLS forgetting factor of the latency profiles
     prior: PriorConfig = field(default_factory=PriorConfig)
     max_pending: int = 65536  # decisions awaiting their outcome, remembered
-    # price prefill/decode interference: the prefills a request would wait out on a worker,
-    # and the delay its own prefill adds to the requests decoding there (router.inflight)
-    interference: bool = True
-    # with interference: also price the slower steps a request's joining a batch causes
-    # the requests running there (capacity-aware spill before the batch cap is reached)
-    crowding: bool = True
-    # with interference: the prefill queued ahead is TTFT (the engine runs it before this
-    # prompt); each prompt's prefill is charged as a stall to the requests running there,
-    # on top of the stalls routed onto them before; the stall factor is learned per worker
-    # and the profiles learn TPOT without the stalls (router.stalls). Off: session 5 (the
-    # prefill ahead spread over TPOT, each prompt's stall priced alone)
-    price_prefill_stalls: bool = True
-    stalls: StallConfig = field(default_factory=StallConfig)
-    # how TPOT grows with the batch, for the profiles and for crowding: the worker's own
-    # measured decode steps (the engine's step feed, in the depth policy's step-time model)
-    # when it reports them; off, or without a feed: the profiles' learned batch slope
-    # (session 7 round 4, which charged the spec worker ~15x its steps' slope)
-    step_scaled_batch: bool = True
-    # keep slots of each worker for the requests predicted to meet their SLO only there
-    # (router.reserve): a request that meets its SLO elsewhere is refused a place that
-    # would leave fewer free slots than that traffic needs
-    reserve_slots: bool = True
-    reserve: ReserveConfig = field(default_factory=ReserveConfig)
-    # a new shape bucket's TPOT starts from its worker's fit for the bucket's prompt band
-    # (else the prior x the fleet's calibration for the band), not from the worker-wide fit
-    # that long prompts' slower decode steps inflate (router.profiles; off: up to session 8
-    # round 6)
-    tpot_prior_by_band: bool = True
-    # a request whose TPOT SLO the depth policy's depth (chosen for the worker's whole domain
-    # mix, so its throughput) would miss goes at the depth fastest for the request itself,
-    # by its own domain's acceptance (DepthPolicy.token_times). On since session 10's device
-    # A/B: 1.10x the goodput of it off (pooled; 1.12x median of rounds), the tight classes'
-    # SLOs met on the fast worker 51 against 29; session 11's 8-round call: 1.00x (521 / 519
-    # met). Both calls pooled: 1.04x (826 / 797). Off: session 9's policy
-    slo_depth: bool = True
-    # ...where the TPOT predicted at the mix depth is above this fraction of the SLO, not
-    # only above the SLO: a prediction under load is ~20-40% off, and the mix depth sits on a
-    # knife edge between 0 and 3 on the spec worker. Session 13's call 3 ran the spec worker
-    # at k=0 and did not send its translation requests deeper: they met 4 of 19 there (median
-    # TPOT 1.16x the SLO), where least-outstanding's, at the engine's k=4, met 22 of 25.
-    # 1.0: session 10's rule (only a predicted miss)
-    slo_depth_headroom: float = 0.8
     # when the model's pick is trusted over least-outstanding's (router.confidence); None:
     # everywhere, routing by predicted cost alone (what the cost model's own tests pin down)
     confidence: ConfidenceConfig | None = field(default_factory=ConfidenceConfig)
@@ -173,8 +114,6 @@ class AdaptiveConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore_prob < 1.0:
             raise ValueError(f"explore_prob: expected [0, 1), got {self.explore_prob}")
-        if not 0.0 < self.slo_depth_headroom <= 1.0:
-            raise ValueError(f"slo_depth_headroom: expected (0, 1], got {self.slo_depth_headroom}")
         if self.slo_penalty < 0:
             raise ValueError(f"slo_penalty: expected >= 0, got {self.slo_penalty}")
         if self.prefix_cache_tokens < 0 or self.prefix_block_tokens <= 0:
@@ -200,19 +139,13 @@ class Candidate:
     saturated: bool
     meets_slo: bool
     ttft_s: float = 0.0  # predicted, with the slot wait
-    tpot_s: float = 0.0  # predicted, with the prefills ahead
+    tpot_s: float = 0.0  # predicted, with the prefill ahead spread over its decode
     prefill_s: float = 0.0  # this prompt's prefill compute on the worker (uncached part)
     wait_s: float = 0.0  # predicted wait for a batch slot, in ttft_s
     model_cached_tokens: float = 0.0  # prompt tokens the cache model says the worker holds
     cached_tokens: float = 0.0  # the same x the worker's realised hit ratio: what TTFT counts
     saved_s: float = 0.0  # what the cached prefix takes off cost_s (0 without one)
-    ahead_s: float = 0.0  # prefill queued ahead of it on the worker, in ttft_s
-    capacity: int = 1  # the worker's batch slots
-    meets_with_slot: bool = False  # meets the SLO there without the wait for a slot
-    service_s: float = 0.0  # predicted time in a slot there: cost without the slot wait
-    ttft_slack_s: float = math.inf  # TTFT SLO less the predicted TTFT without wait and ahead
-    reserve_s: float = 0.0  # in cost_s: the charge for the worker's reserve (router.reserve)
-    refused: bool = False  # kept for the worker's reserve (router.reserve, mode "refuse")
+    capacity: int = 1  # the worker's batch slots (with the proxy's cap)
 
 
 def caches_prefixes(view: WorkerView) -> bool:
@@ -247,8 +180,6 @@ class AdaptivePolicy:
         self.calibration = Calibration()
         self.clock = clock
         self._inflight = InFlight(self.config.max_pending)
-        self.stalls = PrefillStalls(self.config.stalls)
-        self.reserve = SlotReserve(self.config.reserve)
         self.errors = PredictionErrors(self.config.confidence or ConfidenceConfig())
         self._balance = LeastOutstandingPolicy()
         self.reasons: Counter[str] = Counter()
@@ -258,7 +189,7 @@ class AdaptivePolicy:
     # --- RoutingPolicy -------------------------------------------------------------------
 
     def choose(self, shape: RequestShape, workers: Sequence[WorkerView]) -> RouteDecision:
-        cands = self._charge_reserves([self.candidate(shape, w) for w in workers])
+        cands = [self.candidate(shape, w) for w in workers]
         pick, reason = self._pick(cands)
         if self.config.confidence is not None and reason not in ("only", "explore"):
             pick, reason = self._unless_indistinct(shape, workers, cands, pick, reason)
@@ -287,15 +218,9 @@ class AdaptivePolicy:
             # and its prefix cache: the engine empties its cache on every reload.
             if prof is not None:
                 self.prefix_cache.forget_worker(view.name)
-                self.stalls.forget_worker(view.name)
-                self.reserve.forget_worker(view.name)
             prof = WorkerProfile(LatencyPrior(view.config, self.config.prior),
-                                 self.config.forgetting, self.calibration,
-                                 self.config.tpot_prior_by_band)
+                                 self.config.forgetting, self.calibration)
             self._profiles[view.name] = prof
-            # NOTE: a prefill on one engine core stalls the decodes on that core only
-            cores = max(view.config.engine.data_parallel_size, 1) if view.backend == "engine" else 1
-            self.stalls.set_prior(view.name, 1.0 / cores)
         return prof
 
     def candidate(self, shape: RequestShape, view: WorkerView) -> Candidate:
@@ -309,91 +234,38 @@ class AdaptivePolicy:
         d = depth or 0
         model_cached = self._model_cached_tokens(shape, view)
         cached = model_cached * self.prefix_cache.hit_ratio(view.name)
-        ratio = self.step_ratio(view.name, batch, d)
-        pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d, cached, ratio)
+        pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d, cached)
         depth, pred = self._slo_depth(shape, view, batch, depth, pred)
-        idle = prof.predict(shape.domain, shape.prompt_tokens, 0, 1, d, cached,
-                            None if ratio is None else 1.0)
+        idle = prof.predict(shape.domain, shape.prompt_tokens, 0, 1, d, cached)
         prefill_s = idle.prefill_s
         saved_s = 0.0
         if cached > 0:
-            full = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d,
-                                step_ratio=ratio)
+            full = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d)
             saved_s = max(full.ttft_s - pred.ttft_s, 0.0)
         now = self.clock()
         # past capacity the request waits for a slot: until enough of those ahead finish
         wait = self._inflight.slot_wait_s(view.name, now, queue + 1 - cap, cap,
                                           self._cost(shape, pred))
-        ttft_s, tpot_s, ahead = self._latency(shape, view.name, now, pred, wait)
-        d = depth or 0
+        ttft_s, tpot_s = self._latency(shape, view.name, now, pred, wait)
         cost = ttft_s + max(shape.predicted_output_tokens - 1, 0) * tpot_s
         # NOTE: below capacity it joins the batch and slows every request running there
         # (crowding); at capacity it waits instead and slows no one.
-        crowd_s, crowd_frac = self._crowding(view.name, prof, queue, cap, d)
-        harm = self._interference(view.name, now, prefill_s, crowd_s, self._cost(shape, pred),
-                                  crowd_frac)
+        crowd_s = prof.tpot_per_seq_s() if queue < cap else 0.0
+        harm = self._interference(view.name, now, prefill_s, crowd_s, self._cost(shape, pred))
         penalty, meets = self._slo(shape, ttft_s, tpot_s)
-        # NOTE: what the worker offers a request it keeps room for: a free slot, and no
-        # prefill queued ahead (the slack-rich prompts the reserve keeps away)
-        ready_ttft_s = ttft_s - wait - ahead
-        _, meets_with_slot = self._slo(shape, ready_ttft_s, tpot_s)
-        slack = shape.slo_ttft_s - ready_ttft_s if shape.slo_ttft_s else math.inf
         return Candidate(view.name, cost * penalty + harm,
                          self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
                          ttft_s, tpot_s, prefill_s, wait, model_cached, cached, saved_s * penalty,
-                         ahead, cap, meets_with_slot, cost - wait, slack)
-
-    def step_ratio(self, worker: str, batch: float, depth: int) -> float | None:
-        """The worker's measured decode step time at ``batch`` over batch 1, at ``depth``
-        (the depth policy's step-time model, fed by the engine's own steps); None when the
-        worker has reported no steps (vLLM, an external server, before the first scrape)
-        or ``step_scaled_batch`` is off.
-
-        NOTE: the engine's steps alone (StepTimeModel.engine_step), without the client's
-        per-step wait: that is learned per batch bucket from requests' mean step times,
-        which carry the same stalls the step feed is used to avoid (a local run measured
-        t(2) / t(1) = 1.9 and t(3) / t(1) = 1.07 with it)."""
-        model = self._fed_steps(worker)
-        if model is None:
-            return None
-        return model.engine_step(max(batch, 1.0), depth) / model.engine_step(1.0, depth)
-
-    def _fed_steps(self, worker: str) -> StepTimeModel | None:
-        if not self.config.step_scaled_batch:
-            return None
-        model = self.depth_policy.step_time(worker)
-        return model if model.num_fed_steps > 0 else None
-
-    def _crowding(self, worker: str, prof: WorkerProfile, queue: int, cap: int, depth: int
-                  ) -> tuple[float, float]:
-        """What joining the batch does to each request running there: (seconds per output
-        token, from the profile's batch slope; fraction of their time, from the measured
-        steps: t(queue + 1) / t(queue) - 1). One of the two is 0; both at capacity."""
-        if not self.config.crowding or queue >= cap:
-            return 0.0, 0.0
-        model = self._fed_steps(worker)
-        if model is None:
-            return prof.tpot_per_seq_s(), 0.0
-        if queue <= 0:
-            return 0.0, 0.0
-        frac = model.engine_step(queue + 1.0, depth) / model.engine_step(queue, depth) - 1
-        return 0.0, max(frac, 0.0)
+                         cap)
 
     def _latency(self, shape: RequestShape, worker: str, now: float, pred: Prediction,
-                 wait_s: float) -> tuple[float, float, float]:
-        """(TTFT, TPOT, prefill ahead) predicted on the worker, seconds: the profile's, plus
-        the slot wait, plus the prefill routed there before that is still to run."""
-        if not self.config.interference:
-            return pred.ttft_s + wait_s, pred.tpot_s, 0.0
+                 wait_s: float) -> tuple[float, float]:
+        """(TTFT, TPOT) predicted on the worker, seconds: the profile's, plus the slot wait
+        in TTFT, plus the prefill routed there before that is still to run, spread over
+        this request's decode steps in TPOT."""
         ahead = self._inflight.prefill_ahead_s(worker, now)
-        if not self.config.price_prefill_stalls:
-            # session 5: the prefill ahead spread over the request's TPOT
-            num_gaps = max(shape.predicted_output_tokens - 1, 1)
-            return pred.ttft_s + wait_s, pred.tpot_s + ahead / num_gaps, 0.0
-        # NOTE: the engine gives a step's prompt budget to the oldest prompts first: what
-        # is queued ahead runs before this prompt (TTFT); what arrives later, during its
-        # decode, stalls its steps, and is charged when it arrives (_interference)
-        return pred.ttft_s + wait_s + ahead, pred.tpot_s, ahead
+        num_gaps = max(shape.predicted_output_tokens - 1, 1)
+        return pred.ttft_s + wait_s, pred.tpot_s + ahead / num_gaps
 
     def _model_cached_tokens(self, shape: RequestShape, view: WorkerView) -> float:
         """Prompt tokens in the leading prefix blocks the worker's modelled cache holds."""
@@ -414,63 +286,39 @@ class AdaptivePolicy:
         return float(self.config.prefix_cache_tokens)
 
     def _interference(self, worker: str, now: float, prefill_s: float, crowd_s: float,
-                      cost_s: float, crowd_frac: float = 0.0) -> float:
+                      cost_s: float) -> float:
         """The penalised delay this request adds to the requests running on the worker,
         seconds; see :mod:`router.inflight`.
 
         The delay to each running request is this prompt's prefill (it stalls their
-        steps; times the worker's learned stall factor, :mod:`router.stalls`) plus
-        ``crowd_s`` per step they share with this one while both run, or ``crowd_frac`` of
-        the time they share (a bigger batch makes every step slower): the externality that
-        keeps the policy from piling requests onto the worker that looks best for each one
-        alone.
+        steps) plus ``crowd_s`` per step they share with this one while both run (a bigger
+        batch makes every step slower): the externality that keeps the policy from piling
+        requests onto the worker that looks best for each one alone. Each flight is
+        priced as predicted when it was sent, with this request's delay alone.
         """
-        if not self.config.interference:
-            return 0.0
-        if not self.config.price_prefill_stalls:
-            return self._interference_s5(worker, now, prefill_s, crowd_s, cost_s, crowd_frac)
         harm = 0.0
-        stall = prefill_s * self.stalls.factor(worker)
-        if stall <= 0 and crowd_s <= 0 and crowd_frac <= 0:
-            return 0.0
-        crowds = crowd_s > 0 or crowd_frac > 0
-        for f, received in self._inflight.stalled(worker, now):
-            # NOTE: the prefill routed onto the flight since it was sent counts too, so each
-            # further prompt sees it nearer its SLO (the penalty is convex)
-            delay = received + stall
-            if crowds:  # (a crowd delay of 0 adds nothing: skipped, it runs per flight)
-                delay += self._crowd_delay(f, now, cost_s, crowd_s, crowd_frac)
-            harm += self._flight_cost(f, delay) - self._flight_cost(f, received)
+        if prefill_s > 0 or crowd_s > 0:
+            for f in self._inflight.active(worker, now):
+                delay = prefill_s + self._crowd_delay(f, now, cost_s, crowd_s)
+                harm += self._flight_cost(f, delay) - f.cost_s * f.penalty
         return harm
 
     @staticmethod
-    def _crowd_delay(f: Flight, now: float, cost_s: float, crowd_s: float, crowd_frac: float
-                     ) -> float:
+    def _crowd_delay(f: Flight, now: float, cost_s: float, crowd_s: float) -> float:
         """Seconds a running request loses to this one's joining its batch: its steps while
-        both run, each ``crowd_s`` slower, or that time x ``crowd_frac``."""
-        shared_s = min(f.remaining_s(now), cost_s)
-        return crowd_s * shared_s / max(f.tpot_s, 1e-4) + crowd_frac * shared_s
+        both run, each ``crowd_s`` slower."""
+        return crowd_s * min(f.remaining_s(now), cost_s) / max(f.tpot_s, 1e-4)
 
     def _flight_cost(self, f: Flight, delay_s: float) -> float:
         """A routed request's penalised cost with ``delay_s`` more in its decode: ``_slo_of``
         at its TPOT with the delay spread over its gaps, the TTFT part precomputed.
 
-        NOTE: runs twice per flight on the worker per candidate (``_interference``): written
+        NOTE: runs for every flight on the worker per candidate (``_interference``): written
         out rather than through ``_slo_of``, with the same arithmetic in the same order."""
         miss = f.ttft_miss
         if f.slo_tpot_s:
             miss += max(0.0, (f.tpot_s + delay_s / f.num_gaps) / f.slo_tpot_s - 1.0)
         return (f.cost_s + delay_s) * (1.0 + self.config.slo_penalty * miss)
-
-    def _interference_s5(self, worker: str, now: float, prefill_s: float, crowd_s: float,
-                         cost_s: float, crowd_frac: float = 0.0) -> float:
-        """Session 5's harm: each flight as predicted when sent, this prompt's delay alone."""
-        harm = 0.0
-        if prefill_s > 0 or crowd_s > 0 or crowd_frac > 0:
-            for f in self._inflight.active(worker, now):
-                delay = prefill_s + self._crowd_delay(f, now, cost_s, crowd_s, crowd_frac)
-                harm += self._flight_cost(f, delay) - f.cost_s * f.penalty
-        return harm
 
     @staticmethod
     def _cost(shape: RequestShape, pred: Prediction) -> float:
@@ -503,19 +351,19 @@ class AdaptivePolicy:
 
     def _slo_depth(self, shape: RequestShape, view: WorkerView, batch: int, depth: int | None,
                    pred: Prediction) -> tuple[int | None, Prediction]:
-        """(depth, prediction) for the request on the worker: with ``slo_depth`` (on), where the
-        TPOT predicted at the depth policy's ``depth`` is above ``slo_depth_headroom`` of the
-        request's TPOT SLO, the depth fastest for the request itself and the TPOT scaled by
-        the depth policy's token times (DepthPolicy.token_times); else both unchanged.
+        """(depth, prediction) for the request on the worker: where the TPOT predicted at the
+        depth policy's ``depth`` misses the request's TPOT SLO, the depth fastest for the
+        request itself and the TPOT scaled by the depth policy's token times
+        (DepthPolicy.token_times); else both unchanged.
 
         NOTE: the depth policy picks one depth for the worker's domain mix under load (its
         tokens per second), which can leave a request of a well-accepted domain short of a
-        tight TPOT SLO that a deeper depth would meet: on the device (session 10) the spec
-        worker ran at k=0 in one call and its repetitive requests met 2 of 55, at k=3 in
-        another and they met 37 of 80."""
-        if not self.config.slo_depth or depth is None or shape.speculative_depth is not None \
-                or not shape.slo_tpot_s \
-                or pred.tpot_s <= self.config.slo_depth_headroom * shape.slo_tpot_s \
+        tight TPOT SLO that a deeper depth would meet: on the device the spec worker ran at
+        k=0 in one call and its repetitive requests met 2 of 55, at k=3 in another and they
+        met 37 of 80. Routing by the request's own depth met 1.04x the SLOs of routing at
+        the mix depth (826 / 797, two calls pooled)."""
+        if depth is None or shape.speculative_depth is not None or not shape.slo_tpot_s \
+                or pred.tpot_s <= shape.slo_tpot_s \
                 or view.config.engine.spec_method == "none":
             return depth, pred
         times = self.depth_policy.token_times(view.name, shape.domain, batch,
@@ -537,15 +385,10 @@ class AdaptivePolicy:
     def _pick(self, cands: list[Candidate]) -> tuple[Candidate, str]:
         if len(cands) == 1:
             return cands[0], "only"
-        best = min((c for c in cands if not c.refused), key=lambda c: c.cost_s)
+        best = min(cands, key=lambda c: c.cost_s)
         open_ = [c for c in cands if not c.saturated]
         if open_ and self._rng.random() < self.config.explore_prob:
-            if self.config.explore_within_slo and best.meets_slo:
-                open_ = [c for c in open_ if c.meets_slo and not c.refused]
-            if open_:
-                return self._rng.choice(open_), "explore"
-        if min(cands, key=lambda c: c.cost_s - c.reserve_s) is not best:
-            return best, "reserve"
+            return self._rng.choice(open_), "explore"
         if best.saved_s > 0 and min(cands, key=lambda c: c.cost_s + c.saved_s) is not best:
             return best, "affinity"
         favourite = min(cands, key=lambda c: c.unloaded_cost_s)
@@ -566,36 +409,6 @@ class AdaptivePolicy:
             return pick, reason
         return other, "balance"
 
-    # --- slot reserves (router.reserve) ------------------------------------------------------
-
-    def _charge_reserves(self, cands: list[Candidate]) -> list[Candidate]:
-        """Count the request towards a worker's reserve when that worker alone is predicted
-        to meet its SLO (given a free slot and no prefill ahead); on every other worker
-        whose reserve it would hold, charge or refuse it (router.reserve)."""
-        if not self.config.reserve_slots or len(cands) < 2:
-            return cands
-        now = self.clock()
-        fits = [c for c in cands if c.meets_with_slot]
-        own = fits[0] if len(fits) == 1 else None
-        if own is not None:
-            loss = min(c.cost_s for c in cands if c is not own) - own.cost_s
-            self.reserve.observe(own.name, now, own.service_s, loss, own.ttft_slack_s)
-        holds = [0.0 if c is own else self.reserve.hold_s(
-            c.name, now, c.queue, c.capacity, c.service_s, c.prefill_s) for c in cands]
-        if self.config.reserve.mode == "refuse":
-            if not any(c.meets_slo and h == 0 for c, h in zip(cands, holds, strict=True)):
-                return cands  # no place that meets its SLO outside the reserves
-            return [replace(c, refused=True) if h > 0 else c
-                    for c, h in zip(cands, holds, strict=True)]
-        out = []
-        for c, h in zip(cands, holds, strict=True):
-            charge = self.reserve.charge_s(c.name, now, h) if h > 0 else 0.0
-            # NOTE: a non-finite charge (an infinite predicted service) is not applied: the
-            # "reserve" label compares cost_s - reserve_s, which inf - inf would make NaN
-            ok = charge > 0 and math.isfinite(charge)
-            out.append(replace(c, cost_s=c.cost_s + charge, reserve_s=charge) if ok else c)
-        return out
-
     # --- learning --------------------------------------------------------------------------
 
     def _remember(self, shape: RequestShape, pick: Candidate, view: WorkerView) -> None:
@@ -605,16 +418,11 @@ class AdaptivePolicy:
         # NOTE: the proxy hands back the same RequestShape object in the outcome, so its
         # id() recovers the load this decision saw; entries are bounded and evicted FIFO.
         penalty, _ = self._slo(shape, pick.ttft_s, pick.tpot_s)
-        now = self.clock()
-        if self.config.interference and self.config.price_prefill_stalls:
-            self._inflight.add_stall(pick.name, now,
-                                     pick.prefill_s * self.stalls.factor(pick.name))
-        self.stalls.record(pick.name, now, now + pick.ttft_s, pick.prefill_s)
         self._inflight.add(id(shape), Flight(
-            pick.name, pick.queue, pick.batch, pick.depth or 0, now, pick.ttft_s,
+            pick.name, pick.queue, pick.batch, pick.depth or 0, self.clock(), pick.ttft_s,
             pick.tpot_s, max(shape.predicted_output_tokens, 1), pick.prefill_s,
             shape.slo_ttft_s, shape.slo_tpot_s, penalty, wait_s=pick.wait_s,
-            model_cached_tokens=pick.model_cached_tokens, ahead_s=pick.ahead_s))
+            model_cached_tokens=pick.model_cached_tokens))
 
     def _observe(self, outcome: RequestOutcome) -> None:
         pending = self._inflight.pop(id(outcome.shape))
@@ -635,23 +443,17 @@ class AdaptivePolicy:
         depth = outcome.spec_depth if outcome.spec_depth is not None else (
             pending.depth if pending else 0)
         cached = self._observe_cached(outcome, pending)
-        ratio = self.step_ratio(outcome.worker, batch, depth)
         ttft_s, tpot_s = outcome.ttft_s, outcome.tpot_s
-        apart = pending.wait_s + pending.ahead_s if pending is not None else 0.0
-        if ttft_s is not None and pending is not None and apart > 0:
+        wait_s = pending.wait_s if pending is not None else 0.0
+        if ttft_s is not None and pending is not None and wait_s > 0:
             # NOTE: the TTFT model prices the batch a request shares; the wait for a slot
-            # and the prefill ahead are priced apart (router.inflight), so they are not
-            # learned twice. Floor: a quarter of the prediction without them (they may be
-            # overestimated).
-            ttft_s = max(ttft_s - apart, 0.25 * (pending.ttft_s - apart))
-        if tpot_s is not None and pending is not None:
-            tpot_s = self._observe_stalls(outcome, pending, prof, queue, batch, depth, cached,
-                                          ratio)
+            # is priced apart (router.inflight), so it is not learned twice. Floor: a
+            # quarter of the prediction without it (it may be overestimated).
+            ttft_s = max(ttft_s - wait_s, 0.25 * (pending.ttft_s - wait_s))
         if ttft_s is None and outcome.e2e_s is not None and outcome.completion_tokens > 1:
             # NOTE: a non-streamed request shows only e2e; attribute the predicted TTFT
             # to its prefill and learn TPOT from the rest (TTFT itself stays unobserved).
-            pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, depth, cached,
-                                ratio)
+            pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, depth, cached)
             decode_s = outcome.e2e_s - pred.ttft_s
             if decode_s <= 0:  # the TTFT prediction overshoots: split e2e by predicted shares
                 decode_pred = pred.tpot_s * (outcome.completion_tokens - 1)
@@ -659,29 +461,8 @@ class AdaptivePolicy:
                 decode_s = outcome.e2e_s * (decode_pred / total if total > 0 else 0.5)
             tpot_s = decode_s / (outcome.completion_tokens - 1)
         prof.observe(shape.domain, shape.prompt_tokens, queue, batch, depth, ttft_s, tpot_s,
-                     cached, ratio)
+                     cached)
         self._observe_depth(outcome, batch, depth)
-
-    def _observe_stalls(self, outcome: RequestOutcome, pending: Flight, prof: WorkerProfile,
-                        queue: int, batch: int, depth: int, cached: float,
-                        ratio: float | None = None) -> float | None:
-        """The request's TPOT without the prefill stalls it met, for its profile; and the
-        worker's stall factor learns from them (router.stalls)."""
-        tpot_s, ttft_s, e2e_s = outcome.tpot_s, outcome.ttft_s, outcome.e2e_s
-        if (not self.config.price_prefill_stalls or not self.config.interference
-                or ttft_s is None or e2e_s is None or outcome.completion_tokens < 2
-                or tpot_s is None or not tpot_s > 0):
-            return tpot_s
-        start, end = pending.sent_s + ttft_s, pending.sent_s + e2e_s
-        # NOTE: its own prompt is among the recorded prefills; it ran before its first token
-        own = Prefill.before_first_token(pending.sent_s, pending.sent_s + pending.ttft_s,
-                                         pending.prefill_s)
-        met = self.stalls.overlap_s(outcome.worker, start, end) - own.within_s(start, end)
-        stall = max(met, 0.0) / (outcome.completion_tokens - 1)
-        base = prof.predict(outcome.shape.domain, outcome.shape.prompt_tokens, queue, batch,
-                            depth, cached, ratio).tpot_s
-        self.stalls.observe(outcome.worker, stall, tpot_s - base)
-        return max(tpot_s - self.stalls.factor(outcome.worker) * stall, 0.25 * tpot_s)
 
     def _observe_cached(self, outcome: RequestOutcome, pending: Flight | None) -> float:
         """Prompt tokens the request found cached: as the worker reported them (then the
@@ -716,20 +497,7 @@ class AdaptivePolicy:
                 "decisions": dict(self.decisions),
                 "depths": {str(k): v for k, v in sorted(self.depths.items())},
                 "prefix_cache": self.prefix_cache.snapshot(), "in_flight": len(self._inflight),
-                "prefill_stalls": self.stalls.snapshot(),
                 "calibration": self.calibration.snapshot(),
-                "step_ratios": self._step_ratios(),
-                "reserve": self.reserve.snapshot(self.clock()),
                 "prediction_error": {"fleet": self.errors.summary(),
                                      "workers": self.errors.snapshot()},
                 "profiles": {n: p.snapshot() for n, p in self._profiles.items()}}
-
-    def _step_ratios(self) -> dict[str, list[float]]:
-        """worker -> measured step time at batch 2, 4 and 8 over batch 1 (depth 0), for the
-        workers that reported their steps."""
-        out = {}
-        for name in self._profiles:
-            ratios = [self.step_ratio(name, b, 0) for b in (2, 4, 8)]
-            if all(r is not None for r in ratios):
-                out[name] = [round(r, 4) for r in ratios if r is not None]
-        return out

@@ -45,7 +45,6 @@ class Flight:
     slo_tpot_s: float | None = None
     penalty: float = 1.0  # the policy's SLO cost multiplier for these predictions
     wait_s: float = 0.0  # predicted wait for a batch slot, included in ttft_s
-    ahead_s: float = 0.0  # predicted prefill queued ahead of it, included in ttft_s
     model_cached_tokens: float = 0.0  # prompt tokens the prefix-cache model said were cached
     # NOTE: derived once (__post_init__): the policy reads them for every flight on a
     # worker at every decision, which made them most of its cost at a few hundred in flight
@@ -81,7 +80,6 @@ class InFlight:
         self.capacity = capacity
         self._all: OrderedDict[int, Flight] = OrderedDict()
         self._by_worker: dict[str, dict[int, Flight]] = {}
-        self._stalled: dict[int, float] = {}  # key -> prefill seconds routed onto it since
 
     def __len__(self) -> int:
         return len(self._all)
@@ -93,33 +91,12 @@ class InFlight:
         while len(self._all) > self.capacity:
             old_key, old = self._all.popitem(last=False)
             self._by_worker[old.worker].pop(old_key, None)
-            self._stalled.pop(old_key, None)
 
     def pop(self, key: int) -> Flight | None:
         flight = self._all.pop(key, None)
-        self._stalled.pop(key, None)
         if flight is not None:
             self._by_worker[flight.worker].pop(key, None)
         return flight
-
-    def add_stall(self, worker: str, now_s: float, seconds: float) -> None:
-        """A prompt with ``seconds`` of prefill was routed to ``worker``: every request
-        running there will wait it out in its decode (the engine runs prompts after the
-        earlier ones' prefill, inside everyone's steps)."""
-        if seconds <= 0:
-            return
-        stalled = self._stalled
-        for key, f in self._by_worker.get(worker, {}).items():
-            if now_s < f.active_until_s:  # active: not yet stale
-                stalled[key] = stalled.get(key, 0.0) + seconds
-
-    def stalled(self, worker: str, now_s: float) -> Iterator[tuple[Flight, float]]:
-        """Active flights on ``worker`` with the prefill seconds routed there since each
-        was sent (:meth:`add_stall`)."""
-        stalled = self._stalled
-        for key, f in self._by_worker.get(worker, {}).items():
-            if now_s < f.active_until_s:
-                yield f, stalled.get(key, 0.0)
 
     def active(self, worker: str, now_s: float) -> Iterator[Flight]:
         """Flights on ``worker`` that should still be running at ``now_s``."""

@@ -9,17 +9,7 @@ Two linear models per (worker, shape bucket):
   capacity (the requests it shares steps with; the wait for a slot past the
   capacity is the policy's, from what is ahead: :mod:`router.inflight`);
 - TPOT (seconds per output token) against ``[1, batch / 8, k / 4]`` — batch
-  size and speculative depth. When the worker reports its own decode steps (the
-  engine's step feed, :mod:`specdec.step_feed`), the caller passes ``step_ratio``:
-  the engine-measured step time at the sample's batch over batch 1, at its depth.
-  Then a sample is divided by it and learned at batch 1, and a prediction at batch b
-  is the batch-1 one times the ratio at b: how TPOT grows with the batch comes from
-  the steps, not from the requests' TPOT. NOTE: on the device (a routing A/B)
-  the request-level fit charged the 4-sequence spec worker 8.4 ms per added
-  sequence where the steps grow ~0.5 ms: whatever rises with load in a request's
-  TPOT (prefill stalls the stall model leaves in, a lower depth under load) landed
-  on the batch term, and even the batch-1 prediction carried it (the feature is
-  ``batch / 8``, never 0).
+  size and speculative depth.
 
 Each is Bayesian linear regression solved by recursive least squares with
 forgetting, whose *prior mean* is the coefficient vector that
@@ -32,19 +22,9 @@ prior's value instead of drifting anywhere. Old samples fade with the
 forgetting factor, so a re-tuned worker is re-learned.
 
 A shape bucket is ``(domain, prompt-length band)``. A bucket's TTFT model starts
-from the worker-level model's current fit (scaled by the bucket's prior factor),
-so one bucket's evidence informs the others until they have their own; TTFT has
-the prompt length as a feature. TPOT has none, and a long prompt's decode steps
-attend over its whole context: on the device spec's
-shared-prefix prompts (800-2,000 tokens) decoded at 4.5 ms a token unloaded
-against 1.2 ms for the short repetitive ones, and the worker-level TPOT fit they
-dominated (9.9 ms at batch 1) was what a new short bucket started from, so short
-repetitive requests were predicted to miss a 2.9-ms SLO there and were sent
-where they surely missed it. So a new bucket's TPOT starts from the worker's fit
-*for its prompt band* (all domains of that band, ``band_tpot``), and before the
-band has samples from the config's prior times the fleet's TPOT calibration for
-that band (:mod:`router.calibration`); ``band_tpot=False`` keeps the worker-wide
-start (sessions 1-8 round 6). The worker-wide fit still gives the batch slope
+from the worker-level models' current fits (scaled by the bucket's prior factors),
+so one bucket's evidence informs the others until they have their own. The
+worker-level TPOT fit also gives the batch slope
 (:meth:`WorkerProfile.tpot_per_seq_s`). A predict is a 3-term dot product; an
 update ~6 us on the 2-core dev box (plain floats, the eigenvalue cap in closed form:
 :mod:`router.sym3`; numpy's calls on 3-vectors made it ~40 us).
@@ -73,11 +53,6 @@ def ttft_key(prompt_tokens: int) -> str:
     return f"ttft/{prompt_band(prompt_tokens)}"
 
 
-def tpot_key(prompt_tokens: int) -> str:
-    """The TPOT calibration key of a prompt band (``TPOT_KEY`` is every band's)."""
-    return f"{TPOT_KEY}/{prompt_band(prompt_tokens)}"
-
-
 def batch_capacity(config: CompiledConfig) -> int:
     """Sequences the worker runs at once: ``max_num_seqs`` per engine core."""
     return config.engine.max_num_seqs * max(config.engine.data_parallel_size, 1)
@@ -87,13 +62,6 @@ def uncached(prompt_tokens: int, cached_tokens: float) -> int:
     """Prompt tokens left to prefill when ``cached_tokens`` are found in the prefix cache;
     at least one (an engine recomputes the last prompt token to sample the first output)."""
     return max(prompt_tokens - int(cached_tokens), 1) if cached_tokens > 0 else prompt_tokens
-
-
-def valid_ratio(step_ratio: float | None) -> float | None:
-    """A step-time ratio as used: None (not known) unless a positive finite number."""
-    if step_ratio is None or not (step_ratio > 0 and math.isfinite(step_ratio)):
-        return None
-    return step_ratio
 
 
 def _dot(a: Vec, b: Vec) -> float:
@@ -286,57 +254,23 @@ class WorkerProfile:
     """
 
     def __init__(self, prior: LatencyPrior, forgetting: float = 0.98,
-                 calibration: Calibration | None = None, band_tpot: bool = True) -> None:
+                 calibration: Calibration | None = None) -> None:
         self.prior = prior
         self.calibration = calibration if calibration is not None else Calibration()
         self._forgetting = forgetting
-        self.band_tpot = band_tpot
         v = prior.prior.prior_variance
         self._all = _Models(BayesianRLS(prior.ttft_coef(), v, forgetting),
                             BayesianRLS(prior.tpot_coef("chat"), v, forgetting))
         self._buckets: dict[tuple[str, int], _Models] = {}
-        self._bands: dict[int, BayesianRLS] = {}  # band -> TPOT fit of all its domains
 
     def _bucket_coef(self, domain: str, prompt_tokens: int) -> tuple[Vec, Vec]:
-        """A new bucket's (TTFT, TPOT) coefficients: the worker-level fits (for TPOT, its
-        prompt band's: see the module docstring), shaped by the bucket's prior factors."""
+        """A new bucket's (TTFT, TPOT) coefficients: the worker-level fits, shaped by the
+        bucket's prior factors."""
         f = self.prior.factor(domain, prompt_tokens)
         spec = self.prior.tpot_coef(domain)[0] / self.prior.tpot_coef("chat")[0]
-        t, p = self._all.ttft.coef, self._tpot_start(prompt_tokens)
+        t, p = self._all.ttft.coef, self._all.tpot.coef
         fs = f * spec
         return (t[0] * f, t[1] * f, t[2] * f), (p[0] * fs, p[1] * fs, p[2] * fs)
-
-    def _tpot_start(self, prompt_tokens: int) -> Vec:
-        """TPOT coefficients (for a chat-like shape) a new bucket of this prompt length
-        starts from. Without ``band_tpot``: the worker-wide fit (uncalibrated before its
-        first sample; :meth:`predict` calibrates). With it: the band's fit once it has
-        samples, else the prior x the fleet's calibration for the band (every band's
-        before the band has any)."""
-        if not self.band_tpot:
-            return self._all.tpot.coef
-        band = self._bands.get(prompt_band(prompt_tokens))
-        if band is not None and band.num_samples > 0:
-            return band.coef
-        c, k = self.prior.tpot_coef("chat"), self._tpot_factor(prompt_tokens)
-        return (c[0] * k, c[1] * k, c[2] * k)
-
-    def _tpot_factor(self, prompt_tokens: int) -> float:
-        """The fleet's TPOT calibration for the prompt's band, else for every band."""
-        key = tpot_key(prompt_tokens)
-        if self.calibration.num_samples(key) > 0:
-            return self.calibration.factor(key)
-        return self.calibration.factor(TPOT_KEY)
-
-    def _band_model(self, prompt_tokens: int) -> BayesianRLS:
-        band = prompt_band(prompt_tokens)
-        model = self._bands.get(band)
-        if model is None:
-            # NOTE: starts from the prior calibrated as the band is when its first sample
-            # comes, as the worker-wide fit does
-            start = self._tpot_start(prompt_tokens)
-            model = self._bands[band] = BayesianRLS(start, self.prior.prior.prior_variance,
-                                                    self._forgetting)
-        return model
 
     def _bucket_init(self, domain: str, prompt_tokens: int) -> _Models:
         ttft, tpot = self._bucket_coef(domain, prompt_tokens)
@@ -345,17 +279,13 @@ class WorkerProfile:
                        BayesianRLS(tpot, v, self._forgetting))
 
     def predict(self, domain: str, prompt_tokens: int, queue: float, batch: float,
-                depth: int, cached_tokens: float = 0.0, step_ratio: float | None = None
-                ) -> Prediction:
+                depth: int, cached_tokens: float = 0.0) -> Prediction:
         """TTFT and TPOT; the prefill part of TTFT counts only the ``prompt_tokens`` not
-        among the ``cached_tokens`` the worker is expected to find in its prefix cache.
-        ``step_ratio``: the worker's measured step time at ``batch`` over batch 1 (see the
-        module docstring); TPOT is then the batch-1 fit times it."""
+        among the ``cached_tokens`` the worker is expected to find in its prefix cache."""
         cap = batch_capacity(self.prior.config)
-        ratio = valid_ratio(step_ratio)
         new_tokens = uncached(prompt_tokens, cached_tokens)
         xt = ttft_features(new_tokens, min(queue, cap))
-        xp = tpot_features(min(batch, cap) if ratio is None else 1, depth)
+        xp = tpot_features(min(batch, cap), depth)
         bucket = self._buckets.get((domain, prompt_band(prompt_tokens)))
         if bucket is None:
             # NOTE: no model is built for a bucket without samples (predict runs several
@@ -368,26 +298,21 @@ class WorkerProfile:
         # NOTE: floors: a fit may extrapolate below zero far from its data.
         floor_ttft = 0.1 * ct[0] if ct[0] > 0 else 1e-4
         ttft = max(ct[0] + ct[1] * xt[1] + ct[2] * xt[2], floor_ttft, 1e-4)
-        tpot = max(cp[0] + cp[1] * xp[1] + cp[2] * xp[2], 1e-5) * (ratio or 1.0)
+        tpot = max(cp[0] + cp[1] * xp[1] + cp[2] * xp[2], 1e-5)
         prefill = max(ct[1] * xt[1], 0.0)
         if self._all.ttft.num_samples == 0:
             c = self.calibration.factor(ttft_key(new_tokens))
             ttft, prefill = ttft * c, prefill * c
-        if self._all.tpot.num_samples == 0 and not self.band_tpot:
+        if self._all.tpot.num_samples == 0:
             tpot *= self.calibration.factor(TPOT_KEY)
         return Prediction(ttft, tpot, n, prefill)
 
     def observe(self, domain: str, prompt_tokens: int, queue: float, batch: float, depth: int,
-                ttft_s: float | None, tpot_s: float | None, cached_tokens: float = 0.0,
-                step_ratio: float | None = None) -> None:
-        """One finished request; with ``step_ratio`` (its batch's measured step time over
-        batch 1) its TPOT is learned at batch 1 (see the module docstring)."""
+                ttft_s: float | None, tpot_s: float | None, cached_tokens: float = 0.0
+                ) -> None:
+        """One finished request."""
         has_ttft = ttft_s is not None and ttft_s >= 0 and math.isfinite(ttft_s)
         has_tpot = tpot_s is not None and tpot_s > 0 and math.isfinite(tpot_s)
-        ratio = valid_ratio(step_ratio)
-        if has_tpot and ratio is not None:
-            assert tpot_s is not None
-            tpot_s, batch = tpot_s / ratio, 1
         if has_tpot and self._all.tpot.num_samples == 0:
             # NOTE: the worker's first TPOT sample starts its fit from the calibrated prior.
             # TTFT is calibrated per prompt band, so no one factor fits its worker-level
@@ -397,7 +322,6 @@ class WorkerProfile:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = self._bucket_init(domain, prompt_tokens)
-        band = self._band_model(prompt_tokens) if has_tpot and self.band_tpot else None
         cap = batch_capacity(self.prior.config)
         new_tokens = uncached(prompt_tokens, cached_tokens)
         xt = ttft_features(new_tokens, min(queue, cap))
@@ -414,11 +338,8 @@ class WorkerProfile:
             assert tpot_s is not None
             bucket.tpot.update(xp, tpot_s)
             self._all.tpot.update(xp, tpot_s / (f * spec))
-            if band is not None:
-                band.update(xp, tpot_s / (f * spec))
-            prior_s = self.prior.tpot_s(domain, prompt_tokens, batch, depth)
-            self.calibration.observe(TPOT_KEY, tpot_s, prior_s)
-            self.calibration.observe(tpot_key(prompt_tokens), tpot_s, prior_s)
+            self.calibration.observe(TPOT_KEY, tpot_s,
+                                     self.prior.tpot_s(domain, prompt_tokens, batch, depth))
 
     def tpot_per_seq_s(self) -> float:
         """What one more sequence in the batch adds to every running request's TPOT,
@@ -438,7 +359,5 @@ class WorkerProfile:
                 "buckets": {f"{d}/{b}": m.tpot.num_samples for (d, b), m in self._buckets.items()},
                 "bucket_tpot_coef": {f"{d}/{b}": [round(v, 6) for v in m.tpot.coef]
                                      for (d, b), m in self._buckets.items()},
-                "band_tpot_coef": {str(b): [round(v, 6) for v in m.coef]
-                                   for b, m in sorted(self._bands.items())},
                 "ttft_coef": [round(v, 5) for v in self._all.ttft.coef],
                 "tpot_coef": [round(v, 6) for v in self._all.tpot.coef]}

@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from polyinfer.config import CompiledConfig, DeclaredFit
-from router.adaptive import AdaptiveConfig, AdaptivePolicy
+from router.adaptive import AdaptivePolicy
 from router.base import RequestShape, RoutingPolicy
 from router.baselines import LeastOutstandingPolicy, RoundRobinPolicy
 from tests.bench_module import load_bench
@@ -181,10 +181,6 @@ POLICIES: dict[str, Callable[[SimClock], RoutingPolicy]] = {
 }
 
 
-def variant(**kwargs: object) -> Callable[[SimClock], RoutingPolicy]:
-    return lambda clock: AdaptivePolicy(AdaptiveConfig(**kwargs), clock=clock)  # type: ignore[arg-type]
-
-
 def by_class(results: list[SimResult]) -> dict[str, tuple[int, int, int]]:
     """class -> (met, sent, sent to spec)."""
     out: dict[str, tuple[int, int, int]] = {}
@@ -196,14 +192,12 @@ def by_class(results: list[SimResult]) -> dict[str, tuple[int, int, int]]:
 
 
 def main(argv: list[str]) -> None:
-    """``[--tight | --rule] [--context] [--old-ab] [--seeds A-B] [rate ...]``: a side-by-side table,
+    """``[--tight | --rule] [--context] [--seeds A-B] [rate ...]``: a side-by-side table,
     one line per (rate, seed, policy) with goodput share and per class met / sent / sent to
     spec.
     ``--tight``: the tight repetitive class; ``--rule``: labelled as with ``--tight``, every
     class's SLO by the bench's rule (:func:`rule_slos`); ``--context``: steps pay :data:`CONTEXT_S` per
-    context token (long prompts decode slower); ``--old-ab``: session 8's A/Bs too, the
-    TPOT prior by prompt band (``adaptive-pooledprior``) and, with ``--tight`` alone, the
-    slot reserve (``adaptive-noreserve``)."""
+    context token (long prompts decode slower)."""
     tight, context = "--tight" in argv or "--rule" in argv, "--context" in argv
     slos = rule_slos(CONTEXT_S if context else 0.0) if "--rule" in argv else None
     if slos is not None:
@@ -215,15 +209,10 @@ def main(argv: list[str]) -> None:
         seeds = range(int(lo), int(hi) + 1)
         argv = [a for a in argv if a != argv[argv.index("--seeds") + 1]]
     rates = [float(a) for a in argv if not a.startswith("--")] or [12.0, 16.0, 20.0, 24.0]
-    policies = dict(POLICIES)
-    if "--old-ab" in argv:  # session 8's A/Bs
-        policies["adaptive-pooledprior"] = variant(tpot_prior_by_band=False)
-        if tight and not context:
-            policies["adaptive-noreserve"] = variant(reserve_slots=False)
     for rate in rates:
         for seed in seeds:
             arrivals = prefix_mix(rate, int(rate * 40), seed, tight=tight, slos=slos)
-            for name, make in policies.items():
+            for name, make in POLICIES.items():
                 results = run_results(make, arrivals, CONTEXT_S if context else 0.0)
                 good = sum(r.ttft_ok and r.tpot_ok for r in results) / len(arrivals)
                 print(f"rate {rate:g} seed {seed} {name} {good:.3f} " + " ".join(

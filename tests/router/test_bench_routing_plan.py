@@ -1,34 +1,19 @@
-"""bench/routing.py's plan options: the ``adaptive-nostall`` policy (the stall-pricing A/B in
-the same run), rates set from the run's probe (``--rate-multiples``), the argument checks,
-and the A/B's ratios in the reports (answers written out)."""
+"""bench/routing.py's plan options: the policies it compares, rates set from the run's probe
+(``--rate-multiples``), the argument checks, and the ratios in the reports (answers written
+out)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from polyinfer.config import CompiledConfig
 from router.adaptive import AdaptivePolicy
 from router.base import RequestShape, WorkerView
 from tests.bench_module import load_bench
 
 BENCH = load_bench("routing.py", "bench_routing_plan")
-
-
-@pytest.mark.parametrize(("variant", "switch"), [
-    ("adaptive-nostall", "price_prefill_stalls"), ("adaptive-r4", "step_scaled_batch"),
-    ("adaptive-noreserve", "reserve_slots"), ("adaptive-pooledprior", "tpot_prior_by_band")])
-def test_each_variant_is_adaptive_with_its_switch_off_and_nothing_else(variant: str,
-                                                                       switch: str) -> None:
-    on, off = BENCH.make_policy("adaptive", 3), BENCH.make_policy(variant, 3)
-    assert isinstance(on, AdaptivePolicy) and isinstance(off, AdaptivePolicy)
-    assert getattr(on.config, switch) and not getattr(off.config, switch)
-    assert dataclasses.replace(off.config, **{switch: True}) == on.config
-    assert BENCH.POLICIES[variant] == BENCH.POLICIES["adaptive"] == "adaptive"
-    assert ("adaptive", variant) in BENCH.COMPARISONS
 
 
 def test_the_twin_is_adaptive_exactly() -> None:
@@ -38,27 +23,8 @@ def test_the_twin_is_adaptive_exactly() -> None:
     assert ("adaptive-twin", "adaptive") in BENCH.COMPARISONS
 
 
-def test_round_robin_and_the_pooledprior_profiles() -> None:
+def test_round_robin_is_the_product_policy() -> None:
     assert type(BENCH.make_policy("round_robin", 3)).__name__ == "RoundRobinPolicy"
-    on, off = BENCH.make_policy("adaptive", 3), BENCH.make_policy("adaptive-pooledprior", 3)
-    assert isinstance(on, AdaptivePolicy) and isinstance(off, AdaptivePolicy)
-    view = WorkerView("w", "http://w", "engine", CompiledConfig())
-    assert not off.profile(view).band_tpot and on.profile(view).band_tpot
-
-
-def test_the_nostall_variant_prices_the_prefill_ahead_as_session_5_did() -> None:
-    view = WorkerView("w", "http://w", "engine", CompiledConfig().with_engine(max_num_seqs=8))
-    clock = [0.0]
-    picks = {}
-    for name in ("adaptive", "adaptive-nostall"):
-        policy = BENCH.make_policy(name, 0)
-        policy.clock = lambda: clock[0]
-        policy.choose(RequestShape("summarization", 1500, None, 50), [view])  # a long prompt
-        picks[name] = policy.candidate(RequestShape("chat", 20, None, 50), view)
-    # the first prompt's prefill is still ahead at t=0: TTFT with stalls priced, TPOT without
-    assert picks["adaptive"].ahead_s > 0 and picks["adaptive-nostall"].ahead_s == 0.0
-    assert picks["adaptive-nostall"].tpot_s > picks["adaptive"].tpot_s
-    assert picks["adaptive"].ttft_s > picks["adaptive-nostall"].ttft_s
 
 
 def test_speed_index_is_the_median_latency_ratio_over_the_shared_cells() -> None:
@@ -115,19 +81,19 @@ def run(goodput: float, good: int, sent: int = 10) -> dict[str, Any]:
 
 ROUNDS = {"round_robin": [run(4.0, 4), run(2.0, 2)],
           "adaptive": [run(6.0, 6), run(6.0, 6)],
-          "adaptive-nostall": [run(5.0, 5), run(3.0, 3)]}
+          "least_outstanding": [run(5.0, 5), run(3.0, 3)]}
 
 
-def test_the_stall_ab_ratios_are_in_every_report_line() -> None:
+def test_the_ratios_are_in_every_report_line() -> None:
     # rounds: 6/5 = 1.2 and 6/3 = 2.0 -> median 1.6; pooled 12 / 8 = 1.5
-    assert "adaptive/adaptive-nostall 1.60x (1.20-2.00)" in BENCH.ratio_line(8.0, ROUNDS)
+    assert "adaptive/least_outstanding 1.60x (1.20-2.00)" in BENCH.ratio_line(8.0, ROUNDS)
     assert "adaptive/round_robin 2.25x (1.50-3.00)" in BENCH.ratio_line(8.0, ROUNDS)
     line = BENCH.pooled_line("8.0", ROUNDS)
-    assert "adaptive/adaptive-nostall 1.50x" in line and "adaptive/round_robin 2.00x" in line
-    assert "least_outstanding" not in line  # it did not run
-    # peaks: medians RR 3, adaptive 6, nostall 4
+    assert "adaptive/least_outstanding 1.50x" in line and "adaptive/round_robin 2.00x" in line
+    assert "least_outstanding-twin" not in line  # it did not run
+    # peaks: medians RR 3, adaptive 6, LO 4
     assert BENCH.peak_summary({"rates": {"8.0": ROUNDS}})[-2:] == [
-        "peak ratio adaptive/round_robin: 2.00x", "peak ratio adaptive/adaptive-nostall: 1.50x"]
+        "peak ratio adaptive/round_robin: 2.00x", "peak ratio adaptive/least_outstanding: 1.50x"]
 
 
 @pytest.mark.parametrize("name", list(BENCH.POLICIES))

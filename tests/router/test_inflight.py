@@ -61,24 +61,20 @@ def long_prompt(**kw: object) -> RequestShape:
     return RequestShape("summarization", 1800, None, 60, **kw)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("interference", [True, False])
-def test_short_request_avoids_a_worker_busy_prefilling(interference: bool) -> None:
+def test_short_request_avoids_a_worker_busy_prefilling() -> None:
     clock = Clock()
-    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, confidence=None,
-                                     interference=interference), clock=clock)
+    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, confidence=None), clock=clock)
     ws = pair()
     held = [long_prompt()]  # the proxy keeps each shape until its outcome (id() is the key)
     assert p.choose(held[0], ws[:1]).worker == "a"  # a 1,800-token prefill on "a"
     clock.now = 0.05
     # same load on both views: only the prefill in progress tells them apart
-    assert p.choose(short(slo_tpot_s=0.03), ws).worker == ("b" if interference else "a")
+    assert p.choose(short(slo_tpot_s=0.03), ws).worker == "b"
 
 
-@pytest.mark.parametrize("interference", [True, False])
-def test_long_prompt_avoids_tight_slo_decoders(interference: bool) -> None:
+def test_long_prompt_avoids_tight_slo_decoders() -> None:
     clock = Clock()
-    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, confidence=None,
-                                     interference=interference), clock=clock)
+    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, confidence=None), clock=clock)
     ws = pair()
     # NOTE: the shapes are held, as the proxy holds them until their outcome: the policy
     # keys its in-flight records by id(shape), and a freed shape's id can be reused
@@ -89,11 +85,10 @@ def test_long_prompt_avoids_tight_slo_decoders(interference: bool) -> None:
         p.choose(held[-1], ws[1:])
     clock.now = 0.5  # all past their first token
     d = p.choose(long_prompt(slo_ttft_s=5.0, slo_tpot_s=1.0), ws)
-    assert d.worker == ("b" if interference else "a")
-    if interference:
-        a, b = (p.candidate(long_prompt(slo_ttft_s=5.0, slo_tpot_s=1.0), w) for w in ws)
-        # the prefill delays four requests either way; on "a" it also breaks their SLO
-        assert a.cost_s > b.cost_s > 4 * b.prefill_s
+    assert d.worker == "b"
+    a, b = (p.candidate(long_prompt(slo_ttft_s=5.0, slo_tpot_s=1.0), w) for w in ws)
+    # the prefill delays four requests either way; on "a" it also breaks their SLO
+    assert a.cost_s > b.cost_s > 4 * b.prefill_s
 
 
 def test_slot_wait_is_the_time_until_enough_of_those_ahead_finish() -> None:
@@ -114,12 +109,11 @@ def no_prefill(**kw: object) -> RequestShape:
     return RequestShape("chat", 0, None, 60, **kw)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("crowding", [True, False])
-def test_crowding_spills_before_the_batch_cap(crowding: bool) -> None:
+def test_crowding_spills_before_the_batch_cap() -> None:
     """Same load and no prefill either way: joining "a" slows four tight-TPOT decodes past
     their SLO, joining "b" four loose ones; only the crowding term tells them apart."""
     clock = Clock()
-    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, confidence=None, crowding=crowding), clock=clock)
+    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, confidence=None), clock=clock)
     ws = pair()
     held = []  # kept until the end, as the proxy keeps them (see above)
     for _ in range(4):
@@ -129,9 +123,8 @@ def test_crowding_spills_before_the_batch_cap(crowding: bool) -> None:
     clock.now = 0.1
     a, b = (p.candidate(no_prefill(), w) for w in ws)
     assert not a.saturated and a.queue < 8  # well below the batch cap
-    assert p.choose(no_prefill(), ws).worker == ("b" if crowding else "a")
-    if crowding:
-        assert a.cost_s > b.cost_s
+    assert p.choose(no_prefill(), ws).worker == "b"
+    assert a.cost_s > b.cost_s
 
 
 def test_a_full_batch_charges_the_wait_not_crowding_and_learns_ttft_without_it() -> None:
@@ -153,82 +146,26 @@ def test_a_full_batch_charges_the_wait_not_crowding_and_learns_ttft_without_it()
     assert p.profile(full).predict("chat", 0, 2, 2, 0).ttft_s == pytest.approx(before, rel=0.2)
 
 
-def test_stalls_accumulate_on_the_active_flights_of_the_worker() -> None:
-    f = InFlight(capacity=10)
-    f.add(1, flight(sent=0.0))  # e2e 2 s: active until 8 s
-    f.add(2, flight("b", sent=0.0))
-    f.add_stall("a", 0.5, 0.2)
-    f.add_stall("a", 0.6, 0.1)
-    f.add_stall("a", 0.7, 0.0)  # nothing
-    f.add(3, flight(sent=0.8))  # sent after those prompts: none of their stall
-    assert [(x.sent_s, round(s, 6)) for x, s in f.stalled("a", 1.0)] == [(0.0, 0.3), (0.8, 0.0)]
-    assert [s for _, s in f.stalled("b", 1.0)] == [0.0]
-    f.add_stall("a", 8.5, 1.0)  # flight 1 is stale by then, flight 3 (sent at 0.8) is not
-    assert [round(s, 6) for _, s in f.stalled("a", 8.5)] == [1.0]
-    assert f.pop(1) is not None and f.pop(3) is not None and list(f.stalled("a", 0.0)) == []
+def test_prefill_ahead_is_spread_over_tpot() -> None:
+    """A prompt routed earlier is still prefilling (0.3 s of it left): the request waits it
+    out in its decode, 0.3 s over its 59 gaps (60 output tokens)."""
+    clock = Clock()
+    p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0), clock=clock)
+    w = pair()[0]
+    base = p.candidate(no_prefill(), w)
+    p._inflight.add(1, flight("a", sent=0.0, ttft=0.5, prefill=0.3))
+    clock.now = 0.2  # min(0.3, 0.5 - 0.2) = 0.3 s still ahead
+    ahead = p.candidate(no_prefill(), w)
+    assert ahead.tpot_s - base.tpot_s == pytest.approx(0.3 / 59)
+    assert ahead.ttft_s == pytest.approx(base.ttft_s)
 
 
-def test_prefill_ahead_is_ttft_and_session_5_spread_it_over_tpot() -> None:
-    """A prompt routed earlier is still prefilling (0.3 s of it left): the engine runs it
-    before the next prompt, so it is that request's TTFT; session 5 added it to TPOT."""
-    for price in (True, False):
-        clock = Clock()
-        p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, price_prefill_stalls=price),
-                           clock=clock)
-        w = pair()[0]
-        base = p.candidate(no_prefill(), w)
-        p._inflight.add(1, flight("a", sent=0.0, ttft=0.5, prefill=0.3))
-        clock.now = 0.2  # min(0.3, 0.5 - 0.2) = 0.3 s still ahead
-        ahead = p.candidate(no_prefill(), w)
-        if price:
-            assert ahead.ttft_s - base.ttft_s == pytest.approx(0.3)
-            assert ahead.tpot_s == pytest.approx(base.tpot_s) and ahead.ahead_s == 0.3
-        else:  # 60 output tokens: 0.3 s over 59 gaps
-            assert ahead.tpot_s - base.tpot_s == pytest.approx(0.3 / 59)
-            assert ahead.ttft_s == pytest.approx(base.ttft_s) and ahead.ahead_s == 0.0
-
-
-def test_each_further_prompt_is_charged_the_stalls_routed_before_it() -> None:
+def test_each_prompt_is_charged_its_own_stall() -> None:
     """One request decoding on "a": TTFT 0.1 s, 10 gaps at 5 ms, TPOT SLO 10 ms (cost
-    0.15 s). A 0.04 s prefill stalls it to 9 ms: within the SLO, harm 0.04 s. A second
-    one, once the first was routed, takes it to 13 ms: 30% over, penalty 1 + 4 x 0.3,
-    (0.15 + 0.08) x 2.2 - 0.19 = 0.316 s. Session 5 priced each alone: 0.04 s again."""
-    for price, second in ((True, 0.316), (False, 0.04)):
-        p = AdaptivePolicy(AdaptiveConfig(price_prefill_stalls=price), clock=Clock())
-        p._inflight.add(1, Flight("a", 0, 1, 0, 0.0, 0.1, 0.005, 11, 0.0, None, 0.010))
-        assert p._interference("a", 0.0, 0.04, 0.0, 1.0) == pytest.approx(0.04)
-        if price:  # what _remember does when the prompt goes to "a" (factor 1: its prior)
-            p._inflight.add_stall("a", 0.0, 0.04 * p.stalls.factor("a"))
-        assert p._interference("a", 0.0, 0.04, 0.0, 1.0) == pytest.approx(second)
-
-
-def test_tpot_is_learned_without_the_stalls_and_the_factor_from_them() -> None:
-    """"a" decodes requests at 10 ms a token; one of them had a 0.2 s prompt routed there
-    during its decode and measured 10 + 200 / 20 = 20 ms. The profile keeps ~10 ms and
-    the stall factor stays near 1; session 5 learns the 20 ms as the worker's TPOT."""
-    out = {}
-    for price in (True, False):
-        clock = Clock()
-        p = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0, price_prefill_stalls=price),
-                           clock=clock)
-        w = WorkerView("a", "http://a", "engine", CompiledConfig())
-        for i in range(40):  # plain requests: 21 tokens, 10 ms apart, sent 1 s apart
-            clock.now = float(i)
-            s = no_prefill()
-            p.choose(s, [w])
-            p.observe(RequestOutcome("a", s, "ok", completion_tokens=21, ttft_s=0.05,
-                                     tpot_s=0.010, e2e_s=0.25))
-        clock.now = 100.0
-        victim = no_prefill()
-        p.choose(victim, [w])
-        p.stalls.record("a", 100.06, 100.3, 0.2)  # a prompt prefilling over [100.1, 100.3]
-        clock.now = 100.5
-        p.observe(RequestOutcome("a", victim, "ok", completion_tokens=21, ttft_s=0.05,
-                                 tpot_s=0.020, e2e_s=0.45))
-        out[price] = p.profile(w).predict("chat", 0, 0, 1, 0).tpot_s
-        if price:
-            assert 0.9 < p.stalls.factor("a") <= 1.0
-    # measured: 10.18 ms with the stall taken out, 10.53 ms without (40 samples at 10 ms
-    # before it: the RLS fit moves a twentieth of the way to the 20 ms sample)
-    assert out[True] == pytest.approx(0.010, rel=0.025)
-    assert out[False] > 0.0104 and out[False] - 0.010 > 2.5 * (out[True] - 0.010)
+    0.15 s). A 0.04 s prefill stalls it to 9 ms: within the SLO, harm 0.04 s; each
+    further prompt is priced against the flight as predicted when it was sent."""
+    p = AdaptivePolicy(AdaptiveConfig(), clock=Clock())
+    p._inflight.add(1, Flight("a", 0, 1, 0, 0.0, 0.1, 0.005, 11, 0.0, None, 0.010))
+    assert p._interference("a", 0.0, 0.04, 0.0, 1.0) == pytest.approx(0.04)
+    # 0.08 s takes it to 13 ms: 30% over, penalty 1 + 4 x 0.3: (0.15 + 0.08) x 2.2 - 0.15
+    assert p._interference("a", 0.0, 0.08, 0.0, 1.0) == pytest.approx(0.356)
