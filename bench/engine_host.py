@@ -380,9 +380,6 @@ def main() -> int:
     if args.concurrency < 1:
         parser.error(f"--concurrency: expected >= 1, got {args.concurrency}")
     if args.serve:
-        # NOTE: bench/ holds an optimizer.py; the engine imports the tree's packages only
-        here = Path(__file__).resolve().parent
-        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
         serve(args.serve, args.port)
         return 0
     bench(args)

@@ -149,9 +149,6 @@ def run_level(inflight: int, num: int, seed: int) -> tuple[float, list[tuple]]:
 
 
 def child(args: argparse.Namespace) -> None:
-    # NOTE: bench/optimizer.py would shadow the optimizer package: import from the tree alone
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     import router
     out: dict[str, Any] = {"router": router.__file__, "levels": {}}
     for n in args.inflight:

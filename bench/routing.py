@@ -134,9 +134,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-# NOTE: bench/optimizer.py would shadow the optimizer package when this file runs as a script.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
 import aiohttp
 import orjson
 import yaml

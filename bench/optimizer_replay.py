@@ -59,8 +59,8 @@ Steps (all on real engines on the bundled model, loopback HTTP):
   5. reload   hot-reload seconds (from every experiment) vs cold engine starts;
               experiments per hour per tier.
 
-    python bench/optimizer.py                 # ~10-15 minutes on a busy 2-core box
-    python bench/optimizer.py --quick         # smaller grid and samples, a smoke run
+    python bench/optimizer_replay.py                 # ~10-15 minutes on a busy 2-core box
+    python bench/optimizer_replay.py --quick         # smaller grid and samples, a smoke run
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ from optimizer.space import Knob, SearchSpace  # noqa: E402
 from optimizer.verify import VerifyConfig  # noqa: E402
 from polyinfer.config import TINY_TARGET, CompiledConfig  # noqa: E402
 
-logger = logging.getLogger("bench.optimizer")
+logger = logging.getLogger("bench.optimizer_replay")
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "traces"
 PROMPTS = DATA.parent / "prompts" / "spec_bench_questions.jsonl"
