@@ -9,8 +9,8 @@ Run it::
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (stream or
 not; every OpenAI field passed through; ``speculative_depth`` added for engine
 workers), ``GET /v1/models``, ``GET /health``, ``GET /stats`` (JSON),
-``GET /metrics`` (Prometheus), ``GET /`` (dashboard), and ``/admin/*``
-behind ``auth.admin_key`` (see :mod:`proxy.admin`). Every response carries
+``GET /metrics`` (Prometheus), ``GET /`` (dashboard; its data: ``GET /stats/history``),
+and ``/admin/*`` behind ``auth.admin_key`` (see :mod:`proxy.admin`). Every response carries
 ``x-request-id``, ``x-polyinfer-worker``, ``x-polyinfer-domain`` and
 ``x-polyinfer-spec-depth``.
 
@@ -30,5 +30,7 @@ Modules, in request order:
   health probes, metric scrapes, circuit breakers, child processes
 - :mod:`proxy.stats`, :mod:`proxy.metrics`, :mod:`proxy.record`,
   :mod:`proxy.traces` — counters, Prometheus export, trace records and files
+- :mod:`proxy.dashboard`, :mod:`proxy.history` (+ ``history_slot``, ``history_window``),
+  :mod:`proxy.timeline` — the dashboard: per-second history rings, the optimizer's activity
 - :mod:`proxy.errors` — the error tree and OpenAI error bodies
 """

@@ -16,7 +16,7 @@ data and stay open.
 
 The sampler is an app lifetime: once a second it closes the history's second with
 what the pool's scrapes and the proxy's own counters say now (outstanding, running,
-waiting per worker; acceptance counters; the adaptive router's calibration), and
+waiting per worker; acceptance counters; the adaptive router's prediction error), and
 samples the optimizer's state.
 """
 
@@ -39,6 +39,7 @@ from proxy.errors import InvalidRequest, Unauthorized
 from proxy.history import MAX_WINDOW_S, Sample
 from proxy.stats import worker_doc
 from proxy.timeline import OptimizerTimeline
+from router.confidence import PredictionErrors
 
 logger = logging.getLogger(__name__)
 
@@ -124,11 +125,25 @@ def sample(app: web.Application) -> Sample:
         gauges[("outstanding", name)] = view.outstanding_requests
         gauges[("running", name)] = view.running
         gauges[("waiting", name)] = view.waiting
-    calibration = getattr(app[keys.RELAY].policy, "calibration", None)
-    factors = {}
-    if calibration is not None and hasattr(calibration, "snapshot"):
-        factors = {key: factor for key, (factor, _) in calibration.snapshot().items()}
-    return Sample(gauges=gauges, spec_tokens=app[keys.STATS].spec_tokens, calibration=factors)
+    return Sample(gauges=gauges, spec_tokens=app[keys.STATS].spec_tokens,
+                  prediction_error=prediction_error(app[keys.RELAY].policy))
+
+
+def prediction_error(policy: object) -> dict[str, float]:
+    """The policy's fleet-wide RMS log error of TTFT, TPOT and end-to-end time, predicted
+    against observed (the adaptive policy's :class:`router.confidence.PredictionErrors`);
+    only the latencies it has outcomes for."""
+    errors = getattr(policy, "errors", None)
+    if not isinstance(errors, PredictionErrors):
+        return {}
+    summary = errors.summary()
+    out = {}
+    if summary["num_ttft"]:
+        out["ttft"] = summary["ttft_rms_log"]
+    if summary["num_tpot"]:
+        out["tpot"] = summary["tpot_rms_log"]
+        out["e2e"] = summary["e2e_rms_log"]
+    return out
 
 
 async def sampler_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -47,7 +47,9 @@ class Sample:
 
     gauges: Mapping[tuple[str, str], float]  # (gauge, worker) -> value now
     spec_tokens: Mapping[tuple[str, str], Sequence[int]]  # (worker, domain) -> [drafted, accepted], cumulative
-    calibration: Mapping[str, float] = field(default_factory=dict)  # router: observed / prior
+    # the routing policy's running RMS log error of its predictions (router.confidence):
+    # "ttft" | "tpot" | "e2e" -> ln-space error; empty for a policy that predicts nothing
+    prediction_error: Mapping[str, float] = field(default_factory=dict)
 
 
 class History:
@@ -103,7 +105,7 @@ class History:
         slot.span_s = max(now - slot.start_s, 0.0)
         slot.gauges = {key: [float(v), 1.0] for key, v in sample.gauges.items()}
         slot.tokens = self._token_deltas(sample.spec_tokens)
-        slot.calibration = dict(sample.calibration)
+        slot.prediction_error = dict(sample.prediction_error)
         self.fine.append(slot)
         self._fold(slot)
         self.num_ticks += 1

@@ -59,7 +59,7 @@ class Slot:
     latency: dict[tuple[str, str, str], Counter[int]] = field(default_factory=dict)
     gauges: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (gauge, worker) -> [sum, n]
     tokens: dict[str, list[float]] = field(default_factory=dict)  # domain -> [drafted, accepted]
-    calibration: dict[str, float] = field(default_factory=dict)  # key -> factor at the end
+    prediction_error: dict[str, float] = field(default_factory=dict)  # latency -> at the end
 
     def merge(self, other: Slot) -> None:
         self.span_s += other.span_s
@@ -76,7 +76,7 @@ class Slot:
                 self.latency[key] = Counter(hist)
             else:
                 mine.update(hist)
-        self.calibration.update(other.calibration)
+        self.prediction_error.update(other.prediction_error)
 
 
 def _add_pairs(into: dict[Any, list[float]], other: Mapping[Any, list[float]]) -> None:

@@ -21,7 +21,8 @@ from proxy.history_slot import Slot, bucket_value
 PERCENTILES = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
 GAUGES = ("outstanding", "running", "waiting")  # per worker, sampled each second
 COUNTED = ("requests_per_s", "errors_per_s", "refused_per_s")  # missing = 0 where covered
-SERIES = (*COUNTED, *GAUGES, "spec_depth", "acceptance", "calibration", "ttft_s", "tpot_s")
+SERIES = (*COUNTED, *GAUGES, "spec_depth", "acceptance", "prediction_error", "ttft_s",
+          "tpot_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,7 @@ def point_of(start_s: float, slots: Iterable[Slot]) -> Point:
         "refused_per_s": {s: round(n / span, 4) for s, n in merged.refused.items()},
         "spec_depth": {d: round(a / n, 3) for d, (a, n) in merged.depth.items() if n},
         "acceptance": {d: round(b / a, 4) for d, (a, b) in merged.tokens.items() if a},
-        "calibration": dict(merged.calibration),
+        "prediction_error": dict(merged.prediction_error),
         "ttft_s": {}, "tpot_s": {}, **{g: {} for g in GAUGES},
     }
     for (gauge, worker), (total, n) in merged.gauges.items():

@@ -36,7 +36,7 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--hide-scrollbars")
 TIME_CHARTS = ("requests", "errors", "refused", "load", "ttft_worker", "ttft_domain",
-               "tpot_worker", "tpot_domain", "depth", "acceptance", "calibration")
+               "tpot_worker", "tpot_domain", "depth", "acceptance", "prediction_error")
 PROMPTS = [  # a few domains for the classifier, repetitive enough for n-gram drafts
     ("completions", "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul("),
     ("completions", "Solve for x: 3x + 7 = 22. Then compute 12 * 13 and 144 / 12. Answer:"),

@@ -73,7 +73,7 @@ def test_a_second_of_requests_becomes_one_point_of_every_series():
     h.record(rec(worker="", http_status=429))
     clock.now = 1001.0
     h.tick(Sample(gauges={("outstanding", "w1"): 2, ("running", "w1"): 1, ("waiting", "w1"): 0},
-                  spec_tokens={("w1", "code"): [10, 7]}, calibration={"tpot": 1.5}))
+                  spec_tokens={("w1", "code"): [10, 7]}, prediction_error={"tpot": 0.25}))
     doc = h.window(300, step_s=1)
     i = doc["t"].index(1000.0)
     s = doc["series"]
@@ -88,7 +88,7 @@ def test_a_second_of_requests_becomes_one_point_of_every_series():
     assert s["outstanding"]["w1"][i] == 2 and s["running"]["w1"][i] == 1
     assert s["spec_depth"]["code"][i] == 2.0  # (3 + 1) / 2
     assert s["acceptance"]["code"][i] == 0.7
-    assert s["calibration"]["tpot"][i] == 1.5
+    assert s["prediction_error"]["tpot"][i] == 0.25
     assert doc["routing"] == {"matrix": {"code": {"w1": 2}, "chat": {"w2": 1}},
                               "reasons": {"code": {"w1": {"fit": 1, "balance": 1}},
                                           "chat": {"w2": {"fit": 1}}}}
