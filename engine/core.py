@@ -7,6 +7,7 @@ thread at a time (steps on a worker thread, adds/aborts between steps).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -36,7 +37,7 @@ from engine.pacing import step_terms
 from engine.proposers import build_proposer
 from engine.runner import ModelRunner, StepResult
 from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import GenerationParams, Sequence
+from engine.sequence import GenerationParams, Sequence, TokenLogprob
 from engine.tokenizer import TextTokenizer
 from polyinfer.config import CompiledConfig, EngineConfig, restart_fields_changed
 from specdec.base import Proposal, ProposalRequest, Proposer
@@ -61,6 +62,7 @@ class RequestOutput:
     num_accepted_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: RequestError | None = None  # why the engine refused the request (finish "abort")
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asks
 
 
 @dataclass
@@ -228,7 +230,7 @@ class EngineCore:
             raise InvalidRequestError(f"'prompt' has token ids outside [0, {self.vocab_size})",
                                       "prompt")
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), len(prompt_ids),
-                       params, time.monotonic())
+                       self._with_min_tokens_ban(params), time.monotonic())
         self.requests[request_id] = seq
         self.detoks[seq.seq_id] = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output)
@@ -236,6 +238,17 @@ class EngineCore:
         if (params.spec_depth > 0 and self.runner.graphs is not None
                 and hasattr(self.proposer, "prepare")):
             self._to_prepare.append(seq)  # see _overlap_proposer_work
+
+    def _with_min_tokens_ban(self, params: GenerationParams) -> GenerationParams:
+        """``min_tokens`` holds back what would end the request: EOS (unless ignored) and
+        the stop token ids, as vLLM does."""
+        sampling = params.sampling
+        if not sampling.min_tokens:
+            return params
+        ban = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                  else self.eos_ids)
+        return dataclasses.replace(params, sampling=dataclasses.replace(
+            sampling, min_tokens_ban=ban))
 
     def abort(self, request_id: str) -> None:
         seq = self.requests.get(request_id)
@@ -380,6 +393,8 @@ class EngineCore:
             self.scheduler.trim_blocks(seq)
         tail = self.detoks[seq.seq_id].finish() if seq.finish_reason is not None else ""
         out = self._output(seq, text.text + tail, new)
+        if result.logprobs is not None:
+            out = dataclasses.replace(out, logprobs=result.logprobs[:new])
         if seq.finish_reason is not None:
             self.detoks.pop(seq.seq_id, None)
         return out

@@ -4,11 +4,11 @@ The eager runner copies ``[N, vocab]`` logits to the host and samples there
 (``polyinfer.sampling.sample``). On an accelerator that copy and the small CPU
 kernels after it cost more than a whole decode step of a small model, so this
 module samples on the logits' device with the same distribution code
-(:func:`polyinfer.sampling.process_logits`) and the same uniforms
-(:func:`polyinfer.sampling.uniforms`: one per sampled row, drawn from the
-request's generator when it has one), so a seeded request draws the same
-numbers on either path. The only device-to-host transfer is the final ``[N]``
-token ids.
+(:func:`polyinfer.sampling.process_logits`), the same uniforms for unseeded
+rows and the same keyed draws for seeded ones
+(:func:`polyinfer.sampling.keyed_sample`, its noise made on the CPU), so a seeded
+request draws the same tokens on either path. The only device-to-host transfer
+is the final ``[N]`` token ids.
 """
 
 from __future__ import annotations
@@ -17,19 +17,27 @@ from collections.abc import Sequence
 
 import torch
 
-from polyinfer.sampling import SamplingParams, process_logits, uniforms
+from polyinfer.sampling import (
+    Row,
+    SamplingParams,
+    process_logits,
+    seeded_point_masses,
+    uniforms,
+)
 
 
-def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[int]:
+def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
+                     rows: Sequence[Row] | None = None) -> list[int]:
     """[N, vocab] logits (any device) -> N token ids; greedy rows take the argmax."""
-    if all(p.greedy for p in params):
+    if all(p.greedy and not p.adjusts for p in params):
         return logits.argmax(dim=1).tolist()
-    probs = process_logits(logits, params)  # [N, vocab] float32; greedy rows one-hot
-    # NOTE: greedy rows are one-hot, so any u picks their argmax; every row takes one
-    # uniform only if it samples, as polyinfer.sampling does.
-    rows = [i for i, p in enumerate(params) if not p.greedy]
+    probs = process_logits(logits, params, rows)  # [N, vocab] float32; greedy rows one-hot
+    probs = seeded_point_masses(probs, params, rows)  # and keyed rows on their keyed sample
+    # NOTE: point-mass rows pick their token with any u; only drawn rows take a uniform,
+    # as polyinfer.sampling does.
+    drawn = [i for i, p in enumerate(params) if not p.greedy and not p.keyed]
     u = torch.zeros(len(params))
-    u[rows] = uniforms([1] * len(rows), [params[i] for i in rows])
+    u[drawn] = uniforms(len(drawn))
     return inverse_cdf(probs, u.to(probs.device, non_blocking=True)).tolist()
 
 

@@ -1,9 +1,13 @@
 """OpenAI request bodies in, engine inputs out; engine outputs in, OpenAI JSON out.
 
 Parsing is strict about types and ranges (every problem is a
-:class:`~engine.errors.RequestError` naming the field) and explicit about what
-is not implemented: an option that would change the output (``n > 1``,
-``logprobs``, penalties...) is refused with a 400 rather than silently ignored.
+:class:`~engine.errors.RequestError` naming the field; OpenAI's ranges) and explicit
+about what is not implemented: an option that would change the output
+(``best_of``, ``echo``, ``response_format``, ``tools``, vLLM's structured-output
+fields...) is refused with a 400 ``unsupported_option`` rather than silently
+ignored. Served: ``n``, ``logprobs`` / ``top_logprobs``, ``presence_penalty``,
+``frequency_penalty``, ``repetition_penalty``, ``logit_bias``, ``min_tokens``,
+``min_p``, ``seed``, ``stop`` and ``stop_token_ids``.
 Unknown fields are ignored, as vLLM does, so a proxy may add its own. A prompt that
 cannot fit the context is refused from its length in characters (or messages, or ids)
 before it is rendered or tokenized: an 8 MB prompt costs a length check, not seconds of
@@ -15,13 +19,11 @@ of its own prompt; engine.pacing).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from engine.errors import (
     ContextLengthError,
@@ -31,18 +33,18 @@ from engine.errors import (
 )
 from engine.sequence import GenerationParams
 from engine.tokenizer import TextTokenizer
+from polyinfer.capabilities import ENGINE_SERVES, REMOVED_GUIDED_FIELDS, requested_options
 from polyinfer.config import CompiledConfig
-from polyinfer.sampling import SamplingParams
+from polyinfer.sampling import SamplingParams, derive_seed
 
 MAX_STOP_STRINGS = 16
-# option -> value(s) that mean "off"; anything else is refused as unsupported
-NEUTRAL_OPTIONS: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},), "suffix": ("",), "min_tokens": (0,), "min_p": (0, 0.0),
-    "tools": ([],), "functions": ([],), "prompt_logprobs": (0,), "use_beam_search": (False,),
-    "skip_special_tokens": (True,),
-}
+MAX_N = 128  # OpenAI's bound on n
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound (vLLM's default max_logprobs)
+MAX_LOGIT_BIAS = 300  # OpenAI: at most 300 biased tokens
+ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
+# vLLM's structured-output fields, current and removed: refused until a grammar backend
+# serves them (a request that asks for JSON must not get free text with a 200)
+STRUCTURED_FIELDS = ("structured_outputs", *REMOVED_GUIDED_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,15 @@ class ParsedRequest:
     params: GenerationParams
     stream: bool
     include_usage: bool
+    n: int = 1  # samples of the prompt (choices); sample i seeds with derive_seed(seed, i)
+
+    def sample_params(self, index: int) -> GenerationParams:
+        """The parameters of choice ``index``: its own seed when the request has one."""
+        sampling = self.params.sampling
+        if index == 0 or sampling.seed is None:
+            return self.params
+        return dataclasses.replace(self.params, sampling=dataclasses.replace(
+            sampling, seed=derive_seed(sampling.seed, index)))
 
 
 def _field(body: Mapping[str, Any], key: str, types: type | tuple[type, ...], default: Any,
@@ -86,14 +97,16 @@ def _slo(body: Mapping[str, Any], key: str) -> float | None:
     return float(value)
 
 
-def _check_unsupported(body: Mapping[str, Any]) -> None:
-    for key, neutral in NEUTRAL_OPTIONS.items():
-        value = body.get(key)
-        if value is not None and value not in neutral:
-            raise UnsupportedOptionError(key, f"only {neutral[0]!r} is supported, got {value!r}")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise UnsupportedOptionError("response_format", "only {'type': 'text'} is supported")
+def _check_unsupported(body: Mapping[str, Any], chat: bool) -> None:
+    """Refuse what this engine does not serve: the table the proxy routes by
+    (polyinfer.capabilities), so a worker does what its backend declares."""
+    for key in STRUCTURED_FIELDS:
+        if body.get(key) is not None:
+            raise UnsupportedOptionError(key, "no structured output")
+    for key in sorted(requested_options(body, chat) - ENGINE_SERVES):
+        detail = ("only {'type': 'text'} is supported (no structured output)"
+                  if key == "response_format" else "not implemented")
+        raise UnsupportedOptionError(key, detail)
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -149,7 +162,7 @@ class RequestParser:
         model = _field(body, "model", str, self.config.model_name, "a string")
         if model != self.config.model_name:
             raise ModelNotFoundError(model, self.config.model_name)
-        _check_unsupported(body)
+        _check_unsupported(body, chat)
         prompt_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
         if self._text_past_vocab and max(prompt_ids, default=0) >= self.vocab:
             raise InvalidRequestError(f"the prompt has token ids outside the model's "
@@ -157,7 +170,10 @@ class RequestParser:
                                       "messages" if chat else "prompt")
         stream, include_usage = _stream_flags(body)
         params = self._params(body, chat, len(prompt_ids))
-        return ParsedRequest(chat, prompt_ids, params, stream, include_usage)
+        n = _field(body, "n", int, 1, "an integer")
+        if not 1 <= n <= MAX_N:
+            raise InvalidRequestError(f"'n' must be in [1, {MAX_N}], got {n}", "n")
+        return ParsedRequest(chat, prompt_ids, params, stream, include_usage, n)
 
     def _completion_prompt(self, body: Mapping[str, Any]) -> list[int]:
         if "prompt" not in body or body["prompt"] is None:
@@ -228,21 +244,51 @@ class RequestParser:
                                               "true or false"),
             slo_tpot_s=_slo(body, "slo_tpot_s"),
             slo_ttft_s=_slo(body, "slo_ttft_s"),
+            logprobs=_logprobs(body, chat),
         )
 
     def _sampling(self, body: Mapping[str, Any]) -> SamplingParams:
-        temperature = _number(body, "temperature", 1.0, 0.0, 100.0)
+        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
         top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
         top_k = _field(body, "top_k", int, 0, "an integer")
         if top_k < -1:
             raise InvalidRequestError(f"'top_k' must be -1, 0 (off) or positive, got {top_k}",
                                       "top_k")
         seed = _field(body, "seed", int, None, "an integer")
-        generator = None
-        if seed is not None and temperature > 0:
-            generator = torch.Generator()
-            generator.manual_seed(seed % (1 << 63))
-        return SamplingParams(temperature, top_p, max(top_k, 0), generator)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        min_tokens = _field(body, "min_tokens", int, 0, "an integer")
+        if min_tokens < 0 or (isinstance(max_tokens, int) and min_tokens > max_tokens):
+            raise InvalidRequestError(f"'min_tokens' must be in [0, max_tokens], got "
+                                      f"{min_tokens}", "min_tokens")
+        return SamplingParams(
+            temperature, top_p, max(top_k, 0), seed,
+            min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+            presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 1e9, lo_open=True),
+            logit_bias=self._logit_bias(body), min_tokens=min_tokens)
+
+    def _logit_bias(self, body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+        bias = _field(body, "logit_bias", dict, {}, "an object of token id -> bias")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens",
+                                      "logit_bias")
+        out = []
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise InvalidRequestError("'logit_bias' keys must be token ids",
+                                          "logit_bias") from None
+            if not 0 <= token < self.vocab:
+                raise InvalidRequestError(f"'logit_bias' has token id {token} outside "
+                                          f"[0, {self.vocab})", "logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not -100 <= value <= 100:
+                raise InvalidRequestError("'logit_bias' values must be numbers in [-100, 100]",
+                                          "logit_bias")
+            out.append((token, float(value)))
+        return tuple(out)
 
     def _spec_depth(self, body: Mapping[str, Any]) -> int:
         cfg = self.config.engine
@@ -253,70 +299,47 @@ class RequestParser:
         return 0 if cfg.spec_method == "none" else min(depth, cfg.spec_max_depth)
 
 
+def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
+    """None (off) or how many alternatives per token: chat's ``logprobs: true`` with
+    ``top_logprobs``, completions' ``logprobs: <int>``."""
+    if chat:
+        on = _field(body, "logprobs", bool, False, "true or false")
+        top = _field(body, "top_logprobs", int, None, "an integer")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got "
+                                      f"{top}", "top_logprobs")
+        if top and not on:
+            raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (top or 0) if on else None
+    num = _field(body, "logprobs", int, None, "an integer")
+    if num is not None and not 0 <= num <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {num}",
+                                  "logprobs")
+    return num
+
+
 def _message(m: Any, i: int) -> dict[str, str]:
     key = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise InvalidRequestError(f"'{key}' must be an object with a string 'role'", key)
+    if m["role"] not in ROLES:
+        raise InvalidRequestError(f"'{key}.role' must be one of {sorted(ROLES)}, got "
+                                  f"{m['role'][:32]!r}", f"{key}.role")
     content = m.get("content")
     if content is None:
         content = ""
     elif isinstance(content, list):
         parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
-                    part.get("text"), str):
+        for j, part in enumerate(content):
+            where = f"{key}.content[{j}]"
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise InvalidRequestError(f"'{where}' must be an object with a 'type'", where)
+            if part["type"] != "text":
                 raise UnsupportedOptionError(f"{key}.content", "only text content parts")
+            if not isinstance(part.get("text"), str):
+                raise InvalidRequestError(f"'{where}.text' must be a string", f"{where}.text")
             parts.append(part["text"])
         content = "".join(parts)
     elif not isinstance(content, str):
         raise InvalidRequestError(f"'{key}.content' must be a string or a list of parts", key)
     return {"role": m["role"], "content": content}
-
-
-# -- responses ------------------------------------------------------------------------------
-
-
-def usage(num_prompt: int, num_output: int, num_draft: int, num_accepted: int,
-          num_cached: int = 0) -> dict[str, Any]:
-    """OpenAI usage; ``prompt_tokens_details.cached_tokens`` = prompt tokens the prefix cache
-    served (always present, 0 with caching off; vLLM sends it with
-    ``--enable-prompt-tokens-details``), ``spec_decode`` = this engine's speculation counts."""
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_output,
-            "total_tokens": num_prompt + num_output,
-            "prompt_tokens_details": {"cached_tokens": num_cached},
-            "spec_decode": {"num_draft_tokens": num_draft, "num_accepted_tokens": num_accepted}}
-
-
-def completion_body(rid: str, model: str, chat: bool, text: str, finish_reason: str | None,
-                    stop_reason: Any, usage_: dict[str, Any]) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason,
-                              "stop_reason": stop_reason}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice], "usage": usage_}
-
-
-def chunk_body(rid: str, model: str, chat: bool, created: int, text: str | None,
-               finish_reason: str | None = None, stop_reason: Any = None,
-               role: bool = False) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
-    if finish_reason is not None:
-        choice["stop_reason"] = stop_reason
-    if chat:
-        delta: dict[str, Any] = {"role": "assistant"} if role else {}
-        if text is not None:
-            delta["content"] = text
-        choice["delta"] = delta
-    else:
-        choice["text"] = text or ""
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": model, "choices": [choice]}
-
-
-def usage_chunk(rid: str, model: str, chat: bool, created: int,
-                usage_: dict[str, Any]) -> dict[str, Any]:
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": model, "choices": [], "usage": usage_}

@@ -21,6 +21,7 @@ one device-to-host copy).
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,8 @@ from engine.kv_cache import KVCache
 from engine.lanes import LaneChooser, Lanes, split_lanes
 from engine.model import LlamaModel
 from engine.scheduler import ScheduledSeq
-from polyinfer.sampling import sample
+from engine.sequence import TokenLogprob
+from polyinfer.sampling import Row, sample
 from specdec.base import Proposal
 from specdec.verify import verify, verify_greedy_in_waves
 
@@ -45,6 +47,7 @@ class StepResult:
     item: ScheduledSeq
     tokens: list[int]  # new tokens: accepted drafts, then the sampled one
     num_accepted: int  # draft tokens accepted
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asks
 
 
 class ModelRunner:
@@ -107,7 +110,7 @@ class ModelRunner:
         sampled = [it for it in scheduled if it.samples]
         return (torch.device(self.model.device).type == "cpu"
                 and any(it.drafts for it in sampled)
-                and all(it.seq.params.sampling.greedy for it in sampled))
+                and all(_plain_greedy(it) for it in sampled))
 
     def _forward(self, items: list[ScheduledSeq], hidden_only: bool = False) -> torch.Tensor:
         """Logits ``[N, vocab]`` (on the model's device) for the sampling rows of ``items``;
@@ -133,17 +136,18 @@ class ModelRunner:
     def _sample(self, sampled: list[ScheduledSeq], logits: torch.Tensor) -> list[StepResult]:
         params = [it.seq.params.sampling for it in sampled]
         if not any(it.drafts for it in sampled):
-            tokens = sample(logits, params).tolist()
-            return [StepResult(it, [t], 0) for it, t in zip(sampled, tokens, strict=False)]
+            tokens = sample(logits, params, _rows_of(sampled)).tolist()
+            return with_logprobs(logits, [StepResult(it, [t], 0) for it, t in
+                                          zip(sampled, tokens, strict=False)])
         return self._verify(sampled, logits)
 
     def _verify(self, sampled: list[ScheduledSeq], logits: torch.Tensor) -> list[StepResult]:
         """Accept a prefix of each proposal from ``[sum(k_i + 1), vocab]`` logits (any device)."""
         params = [it.seq.params.sampling for it in sampled]
         proposals = [Proposal(it.seq.seq_id, it.drafts, it.draft_probs) for it in sampled]
-        results = verify(logits, proposals, params)
-        return [StepResult(it, r.tokens, r.num_accepted)
-                for it, r in zip(sampled, results, strict=True)]
+        results = verify(logits, proposals, params, _rows_of(sampled))
+        return with_logprobs(logits, [StepResult(it, r.tokens, r.num_accepted)
+                                      for it, r in zip(sampled, results, strict=True)])
 
     def _verify_greedy(self, sampled: list[ScheduledSeq],
                        hidden: torch.Tensor) -> list[StepResult]:
@@ -182,8 +186,68 @@ class ModelRunner:
             logits = logits[torch.tensor(keep).to(logits.device, non_blocking=True)]
         if any(it.drafts for it in sampled):
             return self._verify(sampled, logits)
-        tokens = sample_on_device(logits, [it.seq.params.sampling for it in sampled])
-        return [StepResult(it, [t], 0) for it, t in zip(sampled, tokens, strict=True)]
+        tokens = sample_on_device(logits, [it.seq.params.sampling for it in sampled],
+                                  _rows_of(sampled))
+        return with_logprobs(logits, [StepResult(it, [t], 0) for it, t in
+                                      zip(sampled, tokens, strict=True)])
+
+
+def _plain_greedy(item: ScheduledSeq) -> bool:
+    """Greedy, unadjusted and without logprobs: an argmax of its rows is all it needs."""
+    p = item.seq.params
+    return p.sampling.greedy and not p.sampling.adjusts and p.logprobs is None
+
+
+def _rows_of(sampled: Sequence[ScheduledSeq]) -> list[Row] | None:
+    """Each sampled sequence's :class:`~polyinfer.sampling.Row` (its next position and,
+    for penalised requests, its history); None when no request needs one."""
+    if not any(it.seq.params.sampling.adjusts or it.seq.params.sampling.keyed
+               for it in sampled):
+        return None
+    rows = []
+    for it in sampled:
+        seq = it.seq
+        if seq.params.sampling.adjusts:
+            rows.append(Row(seq.num_tokens, seq.token_ids[:seq.num_prompt_tokens],
+                            seq.output_ids))
+        else:
+            rows.append(Row(seq.num_tokens))
+    return rows
+
+
+def with_logprobs(logits: torch.Tensor, results: list[StepResult]) -> list[StepResult]:
+    """``results`` with their tokens' logprobs for the requests that ask for them.
+
+    ``logits`` are the step's sampling rows, ``len(drafts) + 1`` per result in order;
+    token j of a result was sampled at its row j. One log-softmax over the rows read,
+    one copy to the host.
+    """
+    wanted = [i for i, r in enumerate(results) if r.item.seq.params.logprobs is not None]
+    if not wanted:
+        return results
+    starts = list(itertools.accumulate((len(r.item.drafts) + 1 for r in results), initial=0))
+    index = [starts[i] + j for i in wanted for j in range(len(results[i].tokens))]
+    chosen = [t for i in wanted for t in results[i].tokens]
+    dev = logits.device
+    lp = torch.log_softmax(logits[torch.tensor(index, device=dev)].float(), dim=1)
+    picked = lp.gather(1, torch.tensor(chosen, device=dev).unsqueeze(1)).squeeze(1).tolist()
+    num_top = max(results[i].item.seq.params.logprobs or 0 for i in wanted)
+    top_lp: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if num_top:
+        top = lp.topk(num_top, dim=1)
+        top_lp, top_ids = top.values.tolist(), top.indices.tolist()
+    out, row = list(results), 0
+    for i in wanted:
+        r = results[i]
+        k = r.item.seq.params.logprobs or 0
+        lps = []
+        for t in r.tokens:
+            alts = tuple(zip(top_ids[row][:k], top_lp[row][:k], strict=True)) if k else ()
+            lps.append(TokenLogprob(t, picked[row], alts))
+            row += 1
+        out[i] = StepResult(r.item, r.tokens, r.num_accepted, lps)
+    return out
 
 
 def _rows(item: ScheduledSeq) -> DecodeRow:

@@ -9,6 +9,16 @@ from polyinfer.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (raw logits, as vLLM's default
+    ``logprobs_mode``), with the most likely alternatives when asked for."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
 class GenerationParams:
     """Everything about a request that is not its prompt; validated by ``engine.protocol``."""
 
@@ -23,6 +33,7 @@ class GenerationParams:
     # (engine.pacing); None = not protected
     slo_tpot_s: float | None = None
     slo_ttft_s: float | None = None  # its TTFT SLO, seconds: the least pace of its prompt
+    logprobs: int | None = None  # None: none; else each token's, and this many alternatives
 
 
 class Status(enum.Enum):

@@ -43,12 +43,14 @@ from engine.errors import (
 )
 from engine.loader import load_core
 from engine.metrics import CONTENT_TYPE, EngineMetrics
-from engine.protocol import (
-    ParsedRequest,
-    RequestParser,
+from engine.protocol import ParsedRequest, RequestParser
+from engine.responses import (
+    Choice,
+    LogprobFormatter,
+    choice_body,
     chunk_body,
     completion_body,
-    usage,
+    total_usage,
     usage_chunk,
 )
 from polyinfer.config import CompiledConfig, ConfigError
@@ -67,6 +69,7 @@ class EngineState:
     engine: AsyncEngine | DataParallelEngine
     parser: RequestParser
     metrics: EngineMetrics
+    logprobs: LogprobFormatter  # token texts of the model's tokenizer
 
 
 STATE = web.AppKey("engine_state", EngineState)
@@ -100,6 +103,15 @@ def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
 
+def _check_content_type(value: str | None) -> None:
+    """JSON bodies only: ``Content-Type`` absent, ``application/json`` or ``+json`` (vLLM's
+    server refuses the rest with a 400 too)."""
+    media = (value or "").split(";", 1)[0].strip().lower()
+    if media and media != "application/json" and not (
+            media.startswith("application/") and media.endswith("+json")):
+        raise InvalidRequestError(f"Content-Type must be application/json, got {media[:64]!r}")
+
+
 async def _read_json(request: web.Request) -> Any:
     raw = await request.read()
     try:
@@ -109,6 +121,7 @@ async def _read_json(request: web.Request) -> Any:
 
 
 async def _parse(state: EngineState, request: web.Request, chat: bool) -> ParsedRequest:
+    _check_content_type(request.headers.get("Content-Type"))
     body = await _read_json(request)
     if request.content_length is not None and request.content_length > INLINE_TOKENIZE_BYTES:
         loop = asyncio.get_running_loop()
@@ -141,53 +154,113 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         return _error(EngineUnavailableError("no engine core process is running"))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     state.metrics.count_slos(parsed.params)
-    outputs = state.engine.generate(rid, parsed.prompt_ids, parsed.params)
+    # NOTE: n samples are n requests of one prompt; with prefix caching the later ones
+    # find the prompt's full blocks cached once the first has computed them
+    streams = [state.engine.generate(rid if parsed.n == 1 else f"{rid}-{i}", parsed.prompt_ids,
+                                     parsed.sample_params(i)) for i in range(parsed.n)]
     model = state.parser.config.model_name
-    async with contextlib.aclosing(outputs):
+    fmt = state.logprobs if parsed.params.logprobs is not None else None
+    async with contextlib.AsyncExitStack() as stack:
+        for s in streams:
+            await stack.enter_async_context(contextlib.aclosing(s))
+        # closed first (LIFO): its pumps are cancelled before the streams are closed
+        merged = await stack.enter_async_context(contextlib.aclosing(_merged(streams)))
         if parsed.stream:
-            return await _stream(request, outputs, parsed, rid, model)
-        return await _collect(outputs, parsed, rid, model)
+            return await _stream(request, merged, parsed, rid, model, fmt)
+        return await _collect(merged, parsed, rid, model, fmt)
 
 
-async def _collect(outputs: AsyncIterator[RequestOutput], parsed: ParsedRequest, rid: str,
-                   model: str) -> web.Response:
-    parts: list[str] = []
+async def _merged(streams: list[AsyncIterator[RequestOutput]]
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from every stream as they come; the first error is raised."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, outputs: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in outputs:
+                queue.put_nowait((i, out, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+            return
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        async for out in outputs:
-            parts.append(out.text)
-            last = out
+        remaining = len(tasks)
+        while remaining:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                remaining -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _take(choice: Choice, out: RequestOutput) -> None:
+    choice.num_output = out.num_output_tokens
+    choice.num_draft, choice.num_accepted = out.num_draft_tokens, out.num_accepted_tokens
+    choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+
+
+async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], parsed: ParsedRequest,
+                   rid: str, model: str, fmt: LogprobFormatter | None) -> web.Response:
+    choices = [Choice(i, logprobs=[] if fmt is not None else None) for i in range(parsed.n)]
+    num_prompt = num_cached = 0
+    try:
+        async for i, out in outputs:
+            choice = choices[i]
+            choice.parts.append(out.text)
+            if choice.logprobs is not None and out.logprobs:
+                choice.logprobs.extend(out.logprobs)
+            _take(choice, out)
+            num_prompt, num_cached = out.num_prompt_tokens, out.num_cached_tokens
     except RequestError as e:  # e.g. the engine-core process died (engine.dp)
         return _error(e)
-    if last.finish_reason == "abort":  # the engine failed the request (see its log)
+    if any(c.finish_reason in (None, "abort") for c in choices):  # the engine failed it
         return _json(error_body("the engine failed while running this request",
                                 "internal_error"), 500)
-    use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_draft_tokens,
-                last.num_accepted_tokens, last.num_cached_tokens)
-    return _json(completion_body(rid, model, parsed.chat, "".join(parts), last.finish_reason,
-                                 last.stop_reason, use))
+    use = total_usage(choices, num_prompt, num_cached)
+    return _json(completion_body(rid, model, parsed.chat, [
+        choice_body(parsed.chat, c, "".join(c.parts), fmt, c.logprobs) for c in choices], use))
 
 
-async def _stream(request: web.Request, outputs: AsyncIterator[RequestOutput],
-                  parsed: ParsedRequest, rid: str, model: str) -> web.StreamResponse:
+async def _stream(request: web.Request, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                  parsed: ParsedRequest, rid: str, model: str,
+                  fmt: LogprobFormatter | None) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
     created = int(time.time())
     chat = parsed.chat
+    choices = [Choice(i) for i in range(parsed.n)]
+    num_prompt = num_cached = 0
     try:
         if chat:
-            await _send(resp, chunk_body(rid, model, chat, created, "", role=True))
-        async for out in outputs:
-            if out.finished:
-                await _send(resp, chunk_body(rid, model, chat, created, out.text,
-                                             out.finish_reason, out.stop_reason))
-                if parsed.include_usage:
-                    use = usage(out.num_prompt_tokens, out.num_output_tokens,
-                                out.num_draft_tokens, out.num_accepted_tokens,
-                                out.num_cached_tokens)
-                    await _send(resp, usage_chunk(rid, model, chat, created, use))
-            elif out.text:
-                await _send(resp, chunk_body(rid, model, chat, created, out.text))
+            await _send(resp, chunk_body(rid, model, chat, created, [
+                choice_body(chat, c, "", None, None, delta=True, role=True, final=False)
+                for c in choices]))
+        async for i, out in outputs:
+            choice = choices[i]
+            _take(choice, out)
+            num_prompt, num_cached = out.num_prompt_tokens, out.num_cached_tokens
+            lps = out.logprobs if fmt is not None and out.logprobs else None
+            if out.finished or out.text or lps:
+                await _send(resp, chunk_body(rid, model, chat, created, [choice_body(
+                    chat, choice, out.text, fmt, lps, delta=True, final=out.finished)]))
+            if lps is not None and fmt is not None:
+                choice.text_offset += sum(len(fmt.text(lp.token_id)) for lp in lps)
+        if parsed.include_usage:
+            await _send(resp, usage_chunk(rid, model, chat, created,
+                                          total_usage(choices, num_prompt, num_cached)))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
     except RequestError as e:  # after the headers: the error goes out as the last event
@@ -281,7 +354,8 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     else:
         engine = AsyncEngine(await loop.run_in_executor(None, load_core, config), metrics)
     await engine.start()
-    app[STATE] = EngineState(engine, _parser(engine, config), metrics)
+    app[STATE] = EngineState(engine, _parser(engine, config), metrics,
+                             LogprobFormatter(engine.tokenizer))
     yield
     await engine.stop()
 

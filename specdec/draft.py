@@ -38,7 +38,7 @@ from typing import Protocol
 
 import torch
 
-from polyinfer.sampling import SamplingParams, process_logits, sample_from_probs
+from polyinfer.sampling import Row, SamplingParams, process_logits, sample_from_probs
 from specdec.base import Proposal, ProposalRequest
 
 GREEDY = SamplingParams(0.0)
@@ -105,10 +105,12 @@ class DraftProposer:
                     if r.sampling is not None and not r.sampling.greedy}
         rnd = self._catch_up(requests)
         depth = {r.seq_id: r.depth for r in requests}
+        length = {r.seq_id: len(r.token_ids) for r in requests}
         step = 0
         while rnd.seq_ids:
             logits = self.model.forward(rnd)  # [len(rnd.seq_ids), vocab]
-            tokens, q = pick(logits, [sampling.get(s) for s in rnd.seq_ids])
+            tokens, q = pick(logits, [sampling.get(s) for s in rnd.seq_ids],
+                             [length[s] + step for s in rnd.seq_ids])
             sure = self._confident(logits, q, tokens, [s in sampling for s in rnd.seq_ids])
             step += 1
             for i, seq_id in enumerate(rnd.seq_ids):
@@ -164,13 +166,28 @@ class DraftProposer:
                 for i, s in enumerate(sampled)]
 
 
-def pick(logits: torch.Tensor, sampling: list[SamplingParams | None]
-         ) -> tuple[list[int], torch.Tensor]:
+def pick(logits: torch.Tensor, sampling: list[SamplingParams | None],
+         positions: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
     """Draft tokens: argmax for greedy rows; for sampled rows a draw from the request's own
-    processed distribution q (temperature, top-k, top-p), returned as ``[rows, vocab]``."""
+    processed distribution q (temperature, top-k, top-p), returned as ``[rows, vocab]``.
+
+    A seeded row draws with the key of the position it drafts (``positions``), as the
+    target's keyed sample there does: coupled draws, which agree far more often than
+    independent ones (polyinfer.sampling.keyed_sample). NOTE: the draft sees no
+    penalties; verification applies them to the target, so acceptance drops, not exactness.
+    """
     params = [s if s is not None else GREEDY for s in sampling]
     if all(p.greedy for p in params):  # on the logits' device: only the ids come back
         return logits.argmax(dim=1).tolist(), logits
     logits = logits.cpu()  # sampled drafts' q goes to verification with the proposal
-    q = process_logits(logits, params)  # greedy rows: one-hot on the argmax
-    return sample_from_probs(q, params).tolist(), q
+    plain = [_unadjusted(p) for p in params]
+    q = process_logits(logits, plain)  # greedy rows: one-hot on the argmax
+    rows = [Row(pos) for pos in positions] if positions is not None else None
+    return sample_from_probs(q, plain, rows).tolist(), q
+
+
+def _unadjusted(p: SamplingParams) -> SamplingParams:
+    """``p`` without the history-dependent adjustments the draft has no history for."""
+    if not p.adjusts:
+        return p
+    return SamplingParams(p.temperature, p.top_p, p.top_k, p.seed, p.min_p)

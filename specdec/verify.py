@@ -17,8 +17,15 @@ position k. A deterministic proposer (n-gram) is a point mass, q(x) = 1. Greedy
 requests have p = a point mass on the argmax, which makes this "accept the
 longest prefix matching the argmax, then the argmax".
 
+Seeded requests (:func:`polyinfer.sampling.keyed_sample`) verify by equality
+instead: the target's keyed sample is drawn at every position, a draft is
+accepted where it equals it, and the keyed sample follows the accepted prefix, so
+the output is token for token what plain decoding with that seed emits.
+Penalties, ``logit_bias`` and ``min_tokens`` apply at every position as they
+would in plain decoding: position j counts the drafts before it as output.
+
 Everything is vectorised across the batch; the only Python loops are over
-sequences (to build index tensors and draw from per-request generators).
+sequences (to build index tensors and per-row histories).
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ from dataclasses import dataclass
 import torch
 
 from polyinfer.sampling import (
+    Row,
     SamplingParams,
     process_logits,
     sample_from_probs,
+    seeded_point_masses,
     uniforms,
 )
 from specdec import triton_accept
@@ -63,19 +72,26 @@ class _Layout:
 
 
 def verify(target_logits: torch.Tensor, proposals: Sequence[Proposal],
-           sampling: Sequence[SamplingParams]) -> list[VerifyResult]:
-    """Accept or reject every proposal; one result per proposal, in order."""
+           sampling: Sequence[SamplingParams],
+           rows: Sequence[Row] | None = None) -> list[VerifyResult]:
+    """Accept or reject every proposal; one result per proposal, in order.
+
+    ``rows``: per proposal, the :class:`~polyinfer.sampling.Row` of its first position
+    (its history and position), needed by seeded and penalised requests.
+    """
     _check_inputs(target_logits, proposals, sampling)
-    if all(s.greedy for s in sampling):
+    if all(s.greedy and not s.adjusts for s in sampling):
         return _verify_greedy(target_logits, proposals)
     layout = _layout(target_logits, proposals)
     counts = [len(p.tokens) + 1 for p in proposals]
     flat_params = [s for s, c in zip(sampling, counts, strict=True) for _ in range(c)]
-    p = process_logits(target_logits, flat_params)  # [T, vocab]
+    flat_rows = _flat_rows(proposals, sampling, rows)
+    p = process_logits(target_logits, flat_params, flat_rows)  # [T, vocab]
+    p = seeded_point_masses(p, flat_params, flat_rows)
     q_draft = _draft_prob_of_token(proposals, layout)  # [T]
     p_draft = p.gather(1, layout.draft_tokens.unsqueeze(1)).squeeze(1)  # [T]
     u = torch.ones_like(p_draft)  # [T]; 1 at bonus rows, which are never tested
-    u[layout.is_draft] = uniforms([c - 1 for c in counts], sampling).to(p.device)
+    u[layout.is_draft] = uniforms(sum(counts) - len(counts)).to(p.device)
     num_accepted = _num_accepted(p_draft, q_draft, u, layout)  # [B]
     final_pos = layout.starts + num_accepted  # [B]
     rejected = num_accepted < layout.num_draft  # [B]
@@ -85,6 +101,18 @@ def verify(target_logits: torch.Tensor, proposals: Sequence[Proposal],
         dist[rejected] = _residual(dist[rejected], q_rows)
     final = sample_from_probs(dist, sampling)  # [B]
     return _results(proposals, num_accepted, final)
+
+
+def _flat_rows(proposals: Sequence[Proposal], sampling: Sequence[SamplingParams],
+               rows: Sequence[Row] | None) -> list[Row] | None:
+    """One row per scored position: position j of a proposal follows its drafts 0..j-1."""
+    if rows is None or not any(s.adjusts or s.keyed for s in sampling):
+        return None
+    if len(rows) != len(proposals):
+        raise VerifyInputError(f"{len(proposals)} proposals but {len(rows)} rows")
+    return [Row(r.position + j, r.prompt_ids, r.output_ids, prop.tokens[:j])
+            for prop, r in zip(proposals, rows, strict=True)
+            for j in range(len(prop.tokens) + 1)]
 
 
 def _check_inputs(logits: torch.Tensor, proposals: Sequence[Proposal],

@@ -114,7 +114,7 @@ def test_stop_string_is_trimmed(engine_server: EngineProcess) -> None:
 @pytest.mark.parametrize("body, status, param", [
     (b"{not json", 400, None),
     (json.dumps({"model": "nope", "prompt": "hi"}).encode(), 404, "model"),
-    (json.dumps({"prompt": "hi", "n": 2}).encode(), 400, "n"),
+    (json.dumps({"prompt": "hi", "n": 0}).encode(), 400, "n"),
     (json.dumps({"prompt": "hi", "max_tokens": -3}).encode(), 400, "max_tokens"),
     (json.dumps({"prompt": "word " * 3000}).encode(), 400, "prompt"),
     (json.dumps({"max_tokens": 3}).encode(), 400, "prompt"),
@@ -137,7 +137,8 @@ def test_bad_requests_get_openai_errors_and_engine_keeps_serving(
 
 def test_openai_client_raises_on_bad_request(engine_server: EngineProcess) -> None:
     with pytest.raises(openai.BadRequestError):
-        client(engine_server).completions.create(model="tiny", prompt="hi", max_tokens=2, n=3)
+        client(engine_server).completions.create(model="tiny", prompt="hi", max_tokens=2,
+                                                 best_of=3)
     with pytest.raises(openai.NotFoundError):
         client(engine_server).chat.completions.create(
             model="gpt-x", messages=[{"role": "user", "content": "hi"}])

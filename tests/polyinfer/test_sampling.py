@@ -94,3 +94,52 @@ def test_bad_params_raise(kwargs: dict[str, float]) -> None:
 def test_logits_shape_mismatch_raises() -> None:
     with pytest.raises(SamplingError):
         process_logits(torch.zeros(2, 4), [SamplingParams(1.0)])
+
+
+# ---------------------------------------------------------------- adjustments and keyed draws
+from polyinfer.sampling import Row, adjust_logits, keyed_sample  # noqa: E402
+
+
+def test_penalties_follow_vllm_formulas() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
+    row = Row(10, prompt_ids=[3], output_ids=[0, 0], drafts=[2])
+    p = SamplingParams(1.0, presence_penalty=0.5, frequency_penalty=0.25,
+                       repetition_penalty=2.0)
+    out = adjust_logits(logits.clone(), [p], [row])[0].tolist()
+    # token 0: seen (output x2): 2/2 - 0.25*2 - 0.5 = 0; token 2 (a draft before the row):
+    # 0.5/2 - 0.25 - 0.5 = -0.5; token 3 in the prompt only: 1/2 (no presence/frequency)
+    assert out == pytest.approx([0.0, -1.0, -0.5, 0.5])
+    # a negative logit is multiplied by the repetition penalty
+    assert adjust_logits(torch.tensor([[-1.0, 0.0]]), [SamplingParams(repetition_penalty=2.0)],
+                         [Row(0, output_ids=[0])])[0].tolist() == [-2.0, 0.0]
+
+
+def test_logit_bias_and_min_tokens_mask() -> None:
+    p = SamplingParams(0.0, logit_bias=((1, 5.0),), min_tokens=2, min_tokens_ban=frozenset({3}))
+    logits = torch.zeros(2, 4)
+    out = adjust_logits(logits, [p, p], [Row(5, output_ids=[0]), Row(6, output_ids=[0, 1])])
+    assert out[0].tolist() == [0.0, 5.0, 0.0, float("-inf")]  # 1 output < min_tokens: banned
+    assert out[1].tolist() == [0.0, 5.0, 0.0, 0.0]
+    assert logits.tolist() == torch.zeros(2, 4).tolist()  # the input is left as it was
+
+
+def test_keyed_draws_depend_on_seed_and_position_only() -> None:
+    probs = torch.softmax(torch.randn(3, 50), dim=1)
+    p = [SamplingParams.seeded(9, 1.0)] * 3
+    a = keyed_sample(probs, p, [4, 5, 6])
+    assert keyed_sample(probs, p, [4, 5, 6]).tolist() == a.tolist()
+    # a row's draw does not move when other rows come and go
+    assert keyed_sample(probs[1:2], p[:1], [5]).tolist() == a[1:2].tolist()
+    # sample_from_probs takes the keyed draw at each row's position
+    rows = [Row(4), Row(5), Row(6)]
+    assert sample_from_probs(probs, p, rows).tolist() == a.tolist()
+
+
+def test_keyed_draws_follow_probs() -> None:
+    probs = torch.tensor([[0.1, 0.4, 0.2, 0.3]])
+    n = 20000
+    tokens = [int(keyed_sample(probs, [SamplingParams.seeded(1, 1.0)], [pos])[0])
+              for pos in range(n)]
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / n
+    tol = 5 * math.sqrt(0.25 / n)
+    assert freq.tolist() == pytest.approx([0.1, 0.4, 0.2, 0.3], abs=tol)

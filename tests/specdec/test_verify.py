@@ -268,3 +268,24 @@ def test_draft_probs_shape_checked() -> None:
 
 def test_empty_batch() -> None:
     assert verify(torch.zeros(0, 8), [], []) == []
+
+
+def test_seeded_verification_emits_the_plain_keyed_samples() -> None:
+    """With a seed, whatever is drafted, verification emits what plain decoding emits."""
+    from polyinfer.sampling import Row
+
+    torch.manual_seed(4)
+    vocab, k = 12, 5
+    logits = torch.randn(k + 1, vocab)  # position j's logits do not depend on the drafts
+    params = SamplingParams.seeded(77, 0.9, top_p=0.95)
+    plain = [int(sample(logits[j:j + 1], [params], [Row(30 + j)])[0]) for j in range(k + 1)]
+    gen = torch.Generator().manual_seed(2)
+    for num_right in range(k + 1):
+        wrong = [(t + 1 + int(torch.randint(0, vocab - 1, (1,), generator=gen))) % vocab
+                 for t in plain[num_right:k]]
+        drafts = plain[:num_right] + wrong
+        q = torch.softmax(torch.randn(k, vocab, generator=gen), dim=1)
+        for probs in (None, q):
+            got = verify(logits, [Proposal(0, drafts, probs)], [params], [Row(30)])[0]
+            assert got.num_accepted == num_right
+            assert got.tokens == plain[:num_right + 1]
