@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import logging
 import statistics
@@ -30,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 _HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))  # the repository, for the bench package
 
 import aiohttp  # noqa: E402
 
+from bench import optimizer_replay as bo  # noqa: E402
 from optimizer.abtest import paired_gain  # noqa: E402
 from optimizer.engine_proc import EngineProcess  # noqa: E402
 from optimizer.measure import EngineClient, Measurer, Tier  # noqa: E402
@@ -41,11 +41,6 @@ from optimizer.pool import EnginePool  # noqa: E402
 from optimizer.profile import read_trace_files, stratified_sample  # noqa: E402
 from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay  # noqa: E402
 from polyinfer.config import TINY_TARGET, CompiledConfig  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("bench_optimizer", _HERE / "optimizer.py")
-assert _spec is not None and _spec.loader is not None
-bo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bo)
 
 logger = logging.getLogger("bench.optimizer_probe")
 

@@ -80,9 +80,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-# NOTE: run as a script, this file's directory comes first on sys.path and its
-# name would shadow the `optimizer` package it benchmarks.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import aiohttp  # noqa: E402
 
