@@ -80,7 +80,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 import aiohttp  # noqa: E402
 
 from optimizer.abtest import paired_gain  # noqa: E402
