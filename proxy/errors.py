@@ -5,6 +5,7 @@ The tree::
     ProxyError                      (500 internal_error)
     ├── ClientRequestError          (4xx: the client's request is wrong)
     │   ├── InvalidRequest          (400 invalid_request_error; names the bad field)
+    │   │   └── UnsupportedOption   (400 unsupported_option: no worker serves the option)
     │   │   └── ContextTooLong      (400 context_length_exceeded: no worker could hold it)
     │   ├── BodyTooLarge            (413 invalid_request_error)
     │   ├── Unauthorized            (401 invalid_api_key)
@@ -63,6 +64,10 @@ class ClientRequestError(ProxyError):
 
 class InvalidRequest(ClientRequestError):
     pass
+
+
+class UnsupportedOption(InvalidRequest):
+    code = "unsupported_option"
 
 
 class ContextTooLong(InvalidRequest):

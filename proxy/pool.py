@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
+from polyinfer.capabilities import declared_unsupported
 from polyinfer.config import CompiledConfig, ConfigError
 from proxy.breaker import CircuitBreaker
 from proxy.config import HealthConfig, WorkerSpec
@@ -64,6 +65,9 @@ class Worker:
     context_tokens: int | None = None
     scraped_draft_tokens: float = 0.0  # worker-lifetime counters from /metrics
     scraped_accepted_tokens: float = 0.0
+    # request options it does not serve (polyinfer.capabilities): its backend's declaration,
+    # then what it refused with a 400 unsupported_option
+    unsupported: set[str] = field(default_factory=set)
 
     @property
     def name(self) -> str:
@@ -159,6 +163,7 @@ class WorkerPool:
         context = spec.config.engine.usable_model_len if spec.backend == "engine" else None
         return Worker(spec=spec, url=url, view=view, models=models, supervisor=supervisor,
                       context_tokens=None if spec.discover else context,
+                      unsupported=set(declared_unsupported(spec.backend)),
                       breaker=CircuitBreaker(self.health.breaker_failures,
                                              self.health.breaker_cooldown_s))
 
@@ -185,10 +190,23 @@ class WorkerPool:
 
     # -- routing ------------------------------------------------------------------------
 
-    def routable(self, model: str, exclude: Iterable[str] = ()) -> list[WorkerView]:
+    def routable(self, model: str, exclude: Iterable[str] = (),
+                 needs: frozenset[str] = frozenset()) -> list[WorkerView]:
+        """Healthy workers of ``model`` not in ``exclude`` that serve every option in
+        ``needs``."""
         now = time.monotonic()
         return [w.view for w in self.workers.values()
-                if model in w.models and w.name not in exclude and w.refresh_health(now)]
+                if model in w.models and w.name not in exclude
+                and not (needs and w.unsupported & needs) and w.refresh_health(now)]
+
+    def unservable(self, model: str, needs: frozenset[str]) -> list[str]:
+        """The options of ``needs`` that no worker of ``model`` (healthy or not) serves
+        all together with the rest: empty when some worker serves them all."""
+        workers = [w for w in self.workers.values() if model in w.models]
+        if not needs or not workers or any(not (w.unsupported & needs) for w in workers):
+            return []
+        return sorted(needs & set.intersection(*(w.unsupported for w in workers))) or \
+            sorted(needs & set.union(*(w.unsupported for w in workers)))
 
     def num_routable(self) -> int:
         now = time.monotonic()

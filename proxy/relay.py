@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from polyinfer.capabilities import OPTIONS, requested_options
 from polyinfer.errors import error_body, error_codes, error_field, sse_error_event
 from polyinfer.trace import STATUS_CANCELLED, STATUS_ERROR
 from proxy.admission import RECHECK_S, AdmissionQueue
@@ -39,6 +40,7 @@ from proxy.errors import (
     ProxyError,
     ShuttingDown,
     Unauthorized,
+    UnsupportedOption,
     UpstreamError,
 )
 from proxy.exchange import ClientExchange
@@ -51,6 +53,7 @@ from proxy.upstream import UpstreamClient, UpstreamResponse
 from proxy.validate import (
     CHAT,
     check_body,
+    check_content_type,
     check_fits,
     encode_body,
     parse_body,
@@ -86,6 +89,10 @@ class _NotServed(_Retryable):
     def __init__(self, message: str, raw: bytes) -> None:
         super().__init__(message)
         self.raw = raw
+
+
+class _Unsupported(_Retryable):
+    """A worker refused an option (400 ``unsupported_option``): learned, then retried."""
 
 
 class _ClientGone(Exception):
@@ -320,6 +327,7 @@ class Relay:
         return await ex.read_body(limit)
 
     async def _handle(self, ex: ClientExchange, rec: RequestRecord) -> None:
+        check_content_type(ex.header("content-type"))
         raw = await self._read_body(ex)
         body = parse_body(raw)
         check_body(body, rec.endpoint)
@@ -328,6 +336,8 @@ class Relay:
         if not self.pool.serves(rec.model):
             raise ModelNotFound(f"the model '{rec.model}' does not exist; see GET /v1/models",
                                 param="model")
+        needs = requested_options(body, rec.endpoint == CHAT)
+        self._check_servable(rec.model, needs)
         # NOTE: refused before the shape is estimated (which tokenizes or renders it)
         context = self.pool.max_context_tokens(rec.model)
         param = "messages" if rec.endpoint == CHAT else "prompt"
@@ -341,19 +351,28 @@ class Relay:
         strip_usage = rec.stream and not wants_usage(body)
         if strip_usage:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        await self._forward(ex, rec, body, strip_usage, hash(raw))
+        await self._forward(ex, rec, body, strip_usage, hash(raw), needs)
+
+    def _check_servable(self, model: str, needs: frozenset[str]) -> None:
+        """A 400 naming the option when no worker of ``model`` serves the request's options."""
+        missing = self.pool.unservable(model, needs)
+        if missing:
+            raise UnsupportedOption(f"no worker serving '{model}' supports "
+                                    f"{', '.join(repr(m) for m in missing)}", param=missing[0])
 
     async def _forward(self, ex: ClientExchange, rec: RequestRecord, body: dict[str, Any],
-                       strip_usage: bool, body_key: int) -> None:
+                       strip_usage: bool, body_key: int,
+                       needs: frozenset[str] = frozenset()) -> None:
         """Try workers until one answers; ``body_key`` (a hash of the client's body) tells
-        the breakers one request's failures from a worker's."""
+        the breakers one request's failures from a worker's. Only workers that serve every
+        option in ``needs`` are tried."""
         assert rec.shape is not None
         tried: list[str] = []
         last_error = ""
         not_served: _NotServed | None = None
         refused: list[Worker] = []  # the workers that answered it with a server error
         for _ in range(self.limits.max_attempts):
-            views = await self._views_with_room(rec, tried)
+            views = await self._views_with_room(rec, tried, needs)
             if not views:
                 break
             decision = self._choose(rec.shape, views)
@@ -375,6 +394,9 @@ class Relay:
                 not_served = e
                 tried.append(worker.name)
                 self._not_serving(worker, rec.model)
+            except _Unsupported:
+                tried.append(worker.name)
+                self._check_servable(rec.model, needs)  # the last capable one refused
             except _Retryable as e:
                 last_error = str(e)
                 tried.append(worker.name)
@@ -407,14 +429,15 @@ class Relay:
                            "that name (for vLLM, see --served-model-name); no more requests "
                            "for it go there", worker.name, model)
 
-    async def _views_with_room(self, rec: RequestRecord, tried: list[str]) -> list[WorkerView]:
+    async def _views_with_room(self, rec: RequestRecord, tried: list[str],
+                               needs: frozenset[str] = frozenset()) -> list[WorkerView]:
         """The routable workers with room under their ``max_outstanding`` caps; while every
         routable worker is at its cap, waits for room (:mod:`proxy.admission`), until
         ``limits.max_queue_s`` after arrival, then all the routable workers."""
         queued_at = None
         try:
             while True:
-                views = self.pool.routable(rec.model, tried)
+                views = self.pool.routable(rec.model, tried, needs)
                 room = [v for v in views
                         if not v.max_outstanding or v.outstanding_requests < v.max_outstanding]
                 if room or not views:
@@ -545,6 +568,8 @@ class Relay:
             raise _Retryable(f"{worker.name}: HTTP 200 with a body that is not a JSON object "
                              f"({len(raw)} bytes)")
         worker.breaker.record_success()
+        if upstream.status == 400:
+            self._learn_unsupported(worker, raw)
         rec.http_status = upstream.status
         headers = proxy_headers(rec)
         if upstream.status != 200:
@@ -556,6 +581,22 @@ class Relay:
             headers["Content-Type"] = upstream.content_type or "application/json"
         rec.e2e_s = time.perf_counter() - rec.t0
         ex.send(upstream.status, headers, raw)
+
+    def _learn_unsupported(self, worker: Worker, raw: bytes) -> None:
+        """A 400 ``unsupported_option`` naming an option of polyinfer.capabilities: the
+        worker gets no more requests that use it, and this one is retried elsewhere."""
+        error = error_field(raw)
+        if not isinstance(error, dict) or error.get("code") != "unsupported_option":
+            return
+        option = error.get("param")
+        if option not in OPTIONS:
+            return
+        if option not in worker.unsupported:
+            worker.unsupported.add(option)
+            logger.warning("worker %s does not support %r: no more requests using it go "
+                           "there", worker.name, option)
+        self.stats.errors[(worker.name, "unsupported_option")] += 1
+        raise _Unsupported(f"{worker.name}: unsupported option {option!r}")
 
     def _error_detail(self, raw: bytes) -> str:
         """What a trace record and the logs keep of a worker's error body: the body itself

@@ -1,9 +1,14 @@
 """Request-body checks at the API boundary: wrong input becomes a 4xx naming the field.
 
-Only what the proxy itself depends on is checked (model, messages/prompt,
-stream, token limits, speculative_depth, the SLO fields it routes by and forwards);
-every other field passes through to
-the worker untouched, and the worker judges it.
+What the proxy itself depends on is checked (model, messages/prompt, stream,
+token limits, speculative_depth, the SLO fields it routes by and forwards), and
+what OpenAI checks the same way for every worker, so that a client sees one API
+whichever worker serves it: the body is JSON (``Content-Type`` absent,
+``application/json`` or ``application/*+json``, as vLLM's FastAPI server reads it;
+anything else is a 400), message roles and content parts, and the ranges of the
+sampling fields (temperature 0-2, top_p (0, 1], penalties -2..2, n, logprobs,
+top_logprobs 0-20). Every other field passes through to the worker untouched, and
+the worker judges it.
 """
 
 from __future__ import annotations
@@ -13,17 +18,34 @@ from typing import Any
 
 import orjson
 
+from polyinfer.capabilities import REMOVED_GUIDED_FIELDS
 from proxy.errors import ContextTooLong, InvalidRequest
 
 CHAT = "chat/completions"
 COMPLETIONS = "completions"
 MAX_SPEC_DEPTH = 16
 MAX_MODEL_NAME_CHARS = 256  # the name lands in traces and error messages
+MAX_N = 128  # OpenAI's bound on n
+MAX_TOP_LOGPROBS = 20
+ROLES = ("system", "user", "assistant", "tool", "developer", "function")
+CONTENT_PART_TYPES = ("text", "image_url", "input_audio", "file", "refusal")
 
 
 # NOTE: orjson re-encodes at most 254 levels (and parses 1,024): a body nested deeper would
 # parse and then fail on its way to the worker.
 MAX_JSON_DEPTH = 254
+
+
+def check_content_type(value: str | None) -> None:
+    """A body is JSON only when it says so (or says nothing): a ``text/plain`` or form body
+    is refused with a 400, as vLLM's server does, never parsed as JSON by accident."""
+    if not value:
+        return
+    media = value.split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/")
+                                       and media.endswith("+json")):
+        return
+    raise InvalidRequest(f"Content-Type must be application/json, got {media[:64]!r}")
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -74,11 +96,20 @@ def check_body(body: dict[str, Any], endpoint: str) -> None:
         _check_messages(body.get("messages"))
     else:
         _check_prompt(body.get("prompt"))
+    for name in REMOVED_GUIDED_FIELDS:
+        if body.get(name) is not None:
+            # NOTE: vLLM (0.32) ignores these with a warning and answers free text with a 200
+            raise InvalidRequest(f"'{name}' was removed from vLLM's API (its output would not "
+                                 f"be constrained); use 'structured_outputs' or "
+                                 f"'response_format'", param=name)
+    checks = _CHAT_CHECKS if endpoint == CHAT else _COMPLETION_CHECKS
     for name, value in body.items():
-        check = _FIELD_CHECKS.get(name)
+        check = _FIELD_CHECKS.get(name) or checks.get(name)
         if check is not None and value is not None and not check[0](value):
             raise InvalidRequest(f"'{name}' must be {check[1]}, got {describe(value)}",
                                  param=name)
+    if endpoint == CHAT and body.get("top_logprobs") and body.get("logprobs") is not True:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
 
 
 def _check_messages(messages: Any) -> None:
@@ -89,10 +120,26 @@ def _check_messages(messages: Any) -> None:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequest(f"'messages[{i}]' must be an object with a string 'role'",
                                  param=f"messages[{i}]")
+        if m["role"] not in ROLES:
+            raise InvalidRequest(f"'messages[{i}].role' must be one of {', '.join(ROLES)}, "
+                                 f"got {describe(m['role'])}", param=f"messages[{i}].role")
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise InvalidRequest(f"'messages[{i}].content' must be a string or an array",
                                  param=f"messages[{i}].content")
+        if isinstance(content, list):
+            _check_parts(content, f"messages[{i}].content")
+
+
+def _check_parts(parts: list[Any], where: str) -> None:
+    for j, part in enumerate(parts):
+        ok = isinstance(part, dict) and part.get("type") in CONTENT_PART_TYPES
+        if not ok:
+            raise InvalidRequest(f"'{where}[{j}]' must be a content part with a 'type' of "
+                                 f"{', '.join(CONTENT_PART_TYPES)}", param=f"{where}[{j}]")
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"'{where}[{j}].text' must be a string",
+                                 param=f"{where}[{j}].text")
 
 
 def _check_prompt(prompt: Any) -> None:
@@ -134,16 +181,37 @@ def _is_object(v: Any) -> bool:
     return isinstance(v, dict)
 
 
+def _in(lo: float, hi: float, lo_open: bool = False) -> Callable[[Any], bool]:
+    def check(v: Any) -> bool:
+        return _is_number(v) and (lo < v if lo_open else lo <= v) and v <= hi
+    return check
+
+
+def _is_n(v: Any) -> bool:
+    return _is_int(v) and 1 <= v <= MAX_N
+
+
+def _is_top_logprobs(v: Any) -> bool:
+    return _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS
+
+
+def _is_logit_bias(v: Any) -> bool:
+    return isinstance(v, dict) and all(
+        k.lstrip("-").isdigit() and _in(-100, 100)(b) for k, b in v.items())
+
+
 # field -> (check, what was expected); None values are always allowed.
 _FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stream": (_is_bool, "a boolean"),
     "max_tokens": (_is_positive_int, "a positive integer"),
     "max_completion_tokens": (_is_positive_int, "a positive integer"),
-    "n": (_is_positive_int, "a positive integer"),
-    "temperature": (_is_number, "a number"),
-    "top_p": (_is_number, "a number"),
-    "presence_penalty": (_is_number, "a number"),
-    "frequency_penalty": (_is_number, "a number"),
+    "n": (_is_n, f"an integer 1..{MAX_N}"),
+    "temperature": (_in(0.0, 2.0), "a number in [0, 2]"),
+    "top_p": (_in(0.0, 1.0, lo_open=True), "a number in (0, 1]"),
+    "presence_penalty": (_in(-2.0, 2.0), "a number in [-2, 2]"),
+    "frequency_penalty": (_in(-2.0, 2.0), "a number in [-2, 2]"),
+    "seed": (_is_int, "an integer"),
+    "logit_bias": (_is_logit_bias, "an object of token id -> number in [-100, 100]"),
     "stream_options": (_is_object, "an object"),
     "speculative_depth": (_is_spec_depth, f"an integer 0..{MAX_SPEC_DEPTH}"),
     "slo_ttft_s": (_is_seconds, "a positive number of seconds"),
@@ -193,6 +261,16 @@ def check_fits(num_chars: int, prompt_tokens: int | None, context_tokens: int | 
     if prompt_tokens is not None and prompt_tokens > context_tokens * ESTIMATE_SLACK:
         raise ContextTooLong(f"the prompt has about {prompt_tokens} tokens: more than the "
                              f"{context_tokens} the model's workers hold", param=param)
+
+
+# chat's logprobs is a flag with top_logprobs beside it; completions' is a count
+_CHAT_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "logprobs": (_is_bool, "a boolean"),
+    "top_logprobs": (_is_top_logprobs, f"an integer 0..{MAX_TOP_LOGPROBS}"),
+}
+_COMPLETION_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "logprobs": (_is_top_logprobs, f"an integer 0..{MAX_TOP_LOGPROBS}"),
+}
 
 
 def wants_usage(body: dict[str, Any]) -> bool:
