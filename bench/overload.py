@@ -117,7 +117,7 @@ def main() -> None:
               f"{args.overload_duration:.0f} s", flush=True)
         over = summary(load(target.url, rate, args.overload_duration, args.prompts,
                             args.data, layout.loadgen), rate)
-        over["goodput_over_capacity"] = round(over["goodput_rps"] / capacity, 3)
+        over["goodput_over_capacity"] = round(over["goodput_rps"] / max(capacity, 1e-9), 3)
         over["proxy"] = proxy_stats(target.url)
         print(json.dumps(over), flush=True)
         (workdir / "overload.json").write_text(json.dumps({"sweep": rows, "overload": over}))
