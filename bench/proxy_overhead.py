@@ -14,6 +14,8 @@ CPU seconds per request (from /proc/<pid>/stat, user + system).
     python bench/proxy_overhead.py --rates 200 500 1000 2000 --duration 10
     python bench/proxy_overhead.py --prompts unique              # every prompt different
     python bench/proxy_overhead.py --baseline-src /tmp/base     # + polyinfer from another tree
+    python bench/proxy_overhead.py --no-working-tree --baseline-src /tmp/new --baseline-src /tmp/new \
+        --baseline-src /tmp/base --prompts unique           # A/A pair + A/B, nothing else
     python bench/proxy_overhead.py --rounds 3                   # 3 sweeps, CPU ratios per round
     # a many-core machine: 4 upstream processes, the load from 6 processes, each on its core
     python bench/proxy_overhead.py --upstream-procs 4 --loadgen-procs 6 --rates 1000 2000 4000 \
@@ -232,10 +234,11 @@ class Target:
 
 
 def start_polyinfer(upstream: str, workdir: Path, core: int | None,
-                    shape_estimator: str, source: Path | None = None) -> Target:
-    """``source``: run the proxy from another source tree (e.g. an earlier commit)."""
+                    shape_estimator: str, source: Path | None = None, label: str = "") -> Target:
+    """``source``: run the proxy from another source tree (e.g. an earlier commit), as
+    target ``polyinfer<label>``."""
     port = free_port()
-    tag = shape_estimator + ("-base" if source else "")
+    tag = f"{shape_estimator}-{port}"
     cfg = workdir / f"polyinfer-{tag}.yaml"
     cfg.write_text(f"""
 server: {{host: 127.0.0.1, port: {port}}}
@@ -251,8 +254,17 @@ traces: {{dir: "{workdir / 'traces'}"}}
                             stderr=open(workdir / f"polyinfer-{tag}.log", "w"))
     wait_up(proc, f"http://127.0.0.1:{port}/health")
     name = "polyinfer" if shape_estimator == "classifier" else f"polyinfer-{shape_estimator[:5]}"
-    return Target(name + ("-base" if source else ""),
-                  f"http://127.0.0.1:{port}/v1/chat/completions", proc)
+    return Target(name + label, f"http://127.0.0.1:{port}/v1/chat/completions", proc)
+
+
+def source_labels(sources: list[Path]) -> list[str]:
+    """``@<folder name>`` per source tree, ``#k`` added to repeats (an A/A pair)."""
+    out: list[str] = []
+    for src in sources:
+        label = f"@{src.resolve().name}"
+        num = sum(1 for x in out if x.split("#")[0] == label)
+        out.append(label if num == 0 else f"{label}#{num + 1}")
+    return out
 
 
 def find_vllm_router(explicit: str | None = None) -> str | None:
@@ -430,11 +442,10 @@ def start_upstreams(args: argparse.Namespace, layout: Layout) -> tuple[str, list
 def start_targets(up_url: str, args: argparse.Namespace, workdir: Path,
                   core: int | None) -> list[Target]:
     targets = [Target("direct", f"{up_url}/v1/chat/completions", None)]
-    for estimator in args.shape_estimators:
+    for estimator in [] if args.no_working_tree else args.shape_estimators:
         targets.append(start_polyinfer(up_url, workdir, core, estimator))
-    if args.baseline_src:
-        targets.append(start_polyinfer(up_url, workdir, core, "classifier",
-                                       args.baseline_src.resolve()))
+    for src, label in zip(args.baseline_src, source_labels(args.baseline_src), strict=True):
+        targets.append(start_polyinfer(up_url, workdir, core, "classifier", src.resolve(), label))
     peers = (("vllm-router", find_vllm_router(args.vllm_router), start_vllm_router,
               "not installed"),
              ("litellm", None if args.skip_litellm else find_litellm(), start_litellm,
@@ -521,12 +532,15 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=DATA,
                    help="data dir with prompts/spec_bench_questions.jsonl (--prompts real...)")
     p.add_argument("--skip-litellm", action="store_true")
-    p.add_argument("--baseline-src", type=Path, default=None,
+    p.add_argument("--baseline-src", type=Path, action="append", default=[],
                    help="also run polyinfer (classifier) from this source tree, e.g. "
-                        "`git archive <commit> | tar -x -C DIR` (target polyinfer-base)")
+                        "`git archive <commit> | tar -x -C DIR` (target polyinfer@DIR's "
+                        "name); repeatable, the same tree twice is an A/A pair")
     p.add_argument("--prompts", choices=PROMPT_MODES, default="fixed",
                    help="fixed: one short prompt; real: Spec-Bench prompts cycled; shared: "
                         "each different, heads repeat; unique: nothing repeats")
+    p.add_argument("--no-working-tree", action="store_true",
+                   help="run polyinfer only from the --baseline-src trees")
     p.add_argument("--shape-estimators", nargs="+", default=["classifier", "heuristic"],
                    choices=["classifier", "heuristic"],
                    help="polyinfer variants: router classifier (default config) and/or the "
