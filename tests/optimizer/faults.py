@@ -67,8 +67,8 @@ def _build_metadata(original: Any) -> Any:
 
 def _paged_attention(original: Any) -> Any:
     def patched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any, scale: float,
-                naive: bool = False) -> torch.Tensor:
-        out = original(q, k, v, meta, scale, naive)
+                *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = original(q, k, v, meta, scale, *args, **kwargs)
         num_rows = int(meta.positions.numel())
         decode = all(g.max_q == 1 for g in meta.groups)
         if STATE.active == "bucket" and decode and 13 <= num_rows <= 16:
@@ -80,11 +80,11 @@ def _paged_attention(original: Any) -> Any:
 
 
 def _sample(original: Any) -> Any:
-    def patched(logits: torch.Tensor, params: Any) -> torch.Tensor:
+    def patched(logits: torch.Tensor, params: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if STATE.active == "top_p" and any(p.top_p < 1.0 for p in params):
             STATE.num_triggered += 1
             params = [dataclasses.replace(p, top_p=1.0) for p in params]
-        return original(logits, params)
+        return original(logits, params, *args, **kwargs)
 
     return patched
 

@@ -153,7 +153,8 @@ async def test_service_runs_one_campaign_end_to_end(engines: tuple[str, str],
         slow=Tier("slow", None, 4, repeats=2, concurrency=4, warmup_requests=1),
         sample=SAMPLE, search=SearchConfig(fast_budget=4, finalists=1, idle_timeout_s=20,
                                            max_pairs=3),
-        promotion=PromotionConfig(watch_s=0.5), verify=VerifyConfig(max_batch=8, max_tokens=(4, 8)),
+        promotion=PromotionConfig(watch_s=0.5, max_watch_s=1.0),
+        verify=VerifyConfig(max_batch=8, max_tokens=(4, 8)),
         min_records=10, once=True)
     service = OptimizerService(cfg)
     assert service.snapshot()["state"] == "starting"
@@ -188,7 +189,8 @@ async def test_promotion_updates_the_proxy_pool_view(engines: tuple[str, str],
         await pool.add(WorkerSpec(name="w0", url=live, config=BASE))
         winner = BASE.with_engine(max_num_seqs=4, max_num_batched_tokens=256)
         async with aiohttp.ClientSession() as s:
-            promoter = Promoter(s, PromotionConfig(watch_s=0.2), sinks=(PoolConfigSink(pool),))
+            promoter = Promoter(s, PromotionConfig(watch_s=0.2, max_watch_s=0.5),
+                                sinks=(PoolConfigSink(pool),))
             outcome = await promoter.promote(live, "engine", winner, BASE, tokens_per_s=1.0)
             live_cfg = await EngineClient(live, s).config()
     finally:

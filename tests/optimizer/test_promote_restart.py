@@ -48,7 +48,7 @@ def test_restart_only_winner_is_promoted_by_blue_green(tmp_path: Path) -> None:
 
         async def promote():  # type: ignore[no-untyped-def]
             async with aiohttp.ClientSession() as session:
-                promoter = Promoter(session, PromotionConfig(watch_s=0.2),
+                promoter = Promoter(session, PromotionConfig(watch_s=0.2, max_watch_s=0.5),
                                     sinks=(PoolConfigSink(pool),),
                                     blue_green=PoolSwitch(proxy.app[keys.BLUEGREEN], pool))
                 return await promoter.promote(old_url, "engine", winner, previous, 100.0)
