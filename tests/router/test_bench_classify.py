@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench_module import load_bench
+from bench import classify
+from bench import proxy_overhead as overhead
 
-classify = load_bench("classify.py", "bench_classify")
-overhead = load_bench("proxy_overhead.py", "bench_proxy_overhead")
 REPO = Path(__file__).resolve().parents[2]
 
 
