@@ -7,7 +7,7 @@ with the in-flight ones' load in the worker views, then the oldest in flight fin
 the routing bench -- ``spec`` (4 sequences, n-gram depth 4), ``batch`` and ``long`` (32
 sequences each) -- SLOs set, exploration off, the engine's step feed every 25 requests.
 Shapes: half shared-prefix requests (64-token blocks of 60 documents, popularity ~ 1/rank),
-half short or long single requests, as tests/router/prefix_mix_sim.py draws them. The
+half short or long single requests, as bench/sim/prefix_mix_sim.py draws them. The
 outcomes are a fixed function of the decision (not a model of a real fleet): the point is
 the policy's own CPU time, with realistic state behind it.
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 import gc
 import time
 
-from tests.bench_module import load_bench
-
-BENCH = load_bench("loadgen_capacity.py", "bench_loadgen_capacity")
+from bench import loadgen_capacity as BENCH
 
 
 def test_gc_pauses_counts_the_collections_inside_the_window_only() -> None:

@@ -1,6 +1,6 @@
 """Closed-loop check of the adaptive policy against the baselines on a simulated fleet.
 
-The fleet (tests/router/fleet_sim.py) has the bench's two worker shapes: ``spec-small``
+The fleet (bench/sim/fleet_sim.py) has the bench's two worker shapes: ``spec-small``
 (4 sequences, speculation that makes code 2.5x faster) and ``batch-big`` (32 sequences,
 slower steps that grow with the batch). Everything is seeded and time-stepped, so the
 goodputs are deterministic; the values measured when this was written are in comments.
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import random
 
+from bench.sim.fleet_sim import SimClock, SimWorker, poisson_mix, simulate
 from polyinfer.config import CompiledConfig, DeclaredFit
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.base import RequestShape
 from router.baselines import LeastOutstandingPolicy, RoundRobinPolicy
-from tests.router.fleet_sim import SimClock, SimWorker, poisson_mix, simulate
 
 SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.06
 

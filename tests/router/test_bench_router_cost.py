@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-from tests.bench_module import load_bench
-
-BENCH = load_bench("router_cost.py", "bench_router_cost")
+from bench import router_cost as BENCH
 
 
 def test_run_level_repeats_itself_without_exploring() -> None:

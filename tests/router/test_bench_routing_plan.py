@@ -9,11 +9,9 @@ from typing import Any
 
 import pytest
 
+from bench import routing as BENCH
 from router.adaptive import AdaptivePolicy
 from router.base import RequestShape, WorkerView
-from tests.bench_module import load_bench
-
-BENCH = load_bench("routing.py", "bench_routing_plan")
 
 
 def test_the_twin_is_adaptive_exactly() -> None:

@@ -10,12 +10,9 @@ from typing import Any
 
 import pytest
 
-from tests.bench_module import load_bench
+from bench import routing as BENCH
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-BENCH = load_bench("routing.py", "bench_routing")
 
 
 def run(goodput: float, good: int, sent: int = 10) -> dict[str, Any]:

@@ -1,13 +1,13 @@
-"""The look-ahead planner (tests/router/lookahead_bound.py): its copies of the fleet are
+"""The look-ahead planner (bench/sim/lookahead_bound.py): its copies of the fleet are
 exact and independent, and it places a request where nothing in the system misses."""
 
 from __future__ import annotations
 
+from bench.sim.fleet_sim import SimClock, _advance, simulate
+from bench.sim.lookahead_bound import LookaheadPlanner, copy_worker, request_value
+from bench.sim.placement_bound import SCORE_DT, SEARCH_DT
+from bench.sim.prefix_mix_sim import CONTEXT_S, bench_fleet, prefix_mix, rule_slos
 from router.base import RequestShape
-from tests.router.fleet_sim import SimClock, _advance, simulate
-from tests.router.lookahead_bound import LookaheadPlanner, copy_worker, request_value
-from tests.router.placement_bound import SCORE_DT, SEARCH_DT
-from tests.router.prefix_mix_sim import CONTEXT_S, bench_fleet, prefix_mix, rule_slos
 
 
 def run_ahead(fleet: list, start: float, seconds: float) -> list[tuple[str, float, float]]:

@@ -1,8 +1,8 @@
-"""The hindsight placement search (tests/router/placement_bound.py) on a short window."""
+"""The hindsight placement search (bench/sim/placement_bound.py) on a short window."""
 
 from __future__ import annotations
 
-from tests.router.placement_bound import (
+from bench.sim.placement_bound import (
     SCORE_DT,
     SEARCH_DT,
     FixedPlacement,
@@ -11,7 +11,7 @@ from tests.router.placement_bound import (
     score,
     search,
 )
-from tests.router.prefix_mix_sim import CONTEXT_S, prefix_mix, rule_slos
+from bench.sim.prefix_mix_sim import CONTEXT_S, prefix_mix, rule_slos
 
 
 def arrivals(rate: float = 14.0, num: int = 36) -> list:

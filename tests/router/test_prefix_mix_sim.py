@@ -1,10 +1,10 @@
-"""The prefix-mix simulation's SLOs by the bench's rule (tests/router/prefix_mix_sim.py)."""
+"""The prefix-mix simulation's SLOs by the bench's rule (bench/sim/prefix_mix_sim.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.router.prefix_mix_sim import CONTEXT_S, class_of, prefix_mix, rule_slos
+from bench.sim.prefix_mix_sim import CONTEXT_S, class_of, prefix_mix, rule_slos
 
 
 def test_rule_slos_are_the_bench_rule_on_the_model_s_unloaded_latencies() -> None:

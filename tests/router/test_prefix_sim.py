@@ -1,4 +1,4 @@
-"""Closed loop on a simulated fleet with prefix caches (tests/router/fleet_sim.py): three
+"""Closed loop on a simulated fleet with prefix caches (bench/sim/fleet_sim.py): three
 equal workers whose caches each hold a fraction of the shared prefixes in play. The
 adaptive policy's cost counts only the prompt a worker would have to prefill, so it keeps
 each prefix where it is cached (partitioning the working set); round-robin and
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import random
 
+from bench.sim.fleet_sim import SimClock, SimWorker, simulate
 from polyinfer.config import CompiledConfig
 from router.adaptive import AdaptivePolicy
 from router.base import RequestShape, RoutingPolicy
 from router.baselines import LeastOutstandingPolicy, RoundRobinPolicy
-from tests.router.fleet_sim import SimClock, SimWorker, simulate
 
 SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.06
 BLOCK = 100.0  # prompt tokens per prefix block

@@ -11,9 +11,9 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from bench.sim import prefix_mix_sim as pm
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.inflight import STALE_FACTOR, Flight, InFlight
-from tests.router import prefix_mix_sim as pm
 
 
 def _random_flight(rng: random.Random, worker: str = "w", sent_s: float | None = None

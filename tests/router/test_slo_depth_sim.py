@@ -1,4 +1,5 @@
-"""The adaptive policy's depth for a request's own TPOT SLO in closed loop on the simulated fleet (fleet_sim.py)
+"""The adaptive policy's depth for a request's own TPOT SLO in closed loop on the simulated
+fleet (bench/sim/fleet_sim.py)
 with speculation driven by the depth each request is sent at: one 4-slot n-gram worker
 serving a rag-heavy mix (acceptance 0.1), where a step pays 1 ms for each speculating
 sequence, so the depth policy runs the worker's mix at k=0 under load; a quarter of the
@@ -11,10 +12,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from bench.sim.fleet_sim import SimClock, SimWorker, simulate
 from polyinfer.config import CompiledConfig
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.base import RequestShape
-from tests.router.fleet_sim import SimClock, SimWorker, simulate
 
 SEEDS = (1, 2)
 RATE = 12.0  # req/s: ~3.5 of the 4 slots busy

@@ -7,20 +7,16 @@ depth it chose; the dump names prompts by index and never writes prompt or outpu
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.bench_module import load_bench
+from bench import spec_depth
 
 
 @pytest.fixture(scope="module")
 def bench():  # type: ignore[no-untyped-def]
-    try:
-        yield load_bench("spec_depth.py", "bench_specdec")
-    finally:
-        sys.modules.pop("bench_specdec", None)
+    return spec_depth
 
 
 def _outcome(bench, prompt: str, mode: int | str, depth: int, e2e: float,  # type: ignore[no-untyped-def]

@@ -3,22 +3,16 @@ written out."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
+from bench import ngram_replay
 from specdec.ngram import NgramConfig, NgramProposer
 from specdec.pool import OutputPool
-from tests.bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def replay_mod():  # type: ignore[no-untyped-def]
-    try:
-        yield load_bench("ngram_replay.py", "bench_ngram_replay")
-    finally:
-        sys.modules.pop("bench_ngram_replay", None)
-        sys.modules.pop("bench_specdec", None)
+    return ngram_replay
 
 
 def test_replay_counts_tokens_and_steps(replay_mod) -> None:  # type: ignore[no-untyped-def]

@@ -14,7 +14,7 @@ knows each request's true output length and the engine's exact step times, which
 router does. If it stays near the adaptive policy, what separates adaptive from the
 hindsight placement is knowledge of future arrivals, not planning.
 
-    python -m tests.router.lookahead_bound --seeds 1-2 14   # 14 req/s, 30 s, scored from 10 s
+    python -m bench.sim.lookahead_bound --seeds 1-2 14   # 14 req/s, 30 s, scored from 10 s
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ import copy
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from router.base import RequestShape, RouteDecision, WorkerView
-from tests.router.fleet_sim import (
+from bench.sim.fleet_sim import (
     SimClock,
     SimResult,
     SimWorker,
@@ -33,7 +32,7 @@ from tests.router.fleet_sim import (
     latencies,
     simulate,
 )
-from tests.router.placement_bound import (
+from bench.sim.placement_bound import (
     LATE_CAP,
     SCORE_DT,
     SEARCH_DT,
@@ -44,7 +43,8 @@ from tests.router.placement_bound import (
     window_arrivals,
     window_parser,
 )
-from tests.router.prefix_mix_sim import CONTEXT_S, POLICIES, bench_fleet
+from bench.sim.prefix_mix_sim import CONTEXT_S, POLICIES, bench_fleet
+from router.base import RequestShape, RouteDecision, WorkerView
 
 HORIZON_S = 3.0  # simulated seconds a look ahead runs at most
 

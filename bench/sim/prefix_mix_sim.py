@@ -14,7 +14,7 @@ tokens), half short Spec-Bench-like requests of the bench's three classes, each 
 carrying its class's SLO as the bench sends it. Everything is seeded; it is a model,
 not a measurement.
 
-    python -m tests.router.prefix_mix_sim  # a side-by-side table over rates and seeds
+    python -m bench.sim.prefix_mix_sim  # a side-by-side table over rates and seeds
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 
+from bench.sim.fleet_sim import SimClock, SimResult, SimWorker, simulate
 from polyinfer.config import CompiledConfig, DeclaredFit
 from router.adaptive import AdaptivePolicy
 from router.base import RequestShape, RoutingPolicy
 from router.baselines import LeastOutstandingPolicy, RoundRobinPolicy
-from tests.bench_module import load_bench
-from tests.router.fleet_sim import SimClock, SimResult, SimWorker, simulate
 
 BLOCK = 64.0  # prompt tokens per prefix block
 REPETITIVE, CONVERSATIONAL, LONG = ("translation", "code", "extraction"), ("chat", "math", "qa"), \
@@ -81,8 +80,11 @@ MEDIAN_PROMPT = {"repetitive": 215, "conversational": 215, "long": 1050, "prefix
 
 @functools.cache
 def _slo_rule() -> dict[str, tuple[float, float]]:
-    """bench/routing.py's SLO_RULE (the bench script loaded once)."""
-    return load_bench("routing.py", "_bench_routing_rule").SLO_RULE
+    """bench/routing.py's SLO_RULE (imported when first asked for: the bench imports the
+    proxy and loadgen)."""
+    from bench import routing
+
+    return routing.SLO_RULE
 
 
 def rule_slos(context_s: float = 0.0) -> dict[str, tuple[float, float]]:

@@ -15,7 +15,7 @@ passes over the requests in a seeded random order, move one request to another w
 whenever that meets more SLOs (ties: less total lateness), until a pass changes nothing or
 ``max_passes`` is spent. Each try replays the whole window (the model is deterministic).
 
-    python -m tests.router.placement_bound --seeds 1-2 14   # 14 req/s, 30 s, scored from 10 s
+    python -m bench.sim.placement_bound --seeds 1-2 14   # 14 req/s, 30 s, scored from 10 s
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 
-from router.base import RequestShape, RouteDecision, RoutingPolicy, WorkerView
-from tests.router.fleet_sim import SimClock, SimResult
-from tests.router.prefix_mix_sim import (
+from bench.sim.fleet_sim import SimClock, SimResult
+from bench.sim.prefix_mix_sim import (
     CONTEXT_S,
     POLICIES,
     class_of,
@@ -35,6 +34,7 @@ from tests.router.prefix_mix_sim import (
     rule_slos,
     run_results,
 )
+from router.base import RequestShape, RouteDecision, RoutingPolicy, WorkerView
 
 WORKERS = ("spec", "batch", "long")
 # a try is judged at this step; the placement found is scored again at prefix_mix_sim's DT
