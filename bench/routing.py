@@ -61,32 +61,13 @@ over the window's, or the trace's, replayed prompt lengths); ``--prefix-slo`` ov
 the prefix class's.
 
 Policies (``--policies``, each on its own fleet; default round_robin, least_outstanding,
-adaptive): the baselines, adaptive, and its A/B variants in the same run --
-``adaptive-nostall``, with ``price_prefill_stalls=False`` (session 5's pricing of prefill
-interference), and ``adaptive-r4``, with ``step_scaled_batch=False`` (session 7 round 4's:
-TPOT's growth with the batch and the crowding charge from the request-level fit, not from
-the workers' measured steps), ``adaptive-noreserve``, with ``reserve_slots=False``
-(no slot reserves for the requests that meet their SLO on one worker alone, router.reserve),
-and ``adaptive-pooledprior``, with ``tpot_prior_by_band=False`` (a new shape bucket's TPOT
-starts from the worker-wide fit, as up to session 8 round 6, not from its prompt band's),
-``adaptive-noslodepth``, with ``slo_depth=False`` (every request on a speculating worker at the
-depth policy's depth for the worker's mix, as up to session 9; on by default, a request whose
-TPOT SLO that depth would miss goes at the depth fastest for it), ``adaptive-slos``, whose
-proxy sends the engine workers each request's SLOs (``routing.forward_slos=True``: prompt
-chunks paced for the decodes' TPOT SLOs, engine.pacing; session 12: 0.98x of adaptive), and
-``adaptive-twin``,
-adaptive exactly (an A/A). Session 13: ``adaptive-cap`` and ``adaptive-cap8``, adaptive behind
-the proxy's per-worker ``max_outstanding`` caps (``WORKER_CAPS``; proxy.admission), and
-``least_outstanding-cap``, LO behind the same caps; ``adaptive-nocal``, the router's depth
-policy without its token-cost calibration; ``adaptive-headroom1``, ``slo_depth`` only where the
-mix depth's predicted TPOT misses the SLO (``slo_depth_headroom=1.0``, up to session 12).
-Session 16: ``adaptive-exploreany``, exploration to any unsaturated worker
-(``explore_within_slo=False``, up to session 15). Diagnostics, not policies (``SplitDiagnostic``, session 11): adaptive
-over a hand-made split of the fleet by the request's TPOT SLO (tight: at most the repetitive
-and conversational classes' TPOT SLO) -- ``split-soft`` keeps the loose requests off ``spec``,
-``split-hard`` also keeps the tight ones on it alone, ``split-tight`` keeps the tight ones on
-``spec`` alone and lets the loose ones go anywhere: what segregating the fast worker for the
-tight classes is worth against the policy's own placement (on the device: 0.77-0.87x).
+adaptive): the product's policies (round_robin, least_outstanding, declared_fit, adaptive),
+``least_outstanding-twin`` (least-outstanding again: an A/A, how far two identical fleets of
+one run differ, the noise every comparison sits in), and the product's options that are off
+by default: ``adaptive-slos``, whose proxy sends the engine workers each request's SLOs
+(``routing.forward_slos=True``: prompt chunks paced for the decodes' TPOT SLOs,
+engine.pacing), and ``adaptive-cap`` / ``least_outstanding-cap``, behind the proxy's
+per-worker ``max_outstanding`` caps (``WORKER_CAPS``; proxy.admission).
 
 Rates: ``--rates`` in req/s, or ``--rate-multiples``: each m x this machine's speed index
 (the median ratio of the reference probe's latencies, ``REF_PROBE``, session 5 round 2's
@@ -98,7 +79,7 @@ requests of a class at a time) -> for each rate: an unscored warm-up replay
 (same schedule for every policy, all at once; with ``--trace-windows forward``
 only before the first rate), then ``--rounds`` measured rounds, each a fresh
 schedule (seed + round) replayed by every policy at the same time. Printed: goodput
-per round, adaptive's ratio to each baseline and to adaptive-nostall (median, min-max), TTFT/TPOT percentiles, the fleet's prefix-cache hit rate (prompt tokens
+per round, adaptive's ratio to each baseline (median, min-max), TTFT/TPOT percentiles, the fleet's prefix-cache hit rate (prompt tokens
 found cached / looked up, from the workers' vllm:prefix_cache_* counters), each policy's peak
 goodput over the rates and, over a sweep, the highest rate at which it still holds 90% and 80%
 of its requests to their SLOs (interpolated between the swept rates: goodput as a capacity at a
@@ -107,7 +88,7 @@ requests went per (worker, class) with how many met the SLO, and the adaptive
 policy's depths and decision reasons per rate.
 
     python bench/routing.py --rates 4 6 8 --duration 20 --rounds 3 --warmup 20 --seed 100
-    python bench/routing.py --rate-multiples 5 8 12 17 --duration 15 --rounds 4 --warmup 10 --fit-concurrency 1 --probe-passes 2 --seed 100 --policies round_robin least_outstanding adaptive adaptive-nostall  # session 7 round 4
+    python bench/routing.py --rate-multiples 5 8 12 17 --duration 15 --rounds 4 --warmup 10 --fit-concurrency 1 --probe-passes 2 --seed 100 --policies round_robin least_outstanding adaptive least_outstanding-twin
     python bench/routing.py --workload specbench --rates 7 9 --duration 15 --rounds 3 --warmup 20 --seed 100
 
 Needs ~13 free cores (four fleets of three one-core workers, plus this process; three
@@ -169,9 +150,8 @@ from proxy.config import (
 from proxy.config import TraceConfig as ProxyTraceConfig
 from proxy.routing import build_policy
 from proxy.supervisor import free_port
-from router.adaptive import AdaptiveConfig, AdaptivePolicy
+from router.adaptive import AdaptivePolicy
 from router.corpus import SPEC_BENCH_MAP
-from specdec.policy import DepthPolicy, PolicyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # Domain classes: what this hardware rewards per shape (bench/RESULTS.md, specdec runs:
@@ -182,62 +162,36 @@ CLASSES: dict[str, tuple[str, ...]] = {
     "long": ("summarization", "rag"),
 }
 CLASS_OF = {d: c for c, ds in CLASSES.items() for d in ds}
-# name -> the proxy's speculation mode. The variants are the adaptive policy with one
-# setting changed, each on its own fleet: an A/B in the same run as the baselines
-# (make_policy): ``adaptive-nostall``, ``price_prefill_stalls=False`` (session 5's pricing);
-# ``adaptive-r4``, ``step_scaled_batch=False`` (session 7 round 4's: TPOT's growth with the
-# batch, and the crowding charge, from the request-level fit instead of the measured steps);
-# ``adaptive-noreserve``, ``reserve_slots=False`` (session 7 round 5's: no slot reserves);
-# ``adaptive-pooledprior``, ``tpot_prior_by_band=False`` (up to session 8 round 6: a new
-# bucket's TPOT from the worker-wide fit); ``adaptive-twin``, adaptive exactly (an A/A: how
-# far two identical fleets of one run differ, the noise every A/B above sits in);
-# ``adaptive-noslodepth``, ``slo_depth=False`` (up to session 9: every request at the worker's
-# mix depth; session 10's device A/B ran the switch the other way round, as
-# ``adaptive-slodepth``); ``adaptive-slos``, the proxy's ``routing.forward_slos=True`` (session
-# 12: the engine workers get each request's SLOs and pace prompt chunks by them, engine.pacing;
-# no other policy's proxy sends them); ``adaptive-exploreany``, ``explore_within_slo=False``
-# (up to session 15: the 3% exploration goes to any unsaturated worker, whatever the SLO).
-# Context pricing (a long prompt's context priced into its worker's steps) was A/B'd in
-# session 9 at 0.96x of adaptive and retired in session 12.
+# name -> the proxy's speculation mode: the product's policies (proxy.routing), the
+# least-outstanding A/A that sizes the noise, and adaptive or least-outstanding behind the
+# product's options that are off by default: ``adaptive-slos``, the proxy's
+# ``routing.forward_slos`` (the engine workers pace prompt chunks by the requests' SLOs,
+# engine.pacing), and ``adaptive-cap`` / ``least_outstanding-cap``, behind per-worker
+# ``max_outstanding`` caps (proxy.admission)
 POLICIES: dict[str, Literal["policy", "adaptive"]] = {
-    "round_robin": "policy", "least_outstanding": "policy", "adaptive": "adaptive",
-    "adaptive-twin": "adaptive", "adaptive-slos": "adaptive",
-    "split-soft": "adaptive", "split-hard": "adaptive", "split-tight": "adaptive",
-    "adaptive-cap": "adaptive", "adaptive-cap8": "adaptive", "least_outstanding-cap": "policy",
-    "adaptive-nocal": "adaptive", "least_outstanding-twin": "policy"}
-SPLITS = ("split-soft", "split-hard", "split-tight")  # diagnostics (SplitDiagnostic)
-TWIN = "adaptive-twin"
+    "round_robin": "policy", "least_outstanding": "policy", "declared_fit": "policy",
+    "adaptive": "adaptive", "least_outstanding-twin": "policy",
+    "adaptive-slos": "adaptive", "adaptive-cap": "adaptive", "least_outstanding-cap": "policy"}
 SLOS = "adaptive-slos"
 CAP = "adaptive-cap"
-CAP8 = "adaptive-cap8"
 LO_CAP = "least_outstanding-cap"
-NOCAL = "adaptive-nocal"
 LO_TWIN = "least_outstanding-twin"  # LO again, on its own fleet: the A/A that sizes the noise
-VARIANTS: dict[str, dict[str, Any]] = {TWIN: {}, SLOS: {}, CAP: {}, CAP8: {}, NOCAL: {}}
-# variants of the adaptive policy's depth policy (specdec.policy.PolicyConfig): ``adaptive-nocal``
-# prices each depth by the step model alone, without the calibration by finished requests'
-# seconds per token (calibrate_token_cost)
-DEPTH_VARIANTS: dict[str, dict[str, Any]] = {NOCAL: {"calibrate_token_cost": False}}
-# variants of the proxy's routing config beside the policy's (proxy_config)
-ROUTING_VARIANTS: dict[str, dict[str, Any]] = {SLOS: {"forward_slos": True}}
-# the proxy's per-worker max_outstanding caps (proxy.admission) beside the policy's; a
-# capped baseline is the baseline behind the same caps (CAPPED_BASELINES)
+ADAPTIVE_ARMS = ("adaptive", SLOS, CAP)  # the adaptive policy, each behind its proxy's options
+# the proxy's routing config beside the policy's (proxy_config)
+ROUTING_OPTIONS: dict[str, dict[str, Any]] = {SLOS: {"forward_slos": True}}
+# the proxy's per-worker max_outstanding caps (proxy.admission); a capped baseline is the
+# baseline behind the same caps (CAPPED_BASELINES)
 WORKER_CAPS: dict[str, dict[str, int]] = {
-    CAP: {"spec": 4, "batch": 12, "long": 8}, CAP8: {"spec": 4, "batch": 8, "long": 6}}
-WORKER_CAPS[LO_CAP] = WORKER_CAPS[CAP]
+    CAP: {"spec": 4, "batch": 12, "long": 8}, LO_CAP: {"spec": 4, "batch": 12, "long": 8}}
 CAPPED_BASELINES = {LO_CAP: "least_outstanding", LO_TWIN: "least_outstanding"}  # and the twin
-# NOTE: the A/B variants run when asked for (--policies): a fleet per policy costs three cores
+# NOTE: the others run when asked for (--policies): a fleet per policy costs three cores
 DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive"]
 # (policy, baseline) pairs whose goodput ratios the reports print, where both ran
 COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
-               (TWIN, "adaptive"),
+               ("declared_fit", "round_robin"), ("adaptive", "declared_fit"),
                (SLOS, "adaptive"), (CAP, "adaptive"), (CAP, "round_robin"),
-               (CAP, "least_outstanding"), (CAP8, "adaptive"), (CAP, LO_CAP),
-               (LO_CAP, "least_outstanding"), (NOCAL, "adaptive"), (NOCAL, "round_robin"),
-               (NOCAL, "least_outstanding"),
-               (LO_TWIN, "least_outstanding"),
-               *((s, base) for s in SPLITS
-                 for base in ("adaptive", "least_outstanding", "round_robin")))
+               (CAP, "least_outstanding"), (CAP, LO_CAP), (LO_CAP, "least_outstanding"),
+               (LO_TWIN, "least_outstanding"))
 MAX_MODEL_LEN = 2048
 # NOTE: greedy decoding, as Spec-Bench and bench/spec_depth.py measure: the traces carry no
 # sampling parameters, and the engine's default (temperature 1, as OpenAI's) makes the
@@ -327,44 +281,10 @@ def fleet_configs(fleet: str, long_cores: int, device: str) -> dict[str, Compile
     return {"spec": spec, "batch": batch, "long": long}
 
 
-class SplitDiagnostic:
-    """DIAGNOSTIC, not a product policy: adaptive over a hand-made split of the fleet by the
-    request's TPOT SLO, to measure what keeping the loose-SLO traffic off the fast worker
-    is worth. ``split-soft``: a request whose TPOT SLO is above ``tight_tpot_s`` never goes
-    to ``spec``; ``split-hard``: also, one at or below it goes only to ``spec``;
-    ``split-tight``: one at or below it goes only to ``spec``, the others anywhere."""
-
-    def __init__(self, name: str, seed: int) -> None:
-        self.name = name
-        self.inner = AdaptivePolicy(seed=seed)
-        self.tight_tpot_s: float | None = None  # set once the run's SLOs are known
-        self.tight_anywhere = name == "split-soft"
-        self.loose_anywhere = name == "split-tight"
-
-    def choose(self, shape: Any, workers: Any) -> Any:
-        tight = (self.tight_tpot_s is not None and shape.slo_tpot_s is not None
-                 and shape.slo_tpot_s <= self.tight_tpot_s)
-        if tight:
-            allowed = [w for w in workers if w.name == "spec" or self.tight_anywhere]
-        else:
-            allowed = [w for w in workers if w.name != "spec" or self.loose_anywhere]
-        return self.inner.choose(shape, allowed or workers)
-
-    def observe(self, outcome: Any) -> None:
-        self.inner.observe(outcome)
-
-    def stats(self) -> dict[str, Any]:
-        return self.inner.stats()
-
-
 def make_policy(name: str, seed: int) -> Any:
     """The policy behind a ``--policies`` name (:data:`POLICIES`)."""
-    if name in SPLITS:
-        return SplitDiagnostic(name, seed)
-    if name in VARIANTS:
-        depth = DepthPolicy(PolicyConfig(**DEPTH_VARIANTS[name])) if name in DEPTH_VARIANTS \
-            else None
-        return AdaptivePolicy(AdaptiveConfig(**VARIANTS[name]), depth_policy=depth, seed=seed)
+    if name in ADAPTIVE_ARMS:
+        return AdaptivePolicy(seed=seed)
     return build_policy(CAPPED_BASELINES.get(name, name), seed=seed)
 
 
@@ -868,9 +788,9 @@ def proxy_config(name: str, urls: dict[str, str], configs: dict[str, CompiledCon
         # configure them; only the adaptive policies use them. The policy object itself is
         # handed to the app (make_policy): the config only names its kind.
         routing=dataclasses.replace(
-            slos.routing("adaptive" if name in VARIANTS or name in SPLITS
+            slos.routing("adaptive" if name in ADAPTIVE_ARMS
                          else CAPPED_BASELINES.get(name, name)),
-            **ROUTING_VARIANTS.get(name, {})),
+            **ROUTING_OPTIONS.get(name, {})),
         speculation=SpeculationConfig(mode=POLICIES[name]),
         traces=ProxyTraceConfig(enabled=False),
         health=HealthConfig(interval_s=1.0, metrics_interval_s=0.25),
@@ -1101,9 +1021,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             schedules = Schedules(args)  # the trace must cover the rates now set
         slos = slos_from(args, samples)
         out["slos"] = {"ttft_s": slos.ttft_s, "tpot_s": slos.tpot_s}
-        for p in policies.values():
-            if isinstance(p, SplitDiagnostic):
-                p.tight_tpot_s = max(slos.tpot_s["repetitive"], slos.tpot_s["conversational"])
         rule = "given" if args.slo_seconds else "fixed" if args.fixed_slos else "rule"
         print(f"SLOs ({rule}): {slos.describe()}",
               flush=True)
@@ -1123,7 +1040,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             p.wait(timeout=30)
     adaptive: Any = policies.get("adaptive")
     out["adaptive_stats"] = adaptive.stats() if adaptive is not None else {}
-    out["variant_stats"] = {n: policies[n].stats() for n in VARIANTS if n in policies}
+    out["arm_stats"] = {n: policies[n].stats() for n in ADAPTIVE_ARMS[1:] if n in policies}
     # what each adaptive fleet's depth policy learned (acceptance, step model, calibration)
     out["depth_policies"] = {n: p.depth_policy.snapshot() for n, p in policies.items()
                              if isinstance(p, AdaptivePolicy)}
@@ -1477,9 +1394,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fast-long fleet: engine-core processes (one thread each) of the "
                          "long-prompt worker")
     ap.add_argument("--policies", nargs="+", choices=list(POLICIES), default=DEFAULT_POLICIES,
-                    help="each on its own fleet; adaptive-twin: adaptive (an A/A); split-soft, split-hard, split-tight: adaptive over a hand-made "
-                         "split of the fleet (diagnostics, SplitDiagnostic); a subset needs "
-                         "fewer cores")
+                    help="each on its own fleet (see POLICIES); least_outstanding-twin: "
+                         "least_outstanding again (an A/A); a subset needs fewer cores")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="engine workers' torch device (cpu, cuda)")
     ap.add_argument("--json", type=Path, help="write the probe, SLOs and all rounds here")

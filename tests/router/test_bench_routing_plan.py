@@ -11,18 +11,25 @@ import pytest
 
 from bench import routing as BENCH
 from router.adaptive import AdaptivePolicy
-from router.base import RequestShape, WorkerView
 
 
-def test_the_twin_is_adaptive_exactly() -> None:
-    twin, adaptive = BENCH.make_policy("adaptive-twin", 3), BENCH.make_policy("adaptive", 3)
-    assert isinstance(twin, AdaptivePolicy) and twin.config == adaptive.config
-    assert twin is not adaptive and twin.depth_policy is not adaptive.depth_policy
-    assert ("adaptive-twin", "adaptive") in BENCH.COMPARISONS
+def test_the_twin_is_least_outstanding_again() -> None:
+    twin, lo = BENCH.make_policy("least_outstanding-twin", 3), BENCH.make_policy(
+        "least_outstanding", 3)
+    assert type(twin).__name__ == type(lo).__name__ == "LeastOutstandingPolicy"
+    assert twin is not lo
+    assert ("least_outstanding-twin", "least_outstanding") in BENCH.COMPARISONS
 
 
-def test_round_robin_is_the_product_policy() -> None:
-    assert type(BENCH.make_policy("round_robin", 3)).__name__ == "RoundRobinPolicy"
+@pytest.mark.parametrize(("name", "cls"), [
+    ("round_robin", "RoundRobinPolicy"), ("declared_fit", "DeclaredFitPolicy"),
+    ("adaptive", "AdaptivePolicy"), ("adaptive-slos", "AdaptivePolicy"),
+    ("adaptive-cap", "AdaptivePolicy"), ("least_outstanding-cap", "LeastOutstandingPolicy")])
+def test_each_name_is_a_product_policy(name: str, cls: str) -> None:
+    policy = BENCH.make_policy(name, 3)
+    assert type(policy).__name__ == cls
+    if isinstance(policy, AdaptivePolicy):  # the product's adaptive policy, as configured
+        assert policy.config == AdaptivePolicy().config
 
 
 def test_speed_index_is_the_median_latency_ratio_over_the_shared_cells() -> None:
@@ -102,31 +109,13 @@ def test_every_policy_gets_a_valid_proxy_config_with_the_run_s_slos(name: str) -
     assert [w.name for w in config.workers] == ["spec", "batch", "long"]
     assert config.routing.slo_tpot_s["chat"] == 0.01
     base = BENCH.CAPPED_BASELINES.get(name, name)
-    baseline = base in ("round_robin", "least_outstanding")
+    baseline = base in ("round_robin", "least_outstanding", "declared_fit")
     assert config.speculation.mode == ("policy" if baseline else "adaptive")
     assert config.routing.policy == (base if baseline else "adaptive")
     caps = BENCH.WORKER_CAPS.get(name, {})
     assert {w.name: w.max_outstanding for w in config.workers} == {
         n: caps.get(n, 0) for n in configs}
-
-
-@pytest.mark.parametrize("name, tight, loose", [
-    ("split-soft", {"spec", "batch", "long"}, {"batch", "long"}),
-    ("split-hard", {"spec"}, {"batch", "long"}),
-    ("split-tight", {"spec"}, {"spec", "batch", "long"})])
-def test_the_split_diagnostics_keep_to_their_part_of_the_fleet(name: str, tight: set[str],
-                                                                 loose: set[str]) -> None:
-    configs = BENCH.fleet_configs("equal", 2, "cpu")
-    policy = BENCH.make_policy(name, 0)
-    policy.tight_tpot_s = 0.0075
-    for slo_tpot_s, allowed in ((0.005, tight), (0.017, loose)):
-        views = [WorkerView(n, f"http://{n}", "engine", c) for n, c in configs.items()]
-        sent = set()
-        for _ in range(60):  # nothing finishes: the load spreads over what is allowed
-            d = policy.choose(RequestShape("chat", 100, None, 50, slo_tpot_s=slo_tpot_s), views)
-            sent.add(d.worker)
-            next(v for v in views if v.name == d.worker).outstanding_requests += 1
-        assert sent <= allowed and (len(sent) > 1 or len(allowed) == 1)
+    assert config.routing.forward_slos == (name == "adaptive-slos")
 
 
 DATA = Path(__file__).resolve().parents[2] / "data"
