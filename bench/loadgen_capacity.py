@@ -18,7 +18,7 @@ client goes) gives the client's CPU time per request, a number that contention
 from other processes on a shared machine distorts far less than lag does. Each
 row also counts the garbage collections during the send loop (full ones in
 brackets) and the longest: full collections were the lag tail until the send
-loop held them off (bench/RESULTS.md, session 16).
+loop held them off (bench/RESULTS.md, Loadgen).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class GcPauses:
     """The garbage collector's pauses while in a ``with`` block (``gc.callbacks``); the
     summary counts those that began inside a window (the send loop's): how many
     collections, how many of them full (the oldest generation), the longest, ms. Loadgen's
-    send-time lag tail was its full collections (bench/RESULTS.md, session 16)."""
+    send-time lag tail was its full collections (bench/RESULTS.md, Loadgen)."""
 
     def __init__(self) -> None:
         self.pauses: list[tuple[float, int, float]] = []  # (unix start, generation, ms)

@@ -405,7 +405,7 @@ def rank(own: list[int], found: list[Candidate], ranking: str) -> list[tuple[int
 
 # NOTE: an indicative GPU price of a verify step by its rows, to turn rows into time: the step
 # time model the depth policy fitted on the H200 over 16,976 engine steps (bf16, CUDA graphs,
-# batch 1; session 6 round 3's specdec log): 0.472 ms a step, + 0.138 ms when it verifies any
+# batch 1; a bench/spec_depth.py run's log): 0.472 ms a step, + 0.138 ms when it verifies any
 # draft, + 0.002 ms a draft row, + 0.04 ms the client waits per step. Fitted on 1-17 rows; the
 # graph replay alone grows ~0.4 us a row from 8 to 256 rows, so past 17 rows it is if anything
 # an overestimate. Batch 1 only: at batch 16 a row costs more (a k=16 step 1.56x a k=0 step).

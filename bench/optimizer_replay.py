@@ -27,9 +27,9 @@ per-request output tokens/s ("request", send to last byte, queueing included)
 -- the decode speed a client sees -- replayed open loop at B's arrivals. For
 A (busy) it is throughput: output tokens per wall second of a closed-loop
 replay at the traffic's own concurrency (capped at 8) -- the tokens/s the
-machine serves. (Sessions 1-3 scored A in tokens per engine CPU second, which
-is steadier on this shared box but can never pick a config that uses a second
-core; ``--a-objective cpu`` restores it.) The service picks the same by itself
+machine serves. (``--a-objective cpu`` scores A in tokens per engine CPU second
+instead, which is steadier on this shared box but can never pick a config that
+uses a second core.) The service picks the same by itself
 (OptimizerConfig.objective="auto", throughput_objective="wall": Little's-law
 concurrency below 2 -> "request").
 
@@ -606,7 +606,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--a-objective", choices=["wall", "cpu"], default="wall",
                    help="busy traffic A's objective: wall tok/s (closed loop at its concurrency) "
-                        "or tok per engine CPU second (sessions 1-3)")
+                        "or tok per engine CPU second")
     p.add_argument("--budget", type=int, default=20,
                    help="fast-tier experiments per campaign (an engine start for a "
                         "data_parallel_size candidate is charged ~8 of them)")

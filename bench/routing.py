@@ -5,10 +5,9 @@ Fleet (one per policy, identical; ``--fleet``): three built-in engine workers on
 the bundled tiny model whose compiled configs differ in what a CPU rewards per
 request shape (``--fit-only`` measures it, unloaded and loaded). ``equal`` (the
 default): every worker one core, so the configs differ and the resources do not
--- the only thing a router can learn is which config fits which shape (session
-4's fleet gave ``long`` two cores; under load it was the best place for every
-shape, and least-outstanding, which sends more to a faster worker, already got
-the gain):
+-- the only thing a router can learn is which config fits which shape (``fast-long``
+gives ``long`` two cores; under load it was the best place for every shape, and
+least-outstanding, which sends more to a faster worker, already got the gain):
 
 - ``spec``: n-gram speculation (max depth 8, default 4 for the baselines),
   4 sequences, 256-token prefill chunks, one core; declared for the
@@ -23,7 +22,7 @@ the gain):
 Every worker keeps the engine's default KV cache (32,768 tokens) with automatic
 prefix caching on (the engine's default): a worker feature, so every policy gets it.
 
-Workload (``--workload``): ``specbench`` (session 4's): real prompts (Spec-Bench
+Workload (``--workload``): ``specbench``: real prompts (Spec-Bench
 questions, all 13 categories, and GSM8K problems) as chat requests, with arrival
 times and output lengths taken from the Azure LLM 2023 conversation trace
 (time-scaled to the rate; outputs scaled by ``--output-scale`` and clipped),
@@ -49,10 +48,9 @@ prompts: per probe prompt, a sample spread over the class's own prompt lengths, 
 latency on the slowest worker; then the 90th percentile over the prompts,
 ``SLO_QUANTILE``), from this run's own probe, the same for every policy: at light load
 every placement meets 90% of them. NOTE: the rule, not seconds, is what
-stays fixed: in session 6 the lent machine was 2-2.5x slower per core than in
-session 5, and SLOs fixed in seconds from a fast machine's calibration put every
-rate past every policy's knee. ``--fixed-slos`` uses those seconds
-(``DEFAULT_SLOS``, sessions 4-6), ``--slo-seconds`` any others (e.g. a
+stays fixed: one lent machine measured 2-2.5x slower per core than another, and SLOs
+fixed in seconds from a fast machine's calibration put every rate past every policy's
+knee. ``--fixed-slos`` uses such seconds (``DEFAULT_SLOS``), ``--slo-seconds`` any others (e.g. a
 previous call's, to split one sweep over several calls). Every proxy is
 configured with them (routing.slo_ttft_s / slo_tpot_s); only the adaptive
 policy uses them. Every policy is scored by the trace's domain label. The
@@ -70,8 +68,8 @@ engine.pacing), and ``adaptive-cap`` / ``least_outstanding-cap``, behind the pro
 per-worker ``max_outstanding`` caps (``WORKER_CAPS``; proxy.admission).
 
 Rates: ``--rates`` in req/s, or ``--rate-multiples``: each m x this machine's speed index
-(the median ratio of the reference probe's latencies, ``REF_PROBE``, session 5 round 2's
-machine, to this run's probe), so that the same plan brackets the same knees on a faster or
+(the median ratio of the reference probe's latencies, ``REF_PROBE``, on the machine it was
+measured on, to this run's probe), so that the same plan brackets the same knees on a faster or
 slower lent machine.
 
 Order of a run: start a fleet per policy -> probe (unloaded, then ``--fit-concurrency``
@@ -195,14 +193,13 @@ COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
 MAX_MODEL_LEN = 2048
 # NOTE: greedy decoding, as Spec-Bench and bench/spec_depth.py measure: the traces carry no
 # sampling parameters, and the engine's default (temperature 1, as OpenAI's) makes the
-# tiny model's n-gram acceptance near zero (session 3: adaptive depth 0 for 83-97%).
+# tiny model's n-gram acceptance near zero (adaptive depth 0 for 83-97% of requests).
 TEMPERATURE = 0.0
 PROBE_MAX_CHARS = 5000  # ~1,300 tokens: a probe prompt + its output fits MAX_MODEL_LEN
-# NOTE: --fixed-slos, seconds, per class: (TTFT, TPOT). What the session-3 rule (SLO_RULE:
-# TTFT <= 10x / TPOT <= 2.5x the best unloaded latency of the class on any worker; long
-# prompts 5x / 5x) gave on the calibration run recorded in bench/RESULTS.md ("Routing
-# policies, session 4"), written here so sessions 4-6 judged every run by the same
-# seconds. Since session 6 the rule itself is applied to each run's probe (the default).
+# NOTE: --fixed-slos, seconds, per class: (TTFT, TPOT). What an earlier form of the rule
+# (TTFT <= 10x / TPOT <= 2.5x the best unloaded latency of the class on any worker; long
+# prompts 5x / 5x) gave on one calibration run, kept so that runs can be judged by the
+# same seconds. By default the rule (SLO_RULE) is applied to each run's own probe.
 # Calibration run (device's 16 CPU cores, 2026-11-30 03:02 UTC) gave by the rule: repetitive
 # 0.297 s / 5.0 ms, conversational 0.236 s / 8.9 ms, long 0.994 s / 22.9 ms.
 DEFAULT_SLOS: dict[str, tuple[float, float]] = {
@@ -226,8 +223,8 @@ SLO_QUANTILE = 0.9
 # every policy); --prefix-slo overrides it.
 PREFIX = "prefix"
 # NOTE: --rate-multiples: rates set from the run's own probe, so a sweep brackets the knees
-# on whatever machine is lent. The reference is session 5 round 2's unloaded one-request
-# probe (bench/RESULTS.md; the lent machine's 16 cores, 2026-11-30 06:16 UTC): worker ->
+# on whatever machine is lent. The reference is an unloaded one-request probe (the lent
+# machine's 16 cores, 2026-11-30 06:16 UTC): worker ->
 # class -> (TTFT s, TPOT s). A multiple m is m req/s on that machine, times this machine's
 # speed relative to it (speed_index).
 REF_PROBE: dict[str, dict[str, tuple[float, float]]] = {
@@ -257,7 +254,7 @@ FLEETS = ("equal", "fast-long")
 def fleet_configs(fleet: str, long_cores: int, device: str) -> dict[str, CompiledConfig]:
     """The compiled configs (see the module docstring); ``--fit-only`` measures their fit.
     ``equal``: one core each, so the only thing a router can learn is which config fits
-    which shape; ``fast-long``: session 4's fleet, ``long`` on ``long_cores`` cores."""
+    which shape; ``fast-long``: ``long`` on ``long_cores`` cores."""
     model = str(TINY_TARGET)
     spec = CompiledConfig(model=model, engine=EngineConfig(
         max_num_seqs=4, max_num_batched_tokens=256, spec_method="ngram", spec_max_depth=8,
@@ -541,10 +538,10 @@ def prefix_reuse(mooncake: list[TraceRequest], start: int, stop: int,
 
 
 class Schedules:
-    """The run's schedules (``--workload``): ``specbench`` is session 4's; ``prefix-mix``
+    """The run's schedules (``--workload``): ``specbench`` (Azure arrivals); ``prefix-mix``
     replays Mooncake windows from ``--trace-start`` (``--trace-windows``):
 
-    - ``per-rate`` (the default since session 6): every rate replays the same windows --
+    - ``per-rate`` (the default): every rate replays the same windows --
       its warm-up the requests just before ``--trace-start``, round r the r-th window after
       it -- with the block ids moved to a namespace of the rate's own, so no worker's cache
       holds them from an earlier rate. Rates then differ in nothing but the rate: the
@@ -552,7 +549,7 @@ class Schedules:
       the 100 before, 3000-3499 26%, 3750-3992 70%: :func:`prefix_reuse`), so walking it
       forward gave the later (higher) rates more reuse. Needs ``rounds`` x the largest
       rate's window after ``--trace-start``.
-    - ``forward`` (session 5): the warm-up takes the requests just before, each measured
+    - ``forward``: the warm-up takes the requests just before, each measured
       round the next unused ones, and the caches carry over from rate to rate. Needs
       ``rounds`` x the sum of every rate's window.
     """
@@ -570,7 +567,7 @@ class Schedules:
         self.window = (0, 0)  # the last round's Mooncake requests, trace indices [from, to)
         if self.prefix_mix and self.mooncake_needed() > len(self.mooncake):
             # NOTE: checked before any fleet starts: a trace that runs out mid-sweep used to
-            # cost the run its last rounds (session 5 round 2: the device subset ends at 3993)
+            # cost the run its last rounds (the device's subset of the trace ends at 3993)
             raise ValueError(
                 f"the plan needs Mooncake requests {args.trace_start}.."
                 f"{self.mooncake_needed() - 1}; {args.data / MOONCAKE} has {len(self.mooncake)}"
@@ -798,7 +795,7 @@ def proxy_config(name: str, urls: dict[str, str], configs: dict[str, CompiledCon
         # drives every load generator: its loop lag is the bench's, not the proxy's. With the
         # lag rule on, a stall of that loop as a round began (324-366 ms late at 2-4% busy:
         # the loop's thread off the CPU) shed the round's first 2-3 requests with 429 in
-        # every proxy alike (sessions 13, 15 and 16). Nothing here runs past a proxy's
+        # every proxy alike, in several device runs. Nothing here runs past a proxy's
         # capacity.
         limits=LimitsConfig(max_loop_lag_s=0))
 
@@ -993,8 +990,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         for i in reversed(range(args.probe_passes)):
             # NOTE: only the last pass (i = 0) counts, on the prompts a one-pass probe sends;
             # the ones before warm every worker up on other prompts of every class (the same
-            # ones would be prefix-cache hits in the last pass). Session 6: the same machine
-            # probed 1.5x slower at its start.
+            # ones would be prefix-cache hits in the last pass). One machine probed 1.5x
+            # slower at its start.
             samples = await probe_samples(first, args.data, num, args.max_output, 1,
                                           schedules.probe_prompts(num, skip=i * num),
                                           skip=i * num)
@@ -1098,7 +1095,7 @@ def save_json(args: argparse.Namespace, out: dict[str, Any]) -> None:
         args.json.write_text(json.dumps(out, indent=1, default=str))
 
 
-# --- the summary fixed before the session-5 round-2 measurement ----------------------------------
+# --- the summary, fixed before the measurements it reports --------------------------------------
 
 def medians(out: dict[str, Any]) -> dict[str, dict[str, float]]:
     """policy -> rate -> median goodput over the rate's rounds."""
@@ -1335,7 +1332,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rates", type=float, nargs="+", help="mean req/s (default: 2)")
     ap.add_argument("--rate-multiples", type=float, nargs="+", metavar="M",
                     help="instead of --rates: rates set from this run's probe, m x this "
-                         "machine's speed index against REF_PROBE (session 5 round 2's probe), "
+                         "machine's speed index against REF_PROBE (a reference probe), "
                          "i.e. m req/s on that machine")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of trace per round")
     ap.add_argument("--rounds", type=int, default=2, help="measured rounds per rate")
@@ -1351,7 +1348,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="SLOs in seconds per class (repetitive, conversational, long) instead "
                          "of the rule")
     ap.add_argument("--fixed-slos", action="store_true",
-                    help="the fixed SLOs in seconds of sessions 4-6 (DEFAULT_SLOS) instead of "
+                    help="fixed SLOs in seconds (DEFAULT_SLOS) instead of "
                          "the rule (SLO_RULE x best unloaded latency of the class) on this "
                          "run's probe")
     ap.add_argument("--fit-only", action="store_true",
@@ -1364,7 +1361,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "--rate-multiples), the ones before only warm the workers up")
     ap.add_argument("--workload", choices=WORKLOADS, default="prefix-mix",
                     help="prefix-mix: Mooncake shared-prefix requests (--prefix-share of them) "
-                         "mixed with the Spec-Bench workload; specbench: session 4's workload")
+                         "mixed with the Spec-Bench workload; specbench: that workload alone")
     ap.add_argument("--trace", type=Path, metavar="PATH",
                     help="the trace workload (implies --workload trace): any trace the loadgen "
                          "readers read, e.g. data/traces/azure_llm_2023_code.csv; each round a "
@@ -1389,7 +1386,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "on this run's probe")
     ap.add_argument("--fleet", choices=FLEETS, default="equal",
                     help="equal: every worker one core (configs differ, resources do not); "
-                         "fast-long: session 4's fleet, the long worker on --long-cores cores")
+                         "fast-long: the long worker on --long-cores cores")
     ap.add_argument("--long-cores", type=int, default=2,
                     help="fast-long fleet: engine-core processes (one thread each) of the "
                          "long-prompt worker")

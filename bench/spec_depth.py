@@ -31,7 +31,7 @@ At concurrency 1 it also prints adaptive against fixed k at the same depth on th
 prompts (:func:`same_depth`): equal drafted/accepted, so the time ratio is the request
 path plus noise (see print_same_depth's NOTE).
 
-Session-2 runs (bench/RESULTS.md), each under 10 minutes on the 2-core box:
+Runs recorded in bench/RESULTS.md, each under 10 minutes on the 2-core box:
 
     python bench/spec_depth.py --methods ngram --concurrency 1 --max-tokens 128 \
         --depths 4 8 16 --rounds 2 --per-domain 3
@@ -39,13 +39,12 @@ Session-2 runs (bench/RESULTS.md), each under 10 minutes on the 2-core box:
     python bench/spec_depth.py --methods draft --concurrency 1 4 16 --depths 1 2 4 --rounds 2 \
         --per-domain 2
 
-Session 3 (bench/RESULTS.md "Speculative decoding (session 3)"): the same n-gram
-commands under ``flock /tmp/polyinfer-bench.lock nice -n 5``, plus ``--step-costs``
-(now with k=16 and an "early reject" row per batch size).
+On a shared box, the same n-gram commands under ``flock /tmp/polyinfer-bench.lock nice -n
+5``, plus ``--step-costs`` (k up to 16 and an "early reject" row per batch size).
 
-Session 4 ("Speculative decoding (session 4)"): the adaptive mode also learns step time
-from the engine's scraped per-step sums (specdec.step_feed), ``--client-fit`` runs the
-previous policy beside it; under load, ``--rounds 6`` (rotated ABBA)::
+The adaptive mode learns step time from the engine's scraped per-step sums
+(specdec.step_feed); ``--client-fit`` runs the policy that fits it from client averages
+alone beside it; under load, ``--rounds 6`` (rotated ABBA)::
 
     python bench/spec_depth.py --methods ngram --concurrency 4 16 --rounds 6 --client-fit
     # parallel instances pinned to their own cores, then pooled:
@@ -92,7 +91,7 @@ CATEGORY_DOMAIN = {
 FIXED_DEPTHS = (0, 1, 2, 4, 6, 8)
 ADAPTIVE = "adaptive"
 # The policy without the engine's per-step feed: its step time fitted from per-request
-# client averages only (how the proxy learned before session 4); --client-fit adds it.
+# client averages only; --client-fit adds it.
 ADAPTIVE_CLIENT = "adapt-cli"
 # The policy with a step-time term per power-of-two bucket of a step's rows beside its line
 # (PolicyConfig.price_row_buckets: a GPU's graph buckets); --row-buckets adds it.
@@ -108,7 +107,7 @@ ADAPTIVE_MODES = (ADAPTIVE, ADAPTIVE_CLIENT, ADAPTIVE_ROWS, ADAPTIVE_NOCAL, ADAP
 FED_MODES = (ADAPTIVE, ADAPTIVE_ROWS, ADAPTIVE_NOCAL, ADAPTIVE_OWN)
 SCRAPE_INTERVAL_S = 1.0  # as the proxy's health.metrics_interval_s default
 # NOTE: "repetitive" is fixed before measuring, by a rule, not picked from this run's
-# results: the top half of the domains by n-gram acceptance measured in session 1
+# results: the top half of the domains by n-gram acceptance measured in the first runs
 # (bench/RESULTS.md: translation 0.69, qa 0.60, chat 0.50, extraction 0.49; then code 0.40,
 # math 0.29, summarization 0.19, rag 0.17). Extraction is also repetitive by task (its
 # answer copies spans of the prompt); rag and code would be too for a large model, but the
@@ -1120,7 +1119,7 @@ def main() -> int:
                              "else eager)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         default="float32", help="engine dtype for every mode (the bundled "
-                        "weights are bfloat16; float32 is the default since session 1)")
+                        "weights are bfloat16; float32 is the default)")
     parser.add_argument("--data", type=Path, default=None,
                         help="a data dir with prompts/spec_bench_questions.jsonl (overrides "
                              "--prompts)")

@@ -160,7 +160,7 @@ class RoutingConfig:
     # Send each request's SLOs (its own, else its domain's) to engine workers, whatever the
     # policy: the engine holds prompt chunks back for decodes with a TPOT SLO and lets each
     # prompt go as its TTFT SLO needs (engine.pacing). Off (the SLO fields stripped) by
-    # default: on the routing bench it met 0.98x of the same fleet without it (session 12).
+    # default: on the routing bench it met 0.98x of the same fleet without it.
     forward_slos: bool = False
     # Prefix-hash block of the classifier shape estimator, in UTF-8 bytes of the rendered
     # prompt (~4 per token of English): the unit in which the adaptive policy models the

@@ -146,7 +146,7 @@ class BayesianRLS:
         # NOTE: forgetting inflates P along directions the data never excites; cap its
         # eigenvalues at the prior's variance so those slopes stay near the prior. The cap
         # must keep P positive semi-definite: an elementwise clip did not, and a TPOT fit
-        # diverged to coefficients of +-2e10 in the session-3 routing bench. Closed form
+        # diverged to coefficients of +-2e10 in a routing bench run. Closed form
         # where it applies (router.sym3), eigh where it does not.
         capped = clip_eigenvalues(sym, self._p_cap)
         if capped is None:

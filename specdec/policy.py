@@ -417,7 +417,7 @@ class DepthPolicy:
         NOTE: a router prices every candidate worker at the depth it would run there. When
         that pricing recorded the decision, every worker's domain mix took in every request,
         wherever it went, and the k=0 probe counted candidates, not requests: a probe then
-        priced the worker at k=0 and steered that very request away (routing round 8).
+        priced the worker at k=0 and steered that very request away.
         ``calibrated=False``: the depth the step model alone would choose.
         """
         c = self.config

@@ -3,7 +3,7 @@ come, gets on the simulated prefix-mix fleet: a bound for routers that plan onli
 
 placement_bound.py's hindsight search knows every future arrival and finds placements that
 meet far more SLOs than the adaptive policy (1.42x least-outstanding against 1.20x at 80%
-attainment, session 15). Its moves are about timing, so the question is whether a router
+attainment, bench/RESULTS.md). Its moves are about timing, so the question is whether a router
 that looks ahead could get there without knowing the future. :class:`LookaheadPlanner`
 is the strongest such router the model allows: at each arrival it copies the true state of
 every simulated worker (queues, batches, prefill left, prefix caches), places the request

@@ -6,7 +6,7 @@ cache and chunked prefill: ``spec`` (4 sequences, 256-token chunks, n-gram specu
 that halves the step on the repetitive domains), ``batch`` (32 sequences, 256-token
 chunks) and ``long`` (16 sequences, 2,048-token chunks), declared as the bench declares
 them. Step and prefill costs are of the order the device's probe measured (a ~2.5 ms
-decode step, ~0.2 ms per prompt token: bench/RESULTS.md, session 5 round 2).
+decode step, ~0.2 ms per prompt token: bench/routing.py's REF_PROBE).
 
 Workload: half shared-prefix requests (one of ``num_docs`` documents, popularity ~ 1/rank,
 64-token blocks, plus a prompt-specific tail; outputs as short as Mooncake's, 8-96
@@ -38,16 +38,16 @@ REPETITIVE, CONVERSATIONAL, LONG = ("translation", "code", "extraction"), ("chat
 # (TTFT s, TPOT s) per class: the bench's DEFAULT_SLOS, and its probe-derived prefix SLO
 SLOS = {"repetitive": (0.30, 0.0050), "conversational": (0.24, 0.0090), "long": (1.0, 0.023),
         "prefix": (0.97, 0.0142)}
-# session 8: a tight repetitive SLO that only ``spec`` meets (its unloaded repetitive TPOT is
+# a tight repetitive SLO that only ``spec`` meets (its unloaded repetitive TPOT is
 # (2.5 + 0.15) x 0.5 = 1.3 ms, batch's and long's 2.65 ms), as the SLO rule made it on the
-# device (session 7 rounds 4-5: 3.1-3.2 ms against spec's 1.2-1.3 and batch's 2.4-3.4)
+# device (3.1-3.2 ms against spec's 1.2-1.3 and batch's 2.4-3.4)
 TIGHT_REPETITIVE = (0.15, 0.0024)
 CLASS_OF = {**{d: "repetitive" for d in REPETITIVE}, **{d: "conversational" for d in CONVERSATIONAL},
             **{d: "long" for d in LONG}}
 DT = 0.001  # simulation step, seconds
-# session 8 round 7: seconds a step takes per context token of each request decoding in it.
-# On the device spec decoded the shared-prefix prompts (800-2,000 tokens) at 4.5 ms a token
-# unloaded and the short conversational ones at 1.9 ms (round 6's probe): ~2 us per token.
+# seconds a step takes per context token of each request decoding in it. On the device spec
+# decoded the shared-prefix prompts (800-2,000 tokens) at 4.5 ms a token unloaded and the
+# short conversational ones at 1.9 ms (a bench probe): ~2 us per token.
 CONTEXT_S = 2e-6
 
 
@@ -55,7 +55,7 @@ def bench_fleet(context_s: float = 0.0) -> list[SimWorker]:
     """``context_s``: step seconds per context token of each decoding request (0: a step's
     time does not depend on the prompts decoding in it; :data:`CONTEXT_S` models the
     device's long prompts decoding slower). With it, speculation does not speed up the
-    shared-prefix requests either (round 6's probe: 4.5 ms on spec, 6.5 on batch, where
+    shared-prefix requests either (a bench probe: 4.5 ms on spec, 6.5 on batch, where
     the repetitive class took 1.2 and 4.6)."""
     spec = CompiledConfig(fit=DeclaredFit(domains=REPETITIVE, prompt_tokens=(0, 600))
                           ).with_engine(max_num_seqs=4, max_num_batched_tokens=256,

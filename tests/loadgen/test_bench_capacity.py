@@ -1,4 +1,4 @@
-"""bench/loadgen_capacity.py's GC pause accounting (the send-time lag tail of session 16)."""
+"""bench/loadgen_capacity.py's GC pause accounting (the send-time lag tail it explains)."""
 
 from __future__ import annotations
 

@@ -45,11 +45,10 @@ def test_mixed_domains_adaptive_beats_baselines() -> None:
 
 def test_one_domain_favourite_saturates_and_traffic_spreads() -> None:
     """One domain whose favourite has 4 slots: the policy must spill, not herd.
-    NOTE: since the sim feeds the workers' steps (session 7 round 5) crowding is priced from
-    them; adaptive's goodput here is at least-outstanding's level, not above it, and seed 2
-    alone (this test's seed until then) is noise: seeds 1-8, adaptive 0.776, with round 4's
-    crowding slope 0.790, least-outstanding 0.788. So the goodput check is against both
-    baselines on seeds 1-2 (measured: rr 0.653, lo 0.844, adaptive 0.790)."""
+    NOTE: adaptive's goodput here is at least-outstanding's level, not above it, and one
+    seed alone is noise (seeds 1-8: adaptive 0.776-0.790, least-outstanding 0.788). So the
+    goodput check is against both baselines on seeds 1-2 (measured: rr 0.653, lo 0.844,
+    adaptive 0.790)."""
     totals = [0.0, 0.0, 0.0]
     for seed in (1, 2):
         arrivals = poisson_mix(8.0, 400, {"code": 1.0}, prompt=200, output=64, seed=seed)
@@ -65,7 +64,7 @@ def test_one_domain_favourite_saturates_and_traffic_spreads() -> None:
 
 
 def chunked_fleet() -> list[SimWorker]:
-    """The session-3 bench fleet's shape, as a model: two interactive workers (8 seqs,
+    """An earlier bench fleet's shape, as a model: two interactive workers (8 seqs,
     128-token prefill chunks) and a bulk one (32 seqs, 2,048-token chunks, a cheaper
     per-sequence step); prefill shares the decode steps (fleet_sim ``chunk``)."""
     inter = CompiledConfig(fit=DeclaredFit(domains=("chat",))).with_engine(

@@ -1,5 +1,5 @@
-"""bench/routing.py's summaries: pooled ratios, the peak-goodput summary fixed before the
-session-5 round-2 measurement, the misses split, and the start-up check of the plan."""
+"""bench/routing.py's summaries: pooled ratios, the peak-goodput summary, the misses split,
+and the start-up check of the plan."""
 
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def test_unmeasured_profile_predicts_the_calibrated_prior() -> None:
 
 
 def test_identical_workers_share_load_after_one_learns() -> None:
-    """Regression (bench/routing.py, session 3): one learned worker took all the traffic."""
+    """Regression (bench/routing.py): one learned worker took all the traffic."""
     cfg = CompiledConfig().with_engine(max_num_seqs=8)
     views = [WorkerView(n, f"http://{n}", "engine", cfg) for n in ("a", "b")]
     policy = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0))

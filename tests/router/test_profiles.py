@@ -113,7 +113,7 @@ def test_rls_bounds_an_outliers_pull_but_follows_a_real_shift() -> None:
 
 
 def test_rls_stays_bounded_on_weakly_exciting_noisy_data() -> None:
-    """Regression (session-3 routing bench): the old elementwise cap on P made it
+    """Regression (a routing bench run): the old elementwise cap on P made it
     indefinite and a TPOT fit diverged to +-2e10. P must stay positive semi-definite."""
     rng = random.Random(0)
     for trial in range(5):

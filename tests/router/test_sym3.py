@@ -58,7 +58,7 @@ def test_clip_declines_a_negative_eigenvalue() -> None:
 
 
 class _NumpyRLS:
-    """The update as it was written in numpy (sessions 1-8), for comparison."""
+    """The update as it was first written, in numpy, for comparison."""
 
     def __init__(self, prior: tuple[float, float, float], v: float, lam: float) -> None:
         self.scale = max(abs(prior[0]), 1e-6)

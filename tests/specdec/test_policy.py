@@ -119,7 +119,7 @@ def test_measured_cost_per_token_moves_a_depth_only_by_how_it_differs_between_de
 
 
 def test_few_stalled_speculating_requests_do_not_price_every_depth() -> None:
-    """The spec worker's 2-sequence bucket on the device (session 14): two short requests at
+    """The spec worker's 2-sequence bucket on the device: two short requests at
     k=6 that shared prefill chunks measured 6x the model's cost a token, beside many k=0
     requests as modelled; every k > 0 there came out at the clamp (x4) and the policy sent
     k=0. Weighted by their tokens and shrunk toward the bucket's mean, they move it little."""
