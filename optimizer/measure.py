@@ -196,9 +196,13 @@ class EngineClient:
         t0 = requests[0].offset_s if requests and open_loop else 0.0
         prepared = [self._prepared(i, r, r.offset_s - t0 if open_loop else 0.0)
                     for i, r in enumerate(requests)]
-        runner = Runner(StreamingClient(client_cfg, self.session), max_concurrency=concurrency,
-                        quiet=True)
-        run = await runner.run(prepared)
+        # NOTE: loadgen's client posts raw bytes; the engine wants them declared as JSON
+        # (loadgen's own sessions carry the header, a caller's session need not).
+        async with aiohttp.ClientSession(headers={"Content-Type": "application/json"},
+                                         timeout=self.session.timeout) as session:
+            runner = Runner(StreamingClient(client_cfg, session), max_concurrency=concurrency,
+                            quiet=True)
+            run = await runner.run(prepared)
         return _stats(run.results, run.duration_s, open_loop)
 
     def _prepared(self, index: int, r: ReplayRequest, arrival_s: float) -> PreparedRequest:
