@@ -191,6 +191,7 @@ COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                (CAP, "least_outstanding"), (CAP, LO_CAP), (LO_CAP, "least_outstanding"),
                (LO_TWIN, "least_outstanding"))
 MAX_MODEL_LEN = 2048
+CHAT_TEMPLATE_TOKENS = 8  # what the chat template adds around one user message
 # NOTE: greedy decoding, as Spec-Bench and bench/spec_depth.py measure: the traces carry no
 # sampling parameters, and the engine's default (temperature 1, as OpenAI's) makes the
 # tiny model's n-gram acceptance near zero (adaptive depth 0 for 83-97% of requests).
@@ -436,7 +437,7 @@ def prefix_probe_texts(mooncake: list[TraceRequest], start: int, num: int, max_o
     ``start`` (:func:`spread_lengths`), each of its own block ids (which the trace never
     uses): cold-cache probes. ``skip``: the first prompt is number ``skip`` of that
     sequence."""
-    limit = MAX_MODEL_LEN - max_output
+    limit = MAX_MODEL_LEN - max_output - CHAT_TEMPLATE_TOKENS
     lengths = spread_lengths([min(round((r.prompt_tokens or 0) * MOONCAKE_PROMPT_SCALE), limit)
                               for r in mooncake[start:start + 200]], num)
     block = max(round(512 * MOONCAKE_PROMPT_SCALE), 1)
@@ -476,7 +477,7 @@ def trace_synthesizer(domain: str, seed: int) -> PromptSynthesizer:
 
 def trace_lengths(records: list[TraceRequest], scale: float, max_output: int) -> list[int]:
     """Prompt lengths as replayed: scaled, clipped to leave room for the output."""
-    limit = MAX_MODEL_LEN - max_output - 8  # the chat template's few tokens
+    limit = MAX_MODEL_LEN - max_output - CHAT_TEMPLATE_TOKENS
     return [min(max(round((r.prompt_tokens or 0) * scale), 1), limit) for r in records]
 
 
