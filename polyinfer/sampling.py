@@ -16,7 +16,8 @@ position in the sequence. Greedy rows (``temperature == 0``) become a point mass
 on the argmax, which the rejection sampler handles like any other distribution
 (accept iff the draft token is the argmax).
 
-Seeded rows draw by the Gumbel-max rule with noise keyed by ``(seed, position)``
+Seeded rows draw by the Gumbel-max rule (as an exponential race) with noise keyed
+by ``(seed, position)``
 (:func:`keyed_sample`): the token at position t is a function of the seed, t and
 the distribution at t only, never of how many numbers were drawn before. NOTE:
 a per-request generator advanced by each draw made the text depend on the
@@ -153,15 +154,25 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     sub = logits[index]  # [n, vocab]
     ps = [params[i] for i in adjusted]
     rs = [rows[i] for i in adjusted]
-    bias = torch.zeros(len(ps), vocab)
+    at: list[int] = []
+    tokens: list[int] = []
+    values: list[float] = []
     for j, (p, r) in enumerate(zip(ps, rs, strict=True)):
         for token, value in p.logit_bias:
             if 0 <= token < vocab:
-                bias[j, token] += value
+                at.append(j)
+                tokens.append(token)
+                values.append(value)
         if p.min_tokens and r.num_output < p.min_tokens:
             ban = [t for t in p.min_tokens_ban if 0 <= t < vocab]
-            bias[j, ban] = float("-inf")
-    sub += bias.to(dev)
+            at.extend([j] * len(ban))
+            tokens.extend(ban)
+            values.extend([float("-inf")] * len(ban))
+    if at:  # one scatter for every bias and ban of the step
+        bias = torch.zeros(len(ps), vocab)
+        bias.index_put_((torch.tensor(at), torch.tensor(tokens)), torch.tensor(values),
+                        accumulate=True)
+        sub += bias.to(dev)
     if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
            for p in ps):
         _penalize(sub, ps, rs)
@@ -312,28 +323,29 @@ def derive_seed(seed: int, index: int) -> int:
     return seed if index == 0 else _mix64((seed & _MASK64) ^ _mix64(index)) >> 1
 
 
-def keyed_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
-    """Gumbel noise [vocab] float32 that depends on (seed, position) only, drawn on the CPU
-    (the same numbers on any device)."""
+def keyed_noise(seeds: Sequence[int], positions: Sequence[int], vocab: int) -> torch.Tensor:
+    """Exponential(1) noise [n, vocab] float32, row i a function of (seeds[i], positions[i])
+    only, drawn on the CPU (the same numbers on any device)."""
+    out = torch.empty(len(seeds), vocab)
     g = torch.Generator()
-    g.manual_seed(_mix64((_mix64(seed & _MASK64) + position) & _MASK64) >> 1)
-    u = torch.rand(vocab, generator=g).clamp_(min=torch.finfo(torch.float32).tiny)
-    return -torch.log(-torch.log(u))
+    for i, (seed, pos) in enumerate(zip(seeds, positions, strict=True)):
+        g.manual_seed(_mix64((_mix64(seed & _MASK64) + pos) & _MASK64) >> 1)
+        torch.rand(vocab, generator=g, out=out[i])
+    # NOTE: -log(u) for u in [0, 1): 0 maps to +inf, a token that can never win
+    return out.log_().neg_()
 
 
 def keyed_sample(probs: torch.Tensor, params: Sequence[SamplingParams],
                  positions: Sequence[int]) -> torch.Tensor:
-    """[n] tokens: argmax(log p + Gumbel noise keyed by (seed, position)) per row.
+    """[n] tokens: argmax(p / E) per row, E exponential noise keyed by (seed, position).
 
-    An exact draw from each row's p (the Gumbel-max trick), and never a zero-mass token.
-    A draft that draws with the same key from its own q agrees with the target's draw
-    with probability >= (1 - TV(p, q)) / (1 + TV(p, q)).
+    The exponential race, i.e. the Gumbel-max trick (argmax(log p - log E)) without its
+    logs of p: an exact draw from each row's p, never a zero-mass token. A draft that
+    draws with the same key from its own q agrees with the target's draw with
+    probability >= (1 - TV(p, q)) / (1 + TV(p, q)).
     """
-    vocab = probs.shape[1]
-    noise = torch.stack([keyed_noise(p.seed or 0, pos, vocab)
-                         for p, pos in zip(params, positions, strict=True)])
-    scores = torch.log(probs) + noise.to(probs.device)  # log 0 = -inf: never picked
-    return scores.argmax(dim=1)
+    noise = keyed_noise([p.seed or 0 for p in params], positions, probs.shape[1])
+    return (probs / noise.to(probs.device)).argmax(dim=1)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
