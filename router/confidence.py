@@ -15,8 +15,8 @@ predicted TPOT: the latency the cost is made of), each kept as a running
 root-mean-square per worker and shape class (domain, prompt band: the buckets
 the profiles learn in). A key's error band is its end-to-end RMS log error (the
 TTFT and TPOT errors partly cancel in it, as they do in the cost; both are in
-the stats); a key with fewer than ``min_samples`` outcomes has an infinite
-band.
+the stats); a key with fewer than ``min_samples`` outcomes takes its worker's
+band over all shapes, and one of a worker with fewer than that is infinite.
 
 :meth:`PredictionErrors.distinguishable` is the rule the policy applies: the
 model's pick overrides LO's only when its predicted cost is lower than LO's
@@ -87,6 +87,9 @@ class PredictionErrors:
     def __init__(self, config: ConfidenceConfig | None = None) -> None:
         self.config = config or ConfidenceConfig()
         self._errors: dict[tuple[str, str, int], _Error] = {}
+        # every outcome of a worker, whatever its shape: the band of a shape class the
+        # worker has not yet served min_samples times (see band)
+        self._by_worker: dict[str, _Error] = {}
 
     def _weight(self, n: int) -> float:
         return max(1.0 / n, self.config.weight)
@@ -98,7 +101,12 @@ class PredictionErrors:
         and as measured, seconds (an unmeasured one, None, is skipped), and the tokens it
         produced (for its end-to-end time)."""
         key = (worker, domain, prompt_band(prompt_tokens))
-        err = self._errors.setdefault(key, _Error())
+        self._observe(self._errors.setdefault(key, _Error()), predicted, observed, num_tokens)
+        self._observe(self._by_worker.setdefault(worker, _Error()), predicted, observed,
+                      num_tokens)
+
+    def _observe(self, err: _Error, predicted: tuple[float, float],
+                 observed: tuple[float | None, float | None], num_tokens: int) -> None:
         x = _log_error(predicted[0], observed[0])
         if x is not None:
             err.num_ttft += 1
@@ -119,12 +127,18 @@ class PredictionErrors:
                 err.e2e_sq += self._weight(err.num_e2e) * (x * x - err.e2e_sq)
 
     def band(self, worker: str, domain: str, prompt_tokens: int) -> float:
-        """The key's error band in log space: its end-to-end RMS log error; inf while it has
-        fewer than ``min_samples`` outcomes."""
-        err = self._errors.get((worker, domain, prompt_band(prompt_tokens)))
-        if err is None or err.num_e2e < self.config.min_samples:
+        """The key's error band in log space: its end-to-end RMS log error. A key with fewer
+        than ``min_samples`` outcomes takes its worker's band over every shape (the same
+        profile predicts them all), and the larger of the two where it has some; inf while
+        the worker too has fewer than ``min_samples``."""
+        key = self._errors.get((worker, domain, prompt_band(prompt_tokens)))
+        if key is not None and key.num_e2e >= self.config.min_samples:
+            return math.sqrt(key.e2e_sq)
+        whole = self._by_worker.get(worker)
+        if whole is None or whole.num_e2e < self.config.min_samples:
             return math.inf
-        return math.sqrt(err.e2e_sq)
+        band = math.sqrt(whole.e2e_sq)
+        return max(band, math.sqrt(key.e2e_sq)) if key is not None and key.num_e2e else band
 
     def distinguishable(self, cost_pick_s: float, band_pick: float, cost_other_s: float,
                         band_other: float) -> bool:

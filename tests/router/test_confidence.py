@@ -25,11 +25,16 @@ def test_band_is_infinite_until_min_samples_then_the_rms_log_error() -> None:
     errors.observe("w", "code", 100, (0.1, 0.01), (0.05, 0.01), 1)  # TTFT 0.5x
     # mean of ln(2)^2 and ln(0.5)^2 = ln(2)^2: the RMS is ln 2; TPOT's is 0
     assert errors.band("w", "code", 100) == pytest.approx(math.log(2))
-    assert errors.band("w", "code", 2000) == math.inf  # another prompt band: unproven
-    assert errors.band("w", "chat", 100) == math.inf
+    # another prompt band or domain, unproven on its own: the worker's band over all shapes
+    assert errors.band("w", "code", 2000) == pytest.approx(math.log(2))
+    assert errors.band("w", "chat", 100) == pytest.approx(math.log(2))
+    assert errors.band("v", "code", 100) == math.inf  # a worker with no outcomes
     snap = errors.snapshot()["w"]["code/0"]
     assert snap["ttft_bias_log"] == pytest.approx(0.0) and snap["num_tpot"] == 2
     assert errors.summary()["ttft_rms_log"] == pytest.approx(math.log(2), abs=1e-4)
+    # a key with some outcomes of its own, but fewer than min_samples: the larger band
+    errors.observe("w", "chat", 100, (0.1, 0.01), (0.4, 0.01), 1)  # TTFT 4x
+    assert errors.band("w", "chat", 100) == pytest.approx(math.log(4))
 
 
 def test_an_unmeasured_latency_is_skipped() -> None:
