@@ -93,6 +93,8 @@ async def history(request: web.Request) -> web.Response:
                              param="window")
     app = request.app
     stats = app[keys.STATS]
+    while not stats.history.prepare(window_s, step_s):
+        await asyncio.sleep(0)  # NOTE: a first build in slices, not one long stall of the loop
     doc = stats.history.window(window_s, step_s)
     doc["optimizer"] = await app[keys.TIMELINE].doc(doc["t"], doc["step_s"], doc["end_s"])
     relay = app[keys.RELAY]

@@ -144,6 +144,24 @@ class History:
         slot enters it. A point's rates divide by the seconds its slots cover (None when
         they cover none), so a partial point is not drawn low.
         """
+        frame, args = self._view(window_s, step_s)
+        points, series, routing = frame.view(*args)
+        return {"window_s": min(max(window_s, FINE_S), MAX_WINDOW_S), "step_s": args[2],
+                "end_s": self._open.start_s, "t": [p.start_s for p in points],
+                "series": series, "routing": routing}
+
+    def prepare(self, window_s: float, step_s: float | None = None,
+                max_points: int = 10) -> bool:
+        """Summarise at most ``max_points`` more finished points of the view; whether it is
+        ready (its next :meth:`window` costs only a refresh). A caller on the event loop
+        prepares a first build in slices, yielding between them."""
+        frame, args = self._view(window_s, step_s)
+        return frame.advance(*args, max_points=max_points)
+
+    def _view(self, window_s: float, step_s: float | None
+              ) -> tuple[Frame, tuple[list[Slot], float, float, int, float]]:
+        """The view's frame and what it reads: (ring, first point, step, points, the time
+        its ring is closed until)."""
         window_s = min(max(window_s, FINE_S), MAX_WINDOW_S)
         fine = window_s <= FINE_S * FINE_SLOTS
         ring, resolution = (list(self.fine), FINE_S) if fine else (list(self.coarse), COARSE_S)
@@ -159,7 +177,4 @@ class History:
         self._frames[(fine, step, window_s)] = frame  # NOTE: the most recently asked last
         while len(self._frames) > MAX_FRAMES:
             del self._frames[next(iter(self._frames))]
-        points, series, routing = frame.view(ring, first, step, math.ceil((end - first) / step),
-                                             closed_until)
-        return {"window_s": window_s, "step_s": step, "end_s": end,
-                "t": [p.start_s for p in points], "series": series, "routing": routing}
+        return frame, (ring, first, step, math.ceil((end - first) / step), closed_until)

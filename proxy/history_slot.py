@@ -44,6 +44,9 @@ def bucket_value(i: int) -> float:
     return MIN_LATENCY_S if i == 0 else MIN_LATENCY_S * BUCKET_RATIO ** (i - 0.5)
 
 
+BUCKET_VALUES = tuple(float(f"{bucket_value(i):.4g}") for i in range(NUM_BUCKETS))  # 4 digits
+
+
 @dataclass(slots=True)
 class Slot:
     """What happened in one interval; slots merge into longer ones by adding up."""
@@ -63,10 +66,10 @@ class Slot:
 
     def merge(self, other: Slot) -> None:
         self.span_s += other.span_s
-        self.requests.update(other.requests)
-        self.errors.update(other.errors)
-        self.refused.update(other.refused)
-        self.routed.update(other.routed)
+        add_counts(self.requests, other.requests)
+        add_counts(self.errors, other.errors)
+        add_counts(self.refused, other.refused)
+        add_counts(self.routed, other.routed)
         _add_pairs(self.depth, other.depth)
         _add_pairs(self.gauges, other.gauges)
         _add_pairs(self.tokens, other.tokens)
@@ -75,8 +78,15 @@ class Slot:
             if mine is None:
                 self.latency[key] = Counter(hist)
             else:
-                mine.update(hist)
+                add_counts(mine, hist)
         self.prediction_error.update(other.prediction_error)
+
+
+def add_counts(into: dict[Any, int], other: Mapping[Any, int]) -> None:
+    """``Counter.update`` for a mapping, without its per-call checks (merges are hot)."""
+    get = into.get
+    for key, n in other.items():
+        into[key] = get(key, 0) + n
 
 
 def _add_pairs(into: dict[Any, list[float]], other: Mapping[Any, list[float]]) -> None:

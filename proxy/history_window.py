@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.history_slot import Slot, bucket_value
+from proxy.history_slot import BUCKET_VALUES, Slot, add_counts
 
 PERCENTILES = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
 GAUGES = ("outstanding", "running", "waiting")  # per worker, sampled each second
@@ -66,16 +66,21 @@ def point_of(start_s: float, slots: Iterable[Slot]) -> Point:
 
 
 def percentiles(hist: Mapping[int, int]) -> tuple[float, ...]:
-    """``PERCENTILES`` of a non-empty bucket histogram in one pass, seconds (4 digits)."""
+    """``PERCENTILES`` of a non-empty bucket histogram in one pass (nearest rank), seconds
+    to 4 digits."""
     total = sum(hist.values())
     ranks = [max(1, math.ceil(q * total)) for _, q in PERCENTILES]
     out: list[float] = []
-    seen = 0
+    k, rank, seen = 0, ranks[0], 0
     for i in sorted(hist):
         seen += hist[i]
-        while len(out) < len(ranks) and seen >= ranks[len(out)]:
-            out.append(float(f"{bucket_value(i):.4g}"))
-    return tuple(out)
+        while seen >= rank:
+            out.append(BUCKET_VALUES[i])
+            k += 1
+            if k == len(ranks):
+                return tuple(out)
+            rank = ranks[k]
+    raise AssertionError("unreachable: the last rank is the total")
 
 
 class Frame:
@@ -109,7 +114,7 @@ class Frame:
     def append(self, point: Point) -> None:
         before = self.points[:]
         self.points.append(point)
-        self.routed.update(point.routed)
+        add_counts(self.routed, point.routed)
         for name, table in self.series.items():
             for key, value in point.values.get(name, {}).items():
                 column = table.get(key)
@@ -126,25 +131,39 @@ class Frame:
              closed_until_s: float) -> tuple[list[Point], dict[str, Any], dict[str, Any]]:
         """The window's ``num`` points from ``first_s``, its series and its routing; the
         frame keeps the points that will not change (they end by ``closed_until_s``)."""
+        self.advance(ring, first_s, step_s, num, closed_until_s)
+        groups = _slots_by_point(ring, first_s, step_s, len(self.points))
+        tail = [point_of(first_s + i * step_s, groups.get(i, ()))
+                for i in range(len(self.points), num)]
+        return self.points + tail, _series(self, tail), _routing(self, tail)
+
+    def advance(self, ring: Sequence[Slot], first_s: float, step_s: float, num: int,
+                closed_until_s: float, max_points: int | None = None) -> bool:
+        """Slide to ``first_s`` and keep the points that finished since, at most
+        ``max_points`` of them; whether it has kept them all."""
         self.drop_before(first_s)
         if self.points and self.points[0].start_s != first_s:  # the clock went back
             self.__init__()  # type: ignore[misc]
         done = len(self.points)
-        next_s = first_s + done * step_s
-        groups: dict[int, list[Slot]] = {}
-        for slot in reversed(ring):  # newest first, down to what the frame has
-            if slot.start_s < next_s:
-                break
-            groups.setdefault(math.floor((slot.start_s - first_s) / step_s), []).append(slot)
-        tail: list[Point] = []
-        for i in range(done, num):
-            start = first_s + i * step_s
-            point = point_of(start, reversed(groups.get(i, [])))
-            if not tail and start + step_s <= closed_until_s:
-                self.append(point)
-            else:
-                tail.append(point)
-        return self.points + tail, _series(self, tail), _routing(self, tail)
+        finished = min(num, math.floor((closed_until_s - first_s) / step_s))
+        upto = finished if max_points is None else min(finished, done + max_points)
+        if upto > done:
+            groups = _slots_by_point(ring, first_s, step_s, done)
+            for i in range(done, upto):
+                self.append(point_of(first_s + i * step_s, groups.get(i, ())))
+        return upto >= finished
+
+
+def _slots_by_point(ring: Sequence[Slot], first_s: float, step_s: float, from_point: int
+                    ) -> dict[int, list[Slot]]:
+    """The ring's slots of the points from ``from_point`` on, by point, oldest first."""
+    since = first_s + from_point * step_s
+    groups: dict[int, list[Slot]] = {}
+    for slot in reversed(ring):  # newest first, down to what is asked
+        if slot.start_s < since:
+            break
+        groups.setdefault(math.floor((slot.start_s - first_s) / step_s), []).insert(0, slot)
+    return groups
 
 
 def _series(frame: Frame, tail: list[Point]) -> dict[str, Any]:
@@ -169,7 +188,7 @@ def _routing(frame: Frame, tail: list[Point]) -> dict[str, Any]:
     """The window's domain x worker counts, and the decision reasons of each cell."""
     total = Counter(frame.routed)
     for p in tail:
-        total.update(p.routed)
+        add_counts(total, p.routed)
     matrix: dict[str, dict[str, int]] = {}
     reasons: dict[str, dict[str, dict[str, int]]] = {}
     for (domain, worker, reason), n in total.items():

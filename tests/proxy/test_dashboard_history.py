@@ -211,4 +211,8 @@ def test_a_refreshed_window_equals_one_built_from_scratch():
             asked.window(300, step_s=2)
             asked.window(3600)
     assert asked.window(300, step_s=2) == fresh.window(300, step_s=2)
+    slices = 0
+    while not fresh.prepare(3600, max_points=10):  # a first build in slices
+        slices += 1
+    assert slices >= 17  # the hour's 180 points of 20 s (most of them empty), 10 a slice
     assert asked.window(3600) == fresh.window(3600)
