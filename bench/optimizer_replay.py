@@ -88,7 +88,7 @@ from optimizer.agents.bayes import BayesAgent  # noqa: E402
 from optimizer.agents.costagent import CostModelAgent  # noqa: E402
 from optimizer.agents.evolution import EvolutionAgent  # noqa: E402
 from optimizer.campaign import SearchConfig  # noqa: E402
-from optimizer.costmodel import CostModel, HardwareConstants, StepTimeModel, Workload  # noqa: E402
+from optimizer.costmodel import CostModel, ForwardTimeModel, HardwareConstants, Workload  # noqa: E402
 from optimizer.engine_proc import EngineProcess  # noqa: E402
 from optimizer.measure import EngineClient, Measurer, Tier  # noqa: E402
 from optimizer.pool import EnginePool  # noqa: E402
@@ -433,7 +433,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     values = {k: v["value"] for k, v in table.items()}
     best = max(values.values())
     hw = HardwareConstants.measure()
-    cost = CostModel(space, StepTimeModel.fit(space.shape, hw))
+    cost = CostModel(space, ForwardTimeModel.fit(space.shape, hw))
     work_b = Workload(1, prof_b, args.max_prompt_tokens, args.max_output_tokens)
     budget = max(1, len(values) // 4)
     out["search"] = {}

@@ -159,7 +159,7 @@ def test_one_trace_record_per_request(proxy: ProxyThread, tmp_path) -> None:  # 
     expected = {"ts", "request_id", "model", "endpoint", "stream", "domain", "prompt_tokens",
                 "max_tokens", "completion_tokens", "worker", "spec_depth", "spec_draft_tokens",
                 "spec_accepted_tokens", "ttft_s", "tpot_s", "e2e_s", "queue_s", "status", "error",
-                "prefix_hashes", "prefix_block_tokens"}
+                "prefix_hashes", "prefix_block_tokens", "num_attempts"}
     assert all(set(r) == expected for r in records)
     assert "secret" not in (tmp_path / "traces").joinpath(
         next((tmp_path / "traces").glob("*.jsonl")).name).read_text()
