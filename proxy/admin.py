@@ -57,7 +57,11 @@ def _check_reach(request: web.Request, url: str, launch: LaunchSpec | None,
     proxy_config = request.app[keys.CONFIG]
     admin = proxy_config.admin
     if url:
-        host = (urlsplit(url).hostname or "").lower()
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise InvalidRequest(f"url: expected http(s)://host[:port], got {url[:80]!r}",
+                                 param="url")
+        host = parts.hostname.lower()
         if host not in proxy_config.admin_worker_hosts():
             raise Forbidden(f"worker host {host!r} is not in admin.worker_hosts", param="url")
     if launch is not None:
