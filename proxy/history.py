@@ -70,17 +70,18 @@ class History:
     def record(self, rec: RequestRecord) -> None:
         slot = self._open
         if not rec.worker:
-            slot.refused[str(rec.http_status)] += 1
+            status = str(rec.http_status)
+            slot.refused[status] = slot.refused.get(status, 0) + 1
             return
         worker, domain = rec.worker, rec.domain or "none"
-        slot.requests[worker] += 1
+        slot.requests[worker] = slot.requests.get(worker, 0) + 1
         if rec.status == STATUS_ERROR:
-            slot.errors[worker] += 1
-        slot.routed[(domain, worker, rec.reason)] += 1
+            slot.errors[worker] = slot.errors.get(worker, 0) + 1
+        key = (domain, worker, rec.reason)
+        slot.routed[key] = slot.routed.get(key, 0) + 1
         if rec.spec_depth is not None:
-            depth = slot.depth.setdefault(domain, [0.0, 0.0])
-            depth[0] += rec.spec_depth
-            depth[1] += 1
+            slot.depth_sum[domain] = slot.depth_sum.get(domain, 0) + rec.spec_depth
+            slot.depth_num[domain] = slot.depth_num.get(domain, 0) + 1
         if rec.status == STATUS_OK:
             latency = slot.latency
             if rec.ttft_s is not None:
@@ -103,26 +104,28 @@ class History:
         now = self.clock()
         slot, self._open = self._open, Slot(now)
         slot.span_s = max(now - slot.start_s, 0.0)
-        slot.gauges = {key: [float(v), 1.0] for key, v in sample.gauges.items()}
-        slot.tokens = self._token_deltas(sample.spec_tokens)
+        slot.gauge_sum = {key: float(v) for key, v in sample.gauges.items()}
+        slot.gauge_num = dict.fromkeys(sample.gauges, 1)
+        slot.drafted, slot.accepted = self._token_deltas(sample.spec_tokens)
         slot.prediction_error = dict(sample.prediction_error)
         self.fine.append(slot)
         self._fold(slot)
         self.num_ticks += 1
 
     def _token_deltas(self, cumulative: Mapping[tuple[str, str], Sequence[int]]
-                      ) -> dict[str, list[float]]:
+                      ) -> tuple[dict[str, float], dict[str, float]]:
         """Drafted and accepted tokens per domain since the last tick (the counters only grow;
         the first sight of a pair counts from zero)."""
-        out: dict[str, list[float]] = {}
-        for key, (drafted, accepted) in cumulative.items():
+        drafted: dict[str, float] = {}
+        accepted: dict[str, float] = {}
+        for key, (num_drafted, num_accepted) in cumulative.items():
             was_drafted, was_accepted = self._last_tokens.get(key, (0, 0))
-            if drafted > was_drafted:
-                pair = out.setdefault(key[1], [0.0, 0.0])
-                pair[0] += drafted - was_drafted
-                pair[1] += accepted - was_accepted
-            self._last_tokens[key] = (drafted, accepted)
-        return out
+            if num_drafted > was_drafted:
+                domain = key[1]
+                drafted[domain] = drafted.get(domain, 0) + num_drafted - was_drafted
+                accepted[domain] = accepted.get(domain, 0) + num_accepted - was_accepted
+            self._last_tokens[key] = (num_drafted, num_accepted)
+        return drafted, accepted
 
     def _fold(self, slot: Slot) -> None:
         start = math.floor(slot.start_s / COARSE_S) * COARSE_S

@@ -9,7 +9,6 @@ which samples are not.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,14 +28,15 @@ def bucket_of(value_s: float) -> int:
     return i if i < NUM_BUCKETS else NUM_BUCKETS - 1
 
 
-def count_latency(latency: dict[tuple[str, str, str], Counter[int]], by_worker: tuple[str, str, str],
-           by_domain: tuple[str, str, str], bucket: int) -> None:
+def count_latency(latency: dict[tuple[str, str, str], dict[int, int]],
+                  by_worker: tuple[str, str, str], by_domain: tuple[str, str, str],
+                  bucket: int) -> None:
     for key in (by_worker, by_domain):
         hist = latency.get(key)
         if hist is None:
-            latency[key] = Counter({bucket: 1})
+            latency[key] = {bucket: 1}
         else:
-            hist[bucket] += 1
+            hist[bucket] = hist.get(bucket, 0) + 1
 
 
 def bucket_value(i: int) -> float:
@@ -49,48 +49,48 @@ BUCKET_VALUES = tuple(float(f"{bucket_value(i):.4g}") for i in range(NUM_BUCKETS
 
 @dataclass(slots=True)
 class Slot:
-    """What happened in one interval; slots merge into longer ones by adding up."""
+    """What happened in one interval; slots merge into longer ones by adding up.
+
+    NOTE: every table is a plain dict of numbers (no lists, no Counters), so that once a
+    slot is closed the garbage collector stops tracking its tables: a full hour of slots
+    must not make each of the proxy's full collections longer.
+    """
 
     start_s: float  # unix seconds
     span_s: float = 0.0  # seconds covered (a merged slot: the sum of its parts)
-    requests: Counter[str] = field(default_factory=Counter)  # worker -> finished
-    errors: Counter[str] = field(default_factory=Counter)  # worker -> status "error"
-    refused: Counter[str] = field(default_factory=Counter)  # HTTP status -> no worker tried
-    routed: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # (domain, worker, reason)
-    depth: dict[str, list[float]] = field(default_factory=dict)  # domain -> [sum of k, requests]
+    requests: dict[str, int] = field(default_factory=dict)  # worker -> finished
+    errors: dict[str, int] = field(default_factory=dict)  # worker -> status "error"
+    refused: dict[str, int] = field(default_factory=dict)  # HTTP status -> no worker tried
+    routed: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (domain, worker, reason)
+    depth_sum: dict[str, float] = field(default_factory=dict)  # domain -> speculative depths sent
+    depth_num: dict[str, int] = field(default_factory=dict)  # domain -> requests with a depth
     # (metric, "worker" | "domain", name) -> bucket -> requests
-    latency: dict[tuple[str, str, str], Counter[int]] = field(default_factory=dict)
-    gauges: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (gauge, worker) -> [sum, n]
-    tokens: dict[str, list[float]] = field(default_factory=dict)  # domain -> [drafted, accepted]
+    latency: dict[tuple[str, str, str], dict[int, int]] = field(default_factory=dict)
+    gauge_sum: dict[tuple[str, str], float] = field(default_factory=dict)  # (gauge, worker)
+    gauge_num: dict[tuple[str, str], int] = field(default_factory=dict)  # samples of it
+    drafted: dict[str, float] = field(default_factory=dict)  # domain -> tokens
+    accepted: dict[str, float] = field(default_factory=dict)
     prediction_error: dict[str, float] = field(default_factory=dict)  # latency -> at the end
 
     def merge(self, other: Slot) -> None:
         self.span_s += other.span_s
-        add_counts(self.requests, other.requests)
-        add_counts(self.errors, other.errors)
-        add_counts(self.refused, other.refused)
-        add_counts(self.routed, other.routed)
-        _add_pairs(self.depth, other.depth)
-        _add_pairs(self.gauges, other.gauges)
-        _add_pairs(self.tokens, other.tokens)
+        for mine, theirs in ((self.requests, other.requests), (self.errors, other.errors),
+                             (self.refused, other.refused), (self.routed, other.routed),
+                             (self.depth_sum, other.depth_sum), (self.depth_num, other.depth_num),
+                             (self.gauge_sum, other.gauge_sum), (self.gauge_num, other.gauge_num),
+                             (self.drafted, other.drafted), (self.accepted, other.accepted)):
+            add_counts(mine, theirs)  # type: ignore[arg-type]
         for key, hist in other.latency.items():
-            mine = self.latency.get(key)
-            if mine is None:
-                self.latency[key] = Counter(hist)
+            known = self.latency.get(key)
+            if known is None:
+                self.latency[key] = dict(hist)
             else:
-                add_counts(mine, hist)
+                add_counts(known, hist)
         self.prediction_error.update(other.prediction_error)
 
 
-def add_counts(into: dict[Any, int], other: Mapping[Any, int]) -> None:
-    """``Counter.update`` for a mapping, without its per-call checks (merges are hot)."""
+def add_counts(into: dict[Any, Any], other: Mapping[Any, Any]) -> None:
+    """``Counter.update`` for plain dicts of numbers."""
     get = into.get
     for key, n in other.items():
         into[key] = get(key, 0) + n
-
-
-def _add_pairs(into: dict[Any, list[float]], other: Mapping[Any, list[float]]) -> None:
-    for key, (a, b) in other.items():
-        pair = into.setdefault(key, [0.0, 0.0])
-        pair[0] += a
-        pair[1] += b

@@ -11,7 +11,6 @@ few points times the number of series keys, not the window.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ class Point:
     start_s: float
     covered: bool  # its slots cover some time: a count it lacks is 0, not unknown
     values: dict[str, dict[Any, float]]  # series -> key -> value
-    routed: Counter[tuple[str, str, str]]  # (domain, worker, reason) -> requests
+    routed: dict[tuple[str, str, str], int]  # (domain, worker, reason) -> requests
 
     def missing(self, series: str) -> float | None:
         """What a key this point lacks stands for in ``series``."""
@@ -46,19 +45,21 @@ def point_of(start_s: float, slots: Iterable[Slot]) -> Point:
     span = merged.span_s
     if not span:
         return Point(start_s, False, {}, merged.routed)
-    workers = {w: 0.0 for _, w in merged.gauges}  # NOTE: a worker with no requests is at 0
+    workers = {w: 0.0 for _, w in merged.gauge_num}  # NOTE: a worker with no requests is at 0
     values: dict[str, dict[Any, float]] = {
         "requests_per_s": {**workers, **{w: round(n / span, 4) for w, n in merged.requests.items()}},
         "errors_per_s": {**workers, **{w: round(n / span, 4) for w, n in merged.errors.items()}},
         "refused_per_s": {s: round(n / span, 4) for s, n in merged.refused.items()},
-        "spec_depth": {d: round(a / n, 3) for d, (a, n) in merged.depth.items() if n},
-        "acceptance": {d: round(b / a, 4) for d, (a, b) in merged.tokens.items() if a},
+        "spec_depth": {d: round(merged.depth_sum[d] / n, 3) for d, n in merged.depth_num.items()
+                       if n},
+        "acceptance": {d: round(merged.accepted.get(d, 0) / n, 4)
+                       for d, n in merged.drafted.items() if n},
         "prediction_error": dict(merged.prediction_error),
         "ttft_s": {}, "tpot_s": {}, **{g: {} for g in GAUGES},
     }
-    for (gauge, worker), (total, n) in merged.gauges.items():
+    for (gauge, worker), n in merged.gauge_num.items():
         if n:
-            values[gauge][worker] = round(total / n, 3)
+            values[gauge][worker] = round(merged.gauge_sum[(gauge, worker)] / n, 3)
     for (metric, kind, name), hist in merged.latency.items():
         for (pname, _), value in zip(PERCENTILES, percentiles(hist), strict=True):
             values[metric + "_s"][(kind, name, pname)] = value
@@ -89,7 +90,7 @@ class Frame:
     def __init__(self) -> None:
         self.points: list[Point] = []
         self.series: dict[str, dict[Any, list[float | None]]] = {s: {} for s in SERIES}
-        self.routed: Counter[tuple[str, str, str]] = Counter()
+        self.routed: dict[tuple[str, str, str], int] = {}
         self._last_seen: dict[tuple[str, Any], float] = {}  # (series, key) -> point start
 
     def drop_before(self, first_s: float) -> None:
@@ -186,7 +187,7 @@ def _series(frame: Frame, tail: list[Point]) -> dict[str, Any]:
 
 def _routing(frame: Frame, tail: list[Point]) -> dict[str, Any]:
     """The window's domain x worker counts, and the decision reasons of each cell."""
-    total = Counter(frame.routed)
+    total = dict(frame.routed)
     for p in tail:
         add_counts(total, p.routed)
     matrix: dict[str, dict[str, int]] = {}
