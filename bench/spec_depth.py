@@ -93,18 +93,15 @@ ADAPTIVE = "adaptive"
 # The policy without the engine's per-step feed: its step time fitted from per-request
 # client averages only; --client-fit adds it.
 ADAPTIVE_CLIENT = "adapt-cli"
-# The policy with a step-time term per power-of-two bucket of a step's rows beside its line
-# (PolicyConfig.price_row_buckets: a GPU's graph buckets); --row-buckets adds it.
-ADAPTIVE_ROWS = "ad-rows"
 # The policy without its measured cost-per-token calibration
 # (PolicyConfig.calibrate_token_cost=False); --calibration-ab adds it.
 ADAPTIVE_NOCAL = "ad-nocal"
 # The policy choosing each request's k for its own domain's E[tokens per step] under load,
 # not the worker's domain mix (PolicyConfig.share_depth_under_load=False); --share-ab adds it.
 ADAPTIVE_OWN = "ad-own"
-ADAPTIVE_MODES = (ADAPTIVE, ADAPTIVE_CLIENT, ADAPTIVE_ROWS, ADAPTIVE_NOCAL, ADAPTIVE_OWN)
+ADAPTIVE_MODES = (ADAPTIVE, ADAPTIVE_CLIENT, ADAPTIVE_NOCAL, ADAPTIVE_OWN)
 # policies that learn from the engine's step feed
-FED_MODES = (ADAPTIVE, ADAPTIVE_ROWS, ADAPTIVE_NOCAL, ADAPTIVE_OWN)
+FED_MODES = (ADAPTIVE, ADAPTIVE_NOCAL, ADAPTIVE_OWN)
 SCRAPE_INTERVAL_S = 1.0  # as the proxy's health.metrics_interval_s default
 # NOTE: "repetitive" is fixed before measuring, by a rule, not picked from this run's
 # results: the top half of the domains by n-gram acceptance measured in the first runs
@@ -399,12 +396,10 @@ def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -
     depths = sorted({0, *args.depths})
     priors = NGRAM_DOMAIN_PRIORS if method == "ngram" else ()
     adaptive = [ADAPTIVE, *([ADAPTIVE_CLIENT] if args.client_fit else []),
-                *([ADAPTIVE_ROWS] if args.row_buckets else []),
                 *([ADAPTIVE_NOCAL] if args.calibration_ab else []),
                 *([ADAPTIVE_OWN] if args.share_ab else [])]
     policies: dict[str, object] = {
         m: DepthPolicy(PolicyConfig(max_depth=max(depths), domain_priors=priors,
-                                    price_row_buckets=m == ADAPTIVE_ROWS,
                                     calibrate_token_cost=m != ADAPTIVE_NOCAL,
                                     share_depth_under_load=m != ADAPTIVE_OWN))
         for m in adaptive}
@@ -534,12 +529,9 @@ def _print_domain_table(method: str, outcomes: list[Outcome], modes: list[int | 
     print(f"  {'domain':>14} {'k=0 tok/s':>9} " + " ".join(f"{lb:>6}" for lb in labels)
           + f" {'best k':>6} {'ad/best':>7} {'held-out':>8}  adaptive depths (in request order)")
     chosen: dict[str, list[int]] = defaultdict(list)
-    chosen_rows: dict[str, list[int]] = defaultdict(list)
     for o in outcomes:
         if o.mode == ADAPTIVE:
             chosen[o.domain].append(o.depth)
-        elif o.mode == ADAPTIVE_ROWS:
-            chosen_rows[o.domain].append(o.depth)
     for name, members in [*((d, [d]) for d in domains), *groups.items()]:
         def rate(mode: int | str, members: list[str] = members) -> float:
             t = sum(seconds[(d, mode)] for d in members)
@@ -552,9 +544,6 @@ def _print_domain_table(method: str, outcomes: list[Outcome], modes: list[int | 
         mark = "*" if name in REPETITIVE_DOMAINS else " "
         cells = " ".join(f"{rate(m) / base:6.2f}" for m in modes if m != 0)
         depths = " ".join(str(k) for k in chosen.get(name, []))
-        if ADAPTIVE_ROWS in modes:
-            depths += (f" | {ADAPTIVE_ROWS} / best {rate(ADAPTIVE_ROWS) / fixed[best_k]:.3f}: "
-                       + " ".join(str(k) for k in chosen_rows.get(name, [])))
         held = held_out_ratio([o for o in outcomes if o.domain in members], basis)
         print(f"  {name + mark:>14} {base:9.1f} {cells} {best_k:>6} "
               f"{rate(ADAPTIVE) / fixed[best_k]:7.3f} "
@@ -727,9 +716,6 @@ def print_acceptance(method: str, bench: Bench, policy: object) -> None:
               f"({model.num_fed_steps} engine steps, {model.num_samples} client samples); "
               f"clients wait {model.overhead(1) * 1e3:.2f} / {model.overhead(4) * 1e3:.2f} / "
               f"{model.overhead(16) * 1e3:.2f} ms more per step at batch 1 / 4 / 16")
-        if model.price_rows:
-            terms = " ".join(f"{1 << r}:{t * 1e3:+.3f}" for r, t in sorted(model.row_terms.items()))
-            print(f"    row-bucket terms ms (bucket up to n rows: ms): {terms}")
         for b in (1, 4, 16):
             cells = " ".join(f"k={k}:{model.predict(b, k) / model.predict(b, 0):.2f}"
                              for k in (1, 2, 4, 8, 16) if k <= bench.max_depth)
@@ -1136,9 +1122,6 @@ def main() -> int:
     parser.add_argument("--share-ab", action="store_true",
                         help=f"also run the policy choosing k for each request's own domain "
                              f"under load ({ADAPTIVE_OWN}; PolicyConfig.share_depth_under_load)")
-    parser.add_argument("--row-buckets", action="store_true",
-                        help=f"also run the policy with a step-time term per row bucket "
-                             f"({ADAPTIVE_ROWS}; PolicyConfig.price_row_buckets)")
     parser.add_argument("--micro", action="store_true", help="micro-costs only, no engine")
     parser.add_argument("--ngram-caps", choices=("auto", "cpu", "none"), default="auto",
                         help="the engine's ngram_caps (auto: none under cuda_graph, else cpu)")

@@ -26,7 +26,7 @@ All methods are synchronous and cheap (a decision is a loop over k <= 16).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdec.errors import ProposerConfigError
@@ -68,11 +68,6 @@ class PolicyConfig:
     step_decay: float = 0.99  # weight kept by older samples at each new one
     # Weight kept by older engine-reported decode steps at each new step (specdec.step_feed).
     step_feed_decay: float = 0.999
-    # Price each power-of-two bucket of a step's rows by what the fitted line misses there
-    # (StepTimeModel.row_residual): on a GPU with graphs a step's cost is a step function
-    # of its rows, which the line cannot follow. Off keeps the pure line (the CPU's fit).
-    price_row_buckets: bool = False
-    row_prior_steps: float = 1.0  # ridge on a bucket's term, in steps of that bucket
     # Scale each depth's predicted cost per token by what finished requests measured
     # (StepTimeModel.calibration). Off keeps the model's prediction alone.
     calibrate_token_cost: bool = True
@@ -104,7 +99,6 @@ class PolicyConfig:
             (self.step_prior_weight > 0, "step_prior_weight", "> 0"),
             (0.0 < self.step_decay <= 1.0, "step_decay", "in (0, 1]"),
             (0.0 < self.step_feed_decay <= 1.0, "step_feed_decay", "in (0, 1]"),
-            (self.row_prior_steps > 0, "row_prior_steps", "> 0"),
             (self.probe_depth0_every >= 0, "probe_depth0_every", ">= 0"),
             (self.probe_depth0_refresh >= 0, "probe_depth0_refresh", ">= 0"),
             (self.probe_speculation_every >= 0, "probe_speculation_every", ">= 0"),
@@ -398,8 +392,7 @@ class DepthPolicy:
         if model is None:
             c = self.config
             model = StepTimeModel.from_prior(c.step_prior_s, c.step_prior_weight, c.step_decay,
-                                             c.step_feed_decay, c.price_row_buckets,
-                                             c.row_prior_steps)
+                                             c.step_feed_decay)
             self._step_time[worker] = model
         return model
 
@@ -537,10 +530,9 @@ class DepthPolicy:
         self.step_time(worker).observe(batch, k, step_s, drafted)
 
     def observe_step_sums(self, worker: str, xtx: Sequence[Sequence[float]],
-                          xty: Sequence[float], num_steps: int, num_prefill: float = 0.0,
-                          row_sums: Mapping[int, Sequence[float]] | None = None) -> None:
+                          xty: Sequence[float], num_steps: int, num_prefill: float = 0.0) -> None:
         """The worker's own decode steps since the last report (:mod:`specdec.step_feed`)."""
-        self.step_time(worker).observe_sums(xtx, xty, num_steps, num_prefill, row_sums)
+        self.step_time(worker).observe_sums(xtx, xty, num_steps, num_prefill)
 
     def observe_request(self, worker: str, domain: str, batch: int, depth: int, num_draft: int,
                         num_accepted: int, num_output_tokens: int, decode_s: float) -> None:

@@ -22,10 +22,7 @@ draft rows cost little against the step. Features are the policy's
 verified, the longest proposal, any proposal, prompt tokens, sequences verifying a
 proposal]``; each step is weighted by ``1 / seconds^2``, as the
 policy's own samples (relative error). The sums are exact: the policy fits the
-same coefficients as if it had seen every step, at 37 numbers per scrape, plus 10
-per power-of-two bucket of the step's rows seen so far (:func:`row_bucket`): what
-the line misses per bucket, which a GPU's graph buckets make a step function of
-the rows (the policy uses it with ``PolicyConfig.price_row_buckets``).
+same coefficients as if it had seen every step, at 37 numbers per scrape.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 
 from specdec.policy import DepthPolicy
-from specdec.step_model import NUM_FEATURES, NUM_ROW_BUCKETS, row_bucket, step_features
+from specdec.step_model import NUM_FEATURES, step_features
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +60,6 @@ class DecodeStep:
             return self.num_verifying
         return self.num_seqs if self.max_drafted > 0 else 0
 
-    @property
-    def num_rows(self) -> int:
-        """Tokens the forward ran: one per decoding sequence, its drafts, prompt tokens."""
-        return self.num_seqs + self.num_drafted + self.num_prefill
-
-
-ROW_STATS = 3 + NUM_FEATURES  # per row bucket: steps, sum w, sum w x (features), sum w y
-
 
 def _terms() -> list[tuple[str, int, int]]:
     """(label, i, j): the upper triangle of X^T X (j >= 0) then X^T y (j = -1)."""
@@ -83,15 +72,11 @@ TERMS = _terms()
 
 @dataclass
 class StepSums:
-    """Weighted least-squares sums over decode steps: X^T W X (upper triangle), X^T W y, count;
-    and per row bucket (:func:`row_bucket`) ``[steps, sum w, sum w x, sum w y]``, from which
-    the policy prices what a line in the features misses in each bucket (graph buckets on a
-    GPU: :meth:`specdec.step_model.StepTimeModel.row_residual`)."""
+    """Weighted least-squares sums over decode steps: X^T W X (upper triangle), X^T W y, count."""
 
     values: list[float] = field(default_factory=lambda: [0.0] * len(TERMS))
     num_steps: float = 0.0
     num_prefill: float = 0.0  # prompt tokens in those steps, unweighted
-    rows: dict[int, list[float]] = field(default_factory=dict)  # bucket -> ROW_STATS values
 
     def add(self, step: DecodeStep) -> None:
         if not (step.seconds > 0.0 and math.isfinite(step.seconds)) or step.num_seqs <= 0:
@@ -104,20 +89,10 @@ class StepSums:
             v[n] += w * x[i] * (x[j] if j >= 0 else step.seconds)
         self.num_steps += 1
         self.num_prefill += step.num_prefill
-        r = self.rows.setdefault(row_bucket(step.num_rows), [0.0] * ROW_STATS)
-        r[0] += 1.0
-        r[1] += w
-        for i, xi in enumerate(x):
-            r[2 + i] += w * xi
-        r[-1] += w * step.seconds
 
     def minus(self, older: StepSums) -> StepSums:
-        zero = [0.0] * ROW_STATS
-        rows = {b: [a - c for a, c in zip(v, older.rows.get(b, zero), strict=True)]
-                for b, v in self.rows.items()}
         return StepSums([a - b for a, b in zip(self.values, older.values, strict=True)],
-                        self.num_steps - older.num_steps, self.num_prefill - older.num_prefill,
-                        rows)
+                        self.num_steps - older.num_steps, self.num_prefill - older.num_prefill)
 
     def matrices(self) -> tuple[list[list[float]], list[float]]:
         """(X^T W X as a full symmetric [F][F], X^T W y [F]), F features."""
@@ -131,12 +106,9 @@ class StepSums:
         return xtx, xty
 
     def samples(self) -> list[tuple[str, float]]:
-        """(term label, value) for the exporter, the step count first; row buckets seen so
-        far as ``row{bucket}_{stat}``."""
+        """(term label, value) for the exporter, the step count first."""
         return [(STEPS_TERM, self.num_steps), (PREFILL_TERM, self.num_prefill),
-                *((label, v) for (label, _, _), v in zip(TERMS, self.values, strict=True)),
-                *((f"row{b}_{j}", v) for b, stats in sorted(self.rows.items())
-                  for j, v in enumerate(stats))]
+                *((label, v) for (label, _, _), v in zip(TERMS, self.values, strict=True))]
 
 
 def parse_step_sums(text: str) -> StepSums | None:
@@ -160,19 +132,7 @@ def parse_step_sums(text: str) -> StepSums | None:
             sums.num_prefill += value
         elif term in index:
             sums.values[index[term]] += value
-        elif term is not None and term.startswith("row"):
-            _add_row_term(sums, term, value)
     return sums if found else None
-
-
-def _add_row_term(sums: StepSums, term: str, value: float) -> None:
-    """``row{bucket}_{stat}`` into ``sums.rows``; a malformed label is skipped."""
-    bucket, _, stat = term[3:].partition("_")
-    if not (bucket.isdigit() and stat.isdigit()):
-        return
-    b, j = int(bucket), int(stat)
-    if b < NUM_ROW_BUCKETS and j < ROW_STATS and math.isfinite(value):
-        sums.rows.setdefault(b, [0.0] * ROW_STATS)[j] += value
 
 
 def _label(labels: str, name: str) -> str | None:
@@ -207,7 +167,7 @@ class StepFeed:
             return 0
         xtx, xty = window.matrices()
         self.policy.observe_step_sums(worker, xtx, xty, int(window.num_steps),
-                                      window.num_prefill, window.rows)
+                                      window.num_prefill)
         return int(window.num_steps)
 
     def forget(self, worker: str) -> None:

@@ -7,10 +7,7 @@ samples (the engine's own steps, :mod:`specdec.step_feed`, or else per-request a
 anchored by a prior expressed as pseudo-samples. ``k > 0`` is the fixed cost of a
 verifying step: on the CPU a 2-token step costs ~1.35x a 1-token one while each further
 token adds only a few percent (``bench/specdec.py --step-costs``), a step a line in k
-cannot fit; ``batch*(k > 0)`` the host work each speculating sequence costs a step. With
-``price_rows`` (a GPU with captured graphs, whose step cost is flat within a bucket of rows
-and not linear across them) the same fit adds one term per power-of-two bucket of the
-step's rows (:meth:`StepTimeModel.row_residual`).
+cannot fit; ``batch*(k > 0)`` the host work each speculating sequence costs a step.
 
 :func:`token_cost` turns a step into seconds per emitted token, and
 :meth:`StepTimeModel.calibration` corrects it per batch bucket and depth by what finished
@@ -21,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,14 +67,6 @@ def longest_proposal(batch: float, k: float, drafted: float) -> float:
     k=3-4 where 16 measured 2-10% faster.
     """
     return min(k, max(batch, 1.0) * drafted)
-
-
-NUM_ROW_BUCKETS = 12  # rows 1, 2, 3-4, 5-8, ..., 1025-2048, and above (the last)
-
-
-def row_bucket(num_rows: float) -> int:
-    """Power-of-two bucket of a step's rows: 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ..."""
-    return min(max(math.ceil(math.log2(max(num_rows, 1.0))), 0), NUM_ROW_BUCKETS - 1)
 
 
 RESIDUAL_WINDOW = 50.0  # client samples a residual mean averages over (then a moving mean)
@@ -158,12 +147,6 @@ class StepTimeModel:
     # per batch bucket (a power of two): [mean seconds a client waits per step beyond the
     # fitted step, samples] (see the class NOTE)
     residuals: dict[int, list[float]] = field(default_factory=dict)
-    # per row bucket (row_bucket): engine steps' [n, sum w, sum w x, sum w y], decayed like
-    # the sums; fitted as one term per bucket only with price_rows (see row_residual)
-    price_rows: bool = False
-    row_prior_steps: float = 1.0
-    row_sums: dict[int, np.ndarray] = field(default_factory=dict)
-    row_terms: dict[int, float] = field(default_factory=dict)  # fitted seconds per row bucket
     # per (batch bucket, depth): moving means, weighted by decoded tokens, of [client's
     # seconds per token, batch, 1 / tokens per step, draft tokens per step], then requests
     # and their weight (see observe_token_cost, calibration)
@@ -184,16 +167,13 @@ class StepTimeModel:
 
     @classmethod
     def from_prior(cls, coefficients: tuple[float, ...], weight: float,
-                   decay: float = 1.0, feed_decay: float = 1.0, price_rows: bool = False,
-                   row_prior_steps: float = 1.0) -> StepTimeModel:
+                   decay: float = 1.0, feed_decay: float = 1.0) -> StepTimeModel:
         grid = [_features(b, k, None, p) for b in _PRIOR_BATCHES for k in _PRIOR_DEPTHS
                 for p in _PRIOR_PREFILL]
         x = np.array(grid)  # [G, 6]
         y = x @ np.array(_full_coefficients(coefficients))  # [G]
         w = weight / len(grid) / y**2  # [G] relative-error weights
-        return cls((x * w[:, None]).T @ x, (x * w[:, None]).T @ y, decay,
-                   feed_decay=feed_decay, price_rows=price_rows,
-                   row_prior_steps=row_prior_steps)
+        return cls((x * w[:, None]).T @ x, (x * w[:, None]).T @ y, decay, feed_decay=feed_decay)
 
     @classmethod
     def from_coefficients(cls, coefficients: tuple[float, ...]) -> StepTimeModel:
@@ -217,11 +197,10 @@ class StepTimeModel:
         self._solve()
 
     def observe_sums(self, xtx: Sequence[Sequence[float]], xty: Sequence[float],
-                     num_steps: int, num_prefill: float = 0.0,
-                     row_sums: Mapping[int, Sequence[float]] | None = None) -> None:
-        """Engine-reported decode steps: their weighted sums X^T W X [F, F], X^T W y [F], the
-        prompt tokens of prefill chunks that shared those steps (unweighted), and per row
-        bucket ``[steps, sum w, sum w x (F), sum w y]`` (:mod:`specdec.step_feed`)."""
+                     num_steps: int, num_prefill: float = 0.0) -> None:
+        """Engine-reported decode steps: their weighted sums X^T W X [F, F], X^T W y [F] and
+        the prompt tokens of prefill chunks that shared those steps (unweighted)
+        (:mod:`specdec.step_feed`)."""
         a, b = np.asarray(xtx, dtype=float), np.asarray(xty, dtype=float)
         if num_steps <= 0 or a.shape != (NUM_FEATURES, NUM_FEATURES) \
                 or b.shape != (NUM_FEATURES,) or not (np.isfinite(a).all() and np.isfinite(b).all()):
@@ -234,17 +213,7 @@ class StepTimeModel:
         self.prefill_tokens = keep * self.prefill_tokens + max(num_prefill, 0.0)
         self.prefill_steps = keep * self.prefill_steps + num_steps
         self.num_fed_steps += num_steps
-        self._observe_rows(keep, row_sums or {})
         self._solve()
-
-    def _observe_rows(self, keep: float, row_sums: Mapping[int, Sequence[float]]) -> None:
-        for bucket in self.row_sums:
-            self.row_sums[bucket] = keep * self.row_sums[bucket]
-        for bucket, stats in row_sums.items():
-            v = np.asarray(stats, dtype=float)
-            if v.shape != (NUM_FEATURES + 3,) or not np.isfinite(v).all() or v[0] <= 0:
-                continue
-            self.row_sums[bucket] = self.row_sums.get(bucket, 0.0) + v
 
     def _solve(self) -> None:
         """Least squares with every coefficient >= 0 (a small active-set loop).
@@ -253,41 +222,21 @@ class StepTimeModel:
         per-request averages from a shared machine can fit a negative one, which
         would make deeper k look cheaper than shallower k and the argmax meaningless.
         A feature whose coefficient comes out negative is dropped and the rest refit.
-        With ``price_rows`` the row-bucket terms join the same fit (:meth:`_normal_equations`);
-        they may be negative (a bucket cheaper than the line there) and are never dropped.
         """
-        a, b, buckets = self._normal_equations()
+        a = self.prior_xtx + self.xtx
+        b = self.prior_xty + self.xty
         coef = np.zeros(len(b))
         active = list(range(len(b)))
         while active:
             sub = np.linalg.solve(a[np.ix_(active, active)], b[active])
-            base = [n for n, i in enumerate(active) if i < NUM_FEATURES]
-            if not base or sub[base].min() >= 0.0:
+            if sub.min() >= 0.0:
                 coef[active] = sub
                 break
-            active.pop(base[int(np.argmin(sub[base]))])
+            active.pop(int(np.argmin(sub)))
         coef[0] = max(coef[0], 1e-6)  # t must stay positive
         self._calibrated.clear()
-        self.coef = coef[:NUM_FEATURES]
+        self.coef = coef
         self._w = tuple(float(c) for c in self.coef)
-        self.row_terms = {r: float(c) for r, c in zip(buckets, coef[NUM_FEATURES:], strict=True)}
-
-    def _normal_equations(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """X^T W X and X^T W y over the features, plus (with ``price_rows``) one indicator per
-        row bucket the engine reported: its cross terms are the bucket's ``sum w x``, its
-        diagonal ``sum w`` plus a ridge of ``row_prior_steps`` of the bucket's mean step
-        weight, which pulls a bucket seen in few steps towards the line."""
-        a = self.prior_xtx + self.xtx
-        b = self.prior_xty + self.xty
-        buckets = sorted(r for r, v in self.row_sums.items() if v[0] > 0 and v[1] > 0) \
-            if self.price_rows else []
-        if not buckets:
-            return a, b, []
-        stats = np.array([self.row_sums[r] for r in buckets])  # [R, 3 + features]
-        n, sw, swx, swy = stats[:, 0], stats[:, 1], stats[:, 2:-1], stats[:, -1]
-        ridge = self.row_prior_steps * sw / n
-        full = np.block([[a, swx.T], [swx, np.diag(sw + ridge)]])
-        return full, np.concatenate([b, swy]), buckets
 
     def prefill_part(self, batch: float) -> float:
         """Seconds of a depth-0 step of ``batch`` sequences that its prompt tokens take (the
@@ -300,20 +249,6 @@ class StepTimeModel:
         the step (:meth:`predict`, or :meth:`engine_step` without ``overhead``)."""
         step = self.predict(batch, 0) if overhead else self.engine_step(batch, 0)
         return min(self.prefill_part(batch), 0.99 * step)
-
-    def row_residual(self, num_rows: float) -> float:
-        """Seconds a step of ``num_rows`` rows costs beyond the fitted line (0 without
-        ``price_rows`` or before the engine reported a step in its row bucket).
-
-        NOTE: on a GPU a step replays the captured graph of the smallest fitting bucket,
-        whose time is flat within a bucket and not linear across them (H200, float32, tiny
-        model: 1 row 0.32 ms, 2-4 rows 0.41, 16 rows 0.69, 32 rows 0.52), so one line through
-        batch and draft tokens priced a batch-1 step at k=16 ~0.35 ms above k=4 where the
-        runner measured 0.04 ms. A term per power-of-two bucket of rows (one per decoding
-        sequence, its drafts, prompt tokens in the step), fitted with the line, follows it."""
-        if not self.price_rows:
-            return 0.0
-        return self.row_terms.get(row_bucket(num_rows), 0.0)
 
     def _observe_residual(self, batch: int, residual_s: float) -> None:
         mean, n = self.residuals.setdefault(batch_bucket(batch), [0.0, 0.0])
@@ -462,5 +397,4 @@ class StepTimeModel:
         pre = self.mean_prefill if prefill is None else prefill
         longest = longest_proposal(batch, k, rows)
         return max(w0 + wb * batch + wbk * batch * rows + wk * longest
-                   + ((w_spec + w_ver * batch) if k > 0 else 0.0) + w_pre * pre
-                   + self.row_residual(batch * (1.0 + rows) + pre), 1e-6)
+                   + ((w_spec + w_ver * batch) if k > 0 else 0.0) + w_pre * pre, 1e-6)
