@@ -93,15 +93,9 @@ ADAPTIVE = "adaptive"
 # The policy without the engine's per-step feed: its step time fitted from per-request
 # client averages only; --client-fit adds it.
 ADAPTIVE_CLIENT = "adapt-cli"
-# The policy without its measured cost-per-token calibration
-# (PolicyConfig.calibrate_token_cost=False); --calibration-ab adds it.
-ADAPTIVE_NOCAL = "ad-nocal"
-# The policy choosing each request's k for its own domain's E[tokens per step] under load,
-# not the worker's domain mix (PolicyConfig.share_depth_under_load=False); --share-ab adds it.
-ADAPTIVE_OWN = "ad-own"
-ADAPTIVE_MODES = (ADAPTIVE, ADAPTIVE_CLIENT, ADAPTIVE_NOCAL, ADAPTIVE_OWN)
+ADAPTIVE_MODES = (ADAPTIVE, ADAPTIVE_CLIENT)
 # policies that learn from the engine's step feed
-FED_MODES = (ADAPTIVE, ADAPTIVE_NOCAL, ADAPTIVE_OWN)
+FED_MODES = (ADAPTIVE,)
 SCRAPE_INTERVAL_S = 1.0  # as the proxy's health.metrics_interval_s default
 # NOTE: "repetitive" is fixed before measuring, by a rule, not picked from this run's
 # results: the top half of the domains by n-gram acceptance measured in the first runs
@@ -395,13 +389,9 @@ def bench_method(method: str, prompts: list[Prompt], args: argparse.Namespace) -
 
     depths = sorted({0, *args.depths})
     priors = NGRAM_DOMAIN_PRIORS if method == "ngram" else ()
-    adaptive = [ADAPTIVE, *([ADAPTIVE_CLIENT] if args.client_fit else []),
-                *([ADAPTIVE_NOCAL] if args.calibration_ab else []),
-                *([ADAPTIVE_OWN] if args.share_ab else [])]
+    adaptive = [ADAPTIVE, *([ADAPTIVE_CLIENT] if args.client_fit else [])]
     policies: dict[str, object] = {
-        m: DepthPolicy(PolicyConfig(max_depth=max(depths), domain_priors=priors,
-                                    calibrate_token_cost=m != ADAPTIVE_NOCAL,
-                                    share_depth_under_load=m != ADAPTIVE_OWN))
+        m: DepthPolicy(PolicyConfig(max_depth=max(depths), domain_priors=priors))
         for m in adaptive}
     policy = policies[ADAPTIVE]
     modes: list[int | str] = [*depths, *adaptive]
@@ -1116,12 +1106,6 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one round, fewer requests")
     parser.add_argument("--client-fit", action="store_true",
                         help=f"also run the policy without the engine's step feed ({ADAPTIVE_CLIENT})")
-    parser.add_argument("--calibration-ab", action="store_true",
-                        help=f"also run the policy without its cost-per-token calibration "
-                             f"({ADAPTIVE_NOCAL}; PolicyConfig.calibrate_token_cost)")
-    parser.add_argument("--share-ab", action="store_true",
-                        help=f"also run the policy choosing k for each request's own domain "
-                             f"under load ({ADAPTIVE_OWN}; PolicyConfig.share_depth_under_load)")
     parser.add_argument("--micro", action="store_true", help="micro-costs only, no engine")
     parser.add_argument("--ngram-caps", choices=("auto", "cpu", "none"), default="auto",
                         help="the engine's ngram_caps (auto: none under cuda_graph, else cpu)")

@@ -56,9 +56,8 @@ class PolicyConfig:
     max_evidence: float = 4000.0  # cap on alpha + beta, so estimates track drift
     # Weight, in decode steps, of the geometric E(a, k) against steps measured at k.
     prior_steps_per_depth: float = 50.0
-    # Under load, choose k for the worker's domain mix (see batch_tokens_per_step);
+    # Under load k is chosen for the worker's domain mix (see batch_tokens_per_step);
     # the mix forgets old requests by this factor per decision.
-    share_depth_under_load: bool = True
     mix_decay: float = 0.98
     # Prior step time in seconds, coefficients of [1, batch, batch*k, k] and optionally
     # [k > 0] (the fixed cost of verifying), prefill tokens in the step and sequences
@@ -68,18 +67,17 @@ class PolicyConfig:
     step_decay: float = 0.99  # weight kept by older samples at each new one
     # Weight kept by older engine-reported decode steps at each new step (specdec.step_feed).
     step_feed_decay: float = 0.999
-    # Scale each depth's predicted cost per token by what finished requests measured
-    # (StepTimeModel.calibration). Off keeps the model's prediction alone.
-    calibrate_token_cost: bool = True
-    # With the calibration, a request the policy would speculate for goes at k=0 every
-    # probe_depth0_every-th decision per worker and batch bucket while that bucket's k=0 cost
-    # rests on fewer than the calibration's prior samples, then every probe_depth0_refresh-th
-    # (0 = never): see DepthPolicy.decide.
+    # Each depth's predicted cost per token is scaled by what finished requests measured
+    # (StepTimeModel.calibration). For that, a request the policy would speculate for goes
+    # at k=0 every probe_depth0_every-th decision per worker and batch bucket while that
+    # bucket's k=0 cost rests on fewer than the calibration's prior samples, then every
+    # probe_depth0_refresh-th (0 = never): see DepthPolicy.decide.
     probe_depth0_every: int = 10
     probe_depth0_refresh: int = 250
-    # With the calibration, every probe_speculation_every-th request per worker and batch
-    # bucket that the policy sends at k=0 goes at the depth the step model alone would choose,
-    # where that is k > 0 (0 = never): see DepthPolicy.commit.
+    # So that a depth the calibration priced out is measured again, every
+    # probe_speculation_every-th request per worker and batch bucket that the policy sends
+    # at k=0 goes at the depth the step model alone would choose, where that is k > 0
+    # (0 = never): see DepthPolicy.commit.
     probe_speculation_every: int = 20
 
     def __post_init__(self) -> None:
@@ -420,7 +418,7 @@ class DepthPolicy:
         expected = est.tokens_per_step(cap, steps)
         drafted = est.drafts_per_step(cap, steps)
         mix = self._mix.get(worker, {})
-        if c.share_depth_under_load and batch > 1:
+        if batch > 1:
             ests = [(w, self.acceptance(worker, d)) for d, w in mix.items()]
             expected = batch_tokens_per_step(
                 expected, [(w, e.tokens_per_step(cap, steps)) for w, e in ests], batch)
@@ -470,7 +468,7 @@ class DepthPolicy:
         """
         c = self.config
         every = c.probe_speculation_every
-        if not c.calibrate_token_cost or every <= 0 or max_depth == 0:
+        if every <= 0 or max_depth == 0:
             return 0
         key = (worker, batch_bucket(batch))
         n = self._zero_decisions[key] = self._zero_decisions.get(key, 0) + 1
@@ -487,8 +485,6 @@ class DepthPolicy:
         drafting without a measured k=0. A probe costs one request's speculation gain.
         """
         c = self.config
-        if not c.calibrate_token_cost:
-            return False
         key = (worker, batch_bucket(batch))
         n = self._decisions[key] = self._decisions.get(key, 0) + 1
         model = self.step_time(worker)
@@ -547,8 +543,7 @@ class DepthPolicy:
             self.observe_acceptance(worker, domain, num_draft, num_accepted, depth, steps)
         if steps > 0 and decode_s > 0:
             drafted = max(num_draft, 0) / steps if depth > 0 else None
-            if self.config.calibrate_token_cost:
-                self.step_time(worker).observe_token_cost(
-                    max(batch, 1), depth, decode_s / (num_output_tokens - 1),
-                    (num_output_tokens - 1) / steps, drafted, num_output_tokens - 1)
+            self.step_time(worker).observe_token_cost(
+                max(batch, 1), depth, decode_s / (num_output_tokens - 1),
+                (num_output_tokens - 1) / steps, drafted, num_output_tokens - 1)
             self.observe_step(worker, batch, depth, decode_s / steps, drafted)

@@ -227,7 +227,7 @@ def test_slo_depth_speculates_for_a_tight_tpot_that_the_mix_depth_would_miss() -
     goes at the depth fastest for its own domain, its TPOT scaled by the depth policy's
     token times; a request that meets its SLO, or has none, keeps the mix depth."""
     dp = DepthPolicy(PolicyConfig(max_depth=4, step_prior_s=(0.010, 0.0005, 0.001375, 0.0005),
-                                  step_prior_weight=1e12, calibrate_token_cost=False,
+                                  step_prior_weight=1e12,
                                   domain_priors=(("translation", 0.9), ("rag", 0.05))))
     for _ in range(50):
         dp.commit("spec", "rag", 4, 0)

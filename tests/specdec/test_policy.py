@@ -189,11 +189,8 @@ def test_k0_is_probed_while_unmeasured_then_refreshed_rarely() -> None:
     # decisions 31..500: k=0 only at 250 and 500
     assert [i + 31 for i, k in enumerate(picks) if k == 0] == [250, 500]
     # batch 16 reads the nearest measured bucket's k=0 (measured): no probe in its first
-    # 10 decisions; and no probes without the calibration
+    # 10 decisions
     assert [policy.decide("w", "code", batch=16) for _ in range(10)][-1] == 4
-    off = DepthPolicy(PolicyConfig(max_depth=4, step_prior_s=(0.010, 0.0, 0.0, 0.0),
-                                   step_prior_weight=1e12, calibrate_token_cost=False))
-    assert 0 not in [off.decide("w", "code", batch=1) for _ in range(30)]
 
 
 def test_speculation_priced_out_is_probed_and_measured_again() -> None:
@@ -215,9 +212,8 @@ def test_speculation_priced_out_is_probed_and_measured_again() -> None:
     for _ in range(30):
         policy.observe_request("w", "code", 1, 4, 80, 20, 41, 0.20)
     assert policy.peek("w", "code", 1) == 4
-    # no probes without the calibration, with the probe off, or where the worker cannot speculate
-    for config, max_depth in ((PolicyConfig(max_depth=4, calibrate_token_cost=False), None),
-                              (PolicyConfig(max_depth=4, probe_speculation_every=0), None),
+    # no probes with the probe off, or where the worker cannot speculate
+    for config, max_depth in ((PolicyConfig(max_depth=4, probe_speculation_every=0), None),
                               (PolicyConfig(max_depth=4), 0)):
         other = DepthPolicy(config)
         assert all(other.commit("w", "code", 1, 0, max_depth) == 0 for _ in range(60))
@@ -228,7 +224,8 @@ def test_speculation_priced_out_is_probed_and_measured_again() -> None:
 def test_peek_records_nothing_commit_records_the_request() -> None:
     """A router prices every candidate worker with peek; only the pick is committed."""
     def fresh() -> DepthPolicy:
-        return DepthPolicy(PolicyConfig(max_depth=6, calibrate_token_cost=False,
+        return DepthPolicy(PolicyConfig(max_depth=6, probe_depth0_every=0,
+                                        probe_speculation_every=0,
                                         domain_priors=(("rag", 0.1), ("translation", 0.9))))
 
     policy = fresh()
@@ -459,13 +456,6 @@ def test_under_load_a_request_follows_the_workers_depth() -> None:
     assert 0 < first < last == 6
     # in a batch of code requests the step runs at depth 6 anyway: chat speculates too
     assert policy.decide("w", "chat", batch=16) > 0
-    off = DepthPolicy(PolicyConfig(step_prior_s=(0.010, 0.0, 0.0, 0.0005), step_prior_weight=1e9,
-                                   share_depth_under_load=False))
-    for _ in range(20):
-        off.observe_acceptance("w", "code", 40, 36, depth=4)
-        off.observe_acceptance("w", "chat", 40, 0, depth=4)
-        off.decide("w", "code", batch=16)
-    assert off.decide("w", "chat", batch=16) == 0
 
 
 def test_domain_priors_replace_the_global_prior_for_unseen_domains() -> None:
@@ -560,7 +550,7 @@ def test_token_times_are_the_requests_own_by_its_domain_not_the_workers_mix() ->
     a router holds against the request's TPOT SLO, where ``peek`` picks one depth for the
     worker's whole mix. Pricing records nothing."""
     dp = DepthPolicy(PolicyConfig(max_depth=4, step_prior_s=(0.010, 0.0005, 0.0003, 0.0005),
-                                  step_prior_weight=1e12, calibrate_token_cost=False,
+                                  step_prior_weight=1e12,
                                   domain_priors=(("translation", 0.9), ("rag", 0.05))))
     for _ in range(50):
         dp.commit("w", "rag", 8, 0)

@@ -12,9 +12,10 @@ Two workers: step time linear in k ("flat"), and one with a fixed cost for any
 verifying step ("verify_jump"), which is what the engine measures on the CPU
 (``bench/spec_depth.py --step-costs``: a 2-token step ~1.35x a 1-token one).
 
-NOTE: ``share_depth_under_load`` is off here: this simulated step costs
-t(batch, k) for each request's own k, with no padding to the deepest query,
-so the per-request optimum is the right answer.
+NOTE: the choices are read with ``peek``, which records no domain mix, so each is
+for the request's own domain alone: this simulated step costs t(batch, k) for each
+request's own k, with no padding to the deepest query, so the per-request optimum
+is the right answer.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def learned(request: pytest.FixtureRequest) -> tuple[str, list[DepthPolicy]]:
     world = request.param
     policies = []
     for seed in SEEDS:
-        policy = DepthPolicy(PolicyConfig(max_depth=MAX_DEPTH, share_depth_under_load=False))
+        policy = DepthPolicy(PolicyConfig(max_depth=MAX_DEPTH))
         _simulate(policy, random.Random(seed), 600, world)
         policies.append(policy)
     return world, policies
@@ -79,17 +80,17 @@ def test_learned_choice_is_within_3_percent_of_the_best_depth(
         learned: tuple[str, list[DepthPolicy]], domain: str, batch: int) -> None:
     world, policies = learned
     best = max(_goodput(domain, batch, k, world) for k in range(MAX_DEPTH + 1))
-    chosen = [p.decide("w", domain, batch) for p in policies]
+    chosen = [p.peek("w", domain, batch) for p in policies]
     ratios = [_goodput(domain, batch, k, world) / best for k in chosen]
     assert sum(ratios) / len(ratios) >= 0.97, (chosen, ratios)
 
 
 def test_the_prior_alone_is_not_enough() -> None:
     """Sanity check of the setup: before learning, the choice is off for some shape."""
-    policy = DepthPolicy(PolicyConfig(max_depth=MAX_DEPTH, share_depth_under_load=False))
+    policy = DepthPolicy(PolicyConfig(max_depth=MAX_DEPTH))
     ratios = []
     for domain in ACCEPTANCE:
         for batch in (1, 4, 16, 32):
             best = max(_goodput(domain, batch, k) for k in range(MAX_DEPTH + 1))
-            ratios.append(_goodput(domain, batch, policy.decide("w", domain, batch)) / best)
+            ratios.append(_goodput(domain, batch, policy.peek("w", domain, batch)) / best)
     assert min(ratios) < 0.97
