@@ -46,7 +46,7 @@ from optimizer.campaign import SearchConfig  # noqa: E402
 from optimizer.engine_proc import EngineProcess  # noqa: E402
 from optimizer.measure import EngineClient, Tier  # noqa: E402
 from optimizer.promote import PromotionConfig  # noqa: E402
-from optimizer.sample import PromptSynthesizer, SampleConfig  # noqa: E402
+from optimizer.sample import DomainPromptSynthesizer, SampleConfig  # noqa: E402
 from optimizer.service import OptimizerConfig, OptimizerService  # noqa: E402
 from optimizer.space import Knob  # noqa: E402
 from optimizer.verify import (  # noqa: E402
@@ -80,7 +80,7 @@ async def mutants(log_path: Path | None) -> dict[str, Any]:
         kv_cache_tokens=8192, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=512)
     candidate = incumbent.with_engine(max_num_seqs=16, max_num_batched_tokens=1024)
     vcfg = VerifyConfig(max_batch=16)
-    plan = verification_plan(PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=0), vcfg)
+    plan = verification_plan(DomainPromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=0), vcfg)
     t0 = time.perf_counter()
     caught: dict[str, bool] = {}
     async with EngineProcess(incumbent, launcher=LAUNCHER, log_path=log_path) as proc, \
@@ -163,7 +163,7 @@ async def loop(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 async def _loop(args: argparse.Namespace, server: ProxyServer, work: Path) -> dict[str, Any]:
     pool = server.app[keys.POOL]
     (name, worker), = pool.workers.items()
-    synth = PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=1)
+    synth = DomainPromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=1)
     domains = ("chat", "qa", "summarization", "code")
     prompts = [(synth.make(domains[i % len(domains)], p), o)
                for i, (p, o) in enumerate(trace_rows(args.records, args.max_prompt_tokens,

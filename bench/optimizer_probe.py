@@ -39,7 +39,7 @@ from optimizer.engine_proc import EngineProcess  # noqa: E402
 from optimizer.measure import EngineClient, Measurer, Tier  # noqa: E402
 from optimizer.pool import EnginePool  # noqa: E402
 from optimizer.profile import read_trace_files, stratified_sample  # noqa: E402
-from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay  # noqa: E402
+from optimizer.sample import DomainPromptSynthesizer, SampleConfig, build_replay  # noqa: E402
 from polyinfer.config import TINY_TARGET, CompiledConfig  # noqa: E402
 
 logger = logging.getLogger("bench.optimizer_probe")
@@ -56,7 +56,7 @@ def samples(args: argparse.Namespace, work: Path) -> dict[str, list[Any]]:
                               rate_rps=4.0, e2e_s=2.5, t0=1.7e9)
     recs_b = bo.azure_records(bo.DATA / quiet[0], args.records, args.seed + 1, quiet[1],
                               rate_rps=0.5, e2e_s=2.0, t0=1.7e9 + 3600)
-    synth = PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=args.seed)
+    synth = DomainPromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=args.seed)
     for i, recs in enumerate((recs_a, recs_b)):
         bo.attach_prompts(recs, Path(args.prompts), synth, args.max_prompt_tokens, args.seed + i)
     bo.write_jsonl(work / "a.jsonl", recs_a)

@@ -94,7 +94,7 @@ from optimizer.measure import EngineClient, Measurer, Tier  # noqa: E402
 from optimizer.pool import EnginePool  # noqa: E402
 from optimizer.profile import build_profile, read_trace_files, stratified_sample  # noqa: E402
 from optimizer.promote import PromotionConfig  # noqa: E402
-from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay  # noqa: E402
+from optimizer.sample import DomainPromptSynthesizer, SampleConfig, build_replay  # noqa: E402
 from optimizer.service import OptimizerConfig, OptimizerService  # noqa: E402
 from optimizer.space import Knob, SearchSpace  # noqa: E402
 from optimizer.verify import VerifyConfig  # noqa: E402
@@ -156,7 +156,7 @@ def azure_records(path: Path, n: int, seed: int, domains: tuple[str, ...], rate_
     return out
 
 
-def attach_prompts(records: list[dict[str, Any]], path: Path, synth: PromptSynthesizer,
+def attach_prompts(records: list[dict[str, Any]], path: Path, synth: DomainPromptSynthesizer,
                    max_tokens: int, seed: int) -> None:
     """Give each record real prompt text, as a proxy with prompt recording on would store.
 
@@ -389,7 +389,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                            rate_rps=4.0, e2e_s=2.5, t0=1.7e9)
     recs_b = azure_records(DATA / quiet[0], args.records, args.seed + 1,
                            quiet[1], rate_rps=0.5, e2e_s=2.0, t0=1.7e9 + 3600)
-    synth = PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=args.seed)
+    synth = DomainPromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=args.seed)
     if args.prompts:
         for i, recs in enumerate((recs_a, recs_b)):
             attach_prompts(recs, Path(args.prompts), synth, args.max_prompt_tokens, args.seed + i)

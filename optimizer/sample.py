@@ -62,7 +62,7 @@ class ReplayRequest:
     offset_s: float  # arrival time relative to the first request, seconds
 
 
-class PromptSynthesizer:
+class DomainPromptSynthesizer:
     """Makes a prompt of a given domain and token length; deterministic per seed."""
 
     def __init__(self, tokenizer_path: str | Path, seed: int = 0) -> None:
@@ -120,7 +120,7 @@ def _slice(text: str, num_chars: int, rng: random.Random) -> str:
     return text[start: start + num_chars]
 
 
-def build_replay(records: Sequence[TraceRecord], synth: PromptSynthesizer,
+def build_replay(records: Sequence[TraceRecord], synth: DomainPromptSynthesizer,
                  config: SampleConfig = SampleConfig()) -> list[ReplayRequest]:
     """Records (e.g. a stratified sample) -> requests, in arrival order."""
     ordered = sorted(records, key=lambda r: r.ts)

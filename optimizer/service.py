@@ -58,7 +58,7 @@ from optimizer.profile import (
     stratified_sample,
 )
 from optimizer.promote import ConfigSink, Promoter, PromotionConfig, WorkerSwitch
-from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
+from optimizer.sample import DomainPromptSynthesizer, SampleConfig, build_replay
 from optimizer.space import DEFAULT_KNOBS, Knob, ModelShape, SearchSpace
 from optimizer.verify import (
     VerifyConfig,
@@ -251,7 +251,7 @@ class OptimizerService:
                 self.state = "done"
                 return
 
-    def _build_models(self) -> tuple[SearchSpace, CostModel, PromptSynthesizer]:
+    def _build_models(self) -> tuple[SearchSpace, CostModel, DomainPromptSynthesizer]:
         t0 = time.perf_counter()
         base = self.config.base
         draft = str(TINY_DRAFT) if (TINY_DRAFT / "config.json").exists() else ""
@@ -272,7 +272,7 @@ class OptimizerService:
                          "step_overhead_ms": round(steps.overhead_s * 1e3, 3),
                          "roofline_scale": round(steps.scale, 2)}
         logger.info("hardware constants: %s", self.hardware)
-        synth = PromptSynthesizer(Path(base.model) / "tokenizer.json", seed=self.config.seed)
+        synth = DomainPromptSynthesizer(Path(base.model) / "tokenizer.json", seed=self.config.seed)
         return space, CostModel(space, steps, draft_shape), synth
 
     async def _live_config(self, session: aiohttp.ClientSession) -> CompiledConfig:
@@ -310,7 +310,7 @@ class OptimizerService:
     # -- one campaign -------------------------------------------------------
 
     async def _campaign(self, profile: TrafficProfile, board: Board, space: SearchSpace,
-                        cost_model: CostModel, synth: PromptSynthesizer, engine: EngineClient,
+                        cost_model: CostModel, synth: DomainPromptSynthesizer, engine: EngineClient,
                         promoter: Promoter) -> None:
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
@@ -375,7 +375,7 @@ class OptimizerService:
                                  "optimizer (no measure_url)")
         return self.config.objective
 
-    def _samples(self, synth: PromptSynthesizer
+    def _samples(self, synth: DomainPromptSynthesizer
                  ) -> tuple[dict[str, list[Any]], list[VerifyRequest]]:
         records = list(self._records)
         samples = {}

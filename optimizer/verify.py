@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from optimizer.measure import EngineClient
-from optimizer.sample import PromptSynthesizer
+from optimizer.sample import DomainPromptSynthesizer
 from polyinfer.config import CompiledConfig
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class VerifyRequest:
         return body
 
 
-def verification_plan(synth: PromptSynthesizer, cfg: VerifyConfig = VerifyConfig()
+def verification_plan(synth: DomainPromptSynthesizer, cfg: VerifyConfig = VerifyConfig()
                       ) -> list[VerifyRequest]:
     """``cfg.max_batch`` requests: shared prefixes, spread lengths, greedy and seeded."""
     rng = random.Random(cfg.seed)

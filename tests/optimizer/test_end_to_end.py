@@ -14,7 +14,7 @@ from optimizer.board import Board
 from optimizer.campaign import SearchConfig
 from optimizer.measure import EngineClient, Measurer, Tier
 from optimizer.promote import Promoter, PromotionConfig
-from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
+from optimizer.sample import DomainPromptSynthesizer, SampleConfig, build_replay
 from optimizer.service import OptimizerConfig, OptimizerService
 from optimizer.verify import (
     Reference,
@@ -32,8 +32,8 @@ BASE = CompiledConfig(model=str(TINY_TARGET)).with_engine(kv_cache_tokens=8192, 
 SAMPLE = SampleConfig(max_prompt_tokens=64, max_output_tokens=12)
 
 
-def synth() -> PromptSynthesizer:
-    return PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=0)
+def synth() -> DomainPromptSynthesizer:
+    return DomainPromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=0)
 
 
 def write_trace(path: Path, n: int = 30, seed: int = 0) -> Path:

@@ -17,7 +17,7 @@ import pytest
 
 from optimizer.engine_proc import EngineProcess
 from optimizer.measure import EngineClient
-from optimizer.sample import PromptSynthesizer
+from optimizer.sample import DomainPromptSynthesizer
 from optimizer.verify import VerifyConfig, reference_outputs, verification_plan, verify_candidate
 from polyinfer.config import TINY_TARGET, CompiledConfig
 from tests.optimizer.faults import FAULTS, LAUNCHER
@@ -42,7 +42,7 @@ async def _num_triggered(session: aiohttp.ClientSession, url: str) -> int:
 async def test_every_planted_fault_is_rejected_and_a_clean_candidate_passes(tmp_path) -> None:
     if not (TINY_TARGET / "config.json").exists():
         pytest.fail("the bundled tiny-target weights are missing (models/tiny-target)")
-    synth = PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=0)
+    synth = DomainPromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=0)
     plan = verification_plan(synth, VERIFY)
     proc = EngineProcess(INCUMBENT, log_path=tmp_path / "engine.log", launcher=LAUNCHER)
     t0 = time.perf_counter()

@@ -23,7 +23,7 @@ from optimizer.measure import EngineClient, Measurement, Measurer, Tier
 from optimizer.pool import EnginePool, restart_class
 from optimizer.profile import build_profile
 from optimizer.promote import Promoter, PromotionConfig
-from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
+from optimizer.sample import DomainPromptSynthesizer, SampleConfig, build_replay
 from optimizer.service import OptimizerConfig, OptimizerService
 from optimizer.space import Knob, SearchSpace, dp_sizes
 from optimizer.verify import VerifyConfig
@@ -37,7 +37,7 @@ BASE = CompiledConfig(model=str(TINY_TARGET)).with_engine(kv_cache_tokens=8192, 
 
 def replay_sample(n: int = 3) -> list:
     records = [TraceRecord(float(i), "code", 40, completion_tokens=8) for i in range(n)]
-    synth = PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=0)
+    synth = DomainPromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=0)
     return build_replay(records, synth, SampleConfig(max_prompt_tokens=48, max_output_tokens=8))
 
 

@@ -4,17 +4,17 @@ import pytest
 
 from optimizer.errors import OptimizerError
 from optimizer.measure import _reported_seconds
-from optimizer.sample import PromptSynthesizer, SampleConfig, build_replay
+from optimizer.sample import DomainPromptSynthesizer, SampleConfig, build_replay
 from polyinfer.config import TINY_TARGET
 from polyinfer.trace import TraceRecord
 
 
 @pytest.fixture(scope="module")
-def synth() -> PromptSynthesizer:
-    return PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=7)
+def synth() -> DomainPromptSynthesizer:
+    return DomainPromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=7)
 
 
-def test_replay_caps_lengths_and_keeps_arrival_offsets(synth: PromptSynthesizer) -> None:
+def test_replay_caps_lengths_and_keeps_arrival_offsets(synth: DomainPromptSynthesizer) -> None:
     records = [TraceRecord(10.0, "code", 5000, completion_tokens=900),
                TraceRecord(12.0, "math", 30, completion_tokens=1),
                TraceRecord(11.0, "chat", 100, max_tokens=20),
@@ -29,7 +29,7 @@ def test_replay_caps_lengths_and_keeps_arrival_offsets(synth: PromptSynthesizer)
     assert "def " in reqs[0].prompt or "class " in reqs[0].prompt or "import" in reqs[0].prompt
 
 
-def test_recorded_prompts_are_cut_to_the_cap(synth: PromptSynthesizer) -> None:
+def test_recorded_prompts_are_cut_to_the_cap(synth: DomainPromptSynthesizer) -> None:
     long_text = "The quick brown fox jumps over the lazy dog. " * 40
     records = [TraceRecord(1.0, "chat", 400, completion_tokens=8, prompt_text=long_text)]
     (req,) = build_replay(records, synth, SampleConfig(max_prompt_tokens=32))
@@ -38,8 +38,8 @@ def test_recorded_prompts_are_cut_to_the_cap(synth: PromptSynthesizer) -> None:
 
 
 def test_same_seed_same_prompts() -> None:
-    a = PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=3)
-    b = PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=3)
+    a = DomainPromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=3)
+    b = DomainPromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=3)
     assert [a.make(d, 40) for d in ("code", "math", "rag")] == [
         b.make(d, 40) for d in ("code", "math", "rag")]
 

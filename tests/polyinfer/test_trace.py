@@ -9,7 +9,7 @@ import pytest
 
 from loadgen.readers import read_trace
 from optimizer.profile import read_trace_files
-from optimizer.sample import PromptSynthesizer, build_replay
+from optimizer.sample import DomainPromptSynthesizer, build_replay
 from polyinfer.config import TINY_TARGET
 from polyinfer.trace import TraceRecord, parse_record
 from proxy.record import RequestRecord
@@ -37,7 +37,7 @@ def test_the_optimizer_replays_the_prompt_the_proxy_recorded(tmp_path: Path) -> 
     # were never replayed, synthetic ones were sent instead
     read = read_trace_files([_recorded(tmp_path, PROMPT)])
     assert read.bad_lines == [] and read.records[0].prompt_text == PROMPT
-    synth = PromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=0)
+    synth = DomainPromptSynthesizer(TINY_TARGET / "tokenizer.json", seed=0)
     (request,) = build_replay(read.records, synth)
     assert request.prompt == PROMPT
 
