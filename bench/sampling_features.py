@@ -14,6 +14,8 @@ keyed sample; the draft draws with the same key).
     python bench/sampling_features.py                 # both tables (a few minutes, 2 cores)
     python bench/sampling_features.py --quick         # smaller
     python bench/sampling_features.py --skip-steps    # sampler micro-costs + acceptance
+
+The sampler table ends with a json_schema grammar mask on every row (engine.grammar).
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.core import EngineCore
 from engine.loader import load_core
 from engine.sequence import GenerationParams
 from polyinfer.config import TINY_DRAFT, TINY_TARGET, CompiledConfig, EngineConfig
 from polyinfer.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 SPEC_BENCH = Path(__file__).resolve().parents[1] / "data" / "prompts" / "spec_bench_questions.jsonl"
 
@@ -148,6 +154,41 @@ def sampler_costs(args: argparse.Namespace) -> None:
         ms = statistics.median(times) * 1e3
         base = ms if base is None else base
         print(f"{name:24s} {ms:9.3f} {(ms - base) / args.batch:8.3f}")
+    assert base is not None
+    ms = _grammar_step_ms(args.batch, vocab, logits)
+    print(f"{'json_schema mask':24s} {ms:9.3f} {(ms - base) / args.batch:8.3f}")
+
+
+# a small schema of each JSON kind, for the grammar mask's row (engine.grammar)
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}, "ok": {"type": "boolean"}},
+    "required": ["name", "age", "tags", "ok"], "additionalProperties": False}
+
+
+def _grammar_step_ms(batch: int, vocab: int, logits: torch.Tensor) -> float:
+    """Median ms of a baseline sampler step whose every row is masked by a json_schema
+    matcher first (fill each row's bitmask, apply it), the matchers advanced by the
+    sampled tokens (restarted when their JSON closes)."""
+    import statistics
+
+    from engine.grammar import GrammarSpec, grammars_for, mask_rows
+    from engine.tokenizer import TextTokenizer
+    from polyinfer.sampling import sample
+
+    grammars = grammars_for(TextTokenizer(TINY_TARGET, (2,)), vocab)
+    matchers = [grammars.matcher(GrammarSpec.json_schema(SCHEMA)) for _ in range(batch)]
+    params = [BASE] * batch
+    times = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        tokens = sample(mask_rows(logits, matchers), params).tolist()
+        times.append(time.perf_counter() - t0)
+        for m, t in zip(matchers, tokens, strict=True):
+            m.accept_token(t)
+            if m.is_terminated():
+                m.reset()
+    return statistics.median(times) * 1e3
 
 
 def acceptance(args: argparse.Namespace) -> None:

@@ -31,6 +31,7 @@ from engine.errors import (
     UnsupportedConfigError,
 )
 from engine.fused import verify_variants
+from engine.grammar import GrammarError, grammars_for
 from engine.kv_cache import BlockAllocator
 from engine.model import LlamaModel
 from engine.pacing import step_terms
@@ -231,6 +232,13 @@ class EngineCore:
                                       "prompt")
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), len(prompt_ids),
                        self._with_min_tokens_ban(params), time.monotonic())
+        if params.grammar is not None:
+            try:
+                seq.grammar = grammars_for(self.tokenizer, self.vocab_size).matcher(
+                    params.grammar)
+            except GrammarError as e:
+                raise InvalidRequestError(f"the schema cannot be compiled: {e}",
+                                          "response_format") from None
         self.requests[request_id] = seq
         self.detoks[seq.seq_id] = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output)
@@ -350,6 +358,8 @@ class EngineCore:
         """The speculative depth ``seq`` asks for this step (0 while prefilling)."""
         if self.proposer is None or seq.params.spec_depth <= 0 or seq.is_prefilling:
             return 0
+        if seq.grammar is not None:  # NOTE: drafts are not masked; constrained rows decode plainly
+            return 0
         return max(0, min(seq.params.spec_depth,
                           seq.params.max_tokens - seq.num_output_tokens - 1,
                           self.max_model_len - seq.num_tokens))
@@ -418,6 +428,11 @@ class EngineCore:
         p = seq.params
         for n, tok in enumerate(tokens, 1):
             seq.token_ids.append(tok)
+            if seq.grammar is not None and (not seq.grammar.accept_token(tok)
+                                            or seq.grammar.is_terminated()):
+                # the grammar closed (it accepted EOS) or, past its mask, cannot go on
+                self._finish(seq, "stop", tok if tok in p.stop_token_ids else None)
+                return n
             if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
                 self._finish(seq, "stop", tok if tok in p.stop_token_ids else None)
                 return n

@@ -3,11 +3,13 @@
 Parsing is strict about types and ranges (every problem is a
 :class:`~engine.errors.RequestError` naming the field; OpenAI's ranges) and explicit
 about what is not implemented: an option that would change the output
-(``best_of``, ``echo``, ``response_format``, ``tools``, vLLM's structured-output
-fields...) is refused with a 400 ``unsupported_option`` rather than silently
-ignored. Served: ``n``, ``logprobs`` / ``top_logprobs``, ``presence_penalty``,
-``frequency_penalty``, ``repetition_penalty``, ``logit_bias``, ``min_tokens``,
-``min_p``, ``seed``, ``stop`` and ``stop_token_ids``.
+(``best_of``, ``echo``, ``tools``, vLLM's removed ``guided_*`` fields...) is refused
+with a 400 ``unsupported_option`` rather than silently ignored. Served: ``n``,
+``logprobs`` / ``top_logprobs``, ``presence_penalty``, ``frequency_penalty``,
+``repetition_penalty``, ``logit_bias``, ``min_tokens``, ``min_p``, ``seed``, ``stop``,
+``stop_token_ids``, and structured output (engine.grammar): ``response_format``
+``json_object`` / ``json_schema`` and vLLM's ``structured_outputs`` ``json`` /
+``json_object``; a schema that cannot compile is a 400.
 Unknown fields are ignored, as vLLM does, so a proxy may add its own. A prompt that
 cannot fit the context is refused from its length in characters (or messages, or ids)
 before it is rendered or tokenized: an 8 MB prompt costs a length check, not seconds of
@@ -20,6 +22,7 @@ of its own prompt; engine.pacing).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,6 +34,7 @@ from engine.errors import (
     ModelNotFoundError,
     UnsupportedOptionError,
 )
+from engine.grammar import GrammarError, GrammarSpec, grammars_for
 from engine.sequence import GenerationParams
 from engine.tokenizer import TextTokenizer
 from polyinfer.capabilities import ENGINE_SERVES, REMOVED_GUIDED_FIELDS, requested_options
@@ -42,9 +46,9 @@ MAX_N = 128  # OpenAI's bound on n
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound (vLLM's default max_logprobs)
 MAX_LOGIT_BIAS = 300  # OpenAI: at most 300 biased tokens
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
-# vLLM's structured-output fields, current and removed: refused until a grammar backend
-# serves them (a request that asks for JSON must not get free text with a 200)
-STRUCTURED_FIELDS = ("structured_outputs", *REMOVED_GUIDED_FIELDS)
+# vLLM's structured_outputs keys the engine serves (its regex, choice, grammar and
+# structural_tag are refused: a request that asks for them must not get free text)
+STRUCTURED_KEYS = frozenset({"json", "json_object"})
 
 
 @dataclass(frozen=True)
@@ -100,13 +104,61 @@ def _slo(body: Mapping[str, Any], key: str) -> float | None:
 def _check_unsupported(body: Mapping[str, Any], chat: bool) -> None:
     """Refuse what this engine does not serve: the table the proxy routes by
     (polyinfer.capabilities), so a worker does what its backend declares."""
-    for key in STRUCTURED_FIELDS:
+    for key in REMOVED_GUIDED_FIELDS:
         if body.get(key) is not None:
-            raise UnsupportedOptionError(key, "no structured output")
+            raise UnsupportedOptionError(key, "removed from vLLM's API: use structured_outputs")
     for key in sorted(requested_options(body, chat) - ENGINE_SERVES):
-        detail = ("only {'type': 'text'} is supported (no structured output)"
-                  if key == "response_format" else "not implemented")
-        raise UnsupportedOptionError(key, detail)
+        raise UnsupportedOptionError(key, "not implemented")
+
+
+def _grammar(body: Mapping[str, Any]) -> GrammarSpec | None:
+    """The grammar ``response_format`` or ``structured_outputs`` asks for; None for text."""
+    fmt = _field(body, "response_format", dict, None, "an object")
+    so = _field(body, "structured_outputs", dict, None, "an object")
+    if fmt is not None and fmt.get("type") != "text" and so:
+        raise InvalidRequestError("use one of 'response_format' and 'structured_outputs'",
+                                  "structured_outputs")
+    if so:
+        used = {k for k, v in so.items() if v is not None and v is not False}
+        for key in sorted(used - STRUCTURED_KEYS):
+            raise UnsupportedOptionError(f"structured_outputs.{key}",
+                                         "only 'json' and 'json_object' are supported")
+        if len(used) > 1:
+            raise InvalidRequestError("'structured_outputs' takes one of 'json' and "
+                                      "'json_object'", "structured_outputs")
+        if "json" in used:
+            schema = so["json"]
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError:
+                    raise InvalidRequestError("'structured_outputs.json' is not valid JSON",
+                                              "structured_outputs.json") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequestError("'structured_outputs.json' must be a JSON schema",
+                                          "structured_outputs.json")
+            return GrammarSpec.json_schema(schema)
+        return GrammarSpec.json_object() if used else None
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec.json_object()
+    if kind != "json_schema":
+        raise InvalidRequestError("'response_format.type' must be one of 'text', "
+                                  f"'json_object' and 'json_schema', got {kind!r}",
+                                  "response_format.type")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise InvalidRequestError("'response_format.json_schema' must be an object with a "
+                                  "string 'name'", "response_format.json_schema")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequestError("'response_format.json_schema.schema' must be an object",
+                                  "response_format.json_schema.schema")
+    return GrammarSpec.json_schema(schema)
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -152,6 +204,7 @@ class RequestParser:
         # token ids the model can embed: a checkpoint's tokenizer may know more than its model,
         # and then text can encode to ids past it (token-id prompts are checked as they are read)
         self.vocab = min(tokenizer.vocab_size, vocab_size or tokenizer.vocab_size)
+        self.logits_width = vocab_size or tokenizer.vocab_size  # what a grammar mask covers
         self._text_past_vocab = self.vocab < tokenizer.vocab_size
         # a text of more characters has more than max_model_len tokens
         self.max_prompt_chars = max_model_len * tokenizer.max_token_chars
@@ -245,7 +298,22 @@ class RequestParser:
             slo_tpot_s=_slo(body, "slo_tpot_s"),
             slo_ttft_s=_slo(body, "slo_ttft_s"),
             logprobs=_logprobs(body, chat),
+            grammar=self._grammar(body),
         )
+
+    def _grammar(self, body: Mapping[str, Any]) -> GrammarSpec | None:
+        """The request's grammar, compiled once here so that one that cannot compile is a
+        400 (the core's compile of it is then a cache hit, engine.grammar)."""
+        spec = _grammar(body)
+        if spec is not None:
+            try:
+                grammars_for(self.tokenizer, self.logits_width).compile(spec)
+            except GrammarError as e:
+                param = ("structured_outputs" if body.get("structured_outputs")
+                         else "response_format")
+                raise InvalidRequestError(f"the schema cannot be compiled: {e}",
+                                          param) from None
+        return spec
 
     def _sampling(self, body: Mapping[str, Any]) -> SamplingParams:
         temperature = _number(body, "temperature", 1.0, 0.0, 2.0)

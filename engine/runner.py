@@ -32,6 +32,7 @@ from engine.attention import SeqSlice, build_metadata, order_short_first
 from engine.cpu_attention import cpu_attention_for
 from engine.cuda_graph import DecodeRow, RowDecoder, read_rows
 from engine.gpu_sampling import sample_on_device
+from engine.grammar import mask_rows
 from engine.kv_cache import KVCache
 from engine.lanes import LaneChooser, Lanes, split_lanes
 from engine.model import LlamaModel
@@ -136,7 +137,7 @@ class ModelRunner:
     def _sample(self, sampled: list[ScheduledSeq], logits: torch.Tensor) -> list[StepResult]:
         params = [it.seq.params.sampling for it in sampled]
         if not any(it.drafts for it in sampled):
-            tokens = sample(logits, params, _rows_of(sampled)).tolist()
+            tokens = sample(_constrained(sampled, logits), params, _rows_of(sampled)).tolist()
             return with_logprobs(logits, [StepResult(it, [t], 0) for it, t in
                                           zip(sampled, tokens, strict=False)])
         return self._verify(sampled, logits)
@@ -145,7 +146,7 @@ class ModelRunner:
         """Accept a prefix of each proposal from ``[sum(k_i + 1), vocab]`` logits (any device)."""
         params = [it.seq.params.sampling for it in sampled]
         proposals = [Proposal(it.seq.seq_id, it.drafts, it.draft_probs) for it in sampled]
-        results = verify(logits, proposals, params, _rows_of(sampled))
+        results = verify(_constrained(sampled, logits), proposals, params, _rows_of(sampled))
         return with_logprobs(logits, [StepResult(it, r.tokens, r.num_accepted)
                                       for it, r in zip(sampled, results, strict=True)])
 
@@ -186,16 +187,34 @@ class ModelRunner:
             logits = logits[torch.tensor(keep).to(logits.device, non_blocking=True)]
         if any(it.drafts for it in sampled):
             return self._verify(sampled, logits)
-        tokens = sample_on_device(logits, [it.seq.params.sampling for it in sampled],
-                                  _rows_of(sampled))
+        tokens = sample_on_device(_constrained(sampled, logits),
+                                  [it.seq.params.sampling for it in sampled], _rows_of(sampled))
         return with_logprobs(logits, [StepResult(it, [t], 0) for it, t in
                                       zip(sampled, tokens, strict=True)])
 
 
 def _plain_greedy(item: ScheduledSeq) -> bool:
-    """Greedy, unadjusted and without logprobs: an argmax of its rows is all it needs."""
+    """Greedy, unadjusted, unconstrained and without logprobs: an argmax of its rows is all
+    it needs."""
     p = item.seq.params
-    return p.sampling.greedy and not p.sampling.adjusts and p.logprobs is None
+    return (p.sampling.greedy and not p.sampling.adjusts and p.logprobs is None
+            and p.grammar is None)
+
+
+def _constrained(sampled: Sequence[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
+    """The step's sampling rows with each constrained sequence's grammar mask applied
+    (engine.grammar); logprobs still read the model's own logits, as vLLM's default.
+
+    NOTE: a constrained sequence proposes no drafts (EngineCore._spec_depth), so its one
+    row is the one its matcher's state is for.
+    """
+    if all(it.seq.grammar is None for it in sampled):
+        return logits
+    matchers = []
+    for it in sampled:
+        matchers.append(it.seq.grammar)
+        matchers.extend([None] * len(it.drafts))
+    return mask_rows(logits, matchers)
 
 
 def _rows_of(sampled: Sequence[ScheduledSeq]) -> list[Row] | None:

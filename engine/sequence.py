@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
+from engine.grammar import GrammarSpec
 from polyinfer.sampling import SamplingParams
 
 
@@ -34,6 +36,7 @@ class GenerationParams:
     slo_tpot_s: float | None = None
     slo_ttft_s: float | None = None  # its TTFT SLO, seconds: the least pace of its prompt
     logprobs: int | None = None  # None: none; else each token's, and this many alternatives
+    grammar: GrammarSpec | None = None  # structured output (engine.grammar); None = free text
 
 
 class Status(enum.Enum):
@@ -68,6 +71,8 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens found cached at first admission
     first_token_s: float | None = None  # time.monotonic() when its first output token came
     num_decode_steps: int = 0  # steps since then that produced tokens (engine.pacing)
+    # the xgrammar matcher of params.grammar, advanced by each appended token (engine.core)
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -38,6 +38,9 @@ OPTIONS = frozenset(_NEUTRAL) | {"logprobs", "seed"}
 ENGINE_SERVES = frozenset({
     "n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "min_tokens", "min_p", "seed", "stop_token_ids",
+    # structured output: JSON (an object, or a schema); structured_outputs' regex, choice
+    # and grammar keys are refused by the engine with an unsupported_option 400
+    "response_format", "structured_outputs",
 })
 _DECLARED_UNSUPPORTED = {"engine": OPTIONS - ENGINE_SERVES}
 

@@ -203,9 +203,8 @@ def test_json_bodies_only(server: EngineProcess) -> None:
 
 
 @pytest.mark.parametrize("extra", [
-    {"response_format": {"type": "json_object"}},
     {"extra_body": {"guided_json": {"type": "object"}}},
-    {"extra_body": {"structured_outputs": {"json": {"type": "object"}}}},
+    {"extra_body": {"structured_outputs": {"regex": "[a-z]+"}}},
     {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
 ])
 def test_what_is_not_served_is_a_clear_400(server: EngineProcess, extra: dict[str, Any]) -> None:

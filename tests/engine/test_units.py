@@ -130,7 +130,10 @@ def parser(tokenizer: TextTokenizer, **engine: object) -> RequestParser:
     ({"prompt": "hi", "n": 0}, InvalidRequestError),
     ({"prompt": "hi", "best_of": 3}, UnsupportedOptionError),
     ({"prompt": "hi", "logprobs": 21}, InvalidRequestError),
-    ({"prompt": "hi", "response_format": {"type": "json_object"}}, UnsupportedOptionError),
+    ({"prompt": "hi", "response_format": {"type": "yaml"}}, InvalidRequestError),
+    ({"prompt": "hi", "structured_outputs": {"regex": "a+"}}, UnsupportedOptionError),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, InvalidRequestError),
     ({"prompt": "hi", "guided_json": {"type": "object"}}, UnsupportedOptionError),
     ({"prompt": "hi", "temperature": -0.5}, InvalidRequestError),
     ({"prompt": "hi", "temperature": 2.5}, InvalidRequestError),

@@ -6,6 +6,7 @@ serve is a 400 naming the option."""
 from __future__ import annotations
 
 import collections
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,15 @@ def test_engine_options_are_served_through_the_proxy(proxy: ProxyThread) -> None
     assert all(len(c.logprobs.content) >= 1 for c in r.choices)
 
 
+def test_structured_output_is_served_through_the_proxy(proxy: ProxyThread) -> None:
+    r = client(proxy).chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=300, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {
+            "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+            "additionalProperties": False}}})
+    assert isinstance(json.loads(r.choices[0].message.content)["n"], int)
+
+
 def test_a_seed_gives_one_text_whatever_depth_the_proxy_picks(proxy: ProxyThread) -> None:
     texts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for _ in range(6):
@@ -52,8 +62,9 @@ def _post(proxy: ProxyThread, body: dict[str, Any], **kwargs: Any) -> httpx.Resp
 def test_no_worker_serves_it_is_a_400_naming_the_option(proxy: ProxyThread) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client(proxy).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
-                                              response_format={"type": "json_object"})
-    assert e.value.code == "unsupported_option" and e.value.param == "response_format"
+                                              tools=[{"type": "function", "function": {
+                                                  "name": "f", "parameters": {}}}])
+    assert e.value.code == "unsupported_option" and e.value.param == "tools"
     assert e.value.response.headers["x-polyinfer-worker"] == "none"  # never forwarded
 
 

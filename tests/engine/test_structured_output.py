@@ -1,0 +1,164 @@
+"""Structured output on a real engine worker, through the real `openai` client on loopback:
+``response_format`` json_object / json_schema and vLLM's ``structured_outputs``, with
+xgrammar's mask on the sampler's path (engine.grammar). The tiny model writes nonsense, but
+under the mask it is JSON that parses and validates."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+import torch
+
+from engine.grammar import GrammarSpec, grammars_for, mask_rows
+from engine.tokenizer import TextTokenizer
+from polyinfer.config import TINY_DRAFT
+from tests.engine.conftest import EngineProcess, serving
+
+pytestmark = pytest.mark.timeout(300)
+CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[EngineProcess]:
+    """A draft-model engine, so a constrained request beside speculative ones is exercised."""
+    config = {"backend": "engine", "model": str(tiny_model_dir), "served_model_name": "tiny",
+              "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 256,
+                         "kv_cache_tokens": 8192, "max_model_len": 2048,
+                         "spec_method": "draft", "draft_model": str(TINY_DRAFT),
+                         "spec_max_depth": 4}}
+    yield from serving(config, tmp_path_factory)
+
+
+def client(server: EngineProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0,
+                         timeout=120)
+
+
+def chat(server: EngineProcess, **kwargs: Any) -> Any:
+    kwargs.setdefault("max_tokens", 400)
+    kwargs.setdefault("temperature", 0)
+    return client(server).chat.completions.create(model="tiny", messages=CHAT, **kwargs)
+
+
+def test_json_object_parses(server: EngineProcess) -> None:
+    texts = set()
+    for depth in (0, 4):  # a constrained request decodes without drafts at any depth
+        r = chat(server, response_format={"type": "json_object"},
+                 extra_body={"speculative_depth": depth})
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(json.loads(choice.message.content), dict)
+        texts.add(choice.message.content)
+    assert len(texts) == 1, texts
+
+
+def test_json_schema_validates(server: EngineProcess) -> None:
+    for seed in (1, 2, 3):
+        r = chat(server, temperature=1.0, seed=seed, response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}})
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_vllm_structured_outputs_json_on_completions(server: EngineProcess) -> None:
+    r = client(server).completions.create(
+        model="tiny", prompt="A person:", max_tokens=400, temperature=0.9, seed=5,
+        extra_body={"structured_outputs": {"json": SCHEMA}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+
+
+def test_streamed_json_schema_validates(server: EngineProcess) -> None:
+    stream = client(server).chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=400, temperature=0, stream=True,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": SCHEMA}})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("kwargs, param, code", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, "response_format", None),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#/missing"}}}}, "response_format", None),
+    ({"extra_body": {"structured_outputs": {"json": {"type": "string", "pattern": "(("}}}},
+     "structured_outputs", None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format.json_schema", None),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", None),
+    ({"extra_body": {"structured_outputs": {"regex": "[a-z]+"}}},
+     "structured_outputs.regex", "unsupported_option"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tools", "unsupported_option"),
+])
+def test_what_cannot_be_served_is_a_400(server: EngineProcess, kwargs: dict[str, Any],
+                                        param: str, code: str | None) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, max_tokens=8, **kwargs)
+    assert e.value.param == param, e.value.body
+    if code is not None:
+        assert e.value.code == code
+
+
+def test_unconstrained_requests_are_unaffected(server: EngineProcess) -> None:
+    """The same greedy text alone and in a batch beside constrained requests."""
+    def plain() -> str:
+        return chat(server, max_tokens=48).choices[0].message.content
+
+    alone = plain()
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        constrained = [pool.submit(chat, server, response_format={"type": "json_object"})
+                       for _ in range(3)]
+        beside = [pool.submit(plain) for _ in range(3)]
+        assert [f.result() for f in beside] == [alone] * 3
+        for f in constrained:
+            json.loads(f.result().choices[0].message.content)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(alone)  # free text really is free: the mask changed something
+
+
+def test_mask_cost_per_decode_token(tiny_model_dir: Path) -> None:
+    """The mask's CPU cost per constrained row (fill the bitmask, apply it): printed for
+    bench/RESULTS.md; bounded loosely so a broken (pathological) mask fails."""
+    tokenizer = TextTokenizer(tiny_model_dir, (2,))
+    grammars = grammars_for(tokenizer, tokenizer.vocab_size)
+    matcher = grammars.matcher(GrammarSpec.json_schema(SCHEMA))
+    gen = torch.Generator().manual_seed(0)
+    seconds, rows = 0.0, 0
+    while rows < 300:
+        logits = torch.randn(1, tokenizer.vocab_size, generator=gen)
+        t0 = time.perf_counter()
+        masked = mask_rows(logits, [matcher])
+        seconds += time.perf_counter() - t0
+        rows += 1
+        token = int(masked.argmax())
+        assert matcher.accept_token(token)
+        if matcher.is_terminated():
+            matcher.reset()
+    per_row_ms = seconds / rows * 1e3
+    print(f"\ngrammar mask (json_schema, vocab {tokenizer.vocab_size}): "
+          f"{per_row_ms:.3f} ms per constrained row per decode step")
+    assert per_row_ms < 50
