@@ -37,7 +37,12 @@ from engine.errors import (
 from engine.grammar import GrammarError, GrammarSpec, grammars_for
 from engine.sequence import GenerationParams
 from engine.tokenizer import TextTokenizer
-from polyinfer.capabilities import ENGINE_SERVES, REMOVED_GUIDED_FIELDS, requested_options
+from polyinfer.capabilities import (
+    ENGINE_SERVES,
+    REMOVED_GUIDED_FIELDS,
+    STRUCTURED_CONSTRAINTS,
+    requested_options,
+)
 from polyinfer.config import CompiledConfig
 from polyinfer.sampling import SamplingParams, derive_seed
 
@@ -46,9 +51,6 @@ MAX_N = 128  # OpenAI's bound on n
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound (vLLM's default max_logprobs)
 MAX_LOGIT_BIAS = 300  # OpenAI: at most 300 biased tokens
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
-# vLLM's structured_outputs keys the engine serves (its regex, choice, grammar and
-# structural_tag are refused: a request that asks for them must not get free text)
-STRUCTURED_KEYS = frozenset({"json", "json_object"})
 
 
 @dataclass(frozen=True)
@@ -119,10 +121,10 @@ def _grammar(body: Mapping[str, Any]) -> GrammarSpec | None:
         raise InvalidRequestError("use one of 'response_format' and 'structured_outputs'",
                                   "structured_outputs")
     if so:
-        used = {k for k, v in so.items() if v is not None and v is not False}
-        for key in sorted(used - STRUCTURED_KEYS):
-            raise UnsupportedOptionError(f"structured_outputs.{key}",
-                                         "only 'json' and 'json_object' are supported")
+        # NOTE: its regex, choice, grammar and structural_tag were refused by the table
+        # (_check_unsupported); its other keys (whitespace, fallback) change no validity
+        used = {k for k in STRUCTURED_CONSTRAINTS if so.get(k) is not None
+                and so.get(k) is not False}
         if len(used) > 1:
             raise InvalidRequestError("'structured_outputs' takes one of 'json' and "
                                       "'json_object'", "structured_outputs")

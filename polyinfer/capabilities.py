@@ -32,15 +32,21 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 # warning and answers free text with a 200): refused by the proxy, naming the replacement
 REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                          "guided_decoding_backend", "guided_whitespace_pattern")
-OPTIONS = frozenset(_NEUTRAL) | {"logprobs", "seed"}
+# vLLM's structured_outputs constraints, each an option of its own ("structured_outputs.json"):
+# a worker may serve some of them (its other keys, whitespace and fallback switches, are not
+# options)
+STRUCTURED_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+OPTIONS = frozenset(_NEUTRAL) | {"logprobs", "seed"} | {
+    f"structured_outputs.{k}" for k in STRUCTURED_CONSTRAINTS}
 
 # what the built-in engine serves (engine.protocol refuses the rest of OPTIONS)
 ENGINE_SERVES = frozenset({
     "n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "min_tokens", "min_p", "seed", "stop_token_ids",
-    # structured output: JSON (an object, or a schema); structured_outputs' regex, choice
-    # and grammar keys are refused by the engine with an unsupported_option 400
-    "response_format", "structured_outputs",
+    # structured output: JSON (an object, or a schema), not structured_outputs' regex,
+    # choice, grammar or structural_tag
+    "response_format", "structured_outputs", "structured_outputs.json",
+    "structured_outputs.json_object",
 })
 _DECLARED_UNSUPPORTED = {"engine": OPTIONS - ENGINE_SERVES}
 
@@ -56,6 +62,10 @@ def requested_options(body: Mapping[str, Any], chat: bool) -> frozenset[str]:
         used.add("logprobs")
     if body.get("seed") is not None:
         used.add("seed")
+    structured = body.get("structured_outputs")
+    if isinstance(structured, Mapping):
+        used.update(f"structured_outputs.{k}" for k in STRUCTURED_CONSTRAINTS
+                    if structured.get(k) is not None and structured.get(k) is not False)
     return frozenset(used)
 
 

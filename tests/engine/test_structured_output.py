@@ -19,6 +19,7 @@ import torch
 
 from engine.grammar import GrammarSpec, grammars_for, mask_rows
 from engine.tokenizer import TextTokenizer
+from polyinfer.capabilities import declared_unsupported, requested_options
 from polyinfer.config import TINY_DRAFT
 from tests.engine.conftest import EngineProcess, serving
 
@@ -121,6 +122,19 @@ def test_what_cannot_be_served_is_a_400(server: EngineProcess, kwargs: dict[str,
     assert e.value.param == param, e.value.body
     if code is not None:
         assert e.value.code == code
+
+
+def test_the_routing_table_knows_what_the_engine_serves() -> None:
+    """JSON goes to engine workers; structured_outputs' other constraints do not."""
+    engine = declared_unsupported("engine")
+    for body in ({"response_format": {"type": "json_object"}},
+                 {"structured_outputs": {"json": SCHEMA, "disable_fallback": True}},
+                 {"structured_outputs": {"json_object": True}}):
+        assert requested_options(body, chat=True) and not requested_options(body, True) & engine
+    for key, value in (("regex", "[a-z]+"), ("choice", ["a", "b"]), ("grammar", "root ::= x")):
+        needs = requested_options({"structured_outputs": {key: value}}, chat=False)
+        assert needs & engine == {f"structured_outputs.{key}"}
+    assert "tools" in engine
 
 
 def test_unconstrained_requests_are_unaffected(server: EngineProcess) -> None:
