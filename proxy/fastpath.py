@@ -65,7 +65,7 @@ _STATUS_TEXT = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Fo
                 500: b"Internal Server Error", 502: b"Bad Gateway",
                 503: b"Service Unavailable", 504: b"Gateway Timeout"}
 _EAGER = {"eager_start": True} if sys.version_info >= (3, 12) else {}
-_SHED_BODY = orjson.dumps(error_body("proxy saturated: retry after the Retry-After seconds",
+_SHED_BODY = orjson.dumps(error_body("proxy saturated (event loop busy): retry after the Retry-After seconds",
                                      "rate_limit_exceeded", None, "overloaded"))
 _SHED_HEADERS = {"x-polyinfer-worker": "none", "x-polyinfer-domain": "none",
                  "x-polyinfer-spec-depth": "none"}

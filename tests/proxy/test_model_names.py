@@ -156,12 +156,15 @@ def test_metrics_count_prompt_and_generated_tokens_per_model_and_worker(
     assert {(m, w) for (_, m, w) in gained} <= {(MODEL, "latency"), (MODEL, "throughput")}
 
 
-def test_validation_errors_quote_the_value_as_json(proxy: ProxyThread) -> None:
+def test_validation_errors_describe_the_value_without_quoting_it(proxy: ProxyThread) -> None:
+    # a bad field's value can be prompt text: the message (and the trace) says what kind of
+    # value it was, never the value itself, and never as a bytes literal
     r = httpx.post(f"{proxy.url}/v1/chat/completions", timeout=30, json={
-        "model": MODEL, "messages": MESSAGES, "max_tokens": "99"})
+        "model": MODEL, "messages": MESSAGES, "max_tokens": "secret 99"})
     assert r.status_code == 400
     message = r.json()["error"]["message"]
-    assert message.endswith('got "99"') and "b'" not in message
+    assert message.endswith("got a string of 9 characters")
+    assert "secret" not in message and "b'" not in message
 
 
 def test_an_unreachable_worker_is_logged_at_start(engines: list[EngineProcess], tmp_path: Path,

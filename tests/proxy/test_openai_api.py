@@ -77,13 +77,19 @@ async def test_async_client_concurrent_streams(proxy: ProxyThread) -> None:
 
 
 def test_openai_fields_reach_the_worker(proxy: ProxyThread) -> None:
-    # The engine refuses `tools` naming the field: proof the proxy passed it through untouched.
+    # The worker answers logprobs in OpenAI's shape: proof the proxy passed the fields through.
+    raw = client(proxy).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        logprobs=True, top_logprobs=2)
+    assert raw.headers["x-polyinfer-worker"] in ("latency", "throughput")
+    content = raw.parse().choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 2 for t in content)
+    # `tools`, which no worker serves, is refused by the proxy naming the field
     with pytest.raises(openai.BadRequestError) as e:
         client(proxy).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
     assert "tools" in str(e.value)
-    assert e.value.response.headers["x-polyinfer-worker"] in ("latency", "throughput")
 
 
 def test_models_merged_and_unknown_model_404(proxy: ProxyThread) -> None:
