@@ -326,7 +326,9 @@ def test_idle_keep_alive_connections_are_closed(proxy: ProxyThread) -> None:
         assert eventually(lambda: conn._task is None)  # reading the worker's last bytes
         conn.close_if_idle(fast.loop.time() - 3600)  # idle for less than an hour: kept
         assert conn in fast.connections
-        proxy.loop.call_soon_threadsafe(conn.close_if_idle, fast.loop.time() + 1)
+        # idle past the keep-alive timeout: closed
+        proxy.loop.call_soon_threadsafe(conn.close_if_idle,
+                                        fast.loop.time() + fast.keepalive_timeout_s + 1)
         assert c.closed_by_server()
     finally:
         c.close()

@@ -121,7 +121,8 @@ def scripted_proxy(tmp_path: Path) -> Iterator[tuple[ProxyThread, Path]]:
     with ScriptedWorker() as worker:
         config = ProxyConfig.from_dict({
             "server": {"host": "127.0.0.1", "port": 0},
-            "workers": [{"name": "scripted", "url": worker.url, "discover": False}],
+            "workers": [{"name": "scripted", "url": worker.url, "discover": False,
+                         "config": {"backend": "external", "model": MODEL}}],
             "traces": {"dir": str(tmp_path / "traces"), "flush_interval_s": 0.1},
             "health": {"interval_s": 0.2, "metrics_interval_s": 0},
             "limits": {"max_loop_lag_s": 0},
