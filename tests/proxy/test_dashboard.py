@@ -207,8 +207,10 @@ def send_burst_and_error(url: str) -> dict[str, int]:
 def wait_for_history(url: str, headers: dict[str, str], counts: dict[str, int],
                      num_events: int = 0) -> dict[str, Any]:
     """The history once the sampler has closed the seconds that hold the traffic sent (and
-    the optimizer's board has been read since its last ``num_events`` events)."""
-    deadline = time.monotonic() + 30
+    the optimizer's board has been read since its last ``num_events`` events).
+    NOTE: 90 s: on a loaded 2-core box the board's read (an executor job, at most every 5 s)
+    and the sampler's ticks fell past a 30 s wait once."""
+    deadline = time.monotonic() + 90
     while True:
         doc = httpx.get(url + "/stats/history?window=300", headers=headers, timeout=10).json()
         series, step = doc["series"], doc["step_s"]
