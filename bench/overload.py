@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,24 +29,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proxy_overhead as po  # noqa: E402  (a bench sibling, not a package)
-
-
-def load(url: str, rate: float, seconds: float, prompts: str, data: Path,
-         cores: tuple[int | None, ...]) -> list[dict]:
-    """Raw samples of one open-loop run, ``rate`` split over one process per core."""
-    n = len(cores)
-    procs = [subprocess.Popen(po.pinned([po.PY, po.__file__, "--loadgen", url, str(rate / n),
-                                         str(seconds), prompts, str(data),
-                                         str(i * int(rate * seconds / n + po.NUM_WARMUP))],
-                                        core), stdout=subprocess.PIPE, text=True)
-             for i, core in enumerate(cores)]
-    parts = []
-    for proc in procs:
-        out, _ = proc.communicate()
-        if proc.returncode != 0:
-            raise RuntimeError(f"load process failed ({proc.returncode})")
-        parts.append(json.loads(out.strip().splitlines()[-1]))
-    return parts
 
 
 def summary(parts: list[dict], rate: float) -> dict:
@@ -106,7 +87,7 @@ def main() -> None:
         target = po.start_polyinfer(up_url, workdir, layout.proxy, args.shape_estimator,
                                     args.source.resolve() if args.source else None)
         for rate in args.sweep:
-            row = summary(load(target.url, rate, args.duration, args.prompts, args.data,
+            row = summary(po.load_parts(target.url, rate, args.duration, args.prompts, args.data,
                                layout.loadgen), rate)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -115,7 +96,7 @@ def main() -> None:
         rate = args.factor * capacity
         print(f"# capacity {capacity:.0f} req/s; holding {rate:.0f} req/s for "
               f"{args.overload_duration:.0f} s", flush=True)
-        over = summary(load(target.url, rate, args.overload_duration, args.prompts,
+        over = summary(po.load_parts(target.url, rate, args.overload_duration, args.prompts,
                             args.data, layout.loadgen), rate)
         over["goodput_over_capacity"] = round(over["goodput_rps"] / max(capacity, 1e-9), 3)
         over["proxy"] = proxy_stats(target.url)

@@ -336,6 +336,12 @@ class Layout:
 def run_load(url: str, rate: float, seconds: float, prompts: str, data: Path,
              cores: tuple[int | None, ...]) -> dict:
     """``rate`` split over one load process per core in ``cores``, run together."""
+    return summarize(load_parts(url, rate, seconds, prompts, data, cores))
+
+
+def load_parts(url: str, rate: float, seconds: float, prompts: str, data: Path,
+               cores: tuple[int | None, ...]) -> list[dict]:
+    """Each load process's raw samples (:func:`run_load` without the summary)."""
     n = len(cores)
     procs = [subprocess.Popen(pinned([PY, __file__, "--loadgen", url, str(rate / n),
                                       str(seconds), prompts, str(data),
@@ -348,7 +354,7 @@ def run_load(url: str, rate: float, seconds: float, prompts: str, data: Path,
         if proc.returncode != 0:
             raise RuntimeError(f"load process failed ({proc.returncode})")
         parts.append(json.loads(out.strip().splitlines()[-1]))
-    return summarize(parts)
+    return parts
 
 
 def measure(target: Target, rate: float, args: argparse.Namespace, layout: Layout) -> dict:
