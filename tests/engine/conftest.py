@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyinfer.config import TINY_TARGET
+from polyinfer.config import TINY_DRAFT, TINY_TARGET
 from proxy.supervisor import free_port
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -90,6 +90,16 @@ class EngineProcess:
         except Exception:
             self.proc.kill()
         self.log.close()
+
+
+def draft_engine_config(model_dir: Path) -> dict:
+    """An engine with the bundled draft model (sampled drafts, prefix caching on), served as
+    ``tiny``: what the API tests run against, so speculation is always in the path."""
+    return {"backend": "engine", "model": str(model_dir), "served_model_name": "tiny",
+            "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 256,
+                       "kv_cache_tokens": 8192, "max_model_len": 2048,
+                       "spec_method": "draft", "draft_model": str(TINY_DRAFT),
+                       "spec_max_depth": 4, "enable_prefix_caching": True}}
 
 
 def serving(config: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:

@@ -14,8 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from polyinfer.config import TINY_DRAFT
-from tests.engine.conftest import EngineProcess, serving
+from tests.engine.conftest import EngineProcess, draft_engine_config, serving
 
 pytestmark = pytest.mark.timeout(300)
 CHAT = [{"role": "user", "content": "Write a short python function that adds two numbers."}]
@@ -26,12 +25,7 @@ EOS = 2
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[EngineProcess]:
     """A draft-model engine: sampled drafts, so seeded requests exercise coupled drafting."""
-    config = {"backend": "engine", "model": str(tiny_model_dir), "served_model_name": "tiny",
-              "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 256,
-                         "kv_cache_tokens": 8192, "max_model_len": 2048,
-                         "spec_method": "draft", "draft_model": str(TINY_DRAFT),
-                         "spec_max_depth": 4, "enable_prefix_caching": True}}
-    yield from serving(config, tmp_path_factory)
+    yield from serving(draft_engine_config(tiny_model_dir), tmp_path_factory)
 
 
 def client(server: EngineProcess) -> openai.OpenAI:

@@ -20,8 +20,7 @@ import torch
 from engine.grammar import GrammarSpec, grammars_for, mask_rows
 from engine.tokenizer import TextTokenizer
 from polyinfer.capabilities import declared_unsupported, requested_options
-from polyinfer.config import TINY_DRAFT
-from tests.engine.conftest import EngineProcess, serving
+from tests.engine.conftest import EngineProcess, draft_engine_config, serving
 
 pytestmark = pytest.mark.timeout(300)
 CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -42,12 +41,7 @@ SCHEMA = {
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[EngineProcess]:
     """A draft-model engine, so a constrained request beside speculative ones is exercised."""
-    config = {"backend": "engine", "model": str(tiny_model_dir), "served_model_name": "tiny",
-              "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 256,
-                         "kv_cache_tokens": 8192, "max_model_len": 2048,
-                         "spec_method": "draft", "draft_model": str(TINY_DRAFT),
-                         "spec_max_depth": 4}}
-    yield from serving(config, tmp_path_factory)
+    yield from serving(draft_engine_config(tiny_model_dir), tmp_path_factory)
 
 
 def client(server: EngineProcess) -> openai.OpenAI:
