@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.engine_gpu_decode import measure_bandwidth  # noqa: E402
 from engine.cuda_graph import DecodeRow  # noqa: E402
 from engine.fused import VARIANTS, ForwardShape, check_forward  # noqa: E402
 from engine.loader import load_core  # noqa: E402
@@ -117,21 +118,6 @@ def write_checkpoint(out: Path, s: Shape) -> int:
         t[p + "mlp.down_proj.weight"] = w(s.hidden, s.intermediate)
     save_file(t, str(out / "model.safetensors"))
     return sum(v.numel() * v.element_size() for v in t.values())
-
-
-def measure_bandwidth(num_bytes: int = 4 << 30) -> float:
-    """Bytes moved per second by a device-to-device copy (read + write counted)."""
-    src = torch.empty(num_bytes // 2, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    n = 10
-    t0 = time.perf_counter()
-    for _ in range(n):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * src.numel() * n / (time.perf_counter() - t0)
 
 
 def engine_config(model_dir: Path, max_batch: int, forward: ForwardConfig) -> CompiledConfig:
