@@ -1,10 +1,11 @@
 """Structured output: a request's grammar, compiled by xgrammar, masks its logits rows.
 
-A request that asks for JSON (``response_format`` ``json_object`` / ``json_schema``, or
-vLLM's ``structured_outputs``) carries a :class:`GrammarSpec` in its parameters (plain
-data: it crosses to a data-parallel core by pickle). The parser compiles it once to
-refuse a grammar that cannot compile (a 400); the core compiles it again (a hit in the
-compiler's cache, keyed by the schema text) and keeps a matcher per sequence::
+A request that constrains its output (``response_format`` ``json_object`` /
+``json_schema``, or vLLM's ``structured_outputs`` ``json`` / ``json_object`` / ``regex`` /
+``choice`` / ``grammar``) carries a :class:`GrammarSpec` in its parameters (plain data: it
+crosses to a data-parallel core by pickle). The parser compiles it once to refuse a
+grammar that cannot compile (a 400); the core compiles it again (a hit in the compiler's
+cache, keyed by the source text) and keeps a matcher per sequence::
 
     grammars = grammars_for(tokenizer, vocab_size)     # one per tokenizer and process
     matcher = grammars.matcher(GrammarSpec.json_schema(schema))
@@ -35,17 +36,19 @@ CACHE_LIMIT_BYTES = 64 << 20  # compiled grammars kept per compiler (xgrammar's 
 
 
 class GrammarError(ValueError):
-    """A schema that xgrammar cannot compile."""
+    """A schema, regex or grammar that xgrammar cannot compile."""
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What to constrain a request's output to: any JSON object, or JSON of a schema."""
+    """What to constrain a request's output to: any JSON object, JSON of a schema, text of a
+    regex, one of a list of strings, or text of an EBNF (GBNF) grammar."""
 
-    kind: str  # "json_object" | "json_schema"
-    # the schema as compact JSON text, the cache key; NOTE: keys keep the client's order
-    # (the properties' order is the output's)
-    schema: str = ""
+    kind: str  # "json_object" | "json_schema" | "regex" | "choice" | "grammar"
+    # what compiles, and the cache key: the schema as compact JSON text (NOTE: keys keep the
+    # client's order, the properties' order is the output's), the regex, or the EBNF text
+    # (a choice is compiled as the EBNF alternation of its quoted strings)
+    source: str = ""
 
     @classmethod
     def json_object(cls) -> GrammarSpec:
@@ -54,6 +57,21 @@ class GrammarSpec:
     @classmethod
     def json_schema(cls, schema: Any) -> GrammarSpec:
         return cls("json_schema", json.dumps(schema, separators=(",", ":")))
+
+    @classmethod
+    def regex(cls, pattern: str) -> GrammarSpec:
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> GrammarSpec:
+        """Exactly one of ``choices``: ``root ::= "a" | "b"``, each string quoted as JSON
+        quotes it (EBNF strings take the same escapes)."""
+        return cls("choice", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                      for c in choices))
+
+    @classmethod
+    def grammar(cls, ebnf: str) -> GrammarSpec:
+        return cls("grammar", ebnf)
 
 
 class Grammars:
@@ -76,9 +94,15 @@ class Grammars:
             if spec.kind == "json_object":
                 return self.compiler.compile_json_schema('{"type": "object"}',
                                                          any_whitespace=False)
-            return self.compiler.compile_json_schema(spec.schema, any_whitespace=False)
+            if spec.kind == "json_schema":
+                return self.compiler.compile_json_schema(spec.source, any_whitespace=False)
+            if spec.kind == "regex":
+                return self.compiler.compile_regex(spec.source)
+            if spec.kind in ("choice", "grammar"):
+                return self.compiler.compile_grammar(spec.source)
         except RuntimeError as e:  # xgrammar reports every compile error as RuntimeError
             raise GrammarError(_first_line(str(e))) from None
+        raise AssertionError(f"unknown grammar kind {spec.kind!r}")
 
     def matcher(self, spec: GrammarSpec) -> xgrammar.GrammarMatcher:
         import xgrammar as xgr

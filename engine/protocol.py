@@ -9,7 +9,8 @@ with a 400 ``unsupported_option`` rather than silently ignored. Served: ``n``,
 ``repetition_penalty``, ``logit_bias``, ``min_tokens``, ``min_p``, ``seed``, ``stop``,
 ``stop_token_ids``, and structured output (engine.grammar): ``response_format``
 ``json_object`` / ``json_schema`` and vLLM's ``structured_outputs`` ``json`` /
-``json_object``; a schema that cannot compile is a 400.
+``json_object`` / ``regex`` / ``choice`` / ``grammar`` (EBNF); a schema, regex or grammar
+that cannot compile is a 400 naming its field.
 Unknown fields are ignored, as vLLM does, so a proxy may add its own. A prompt that
 cannot fit the context is refused from its length in characters (or messages, or ids)
 before it is rendered or tokenized: an 8 MB prompt costs a length check, not seconds of
@@ -50,6 +51,12 @@ MAX_STOP_STRINGS = 16
 MAX_N = 128  # OpenAI's bound on n
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound (vLLM's default max_logprobs)
 MAX_LOGIT_BIAS = 300  # OpenAI: at most 300 biased tokens
+# what each kind of grammar is called in a compile error, and the field it came from
+_GRAMMAR_FIELDS = {"json_object": ("schema", "response_format"),
+                   "json_schema": ("schema", "response_format"),
+                   "regex": ("regex", "structured_outputs.regex"),
+                   "choice": ("choice", "structured_outputs.choice"),
+                   "grammar": ("grammar", "structured_outputs.grammar")}
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
 
 
@@ -121,26 +128,15 @@ def _grammar(body: Mapping[str, Any]) -> GrammarSpec | None:
         raise InvalidRequestError("use one of 'response_format' and 'structured_outputs'",
                                   "structured_outputs")
     if so:
-        # NOTE: its regex, choice, grammar and structural_tag were refused by the table
-        # (_check_unsupported); its other keys (whitespace, fallback) change no validity
-        used = {k for k in STRUCTURED_CONSTRAINTS if so.get(k) is not None
-                and so.get(k) is not False}
+        # NOTE: its structural_tag was refused by the table (_check_unsupported); its other
+        # keys (whitespace, fallback switches) change no validity
+        used = [k for k in STRUCTURED_CONSTRAINTS if so.get(k) is not None
+                and so.get(k) is not False]
         if len(used) > 1:
-            raise InvalidRequestError("'structured_outputs' takes one of 'json' and "
-                                      "'json_object'", "structured_outputs")
-        if "json" in used:
-            schema = so["json"]
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError:
-                    raise InvalidRequestError("'structured_outputs.json' is not valid JSON",
-                                              "structured_outputs.json") from None
-            if not isinstance(schema, (dict, bool)):
-                raise InvalidRequestError("'structured_outputs.json' must be a JSON schema",
-                                          "structured_outputs.json")
-            return GrammarSpec.json_schema(schema)
-        return GrammarSpec.json_object() if used else None
+            raise InvalidRequestError("'structured_outputs' takes one of "
+                                      f"{', '.join(map(repr, STRUCTURED_CONSTRAINTS))}; "
+                                      f"got {', '.join(map(repr, used))}", "structured_outputs")
+        return _structured_output(so, used[0]) if used else None
     if fmt is None:
         return None
     kind = fmt.get("type")
@@ -161,6 +157,31 @@ def _grammar(body: Mapping[str, Any]) -> GrammarSpec | None:
         raise InvalidRequestError("'response_format.json_schema.schema' must be an object",
                                   "response_format.json_schema.schema")
     return GrammarSpec.json_schema(schema)
+
+
+def _structured_output(so: Mapping[str, Any], key: str) -> GrammarSpec:
+    """The grammar of ``structured_outputs[key]``: a type check here, compiling later."""
+    value, param = so[key], f"structured_outputs.{key}"
+    if key == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise InvalidRequestError(f"'{param}' is not valid JSON", param) from None
+        if not isinstance(value, (dict, bool)):
+            raise InvalidRequestError(f"'{param}' must be a JSON schema", param)
+        return GrammarSpec.json_schema(value)
+    if key == "json_object":
+        return GrammarSpec.json_object()
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(
+                isinstance(c, str) and c for c in value):
+            raise InvalidRequestError(f"'{param}' must be a non-empty list of non-empty "
+                                      "strings", param)
+        return GrammarSpec.choice(value)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"'{param}' must be a non-empty string", param)
+    return GrammarSpec.regex(value) if key == "regex" else GrammarSpec.grammar(value)
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -311,9 +332,10 @@ class RequestParser:
             try:
                 grammars_for(self.tokenizer, self.logits_width).compile(spec)
             except GrammarError as e:
-                param = ("structured_outputs" if body.get("structured_outputs")
-                         else "response_format")
-                raise InvalidRequestError(f"the schema cannot be compiled: {e}",
+                what, param = _GRAMMAR_FIELDS[spec.kind]
+                if spec.kind.startswith("json") and body.get("structured_outputs"):
+                    param = "structured_outputs"
+                raise InvalidRequestError(f"the {what} cannot be compiled: {e}",
                                           param) from None
         return spec
 

@@ -43,10 +43,11 @@ OPTIONS = frozenset(_NEUTRAL) | {"logprobs", "seed"} | {
 ENGINE_SERVES = frozenset({
     "n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "logit_bias", "min_tokens", "min_p", "seed", "stop_token_ids",
-    # structured output: JSON (an object, or a schema), not structured_outputs' regex,
-    # choice, grammar or structural_tag
+    # structured output: JSON (an object, or a schema), a regex, a choice, an EBNF grammar;
+    # not structured_outputs' structural_tag
     "response_format", "structured_outputs", "structured_outputs.json",
-    "structured_outputs.json_object",
+    "structured_outputs.json_object", "structured_outputs.regex", "structured_outputs.choice",
+    "structured_outputs.grammar",
 })
 _DECLARED_UNSUPPORTED = {"engine": OPTIONS - ENGINE_SERVES}
 

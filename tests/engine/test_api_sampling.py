@@ -196,12 +196,17 @@ def test_json_bodies_only(server: EngineProcess) -> None:
     assert _post(server, body, "application/json; charset=utf-8")[0] == 200
 
 
-@pytest.mark.parametrize("extra", [
-    {"extra_body": {"guided_json": {"type": "object"}}},
-    {"extra_body": {"structured_outputs": {"regex": "[a-z]+"}}},
-    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+@pytest.mark.parametrize("extra, param", [
+    ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+    ({"extra_body": {"structured_outputs": {"structural_tag": '{"type": "x"}'}}},
+     "structured_outputs.structural_tag"),
+    # the bundled model's chat template renders no tools
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
 ])
-def test_what_is_not_served_is_a_clear_400(server: EngineProcess, extra: dict[str, Any]) -> None:
+def test_what_is_not_served_is_a_clear_400(server: EngineProcess, extra: dict[str, Any],
+                                           param: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         chat(server, **extra)
-    assert e.value.code == "unsupported_option"
+    assert e.value.code == "unsupported_option" and e.value.param == param, e.value.body

@@ -1,12 +1,14 @@
 """Structured output on a real engine worker, through the real `openai` client on loopback:
-``response_format`` json_object / json_schema and vLLM's ``structured_outputs``, with
-xgrammar's mask on the sampler's path (engine.grammar). The tiny model writes nonsense, but
-under the mask it is JSON that parses and validates."""
+``response_format`` json_object / json_schema and vLLM's ``structured_outputs`` (json, regex,
+choice, EBNF grammar), with xgrammar's mask on the sampler's path (engine.grammar). The tiny
+model writes nonsense, but under the mask it is JSON that validates, text that matches the
+regex, one of the choices, a sentence of the grammar."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +37,15 @@ SCHEMA = {
     "required": ["name", "age", "tags", "ok"],
     "additionalProperties": False,
 }
+REGEX = r"[a-z]{3,8}-\d{2,4}( [A-Z][a-z]{1,8})?"
+CHOICES = ["positive", "negative", 'a "quoted" choice', "naïve\\path"]
+# a regular grammar in EBNF, and the same language as a Python regex to check it by
+GRAMMAR = """
+root ::= greeting " " name ("," " " name)? "!"
+greeting ::= "hello" | "hi"
+name ::= [A-Z] [a-z] [a-z]? [a-z]?
+"""
+GRAMMAR_AS_REGEX = r"(hello|hi) [A-Z][a-z]{1,3}(, [A-Z][a-z]{1,3})?!"
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +115,20 @@ def test_streamed_json_schema_validates(server: EngineProcess) -> None:
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
      "response_format.json_schema", None),
     ({"response_format": {"type": "yaml"}}, "response_format.type", None),
-    ({"extra_body": {"structured_outputs": {"regex": "[a-z]+"}}},
-     "structured_outputs.regex", "unsupported_option"),
+    ({"extra_body": {"structured_outputs": {"regex": "[a-z]+(("}}},
+     "structured_outputs.regex", None),
+    ({"extra_body": {"structured_outputs": {"regex": ""}}}, "structured_outputs.regex", None),
+    ({"extra_body": {"structured_outputs": {"grammar": "root ::= undefined_rule"}}},
+     "structured_outputs.grammar", None),
+    ({"extra_body": {"structured_outputs": {"grammar": 'start ::= "a"'}}},
+     "structured_outputs.grammar", None),
+    ({"extra_body": {"structured_outputs": {"choice": []}}}, "structured_outputs.choice", None),
+    ({"extra_body": {"structured_outputs": {"choice": ["a", 3]}}},
+     "structured_outputs.choice", None),
+    ({"extra_body": {"structured_outputs": {"choice": ["a"], "regex": "a"}}},
+     "structured_outputs", None),
+    ({"extra_body": {"structured_outputs": {"structural_tag": '{"type": "x"}'}}},
+     "structured_outputs.structural_tag", "unsupported_option"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
      "tools", "unsupported_option"),
 ])
@@ -119,16 +142,60 @@ def test_what_cannot_be_served_is_a_400(server: EngineProcess, kwargs: dict[str,
 
 
 def test_the_routing_table_knows_what_the_engine_serves() -> None:
-    """JSON goes to engine workers; structured_outputs' other constraints do not."""
+    """Every structured_outputs constraint but structural_tag goes to engine workers."""
     engine = declared_unsupported("engine")
     for body in ({"response_format": {"type": "json_object"}},
                  {"structured_outputs": {"json": SCHEMA, "disable_fallback": True}},
-                 {"structured_outputs": {"json_object": True}}):
+                 {"structured_outputs": {"json_object": True}},
+                 {"structured_outputs": {"regex": "[a-z]+"}},
+                 {"structured_outputs": {"choice": ["a", "b"]}},
+                 {"structured_outputs": {"grammar": "root ::= x"}}):
         assert requested_options(body, chat=True) and not requested_options(body, True) & engine
-    for key, value in (("regex", "[a-z]+"), ("choice", ["a", "b"]), ("grammar", "root ::= x")):
-        needs = requested_options({"structured_outputs": {key: value}}, chat=False)
-        assert needs & engine == {f"structured_outputs.{key}"}
-    assert "tools" in engine
+    needs = requested_options({"structured_outputs": {"structural_tag": "{}"}}, chat=False)
+    assert needs & engine == {"structured_outputs.structural_tag"}
+    assert "tools" in engine and "tool_choice" in engine
+
+
+def structured(server: EngineProcess, constraint: dict[str, Any], **kwargs: Any) -> Any:
+    kwargs.setdefault("max_tokens", 64)
+    kwargs.setdefault("temperature", 1.0)
+    return client(server).completions.create(
+        model="tiny", prompt="Answer:", extra_body={"structured_outputs": constraint},
+        **kwargs)
+
+
+def test_regex_output_matches(server: EngineProcess) -> None:
+    texts = set()
+    for seed in (1, 2, 3):
+        r = structured(server, {"regex": REGEX}, seed=seed, n=2)
+        for c in r.choices:
+            assert c.finish_reason == "stop" and re.fullmatch(REGEX, c.text), c.text
+            texts.add(c.text)
+    assert len(texts) > 1  # sampled within the language, not one forced string
+    r = chat(server, max_tokens=64, extra_body={"structured_outputs": {"regex": REGEX},
+                                                "speculative_depth": 4})
+    assert re.fullmatch(REGEX, r.choices[0].message.content), r.choices[0].message.content
+
+
+def test_choice_is_one_of_the_choices(server: EngineProcess) -> None:
+    seen = set()
+    for seed in range(6):
+        r = structured(server, {"choice": CHOICES}, seed=seed)
+        assert r.choices[0].finish_reason == "stop"
+        assert r.choices[0].text in CHOICES, r.choices[0].text
+        seen.add(r.choices[0].text)
+    assert len(seen) > 1, seen
+    stream = client(server).chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=32, temperature=0, stream=True,
+        extra_body={"structured_outputs": {"choice": CHOICES}})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in CHOICES
+
+
+def test_grammar_output_parses(server: EngineProcess) -> None:
+    for seed in (1, 2, 3, 4):
+        r = structured(server, {"grammar": GRAMMAR}, seed=seed)
+        assert r.choices[0].finish_reason == "stop"
+        assert re.fullmatch(GRAMMAR_AS_REGEX, r.choices[0].text), r.choices[0].text
 
 
 def test_unconstrained_requests_are_unaffected(server: EngineProcess) -> None:

@@ -131,7 +131,11 @@ def parser(tokenizer: TextTokenizer, **engine: object) -> RequestParser:
     ({"prompt": "hi", "best_of": 3}, UnsupportedOptionError),
     ({"prompt": "hi", "logprobs": 21}, InvalidRequestError),
     ({"prompt": "hi", "response_format": {"type": "yaml"}}, InvalidRequestError),
-    ({"prompt": "hi", "structured_outputs": {"regex": "a+"}}, UnsupportedOptionError),
+    ({"prompt": "hi", "structured_outputs": {"structural_tag": "{}"}}, UnsupportedOptionError),
+    ({"prompt": "hi", "structured_outputs": {"regex": "a+(("}}, InvalidRequestError),
+    ({"prompt": "hi", "structured_outputs": {"choice": "a"}}, InvalidRequestError),
+    ({"prompt": "hi", "structured_outputs": {"grammar": "root ::= nothing"}},
+     InvalidRequestError),
     ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "nonsense"}}}}, InvalidRequestError),
     ({"prompt": "hi", "guided_json": {"type": "object"}}, UnsupportedOptionError),
