@@ -43,7 +43,7 @@ class GainReport:
     ci_high: float = 0.0
     sd: float = 0.0  # standard deviation of one pair's log ratio
 
-    def to_dict(self) -> dict[str, float | int | bool]:
+    def to_dict(self) -> dict[str, float | int | bool | list[float]]:
         return {"gain": round(self.gain, 4), "ci": [round(self.ci_low, 4), round(self.ci_high, 4)],
                 "noise": round(self.noise, 4), "pairs": self.num_pairs,
                 "significant": self.significant}

@@ -185,7 +185,7 @@ def build_profile(records: Sequence[TraceRecord]) -> TrafficProfile:
     return TrafficProfile(
         num_requests=len(records), duration_s=duration, arrival_rate_rps=rate,
         domain_mix={d: n / len(records) for d, n in sorted(counts.items())},
-        prompt_tokens=LengthStats.of([r.prompt_tokens for r in records]),
+        prompt_tokens=LengthStats.of([r.prompt_tokens or 0 for r in records]),
         output_tokens=LengthStats.of([r.output_tokens for r in ok]),
         prompt_tokens_by_domain=_mean_by_domain(records, lambda r: r.prompt_tokens),
         output_tokens_by_domain=_mean_by_domain(ok, lambda r: r.output_tokens),
@@ -250,7 +250,7 @@ def stratified_sample(records: Sequence[TraceRecord], n: int, seed: int = 0) -> 
     rng = random.Random(seed)
     out: list[TraceRecord] = []
     for domain in sorted(quotas):
-        out.extend(_strata_draw(sorted(by_domain[domain], key=lambda r: r.prompt_tokens),
+        out.extend(_strata_draw(sorted(by_domain[domain], key=lambda r: r.prompt_tokens or 0),
                                 quotas[domain], rng))
     rng.shuffle(out)
     return out

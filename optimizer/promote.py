@@ -12,25 +12,33 @@ acts through, :class:`ConfigSink` and :class:`WorkerSwitch`, and the host (the
 proxy, ``proxy.optimize``) hands it implementations; until a switch is handed
 in, vLLM promotions are refused with a PromotionError that says so.
 
-After a switch, :class:`LiveWatch` compares the worker's live time per output
-token (scraped from its vLLM-style /metrics) in a window after the switch
-with the window before; a regression beyond the threshold rolls back.
+After a switch the live traffic judges it. Given the worker's trace records (a
+:class:`LiveRecords`: the proxy's requests routed to it), the judge is the
+per-shape canary of :mod:`optimizer.canary`: each shape's TTFT, TPOT and errors
+on the new config against that shape's on the incumbent, rolled back by itself
+on a regression beyond noise, with the shape, metric and numbers as the
+reason. A host without trace records (a bare engine worker) gets the
+whole-worker judge: mean TPOT and TTFT scraped from the worker's vLLM-style
+/metrics in a window before and after.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from optimizer.canary import CanaryConfig, ShapeCanary, Verdict, baseline
 from optimizer.errors import PromotionError
 from optimizer.measure import EngineClient
 from polyinfer.config import RESTART_FIELDS, CompiledConfig, needs_restart
+from polyinfer.trace import TraceRecord
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +59,7 @@ class PromotionConfig:
     hot_reload_cost_s: float = 1.0  # what a hot reload costs (measured reload_s replaces it)
     restart_cost_s: float = 120.0  # what a cold restart / blue-green switch costs
     payback_horizon_s: float = 1800.0  # how long a promoted config is expected to live
+    canary: CanaryConfig = field(default_factory=CanaryConfig)  # the per-shape judge
 
     def __post_init__(self) -> None:
         if self.watch_s <= 0 or self.min_requests < 1 or self.max_tpot_regression <= 0:
@@ -74,6 +83,13 @@ class ConfigSink(Protocol):
 
     def config_promoted(self, worker_url: str, config: CompiledConfig,
                         tokens_per_s: float) -> None:
+        ...
+
+
+class LiveRecords(Protocol):
+    """The worker's recently finished requests, as the proxy recorded them (any order)."""
+
+    def live_records(self) -> list[TraceRecord]:
         ...
 
 
@@ -145,6 +161,7 @@ class PromotionOutcome:
     tpot_after_s: float | None
     reason: str = ""
     worker_url: str = ""  # the live worker's URL afterwards (a blue-green switch moves it)
+    canary: dict[str, Any] | None = None  # the per-shape comparison, when records judged it
 
 
 class Promoter:
@@ -169,13 +186,20 @@ class Promoter:
         return await self.blue_green.replace(worker_url, cfg)
 
     async def promote(self, worker_url: str, backend: str, winner: CompiledConfig,
-                      previous: CompiledConfig, tokens_per_s: float) -> PromotionOutcome:
-        """Switch, watch one window, roll back on regression; sinks hear only of kept configs."""
+                      previous: CompiledConfig, tokens_per_s: float,
+                      records: LiveRecords | None = None) -> PromotionOutcome:
+        """Switch, watch, roll back on regression; sinks hear only of kept configs.
+
+        With ``records`` the per-shape canary judges; without, the whole worker's /metrics.
+        """
         restart = backend == "engine" and needs_restart(previous, winner)
         if restart and self.blue_green is None:
             raise PromotionError(f"{worker_url}: the winner changes a restart-only field of "
                                  f"{RESTART_FIELDS}; that needs a blue-green replacement, and "
                                  "none is configured")
+        if records is not None:
+            return await self._promote_by_shape(worker_url, backend, winner, previous,
+                                                tokens_per_s, restart, records)
         before_a = await scrape(self.session, worker_url)
         await asyncio.sleep(self.config.watch_s)
         before_b = await scrape(self.session, worker_url)
@@ -195,6 +219,43 @@ class Promoter:
         judged = n_before >= self.config.min_requests and n_after >= self.config.min_requests
         return PromotionOutcome("promoted", switched.seconds, tpot_before, tpot_after,
                                 "" if judged else "too little live traffic to judge", live)
+
+    async def _promote_by_shape(self, worker_url: str, backend: str, winner: CompiledConfig,
+                                previous: CompiledConfig, tokens_per_s: float, restart: bool,
+                                records: LiveRecords) -> PromotionOutcome:
+        cfg = self.config
+        before = baseline(records.live_records(), time.time(), cfg.canary)
+        looks = max(1, math.ceil(cfg.max_watch_s / cfg.watch_s))
+        canary = ShapeCanary(cfg.canary, before, {"ttft_s": cfg.max_ttft_regression,
+                                                  "tpot_s": cfg.max_tpot_regression}, looks)
+        switched = await self.switch(worker_url, backend, winner, restart)
+        live = switched.worker_url  # NOTE: a blue-green switch serves from a new server
+        verdict = await self._canary_watch(canary, records, time.time())
+        before_tpot, after_tpot = _tpot_means(verdict)
+        if verdict.regressed is not None:
+            why = verdict.regressed.reason()
+            logger.warning("canary: rolling back %s: %s", live, why)
+            back = await self.switch(live, backend, previous, restart)
+            return PromotionOutcome("rolled_back", switched.seconds, before_tpot, after_tpot,
+                                    why, back.worker_url, _canary_doc(verdict))
+        for sink in self.sinks:
+            sink.config_promoted(live, winner, tokens_per_s)
+        reason = "" if verdict.num_judged else "too little live traffic to judge any shape"
+        return PromotionOutcome("promoted", switched.seconds, before_tpot, after_tpot, reason,
+                                live, _canary_doc(verdict))
+
+    async def _canary_watch(self, canary: ShapeCanary, records: LiveRecords,
+                            switched_unix: float) -> Verdict:
+        """Judge every watch_s until a shape regresses, every shape has its samples, or
+        max_watch_s; only requests that arrived after the switch count for the new config."""
+        deadline = time.monotonic() + self.config.max_watch_s
+        while True:
+            await asyncio.sleep(self.config.watch_s)
+            after = [r for r in records.live_records() if r.ts >= switched_unix]
+            verdict = canary.judge(after)
+            if (verdict.regressed is not None or canary.ready(after)
+                    or time.monotonic() >= deadline):
+                return verdict
 
     async def _watch(self, live: str, start: LiveSample) -> LiveSample:
         """Scrapes every watch_s until min_requests finished after the switch (max_watch_s)."""
@@ -227,3 +288,18 @@ class Promoter:
         if n_before < self.config.min_requests or n_after < self.config.min_requests:
             return False
         return after > before * (1.0 + self.config.max_tpot_regression)
+
+
+def _tpot_means(verdict: Verdict) -> tuple[float | None, float | None]:
+    """The TPOT of the shape judged on the most requests (for the outcome's summary)."""
+    rows = [r["tpot_s"] for r in verdict.shapes.values() if "tpot_s" in r]
+    if not rows:
+        return None, None
+    top = max(rows, key=lambda r: r["num_after"] + r["num_before"])
+    return top["before"], top["after"]
+
+
+def _canary_doc(verdict: Verdict) -> dict[str, Any]:
+    return {"shapes": verdict.shapes, "judged": verdict.num_judged,
+            "alpha_per_test": verdict.alpha_per_test,
+            "regressed": verdict.regressed.to_dict() if verdict.regressed else None}

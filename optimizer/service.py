@@ -61,6 +61,7 @@ from optimizer.promote import ConfigSink, Promoter, PromotionConfig, WorkerSwitc
 from optimizer.sample import DomainPromptSynthesizer, SampleConfig, build_replay
 from optimizer.space import DEFAULT_KNOBS, Knob, ModelShape, SearchSpace
 from optimizer.verify import (
+    Reference,
     VerifyConfig,
     VerifyRequest,
     reference_outputs,
@@ -155,6 +156,7 @@ class OptimizerService:
         self._tails = [TraceTail(p) for p in config.traces]
         self._records: deque[TraceRecord] = deque(maxlen=config.window_records)
         self._num_bad_lines = 0
+        self._num_observed = 0  # live records handed in by the host (the canary's input)
         self.state = "starting"
         self.profile: TrafficProfile | None = None
         self.campaign: Campaign | None = None
@@ -163,6 +165,7 @@ class OptimizerService:
         self.timings: dict[str, float] = {}
         self.last_error: str | None = None
         self.live_config: CompiledConfig | None = None
+        self.last_canary: dict[str, Any] | None = None  # the last switch's live judgement
         # the live worker's URL: config.worker_url until a blue-green switch moves it
         self.worker_url = config.worker_url
         self.hardware: dict[str, float] = {}
@@ -175,8 +178,13 @@ class OptimizerService:
         """A live trace record from the proxy (cheap; bad records are counted and dropped)."""
         try:
             self._records.append(checked_record(record))
+            self._num_observed += 1
         except ValueError:
             self._num_bad_lines += 1
+
+    def live_records(self) -> list[TraceRecord]:
+        """The live worker's recent records (a :class:`optimizer.promote.LiveRecords`)."""
+        return list(self._records)
 
     async def run(self) -> None:
         own_session = self._session is None
@@ -229,6 +237,7 @@ class OptimizerService:
             "hardware": self.hardware,
             "live_config": self.live_config.to_dict()["engine"] if self.live_config else None,
             "history": self.history[-5:],
+            "canary": self.last_canary,
             "board": self.config.board_path,
             "last_error": self.last_error,
         }
@@ -397,7 +406,7 @@ class OptimizerService:
 
     async def _finish(self, winner: Confirmed | None, engine: EngineClient,
                       prompts: list[VerifyRequest],
-                      reference: list[str], promoter: Promoter, board: Board,
+                      reference: Reference, promoter: Promoter, board: Board,
                       cid: str) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         if winner is None:
@@ -442,9 +451,12 @@ class OptimizerService:
                                                      winner.measurement.reload_s, restart):
             return {"status": "not_worth_switching"}
         self.state = "promoting"
+        # NOTE: the per-shape canary needs the worker's own live records; a service fed
+        # only trace files (standalone) judges by the worker's /metrics instead
+        records = self if self._num_observed else None
         try:
             outcome = await promoter.promote(url, backend, winner.config, previous,
-                                             winner.measurement.value)
+                                             winner.measurement.value, records)
         except (PromotionError, OptimizerError, aiohttp.ClientError, OSError) as e:
             self.last_error = f"promotion: {e}"
             return {"status": "promotion_failed", "error": str(e)[:300]}
@@ -453,10 +465,15 @@ class OptimizerService:
         self.worker_url = outcome.worker_url or url
         self.timings["last_switch_s"] = outcome.switch_s
         details = {"switch_s": outcome.switch_s, "tpot_before_s": outcome.tpot_before_s,
-                   "tpot_after_s": outcome.tpot_after_s, "reason": outcome.reason}
-        await asyncio.get_running_loop().run_in_executor(
-            None, board.add_promotion, cid, url, winner.key, outcome.status, winner.gain.gain,
-            details)
+                   "tpot_after_s": outcome.tpot_after_s, "reason": outcome.reason,
+                   "canary": outcome.canary}
+        self.last_canary = {"campaign": cid, "status": outcome.status, "reason": outcome.reason,
+                            **(outcome.canary or {})}
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, board.add_promotion, cid, url, winner.key,
+                                   outcome.status, winner.gain.gain, details)
+        await loop.run_in_executor(None, board.note, cid, "canary", outcome.status,
+                                   self.last_canary)
         return {"status": outcome.status, **details}
 
     def _record_history(self, campaign: Campaign, winner: Confirmed | None,
