@@ -29,8 +29,12 @@ pass. The passes must reach what they claim (the engine's own counters: prefix
 Candidates are compared token for token: on the CPU the engine's results do not
 depend on batch composition (checked here on the clean engine, by the mutation
 suite's clean run). A candidate that legitimately changes floating point
-(another dtype or attention kernel) cannot be compared that way; the
-teacher-forced logit bound for it is :mod:`optimizer.numerics`.
+(another dtype, attention kernel, execution mode or forward variant:
+:data:`optimizer.numerics.NUMERIC_FIELDS`) cannot be compared with the
+incumbent that way: it is held to the stated logit bound of
+:mod:`optimizer.numerics` against the incumbent (pass ``logits``), and the four
+passes compare it with its own outputs alone (KV isolation, prefix cache and
+preemption are still exact within one config).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from optimizer.measure import EngineClient
+from optimizer.numerics import LogitBound, LogitReport, changes_numerics, check_logit_bound
 from optimizer.sample import DomainPromptSynthesizer
 from polyinfer.config import CompiledConfig
 
@@ -65,6 +70,7 @@ class VerifyConfig:
     top_p: float = 0.5
     pressure_share: float = 0.35  # the pressure pass's KV cache: this share of the batch's
     seed: int = 1234
+    logits: LogitBound = field(default_factory=LogitBound)  # for numerics-changing candidates
 
     def __post_init__(self) -> None:
         lo, hi = self.prompt_tokens
@@ -193,14 +199,16 @@ def same_random_stream(a: CompiledConfig, b: CompiledConfig) -> bool:
 
 async def _expected(engine: EngineClient, candidate: CompiledConfig,
                     plan: Sequence[VerifyRequest], reference: Reference) -> list[str]:
-    """What each request must answer: the incumbent alone, or for a seeded request whose
-    random stream the candidate changes, the candidate alone (KV isolation still holds)."""
+    """What each request must answer: the incumbent alone; the candidate alone for a seeded
+    request whose random stream the candidate changes, and for every request when it
+    changes floating point (held to the logit bound instead): KV isolation still holds."""
     expected = list(reference.outputs)[:len(plan)]
-    if same_random_stream(candidate, reference.config):
+    numerics = changes_numerics(candidate, reference.config)
+    if same_random_stream(candidate, reference.config) and not numerics:
         return expected
     await engine.reload(candidate)
     for i, r in enumerate(plan):
-        if r.seed is not None:
+        if r.seed is not None or numerics:
             expected[i] = await engine.generate(r.body(engine.model))
     return expected
 
@@ -223,6 +231,11 @@ async def verify_candidate(engine: EngineClient, candidate: CompiledConfig,
     mismatches: dict[str, tuple[int, ...]] = {}
     coverage: dict[str, float] = {}
     caching = candidate.engine.enable_prefix_caching
+    logits: LogitReport | None = None
+    if changes_numerics(serving, incumbent.config):
+        logits = await check_logit_bound(engine, incumbent.config, serving, plan, cfg.logits)
+        if logits.bad:
+            mismatches["logits"] = logits.bad
     reference = await _expected(engine, serving, plan, incumbent)
     if caching:
         await engine.reload(candidate.with_engine(measure_num_layers=1))
@@ -243,10 +256,17 @@ async def verify_candidate(engine: EngineClient, candidate: CompiledConfig,
             break
     await engine.reload(serving)
     mismatches = {k: v for k, v in mismatches.items() if v}
-    reason = _reason(mismatches, coverage, caching)
+    reason = "; ".join(r for r in (logits.reason if logits else "",
+                                   _reason({k: v for k, v in mismatches.items() if k != "logits"},
+                                           coverage, caching)) if r)
     details = {}
-    if mismatches:
-        details = await _diagnose(engine, plan, reference, mismatches)
+    if set(mismatches) - {"logits"}:
+        details = await _diagnose(engine, plan, reference,
+                                  {k: v for k, v in mismatches.items() if k != "logits"})
+    if logits is not None:
+        coverage["logit_positions"] = logits.num_positions
+        coverage["logit_max_abs_diff"] = round(logits.max_abs_diff, 6)
+        details.update({f"logits {k}": v for k, v in logits.details.items()})
     return VerifyReport(not reason, n, mismatches, coverage, reason, details)
 
 

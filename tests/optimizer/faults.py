@@ -21,25 +21,42 @@ under the condition named here:
   sequences, i.e. one batch bucket;
 - ``stale_prefix``: a reload keeps the previous config's prefix-cache index and
   K/V (a "keep the cache when the geometry is unchanged" optimisation that
-  forgets the model changed).
+  forgets the model changed);
+- ``logit_noise``: under ``attention: naive`` (standing in for another kernel)
+  every logit gets Gaussian noise of ``scale`` (the fault request's ``scale``,
+  default 0.5): a kernel whose numerical error is within or beyond a bound,
+  as the scale says;
+- ``slow_prefill``: on any config but the one the engine ran when the fault was
+  switched on, a step that prefills a prompt of more than ``min_prompt_tokens``
+  (default 200) sleeps ``sleep_s`` (default 0.25 s): a candidate that serves one
+  shape slower than its measurement said.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from typing import Any
 
 import torch
 from aiohttp import web
 
 FAULTS = ("none", "cross_kv", "block_table", "top_p", "bucket", "stale_prefix")
+# faults outside the mutation suite: a numerical one and a served-latency one
+OTHER_FAULTS = ("logit_noise", "slow_prefill")
 
 
 class FaultState:
     def __init__(self) -> None:
         self.active = "none"
         self.max_num_seqs = 0  # of the config the engine was last built with
+        self.attention = ""  # likewise
+        self.config: Any = None  # the engine config it was last built with
+        self.armed_config: Any = None  # the one it ran when the active fault was switched on
+        self.scale = 0.5  # logit_noise
+        self.min_prompt_tokens = 200  # slow_prefill
+        self.sleep_s = 0.25  # slow_prefill
         self.num_triggered = 0  # steps (or reloads) the active fault corrupted
 
 
@@ -91,8 +108,24 @@ def _sample(original: Any) -> Any:
 
 def _build(original: Any) -> Any:
     def patched(core: Any, cfg: Any) -> None:
-        STATE.max_num_seqs = cfg.max_num_seqs
+        STATE.max_num_seqs, STATE.attention, STATE.config = cfg.max_num_seqs, cfg.attention, cfg
         original(core, cfg)
+
+    return patched
+
+
+def _forward(original: Any) -> Any:
+    def patched(runner: Any, items: Any, hidden_only: bool = False) -> torch.Tensor:
+        if (STATE.active == "slow_prefill" and STATE.config != STATE.armed_config
+                and any(it.seq.num_computed < it.seq.num_prompt_tokens
+                        and it.seq.num_prompt_tokens > STATE.min_prompt_tokens for it in items)):
+            STATE.num_triggered += 1
+            time.sleep(STATE.sleep_s)
+        out = original(runner, items, hidden_only)
+        if STATE.active == "logit_noise" and STATE.attention == "naive" and not hidden_only:
+            STATE.num_triggered += 1
+            out = out + STATE.scale * torch.randn_like(out)
+        return out
 
     return patched
 
@@ -119,10 +152,13 @@ def _reload(original: Any) -> Any:
 async def handle_fault(request: web.Request) -> web.Response:
     body = await request.json()
     name = str(body.get("name", "none"))
-    if name not in FAULTS:
-        return web.json_response({"error": f"unknown fault {name!r}; one of {FAULTS}"},
-                                 status=400)
-    STATE.active, STATE.num_triggered = name, 0
+    if name not in FAULTS + OTHER_FAULTS:
+        return web.json_response({"error": f"unknown fault {name!r}; one of "
+                                           f"{FAULTS + OTHER_FAULTS}"}, status=400)
+    STATE.active, STATE.num_triggered, STATE.armed_config = name, 0, STATE.config
+    STATE.scale = float(body.get("scale", 0.5))
+    STATE.min_prompt_tokens = int(body.get("min_prompt_tokens", 200))
+    STATE.sleep_s = float(body.get("sleep_s", 0.25))
     return web.json_response({"active": name})
 
 
@@ -150,6 +186,7 @@ def install() -> None:
     engine.runner.build_metadata = _build_metadata(engine.runner.build_metadata)
     engine.model.paged_attention = _paged_attention(engine.model.paged_attention)
     engine.runner.sample = _sample(engine.runner.sample)
+    engine.runner.ModelRunner._forward = _forward(engine.runner.ModelRunner._forward)
     engine.core.EngineCore._build = _build(engine.core.EngineCore._build)
     engine.core.EngineCore.reload = _reload(engine.core.EngineCore.reload)
     engine.server.create_app = _create_app(engine.server.create_app)
