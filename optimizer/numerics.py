@@ -133,7 +133,7 @@ def compare(ref: Sequence[Position], cand: Sequence[Position], bound: LogitBound
                             f"{worst_excess:.1f}x the bound")
         if r.token != c.token:
             ranked = sorted(r.top.items(), key=lambda kv: kv[1], reverse=True)
-            (first, lp1), (second, lp2) = ranked[0], ranked[1]
+            (_, lp1), (second, lp2) = ranked[0], ranked[1]
             margin = lp1 - lp2
             allowed = 2 * bound.tolerance(lp2)
             if c.token != second or margin > allowed:
