@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,12 +95,18 @@ class EngineProcess:
 
 def draft_engine_config(model_dir: Path) -> dict:
     """An engine with the bundled draft model (sampled drafts, prefix caching on), served as
-    ``tiny``: what the API tests run against, so speculation is always in the path."""
+    ``tiny``: what the API tests run against, so speculation is always in the path.
+
+    On the CPU by default; ``POLYINFER_TEST_DEVICE=cuda`` (with
+    ``POLYINFER_TEST_EXECUTION=eager|cuda_graph``, default eager) runs the same tests on a
+    GPU."""
     return {"backend": "engine", "model": str(model_dir), "served_model_name": "tiny",
             "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 256,
                        "kv_cache_tokens": 8192, "max_model_len": 2048,
                        "spec_method": "draft", "draft_model": str(TINY_DRAFT),
-                       "spec_max_depth": 4, "enable_prefix_caching": True}}
+                       "spec_max_depth": 4, "enable_prefix_caching": True,
+                       "device": os.environ.get("POLYINFER_TEST_DEVICE", "cpu"),
+                       "execution": os.environ.get("POLYINFER_TEST_EXECUTION", "eager")}}
 
 
 def serving(config: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
