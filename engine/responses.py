@@ -83,8 +83,12 @@ class LogprobFormatter:
         for t in tokens:
             offsets.append(text_offset)
             text_offset += len(t)
+        # NOTE: as OpenAI's (and vLLM's) legacy completions, the sampled token is among its
+        # top_logprobs, first: up to logprobs + 1 entries
         return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
-                "top_logprobs": [{self.text(t): _finite(v) for t, v in lp.top}
+                "top_logprobs": [{self.text(lp.token_id): _finite(lp.logprob)}
+                                 | {self.text(t): _finite(v) for t, v in lp.top
+                                    if t != lp.token_id}
                                  for lp in logprobs],
                 "text_offset": offsets}
 

@@ -106,6 +106,13 @@ def test_completion_logprobs_shape(server: EngineProcess) -> None:
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
     assert all(len(top) <= 2 for top in lp.top_logprobs)
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # sampled: as OpenAI's, each position's top_logprobs holds the sampled token too
+    r = client(server).completions.create(model="tiny", prompt="def add(a, b):", max_tokens=24,
+                                          temperature=1.0, seed=4, logprobs=2)
+    lp = r.choices[0].logprobs
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == value and 2 <= len(top) <= 3
+    assert any(len(top) == 3 for top in lp.top_logprobs)  # a sampled token outside the top 2
 
 
 def test_n_samples(server: EngineProcess) -> None:

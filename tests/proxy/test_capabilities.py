@@ -6,6 +6,7 @@ serve is a 400 naming the option."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,6 +53,22 @@ def test_a_seed_gives_one_text_whatever_depth_the_proxy_picks(proxy: ProxyThread
             model=MODEL, messages=CHAT, max_tokens=32, temperature=0.8, seed=42)
         texts[raw.headers["x-polyinfer-worker"]][raw.parse().choices[0].message.content] += 1
     assert all(len(by_text) == 1 for by_text in texts.values()), texts
+
+
+def test_a_seed_gives_one_text_on_either_engine_worker(proxy: ProxyThread) -> None:
+    """Round-robin over the two engine workers (same model and dtype; n-gram speculation at
+    depth 3 on one, none on the other): a seed's text is keyed by seed and position alone,
+    so 4 identical requests, one after another and then at once, give one text."""
+    def seeded() -> tuple[str, str]:
+        raw = client(proxy).chat.completions.with_raw_response.create(
+            model=MODEL, messages=CHAT, max_tokens=32, temperature=0.8, seed=42)
+        return raw.headers["x-polyinfer-worker"], raw.parse().choices[0].message.content
+
+    one_by_one = [seeded() for _ in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        at_once = list(pool.map(lambda _: seeded(), range(4)))
+    assert {w for w, _ in one_by_one} == {"latency", "throughput"}  # round-robin: both
+    assert len({t for _, t in one_by_one + at_once}) == 1, one_by_one + at_once
 
 
 def _post(proxy: ProxyThread, body: dict[str, Any], **kwargs: Any) -> httpx.Response:
