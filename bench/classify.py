@@ -226,8 +226,7 @@ def train_full_text(train: list[Example], test: list[Example]) -> None:
     sb = [e for e in test if e.source == "spec_bench"]
     big = 1 << 30
     for name, fc in (("windows", FeatureConfig()),
-                     ("whole text", FeatureConfig(head_chars=big, tail_chars=0,
-                                                  char_window=big))):
+                     ("whole text", FeatureConfig(head_chars=big, tail_chars=0))):
         t = time.perf_counter()
         clf = fit(train, None, fc)
         r, ra = evaluate(clf, sb), evaluate(clf, test)

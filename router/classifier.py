@@ -1,10 +1,10 @@
-"""The domain classifier: hashed n-grams (router.features) into a linear model.
+"""The domain classifier: word n-grams (router.features) into a linear model.
 
 Training uses scikit-learn's ``LogisticRegression``; serving needs only numpy:
-the artefact is a plain ``.npz`` (no pickle) holding the weights of the
-feature ids that training ever saw, the class names, the feature parameters
-and a format version. ``predict`` is a sparse dot product over the few
-hundred features of one text: tens of microseconds.
+the artefact is a plain ``.npz`` (no pickle) holding the vocabulary, one
+weight row per key (exported from the fitted model), the class names, the
+feature parameters and a format version. ``predict`` sums the weight rows of
+a text's ~150 keys: one gather, ~20-40 us with the key lookups.
 
 Example::
 
@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from polyinfer.config import DOMAINS
 from router.errors import ClassifierArtefactError
-from router.features import FeatureConfig, Featurizer
+from router.features import FeatureConfig, Vocabulary
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: vocabulary of n-gram keys (1: hashed n-grams)
 DEFAULT_ARTEFACT = Path(__file__).resolve().parent / "data" / "domain_classifier.npz"
 
 
@@ -46,22 +48,39 @@ class TrainConfig:
 class DomainClassifier:
     """Maps a prompt text to one of polyinfer.config.DOMAINS."""
 
-    def __init__(self, features: FeatureConfig, classes: Sequence[str], weights: np.ndarray,
+    def __init__(self, vocabulary: Vocabulary, classes: Sequence[str], weights: np.ndarray,
                  bias: np.ndarray, meta: dict[str, object] | None = None) -> None:
-        # weights: [2**n_bits, num_classes] float32 (dense in memory, sparse on disk)
-        self.featurizer = Featurizer(features)
+        if weights.shape != (len(vocabulary.keys), len(classes)):
+            raise ValueError(f"weights: expected {(len(vocabulary.keys), len(classes))}, got "
+                             f"{weights.shape}")
+        self.vocabulary = vocabulary
         self.classes = tuple(classes)
-        self.weights = weights
-        self.bias = bias  # [num_classes]
+        # [num_keys + 1, num_classes] float32: the last row (unseen keys) is zeros
+        self.weights = np.concatenate([weights, np.zeros((1, len(classes)))]).astype(np.float32)
+        self.bias = bias.astype(np.float32)  # [num_classes]
+        self._bias = self.bias.tolist()
         self.meta = dict(meta or {})
 
     def scores(self, text: str) -> np.ndarray:
-        idx, val = self.featurizer.transform(text)
-        # NOTE: take() gathers rows ~3x faster than fancy indexing at these sizes
-        return val @ self.weights.take(idx, axis=0) + self.bias  # [num_classes]
+        """[num_classes] class scores: what ``predict`` takes the best of."""
+        total, num_keys = self._summed_rows(text)
+        return total * np.float32(1.0 / math.sqrt(num_keys)) + self.bias
+
+    def reference_scores(self, text: str) -> np.ndarray:
+        """The same scores from the spelled-out keys (what ``scores`` is checked against)."""
+        rows, num_keys = self.vocabulary.reference_rows(text)
+        return self.weights[rows].astype(np.float64).sum(axis=0) / math.sqrt(num_keys) + self.bias
 
     def predict(self, text: str) -> str:
-        return self.classes[int(np.argmax(self.scores(text)))]
+        total, num_keys = self._summed_rows(text)
+        # NOTE: the last steps on 8 Python floats: cheaper than 4 more numpy calls
+        scale = 1.0 / math.sqrt(num_keys)
+        scores = [x * scale + b for x, b in zip(total.tolist(), self._bias, strict=True)]
+        return self.classes[scores.index(max(scores))]
+
+    def _summed_rows(self, text: str) -> tuple[np.ndarray, int]:
+        rows, num_keys = self.vocabulary.rows(text)
+        return self.weights.take(rows, axis=0).sum(axis=0), num_keys
 
     # --- training ----------------------------------------------------------------------
 
@@ -69,34 +88,35 @@ class DomainClassifier:
     def fit(cls, texts: Sequence[str], labels: Sequence[str],
             features: FeatureConfig | None = None, train: TrainConfig | None = None,
             meta: dict[str, object] | None = None) -> DomainClassifier:
-        from sklearn.linear_model import LogisticRegression
-
-        features = features or FeatureConfig()
-        train = train or TrainConfig()
         unknown = sorted(set(labels) - set(DOMAINS))
         if unknown:
             raise ValueError(f"labels outside DOMAINS: {unknown}")
-        x = featurize_matrix(Featurizer(features), texts)
-        model = LogisticRegression(C=train.c, max_iter=train.max_iter,
-                                   class_weight="balanced" if train.class_weight_balanced else None)
-        model.fit(x, list(labels))
+        vocabulary = Vocabulary.build(texts, features or FeatureConfig())
+        model = fit_model(vocabulary.matrix(texts), labels, train or TrainConfig())
+        return cls.from_model(vocabulary, model, meta)
+
+    @classmethod
+    def from_model(cls, vocabulary: Vocabulary, model: Any,
+                   meta: dict[str, object] | None = None) -> DomainClassifier:
+        """The fitted ``LogisticRegression``'s weights, one row per vocabulary key."""
         classes = [str(c) for c in model.classes_]
         weights = np.ascontiguousarray(model.coef_.T.astype(np.float32))
         bias = model.intercept_.astype(np.float32)
         if len(classes) == 2:  # sklearn's binary case: one column for the positive class
             weights = np.concatenate([-weights / 2, weights / 2], axis=1)
             bias = np.array([-bias[0] / 2, bias[0] / 2], np.float32)
-        return cls(features, classes, weights, bias, meta)
+        return cls(vocabulary, classes, weights, bias, meta)
 
     # --- artefact ----------------------------------------------------------------------
 
     def save(self, path: str | Path) -> None:
-        used = np.flatnonzero(np.any(self.weights != 0, axis=1)).astype(np.int64)
-        header = {"format_version": FORMAT_VERSION, "features": self.featurizer.config.to_dict(),
+        header = {"format_version": FORMAT_VERSION,
+                  "features": self.vocabulary.config.to_dict(),
                   "classes": list(self.classes), "meta": self.meta}
+        keys = json.dumps(self.vocabulary.to_json(), ensure_ascii=False).encode()
         with open(path, "wb") as f:
             np.savez_compressed(f, header=np.frombuffer(json.dumps(header).encode(), np.uint8),
-                                used=used, weights=self.weights[used].astype(np.float16),
+                                keys=np.frombuffer(keys, np.uint8), weights=self.weights[:-1],
                                 bias=self.bias)
 
     @classmethod
@@ -105,29 +125,22 @@ class DomainClassifier:
         try:
             with np.load(p, allow_pickle=False) as z:
                 header = json.loads(bytes(z["header"]).decode())
-                used, sparse_w, bias = z["used"], z["weights"], z["bias"]
+                if header.get("format_version") != FORMAT_VERSION:
+                    raise ClassifierArtefactError(
+                        f"{p}: format_version {header.get('format_version')!r}, expected "
+                        f"{FORMAT_VERSION}")
+                keys = json.loads(bytes(z["keys"]).decode())
+                weights, bias = z["weights"], z["bias"]
         except (OSError, KeyError, ValueError) as e:
             raise ClassifierArtefactError(f"{p}: cannot read classifier artefact: {e}") from e
-        if header.get("format_version") != FORMAT_VERSION:
-            raise ClassifierArtefactError(
-                f"{p}: format_version {header.get('format_version')!r}, expected {FORMAT_VERSION}")
-        features = FeatureConfig(**header["features"])
-        classes = header["classes"]
-        weights = np.zeros((1 << features.n_bits, len(classes)), np.float32)
-        weights[used] = sparse_w.astype(np.float32)
-        return cls(features, classes, weights, bias.astype(np.float32), header.get("meta"))
+        vocabulary = Vocabulary.from_json(FeatureConfig(**header["features"]), keys)
+        return cls(vocabulary, header["classes"], weights, bias, header.get("meta"))
 
 
-def featurize_matrix(featurizer: Featurizer, texts: Sequence[str]):  # -> scipy.sparse.csr_matrix
-    from scipy.sparse import csr_matrix
+def fit_model(x: Any, labels: Sequence[str], train: TrainConfig) -> Any:
+    """scikit-learn's ``LogisticRegression`` fitted on the training matrix ``x``."""
+    from sklearn.linear_model import LogisticRegression
 
-    indptr = [0]
-    indices: list[np.ndarray] = []
-    values: list[np.ndarray] = []
-    for text in texts:
-        idx, val = featurizer.transform(text)
-        indices.append(idx)
-        values.append(val)
-        indptr.append(indptr[-1] + len(idx))
-    return csr_matrix((np.concatenate(values), np.concatenate(indices), np.array(indptr)),
-                      shape=(len(texts), featurizer.num_features))
+    model = LogisticRegression(C=train.c, max_iter=train.max_iter,
+                               class_weight="balanced" if train.class_weight_balanced else None)
+    return model.fit(x, list(labels))

@@ -1,179 +1,186 @@
-"""Hashed word and character n-gram features for the domain classifier.
+"""Word n-gram features of a bounded sample of the text, for the domain classifier.
 
-The featurizer is deterministic across processes (no salted ``hash()``), so
-training (``router.classifier.fit``) and serving compute identical features
-and the shipped artefact is just weights plus these parameters. It looks at a
-bounded sample of the text — a head window, where instructions like
-"Summarize:" or a system prompt live, and a tail window, where a RAG question
-or the last chat turn lives — which bounds its cost however long the prompt is.
-Reading the whole text instead is no better on held-out prompts (worse on
-Spec-Bench: bench/classify.py --train-full).
+A text's features are the set of keys (binary presence, l2-normalised over
+all of the text's keys) read from two windows: the head, where instructions
+like "Summarize:" or a system prompt live, and the tail, where a RAG question
+or the last chat turn lives. That bounds the cost however long the prompt is;
+reading the whole text instead is no better on held-out prompts
+(bench/classify.py --train-full). The keys:
 
-NOTE: speed. Hashing every n-gram string in Python costs ~0.3 us each and a
-prompt has ~1,500 of them. Instead character 4-grams are hashed as a
-polynomial over code points, vectorised in numpy; word hashes come from a
-bounded per-instance cache (crc32 of the word, computed once per distinct
-word); bigrams combine two word hashes arithmetically. All hashes go through
-one 64-bit mixer with a per-kind salt, in one vectorised pass over both
-windows, and are masked to ``n_bits``.
+- ``("w", word)``: a word anywhere in the windows; ``("h", word)`` /
+  ``("t", word)``: in the head / the tail window (a text short enough to be
+  read whole is one head window);
+- ``("b", word, next_word)``: adjacent words of one window;
+- ``("s", length bucket)``, ``("n", newline bucket)``: the text's shape.
+
+:meth:`Vocabulary.build` keeps the keys seen in at least ``min_df`` training
+texts, so the model has one weight row per kept key and an unseen key weighs
+nothing (it still counts in the norm). :func:`feature_keys` is the definition
+training uses; :meth:`Vocabulary.rows` computes the same rows for one text
+with C loops only (sets, ``zip``, ``map`` over dict lookups): no hashing of
+n-grams in Python, and one numpy call per text. It replaced hashed
+log-count features evaluated with ~40 numpy calls, which cost ~3-5x more a
+text and scored lower on held-out prompts (bench/RESULTS.md).
 
 Example::
 
-    f = Featurizer(FeatureConfig())
-    idx, val = f.transform("Translate German to English: Guten Morgen")
-    # idx: sorted unique feature ids in [0, 2**n_bits); val: l2-normalised weights
+    vocab = Vocabulary.build(texts, FeatureConfig())
+    rows, num_keys = vocab.rows("Translate German to English: Guten Morgen")
+    # rows: [num_keys] row of each key in the weights (unseen keys: vocab.num_rows - 1)
 """
 
 from __future__ import annotations
 
 import re
-import zlib
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
 
 _WORD_RE = re.compile(r"\w+|[^\w\s]")
-_U64 = np.uint64
-# salts per feature kind (arbitrary odd 64-bit constants)
-_WORD, _HEAD, _TAIL, _BIGRAM, _CHAR, _SHAPE = (
-    _U64(0x9E3779B97F4A7C15), _U64(0xC2B2AE3D27D4EB4F), _U64(0x165667B19E3779F9),
-    _U64(0xD6E8FEB86659FD93), _U64(0xFF51AFD7ED558CCD), _U64(0xC4CEB9FE1A85EC53))
-_P = _U64(0x100000001B3)  # FNV prime: polynomial base for character n-grams
-_M1, _M2 = _U64(0xFF51AFD7ED558CCD), _U64(0xC4CEB9FE1A85EC53)
-_WORD_CACHE_SIZE = 200_000
+Key = tuple[str, ...] | tuple[str, int]
 
 
 @dataclass(frozen=True)
 class FeatureConfig:
-    n_bits: int = 18  # feature space is 2**n_bits hashed buckets
-    # NOTE: 256 + 128 characters read as well as 640 + 256 with char 4-grams (validation
-    # split of the training side, bench/classify.py --quality on the held-out one) at a
-    # fifth of the features (~200 a text, each a random read of the weights).
-    head_chars: int = 256  # characters read from the start of the text
-    tail_chars: int = 128  # characters read from the end (RAG question, last turn)
-    char_ngram: int = 0  # character n-gram length (0 disables)
-    char_window: int = 384  # characters of each window that feed char n-grams
+    # NOTE: chosen on a validation split of the training side (30% of its groups): 128 + 64
+    # characters scored as well as 256 + 128 (bench/RESULTS.md) with half the keys (~95).
+    head_chars: int = 128  # characters read from the start of the text
+    tail_chars: int = 64  # characters read from the end (RAG question, last turn)
     word_bigrams: bool = True
-    hash_version: int = 2  # 2 = vectorised hashing (this module)
+    min_df: int = 2  # a key is in the vocabulary if at least this many training texts have it
 
     def __post_init__(self) -> None:
-        if not 10 <= self.n_bits <= 24:
-            raise ValueError(f"n_bits: expected 10..24, got {self.n_bits!r}")
         if self.head_chars <= 0 or self.tail_chars < 0:
             raise ValueError("head_chars must be > 0 and tail_chars >= 0")
-        if not 0 <= self.char_ngram <= 8 or self.char_window < 0:
-            raise ValueError("char_ngram must be 0..8 and char_window >= 0")
-        if self.hash_version != 2:
-            raise ValueError(f"hash_version: this code computes version 2, got {self.hash_version}")
+        if self.min_df < 1:
+            raise ValueError(f"min_df: expected >= 1, got {self.min_df!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _mix(x: np.ndarray, salt: np.ndarray | np.uint64) -> np.ndarray:
-    """A 64-bit finaliser (murmur3 fmix64) over ``x ^ salt``; uint64 arithmetic wraps."""
-    x = x ^ salt
-    x ^= x >> _U64(33)
-    x *= _M1
-    x ^= x >> _U64(33)
-    x *= _M2
-    x ^= x >> _U64(33)
-    return x
+def windows(text: str, config: FeatureConfig) -> list[str]:
+    """The parts of ``text`` that are read: head and (if long) tail, lowercased."""
+    if len(text) <= config.head_chars + config.tail_chars:
+        return [text.lower()]
+    parts = [text[: config.head_chars].lower()]
+    if config.tail_chars:
+        parts.append(text[-config.tail_chars:].lower())
+    return parts
 
 
-class Featurizer:
-    """Turns a text into a sparse, l2-normalised hashed feature vector."""
+def shape_buckets(text: str) -> tuple[int, int]:
+    """(length bucket, newline bucket) of the whole text."""
+    return min(len(text).bit_length(), 20), min(text.count("\n", 0, 4096), 20) // 4
 
-    def __init__(self, config: FeatureConfig) -> None:
+
+def feature_keys(text: str, config: FeatureConfig) -> set[Key]:
+    """The text's keys, spelled out (what training reads)."""
+    keys: set[Key] = set()
+    for i, window in enumerate(windows(text, config)):
+        words = _WORD_RE.findall(window)
+        tag = "h" if i == 0 else "t"
+        for j, word in enumerate(words):
+            keys.add(("w", word))
+            keys.add((tag, word))
+            if config.word_bigrams and j > 0:
+                keys.add(("b", words[j - 1], word))
+    length, newlines = shape_buckets(text)
+    keys.add(("s", length))
+    keys.add(("n", newlines))
+    return keys
+
+
+class Vocabulary:
+    """Key -> weight row; the last row (``num_rows - 1``) is every unseen key's."""
+
+    def __init__(self, config: FeatureConfig, keys: Sequence[Key]) -> None:
         self.config = config
-        self._mask = _U64((1 << config.n_bits) - 1)
-        self._word_cache: dict[str, int] = {}
+        self.keys = list(keys)
+        self.unseen = len(self.keys)
+        self._any: dict[str, int] = {}
+        self._head: dict[str, int] = {}
+        self._tail: dict[str, int] = {}
+        self._pair: dict[tuple[str, str], int] = {}
+        self._shape: dict[tuple[str, int], int] = {}
+        self._index: dict[Key, int] | None = None  # key -> row, built for training only
+        by_tag = {"w": self._any, "h": self._head, "t": self._tail}
+        for row, key in enumerate(self.keys):
+            if key[0] in by_tag:
+                by_tag[key[0]][str(key[1])] = row
+            elif key[0] == "b" and len(key) == 3:
+                self._pair[(str(key[1]), str(key[2]))] = row
+            else:
+                self._shape[(str(key[0]), int(key[1]))] = row
 
     @property
-    def num_features(self) -> int:
-        return 1 << self.config.n_bits
+    def num_rows(self) -> int:
+        return len(self.keys) + 1
 
-    def windows(self, text: str) -> list[str]:
-        """The parts of ``text`` that are read: head and (if long) tail, lowercased."""
-        c = self.config
-        if len(text) <= c.head_chars + c.tail_chars:
-            return [text.lower()]
-        parts = [text[: c.head_chars].lower()]
-        if c.tail_chars:
-            parts.append(text[-c.tail_chars:].lower())
-        return parts
+    @classmethod
+    def build(cls, texts: Iterable[str], config: FeatureConfig) -> Vocabulary:
+        df = Counter(k for text in texts for k in feature_keys(text, config))
+        return cls(config, sorted((k for k, n in df.items() if n >= config.min_df), key=repr))
 
-    def hashes(self, text: str) -> np.ndarray:
-        """All feature hashes of ``text`` (uint64, with repeats), before masking.
+    def rows(self, text: str) -> tuple[np.ndarray, int]:
+        """The weight row of each of ``text``'s keys ([num_keys] intp) and num_keys.
 
-        NOTE: one vectorised mix over every key of every window, each key with its kind's
-        salt; numpy's per-call overhead (~1 us) is most of the cost at these sizes.
+        The same keys as :func:`feature_keys`, gathered in C loops: a set per window,
+        bigrams as ``zip`` tuples, dict lookups through ``map`` with the unseen row as the
+        default.
         """
         c = self.config
-        windows = self.windows(text)
-        words = [_WORD_RE.findall(w) for w in windows]
-        nums = [len(w) for w in words]
-        hashed = np.array(self._word_hashes([x for w in words for x in w]), np.uint64)
-        keys = [self._shape(text), hashed]
-        salts = [_SHAPE, _WORD]
-        start = 0
-        for i, n in enumerate(nums):  # each window's words again, salted by position
-            keys.append(hashed[start:start + n])
-            salts.append(_HEAD if i == 0 else _TAIL)
-            start += n
-        if c.word_bigrams and len(hashed) > 1:
-            pairs = hashed[:-1] * _P + hashed[1:]
-            start = 0
-            for n in nums:  # no bigram across the head / tail seam
-                keys.append(pairs[start:start + n - 1] if n > 1 else pairs[:0])
-                salts.append(_BIGRAM)
-                start += n
-        for w in windows:
-            keys.append(self._char_keys(w[: c.char_window]))
-            salts.append(_CHAR)
-        salt = np.repeat(np.array(salts, np.uint64), [len(k) for k in keys])
-        return _mix(np.concatenate(keys), salt)
+        parts = windows(text, c)
+        head = _WORD_RE.findall(parts[0])
+        in_head = set(head)
+        in_tail: set[str] = set()
+        pairs: set[tuple[str, str]] = set()
+        if c.word_bigrams:
+            pairs.update(zip(head, head[1:], strict=False))
+        if len(parts) > 1:
+            tail = _WORD_RE.findall(parts[1])
+            in_tail.update(tail)
+            if c.word_bigrams:
+                pairs.update(zip(tail, tail[1:], strict=False))
+        anywhere = in_head | in_tail
+        length, newlines = shape_buckets(text)
+        unseen = self.unseen
+        default = repeat(unseen)
+        found = [*map(self._any.get, anywhere, default), *map(self._head.get, in_head, default),
+                 *map(self._tail.get, in_tail, default), *map(self._pair.get, pairs, default),
+                 self._shape.get(("s", length), unseen), self._shape.get(("n", newlines), unseen)]
+        # NOTE: fromiter over a list; over the chained maps themselves it is ~2x slower
+        return np.fromiter(found, np.intp, len(found)), len(found)
 
-    def transform(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        """Feature ids (int64, sorted unique) and values (float32, unit l2 norm)."""
-        ids = (self.hashes(text) & self._mask).astype(np.int64)
-        ids.sort()
-        # run lengths of the sorted ids (np.unique, without its overhead)
-        new = np.empty(len(ids), bool)
-        new[0] = True
-        np.not_equal(ids[1:], ids[:-1], out=new[1:])
-        starts = np.flatnonzero(new)
-        counts = np.diff(np.append(starts, len(ids)))
-        val = np.log(counts, dtype=np.float32)
-        val += np.float32(1.0)
-        val /= np.sqrt(np.dot(val, val))
-        return ids[starts], val
+    def reference_rows(self, text: str) -> tuple[np.ndarray, int]:
+        """What :meth:`rows` computes, from :func:`feature_keys` (sorted rows)."""
+        if self._index is None:
+            self._index = {k: row for row, k in enumerate(self.keys)}
+        keys = feature_keys(text, self.config)
+        rows = sorted(self._index.get(k, self.unseen) for k in keys)
+        return np.array(rows, np.intp), len(keys)
 
-    def _word_hashes(self, words: list[str]) -> list[int | None]:
-        cache = self._word_cache
-        out: list[int | None] = list(map(cache.get, words))  # NOTE: a C loop; misses are rare
-        if None in out:
-            if len(cache) > _WORD_CACHE_SIZE:
-                cache.clear()
-            for i, w in enumerate(words):
-                if out[i] is None:
-                    out[i] = cache[w] = zlib.crc32(w.encode("utf-8", "surrogatepass"))
-        return out
+    def matrix(self, texts: Sequence[str]):  # -> scipy.sparse.csr_matrix [texts, keys]
+        """Training rows from the spelled-out keys: 1 / sqrt(num_keys) at each kept key."""
+        from scipy.sparse import csr_matrix
 
-    def _char_keys(self, span: str) -> np.ndarray:
-        n = self.config.char_ngram
-        if n == 0 or len(span) < n:
-            return np.zeros(0, np.uint64)
-        cps = np.frombuffer(span.encode("utf-32-le", "surrogatepass"), np.uint32).astype(np.uint64)
-        m = len(cps) - n + 1
-        h = cps[:m]
-        for j in range(1, n):
-            h = h * _P + cps[j: j + m]
-        return h
+        indptr, indices, values = [0], [], []
+        for text in texts:
+            rows, num_keys = self.reference_rows(text)
+            rows = rows[rows != self.unseen]
+            indices.append(rows)
+            values.append(np.full(len(rows), 1.0 / np.sqrt(num_keys)))
+            indptr.append(indptr[-1] + len(rows))
+        return csr_matrix((np.concatenate(values), np.concatenate(indices), np.array(indptr)),
+                          shape=(len(texts), len(self.keys)))
 
-    @staticmethod
-    def _shape(text: str) -> np.ndarray:
-        length_bucket = min(len(text).bit_length(), 20)
-        newline_bucket = 32 + min(text.count("\n", 0, 4096), 20) // 4
-        return np.array([length_bucket, newline_bucket], np.uint64)
+    def to_json(self) -> list[list[Any]]:
+        return [list(k) for k in self.keys]
+
+    @classmethod
+    def from_json(cls, config: FeatureConfig, keys: Sequence[Sequence[Any]]) -> Vocabulary:
+        return cls(config, [tuple(k) for k in keys])  # type: ignore[misc]

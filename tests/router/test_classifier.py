@@ -1,4 +1,5 @@
-"""Featurizer, classifier fit/save/load, and the shipped artefact on held-out-style prompts."""
+"""Features, classifier fit/save/load, agreement with the fitted model on held-out prompts,
+and the shipped artefact."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router.classifier import DEFAULT_ARTEFACT, DomainClassifier
+from router.classifier import DEFAULT_ARTEFACT, DomainClassifier, TrainConfig, fit_model
+from router.dataset import build_default
 from router.errors import ClassifierArtefactError
-from router.features import FeatureConfig, Featurizer
+from router.features import FeatureConfig, Vocabulary, feature_keys, windows
+
+REPO_DATA = Path(__file__).resolve().parents[2] / "data"
 
 TINY = [
     ("Translate German to English: Guten Morgen, wie geht es dir?", "translation"),
@@ -24,36 +28,74 @@ TINY = [
 ]
 
 
-def test_featurizer_is_deterministic_bounded_and_normalised() -> None:
-    f = Featurizer(FeatureConfig(n_bits=12))
-    idx, val = f.transform("Hello world, hello")
-    idx2, val2 = f.transform("Hello world, hello")
-    assert np.array_equal(idx, idx2) and np.array_equal(val, val2)
-    assert idx.min() >= 0 and idx.max() < 4096
-    assert np.all(np.diff(idx) > 0)  # sorted, unique
-    assert float(np.dot(val, val)) == pytest.approx(1.0, rel=1e-5)
-    # a 1 MB prompt reads only the capped head and tail windows
-    huge = "word " * 200_000
-    assert sum(len(w) for w in f.windows(huge)) == 256 + 128
+def test_keys_spelled_out_read_only_the_windows() -> None:
+    c = FeatureConfig()
+    keys = feature_keys("Hello world, hello", c)
+    assert keys == {("w", "hello"), ("w", "world"), ("w", ","), ("h", "hello"), ("h", "world"),
+                    ("h", ","), ("b", "hello", "world"), ("b", "world", ","), ("b", ",", "hello"),
+                    ("s", 5), ("n", 0)}
+    huge = "word " * 200_000  # a 1 MB prompt reads only the head and tail windows
+    assert sum(len(w) for w in windows(huge, c)) == c.head_chars + c.tail_chars == 128 + 64
+    assert feature_keys("", c) == {("s", 0), ("n", 0)}
 
 
-def test_featurizer_empty_text() -> None:
-    idx, val = Featurizer(FeatureConfig()).transform("")
-    assert len(idx) == len(val) > 0  # the length/newline shape features are always there
+TEXTS = ["", "Translate to French: good morning", "x\n" * 50, "Über straße, naïve café — «ok»",
+         "Summarize: " + "The cat sat on the mat. " * 40 + "What did the cat do?",
+         "def f(a_b):\n    return a_b  # tail  tail", "日本語のテキストを翻訳してください。"]
+
+
+@pytest.mark.parametrize("config", [FeatureConfig(), FeatureConfig(head_chars=16, tail_chars=8),
+                                    FeatureConfig(word_bigrams=False, min_df=1)])
+def test_rows_equal_the_rows_of_the_spelled_out_keys(config: FeatureConfig) -> None:
+    vocab = Vocabulary.build(TEXTS[1:] * 2, config)  # every key twice: all in the vocabulary
+    for text in TEXTS + ["an unseen text: zebra quux"]:
+        rows, num_keys = vocab.rows(text)
+        ref_rows, ref_num = vocab.reference_rows(text)
+        assert num_keys == ref_num == len(feature_keys(text, config)), text[:40]
+        assert sorted(rows.tolist()) == ref_rows.tolist(), text[:40]
+    rows, _ = vocab.rows("an unseen text: zebra quux")
+    assert vocab.unseen in rows.tolist()
 
 
 def test_fit_predicts_training_domains_and_round_trips(tmp_path: Path) -> None:
     texts, labels = zip(*TINY, strict=True)
-    clf = DomainClassifier.fit(texts, labels, FeatureConfig(n_bits=14), meta={"version": "t"})
+    clf = DomainClassifier.fit(texts, labels, FeatureConfig(min_df=1), meta={"version": "t"})
     assert [clf.predict(t) for t in texts] == list(labels)
     assert clf.predict("Translate English to German: good night") == "translation"
     path = tmp_path / "clf.npz"
     clf.save(path)
     loaded = DomainClassifier.load(path)
     assert loaded.classes == clf.classes and loaded.meta["version"] == "t"
-    for t in texts:  # float16 storage: same decisions, scores within rounding
+    for t in texts:
         assert loaded.predict(t) == clf.predict(t)
-        assert np.allclose(loaded.scores(t), clf.scores(t), atol=1e-2)
+        assert np.array_equal(loaded.scores(t), clf.scores(t))
+
+
+def test_fast_scores_agree_with_the_fitted_model_on_held_out_prompts() -> None:
+    """The exported weights on the fast path decide as scikit-learn's model does, on every
+    held-out prompt of every domain (a model fitted on part of the training side)."""
+    split = build_default(REPO_DATA)
+    train = split.train[:1500]
+    vocab = Vocabulary.build([e.text for e in train], FeatureConfig())
+    model = fit_model(vocab.matrix([e.text for e in train]), [e.domain for e in train],
+                      TrainConfig(max_iter=100))
+    clf = DomainClassifier.from_model(vocab, model)
+    test = split.test
+    assert {e.domain for e in test} == set(clf.classes)
+    texts = [e.text for e in test]
+    want = model.predict(vocab.matrix(texts))
+    got = [clf.predict(t) for t in texts]
+    assert got == list(want)
+    decision = model.decision_function(vocab.matrix(texts))
+    assert np.allclose([clf.scores(t) for t in texts], decision, atol=1e-4)
+
+
+def test_shipped_artefact_fast_scores_equal_its_reference_scores() -> None:
+    clf = DomainClassifier.load()
+    for e in build_default(REPO_DATA).test:
+        fast, ref = clf.scores(e.text), clf.reference_scores(e.text)
+        assert np.allclose(fast, ref, atol=1e-5), e.text[:60]
+        assert int(np.argmax(fast)) == int(np.argmax(ref))
 
 
 def test_fit_rejects_unknown_labels() -> None:
@@ -86,62 +128,3 @@ def test_shipped_artefact_loads_and_classifies_obvious_prompts() -> None:
     }
     for text, domain in cases.items():
         assert clf.predict(text) == domain, text[:60]
-
-
-def test_memoised_words_give_the_same_features() -> None:
-    system = "You are a support agent for ACME. Be polite, cite the manual. " * 20  # > head
-    texts = [system + f"Customer {i}: my order {i * 7} never arrived, what now?" for i in range(4)]
-    warm = Featurizer(FeatureConfig())
-    for _ in range(2):
-        for text in texts:
-            idx, val = warm.transform(text)
-            ref_idx, ref_val = Featurizer(FeatureConfig()).transform(text)  # empty caches
-            assert np.array_equal(idx, ref_idx) and np.array_equal(val, ref_val)
-
-
-def _reference_features(config: FeatureConfig, text: str) -> dict[int, float]:
-    """The features spelled out one by one (no vectorising, no caches)."""
-    import zlib
-
-    from router.features import _BIGRAM, _CHAR, _HEAD, _P, _SHAPE, _TAIL, _WORD, _WORD_RE, _mix
-
-    def key(x: int, salt: np.uint64) -> int:
-        return int(_mix(np.array([x], np.uint64), salt)[0]) & ((1 << config.n_bits) - 1)
-
-    counts: dict[int, int] = {}
-
-    def add(f: int) -> None:
-        counts[f] = counts.get(f, 0) + 1
-
-    add(key(min(len(text).bit_length(), 20), _SHAPE))
-    add(key(32 + min(text.count("\n", 0, 4096), 20) // 4, _SHAPE))
-    for i, part in enumerate(Featurizer(config).windows(text)):
-        words = [zlib.crc32(w.encode()) for w in _WORD_RE.findall(part)]
-        for w in words:
-            add(key(w, _WORD))
-            add(key(w, _HEAD if i == 0 else _TAIL))
-        if config.word_bigrams:
-            for a, b in zip(words, words[1:], strict=False):
-                add(key((a * int(_P) + b) % 2**64, _BIGRAM))
-        span = part[: config.char_window]
-        n = config.char_ngram
-        for j in range(len(span) - n + 1 if n else 0):
-            h = ord(span[j])
-            for c in span[j + 1: j + n]:
-                h = (h * int(_P) + ord(c)) % 2**64
-            add(key(h, _CHAR))
-    norm = sum((1 + np.log(c)) ** 2 for c in counts.values()) ** 0.5
-    return {f: float((1 + np.log(c)) / norm) for f, c in counts.items()}
-
-
-@pytest.mark.parametrize("config", [FeatureConfig(), FeatureConfig(char_ngram=4, head_chars=64),
-                                    FeatureConfig(word_bigrams=False, n_bits=12)])
-def test_vectorised_features_equal_the_features_spelled_out(config: FeatureConfig) -> None:
-    texts = ["", "Translate to French: good morning", "x\n" * 50, "Über straße, naïve café",
-             "Summarize: " + "The cat sat on the mat. " * 40 + "What did the cat do?"]
-    f = Featurizer(config)
-    for text in texts:
-        idx, val = f.transform(text)
-        ref = _reference_features(config, text)
-        assert sorted(ref) == idx.tolist(), text[:40]
-        assert np.allclose(val, [ref[i] for i in idx.tolist()], rtol=1e-5), text[:40]
