@@ -1,4 +1,9 @@
-"""Requests waiting in the proxy for room under the workers' concurrency caps.
+"""Admission: how many requests the proxy takes on, and which waits go first.
+
+:class:`InFlightLimit` bounds the requests in flight to what the proxy's own event loop
+serves within its lag target (past it, new requests are refused at the door).
+
+:class:`AdmissionQueue` holds requests waiting for room under the workers' concurrency caps.
 
 A worker's ``max_outstanding`` (config) caps the requests this proxy has sent it and not
 yet seen finish. While every routable worker of a request's model is at its cap, the
@@ -71,3 +76,33 @@ def priority(deadline: float, arrival: float, now: float) -> tuple[bool, float]:
     by arrival."""
     late = now > deadline
     return late, arrival if late else deadline
+
+
+class InFlightLimit:
+    """How many requests the proxy takes on at once: ``limits.max_in_flight``, lowered while
+    its own event loop is saturated, and raised back while it is not (AIMD, as TCP's window).
+
+    NOTE: past capacity the loop still runs every ready callback each iteration, so the
+    excess does not pile up where a queue could be watched: every admitted request is one
+    more sharing the loop, each of its steps waits longer (the loop's lag is that wait),
+    and the connections behind them wait in the kernel. Door shedding on a lag threshold
+    alone switched on and off: off, it let in everything that had queued meanwhile (p50
+    0.8 s, p99 20 s at 3x capacity, bench/overload.py). Holding the number in flight to
+    what the loop serves within its lag target bounds both: the rest is refused at once
+    with a 429 that costs a small fraction of a request (proxy.fastpath)."""
+
+    DECREASE = 0.9  # per saturated sample: of the number in flight (or the limit, if lower)
+    INCREASE = 0.05  # per calm sample, at least one request more
+    MINIMUM = 16  # never fewer: an idle worker round trip must not starve the proxy
+
+    def __init__(self, maximum: int) -> None:
+        self.maximum = maximum
+        self.minimum = min(self.MINIMUM, maximum)
+        self.value = maximum  # requests in flight admitted at most
+
+    def update(self, saturated: bool, num_in_flight: int) -> None:
+        """One loop-lag sample: ``saturated`` = its thread busy and late past its target."""
+        if saturated:
+            self.value = max(self.minimum, int(min(self.value, num_in_flight) * self.DECREASE))
+        elif self.value < self.maximum:
+            self.value = min(self.maximum, self.value + max(1, int(self.value * self.INCREASE)))

@@ -22,6 +22,7 @@ from aiohttp import web
 from proxy import admin, dashboard, handlers, keys
 from proxy.bluegreen import BlueGreen
 from proxy.config import ProxyConfig
+from proxy.connections import ConnectionGate
 from proxy.metrics import make_registry
 from proxy.optimize import optimizer_ctx
 from proxy.pool import WorkerPool
@@ -55,6 +56,7 @@ def create_app(config: ProxyConfig, *, estimator: ShapeEstimator | None = None,
     app[keys.POOL] = pool
     app[keys.RELAY] = relay
     app[keys.TRACES] = TraceWriter(config.traces, Path(config.traces.dir))
+    app[keys.GATE] = ConnectionGate(config.limits.max_connections, config.limits.retry_after_s)
     app[keys.REGISTRY] = make_registry(stats, pool, lambda: relay.policy.name)
     app[keys.REGISTRY].register(TraceCollector(app[keys.TRACES]))
     app[keys.DASHBOARD] = resources.files("proxy").joinpath("static/dashboard.html").read_bytes()

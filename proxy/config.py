@@ -55,9 +55,13 @@ class ServerConfig:
     # Serve plain POSTs to the two OpenAI routes with the lean protocol of proxy/fastpath.py
     # (everything else, on the same port, by aiohttp); false = aiohttp for every request.
     fast_path: bool = True
+    # Connections the kernel holds for the proxy before it accepts them. Kept small: a
+    # connection waiting there is a request whose delay the proxy cannot see or shed.
+    backlog: int = 1024
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "server.port", "0..65535", self.port)
+        _check(self.backlog >= 1, "server.backlog", ">= 1", self.backlog)
 
 
 @dataclass(frozen=True)
@@ -258,7 +262,14 @@ class AdminConfig:
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    max_in_flight: int = 4096  # past this, 429 + Retry-After
+    # Past this many requests in flight, 429 + Retry-After; the proxy lowers its own limit
+    # below it while its event loop is saturated (proxy.admission.InFlightLimit).
+    max_in_flight: int = 4096
+    # Client connections open at once; one more is answered 503 + Retry-After and closed.
+    max_connections: int = 8192
+    # A request body larger than this is parsed, checked and its shape estimated in a
+    # thread of its own, off the event loop (proxy.offload); 0 = every body on the loop.
+    offload_body_bytes: int = 64 << 10
     max_body_bytes: int = 8 << 20
     retry_after_s: int = 1
     max_attempts: int = 3  # workers tried per request while nothing reached the client
@@ -273,17 +284,20 @@ class LimitsConfig:
     # A request waiting for room under the workers' max_outstanding caps goes anyway this
     # long after it arrived (proxy.admission).
     max_queue_s: float = 30.0
-    # Shed (429) while the event loop runs this late: the proxy's own CPU is saturated,
-    # and admitting more would only queue them. 0 = off (both loop rules).
+    # Shed (429) every new request while the event loop runs this late: it is stalled, and
+    # admitting more would only queue them. 0 = off (both loop rules).
     max_loop_lag_s: float = 0.25
-    # ...and while its thread is on the CPU at least max_loop_busy of the time and the
-    # loop runs busy_loop_lag_s late: saturated by its own work, not by a noisy neighbour
-    # (whose CPU steal shows as lag only). 0 = this rule off.
-    busy_loop_lag_s: float = 0.05
+    # While its thread is on the CPU at least max_loop_busy of the time and the loop runs
+    # busy_loop_lag_s late (saturated by its own work, not by a noisy neighbour, whose CPU
+    # steal shows as lag only), the in-flight limit comes down until the lag is under
+    # busy_loop_lag_s again: the queueing delay every request's steps wait. 0 = rule off.
+    busy_loop_lag_s: float = 0.02
     max_loop_busy: float = 0.9
 
     def __post_init__(self) -> None:
-        for name in ("max_in_flight", "max_body_bytes", "max_attempts"):
+        _check(self.offload_body_bytes >= 0, "limits.offload_body_bytes", ">= 0",
+               self.offload_body_bytes)
+        for name in ("max_in_flight", "max_connections", "max_body_bytes", "max_attempts"):
             _check(getattr(self, name) >= 1, f"limits.{name}", ">= 1", getattr(self, name))
         for name in ("connect_timeout_s", "read_timeout_s", "drain_timeout_s", "max_queue_s",
                      "header_timeout_s", "body_timeout_s"):
@@ -337,6 +351,9 @@ class OptimizeConfig:
     llm_url: str = ""  # OpenAI-compatible endpoint of the "llm" agent
     llm_model: str = ""
     min_records: int = 20  # finished requests before the first campaign
+    # YAML/JSON file of the optimizer's own settings (optimizer.settings: budgets, tiers,
+    # canary, verification, knobs); a relative path is from the working directory
+    settings: str = ""
 
     def __post_init__(self) -> None:
         _check(self.min_records >= 1, "optimize.min_records", ">= 1", self.min_records)

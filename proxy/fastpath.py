@@ -42,6 +42,7 @@ from typing import Any, cast
 import orjson
 
 from polyinfer.errors import error_body
+from proxy.connections import ConnectionGate
 from proxy.errors import ProxyError
 from proxy.record import RequestRecord
 from proxy.relay import Relay, proxy_headers
@@ -65,7 +66,7 @@ _STATUS_TEXT = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Fo
                 500: b"Internal Server Error", 502: b"Bad Gateway",
                 503: b"Service Unavailable", 504: b"Gateway Timeout"}
 _EAGER = {"eager_start": True} if sys.version_info >= (3, 12) else {}
-_SHED_BODY = orjson.dumps(error_body("proxy saturated (event loop busy): retry after the Retry-After seconds",
+_SHED_BODY = orjson.dumps(error_body("proxy saturated: retry after the Retry-After seconds",
                                      "rate_limit_exceeded", None, "overloaded"))
 _SHED_HEADERS = {"x-polyinfer-worker": "none", "x-polyinfer-domain": "none",
                  "x-polyinfer-spec-depth": "none"}
@@ -111,6 +112,18 @@ def parse_head(head: bytes) -> RequestHead | None:
     if connection not in (b"keep-alive", b"close"):
         return None
     return RequestHead(route[0], route[1], headers, int(length), connection != b"close")
+
+
+def response_head(status: int, headers: dict[str, str], content_length: int | None,
+                  date: bytes) -> bytes:
+    """An HTTP/1.1 response head; ``content_length`` None = a chunked body."""
+    fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    if fields.count("\n") != len(headers) or fields.count("\r") != len(headers):
+        raise ValueError(f"a newline in a response header: {headers!r}")
+    length = (b"Transfer-Encoding: chunked\r\n\r\n" if content_length is None
+              else b"Content-Length: %d\r\n\r\n" % content_length)
+    return b"HTTP/1.1 %d %s\r\n%sDate: %s\r\nServer: polyinfer\r\n%s" % (
+        status, _STATUS_TEXT.get(status, b"Unknown"), fields.encode("utf-8"), date, length)
 
 
 class _DateHeader:
@@ -215,6 +228,7 @@ class FastConnection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.idle_since = self.server.loop.time()
         self.server.connections.add(self)
+        self.server.gate.opened()
 
     def data_received(self, data: bytes) -> None:
         if not self._buf and self._head is None:
@@ -228,6 +242,8 @@ class FastConnection(asyncio.Protocol):
         self._next_request()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.transport is not None:  # not handed over
+            self.server.gate.closed()
         self.server.connections.discard(self)
         if self._task is not None:
             self._task.cancel()  # the relay closes the upstream request
@@ -269,14 +285,7 @@ class FastConnection(asyncio.Protocol):
 
     def response_head(self, status: int, headers: dict[str, str],
                       content_length: int | None) -> bytes:
-        fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
-        if fields.count("\n") != len(headers) or fields.count("\r") != len(headers):
-            raise ValueError(f"a newline in a response header: {headers!r}")
-        length = (b"Transfer-Encoding: chunked\r\n\r\n" if content_length is None
-                  else b"Content-Length: %d\r\n\r\n" % content_length)
-        return b"HTTP/1.1 %d %s\r\n%sDate: %s\r\nServer: polyinfer\r\n%s" % (
-            status, _STATUS_TEXT.get(status, b"Unknown"), fields.encode("utf-8"),
-            self.server.date.value(), length)
+        return response_head(status, headers, content_length, self.server.date.value())
 
     # -- requests -----------------------------------------------------------------------
 
@@ -313,7 +322,8 @@ class FastConnection(asyncio.Protocol):
         body = bytes(buf[self._need - head.content_length:self._need])
         del buf[:self._need]
         self._head = None
-        if self.server.relay.shedding:
+        relay = self.server.relay
+        if relay.shedding or relay.stats.in_flight >= relay.in_flight_limit.value:
             self._shed(head)
             return
         task = _start_task(self.server.loop, self._serve(FastExchange(self, head, body), head))
@@ -341,13 +351,11 @@ class FastConnection(asyncio.Protocol):
         serves S requests and refuses the rest, S x cost + refused x cost_refused <= 1 s,
         so a refusal must cost a small fraction of a request (no JSON, no task, no trace;
         counted in /stats as shed_at_door)."""
-        relay = self.server.relay
-        relay.num_shed_at_door += 1
-        retry = str(relay.limits.retry_after_s)
-        headers = {"Content-Type": "application/json", "Retry-After": retry,
-                   "x-request-id": relay.new_request_id(), **_SHED_HEADERS}
+        server = self.server
+        server.relay.num_shed_at_door += 1
         try:
-            self.write(self.response_head(429, headers, len(_SHED_BODY)) + _SHED_BODY)
+            self.write(server.shed_head() + server.relay.new_request_id().encode()
+                       + b"\r\n\r\n" + _SHED_BODY)
         except ConnectionError:
             return
         if not head.keep_alive or self.server.closing:
@@ -394,6 +402,7 @@ class FastConnection(asyncio.Protocol):
         transport = self.transport
         assert transport is not None and self._task is None
         self.server.connections.discard(self)
+        self.server.gate.closed()  # the handler counts it from here
         self.transport = None
         data, self._buf = bytes(self._buf), bytearray()
         if self._reading_paused:
@@ -437,9 +446,11 @@ class FastServer:
 
     def __init__(self, relay: Relay, aiohttp_factory: Callable[[], asyncio.Protocol],
                  max_body_bytes: int, keepalive_timeout_s: float = 75.0,
-                 header_timeout_s: float = 10.0, body_timeout_s: float = 60.0) -> None:
+                 header_timeout_s: float = 10.0, body_timeout_s: float = 60.0,
+                 gate: ConnectionGate | None = None) -> None:
         self.relay = relay
-        self.aiohttp_factory = aiohttp_factory
+        self.aiohttp_factory = aiohttp_factory  # a protocol that counts itself in the gate
+        self.gate = gate or ConnectionGate(1 << 30, relay.limits.retry_after_s)
         self.max_body_bytes = max_body_bytes
         self.keepalive_timeout_s = keepalive_timeout_s
         self.header_timeout_s = header_timeout_s
@@ -447,12 +458,23 @@ class FastServer:
         self.loop = asyncio.get_running_loop()
         self.connections: set[FastConnection] = set()
         self.date = _DateHeader()
+        self._shed_head = (b"", b"")  # (its Date, the head) for shed_head()
         self.closing = False
         # NOTE: one sweep for every idle keep-alive connection instead of a timer per request.
         self._sweeper = self.loop.create_task(self._sweep(), name="fastpath-keepalive")
 
     def __call__(self) -> FastConnection:
         return FastConnection(self)
+
+    def shed_head(self) -> bytes:
+        """A door 429's head up to its ``x-request-id`` value (remade once a second)."""
+        date = self.date.value()
+        if self._shed_head[0] != date:
+            headers = {"Content-Type": "application/json",
+                       "Retry-After": str(self.relay.limits.retry_after_s), **_SHED_HEADERS}
+            head = response_head(429, headers, len(_SHED_BODY), date)
+            self._shed_head = date, head[:-2] + b"x-request-id: "
+        return self._shed_head[1]
 
     async def _sweep(self) -> None:
         period_s = max(0.5, min(10.0, self.keepalive_timeout_s / 4,

@@ -126,6 +126,9 @@ async def stats(request: web.Request) -> web.Response:
     doc["loop_lag_ms"] = relay.loop_lag_s * 1e3
     doc["loop_busy"] = relay.loop_busy
     doc["shed_at_door"] = relay.num_shed_at_door  # 429s before a request was read (no trace)
+    doc["in_flight_limit"] = relay.in_flight_limit.value  # lowered while the loop is saturated
+    gate = app[keys.GATE]
+    doc["connections"] = {"open": gate.num_open, "refused": gate.num_refused}
     doc["traces"] = {"written": app[keys.TRACES].num_written,
                      "dropped": app[keys.TRACES].num_dropped,
                      "failed": app[keys.TRACES].num_failed}

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.bluegreen import BlueGreen
 from proxy.config import ProxyConfig
+from proxy.connections import ConnectionGate
 from proxy.pool import WorkerPool
 from proxy.relay import Relay
 from proxy.stats import Stats
@@ -18,6 +19,8 @@ POOL = web.AppKey("pool", WorkerPool)
 STATS = web.AppKey("stats", Stats)
 RELAY = web.AppKey("relay", Relay)
 TRACES = web.AppKey("traces", TraceWriter)
+# Open client connections against limits.max_connections (proxy.connections).
+GATE = web.AppKey("gate", ConnectionGate)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 DASHBOARD = web.AppKey("dashboard", bytes)
 BLUEGREEN = web.AppKey("bluegreen", BlueGreen)

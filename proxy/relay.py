@@ -30,7 +30,7 @@ import orjson
 from polyinfer.capabilities import OPTIONS, requested_options
 from polyinfer.errors import error_body, error_codes, error_field, sse_error_event
 from polyinfer.trace import STATUS_CANCELLED, STATUS_ERROR
-from proxy.admission import RECHECK_S, AdmissionQueue
+from proxy.admission import RECHECK_S, AdmissionQueue, InFlightLimit
 from proxy.config import ProxyConfig
 from proxy.errors import (
     BodyTooLarge,
@@ -164,6 +164,9 @@ class Relay:
         # hot routes); set by measure_loop_lag
         self.shedding = False
         self.num_shed_at_door = 0
+        # requests in flight admitted at most (the door refuses the rest); lowered while the
+        # loop is saturated, by measure_loop_lag
+        self.in_flight_limit = InFlightLimit(config.limits.max_in_flight)
         self._api_keys = frozenset(f"Bearer {k}" for k in config.auth.api_keys)
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
@@ -264,8 +267,8 @@ class Relay:
             raise ShuttingDown("the proxy is shutting down", retry_after_s=retry)
         if self._api_keys and ex.header("authorization") not in self._api_keys:
             raise Unauthorized("invalid or missing API key (Authorization: Bearer <key>)")
-        if self.stats.in_flight >= self.limits.max_in_flight:
-            raise Overloaded(f"more than {self.limits.max_in_flight} requests in flight",
+        if self.stats.in_flight >= self.in_flight_limit.value:
+            raise Overloaded(f"more than {self.in_flight_limit.value} requests in flight",
                              retry_after_s=retry)
         if self.shedding:
             raise Overloaded(f"proxy saturated (event loop {self.loop_lag_s * 1e3:.0f} ms late, "
@@ -278,8 +281,9 @@ class Relay:
         iteration serves everything that is ready), while the queue grows where the loop
         does not look: in the kernel, connections and requests not yet accepted or read
         (bench/proxy_overhead.py on a quiet 16-core host: 0 shed, p99 2-6 s at 1.2-2.5x
-        capacity). Lag alone sheds nothing there; busy + a small lag does, and CPU stolen
-        by another process (the lag of a shared core) never counts as busy.
+        capacity). Lag alone sheds nothing there; busy + a small lag lowers the in-flight
+        limit (proxy.admission.InFlightLimit), and CPU stolen by another process (the lag
+        of a shared core) never counts as busy.
         """
         limits = self.limits
         return bool(limits.busy_loop_lag_s) and self.loop_busy >= limits.max_loop_busy \
@@ -298,7 +302,9 @@ class Relay:
             busy = 0.5 * busy + 0.5 * min(1.0, (time.thread_time() - cpu) / elapsed)
             self.loop_lag_s, self.loop_busy = lag, busy
             max_lag = self.limits.max_loop_lag_s
-            self.shedding = bool(max_lag) and (lag > max_lag or self._saturated())
+            self.shedding = bool(max_lag) and lag > max_lag
+            self.in_flight_limit.update(bool(max_lag) and self._saturated(),
+                                        self.stats.in_flight)
 
     @staticmethod
     def _fail(rec: RequestRecord, e: ProxyError) -> None:

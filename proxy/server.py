@@ -24,6 +24,7 @@ from polyinfer.http_log import server_logger
 from proxy import keys
 from proxy.app import create_app
 from proxy.config import ProxyConfig
+from proxy.connections import aiohttp_protocol, door
 from proxy.fastpath import FastServer
 
 logger = logging.getLogger(__name__)
@@ -56,9 +57,8 @@ class ProxyServer:
                                      keepalive_timeout=KEEPALIVE_TIMEOUT_S,
                                      logger=server_logger())
         await self._runner.setup()
-        site_type = FastSite if self.config.server.fast_path else web.TCPSite
-        site = site_type(self._runner, self.config.server.host, self.config.server.port,
-                         backlog=4096, reuse_address=True)
+        site = ProxySite(self._runner, self.config.server.host, self.config.server.port,
+                         backlog=self.config.server.backlog, reuse_address=True)
         try:
             await site.start()
         except BaseException:
@@ -110,10 +110,12 @@ def check_port_free(host: str, port: int) -> None:
                                    "server there? pick a free port with --port)") from None
 
 
-class FastSite(web.TCPSite):
-    """A TCP site whose connections start on the lean hot-path protocol (proxy/fastpath.py).
+class ProxySite(web.TCPSite):
+    """The proxy's TCP site: connections past ``limits.max_connections`` refused at accept
+    time, the rest on the lean hot-path protocol (proxy/fastpath.py) when
+    ``server.fast_path`` is on, else on aiohttp's own (proxy/connections.py).
 
-    Requests that protocol does not serve go, with their connection, to the
+    Requests the lean protocol does not serve go, with their connection, to the
     runner's aiohttp server, so every route and rule of the app still applies.
     """
 
@@ -124,12 +126,17 @@ class FastSite(web.TCPSite):
         aiohttp_server = self._runner.server
         assert aiohttp_server is not None
         app = cast(web.AppRunner, self._runner).app
-        limits = app[keys.CONFIG].limits
-        self._fast = FastServer(app[keys.RELAY], aiohttp_server, limits.max_body_bytes,
-                                KEEPALIVE_TIMEOUT_S, limits.header_timeout_s,
-                                limits.body_timeout_s)
+        config = app[keys.CONFIG]
+        limits, gate = config.limits, app[keys.GATE]
+        serve: Callable[[], asyncio.Protocol] = aiohttp_protocol(
+            aiohttp_server, gate, limits.header_timeout_s)
+        if config.server.fast_path:
+            self._fast = FastServer(app[keys.RELAY], serve, limits.max_body_bytes,
+                                    KEEPALIVE_TIMEOUT_S, limits.header_timeout_s,
+                                    limits.body_timeout_s, gate)
+            serve = self._fast
         self._server = await asyncio.get_running_loop().create_server(
-            self._fast, self._host, self._port, backlog=self._backlog,
+            door(gate, serve), self._host, self._port, backlog=self._backlog,
             reuse_address=self._reuse_address, reuse_port=self._reuse_port)
         sockets = self._server.sockets
         self._bound_port = sockets[0].getsockname()[1] if sockets else self._port

@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from proxy.config import ProxyConfig
-from proxy.server import FastSite
+from proxy.server import ProxySite
 from proxy.upstream import _MAX_BUFFERED
 from tests.proxy.servers import ProxyThread, eventually
 
@@ -97,7 +97,7 @@ def _client_write_buffer(p: ProxyThread) -> int:
     """Bytes the proxy holds for its one client connection, read on the proxy's loop."""
     async def read() -> int:
         assert p.server is not None and p.server._runner is not None
-        (site,) = [s for s in p.server._runner.sites if isinstance(s, FastSite)]
+        (site,) = [s for s in p.server._runner.sites if isinstance(s, ProxySite)]
         assert site._fast is not None
         (conn,) = site._fast.connections
         assert conn.transport is not None
