@@ -19,6 +19,11 @@ least-outstanding, which sends more to a faster worker, already got the gain):
   no speculation, one core (``fast-long``: ``--long-cores`` engine-core
   processes, default 2); declared for the long-prompt domains (summarization, rag).
 
+``gpu`` (with ``--device cuda``, the GPU fleet): ``spec`` as above, ``draft`` (draft-model
+speculation with the bundled draft, 8 sequences, max depth 4, default 1; declared for the
+conversational domains) and ``batch`` (32 sequences, 2,048-token chunks, no speculation;
+declared for the long-prompt domains), all on the one device.
+
 Every worker keeps the engine's default KV cache (32,768 tokens) with automatic
 prefix caching on (the engine's default): a worker feature, so every policy gets it.
 
@@ -135,7 +140,7 @@ from loadgen.request import RequestResult, TraceRequest
 from loadgen.runner import Runner
 from loadgen.synth import PromptSynthesizer, load_corpus_words
 from loadgen.tokenizer import load_token_counter
-from polyinfer.config import TINY_TARGET, CompiledConfig, DeclaredFit, EngineConfig
+from polyinfer.config import TINY_DRAFT, TINY_TARGET, CompiledConfig, DeclaredFit, EngineConfig
 from proxy.app import create_app, default_estimator
 from proxy.config import (
     HealthConfig,
@@ -249,13 +254,37 @@ TRACE = "trace"
 TRACE_LINE = 2 * 10**6  # trace requests' line numbers in a schedule start here
 
 
-FLEETS = ("equal", "fast-long")
+FLEETS = ("equal", "fast-long", "gpu")
+
+
+def gpu_fleet(device: str) -> dict[str, CompiledConfig]:
+    """``--fleet gpu`` (with ``--device cuda``): configs that differ as a GPU fleet's do --
+    n-gram speculation at small batch, draft-model speculation, a large batch without it.
+    NOTE: on the GPU the bundled pair is launch-bound, so what differs between workers is
+    tokens per launch (speculation) and slots, not compute; the draft worker's default depth
+    is an operator's cautious 1 (the depth policy finds what pays, for the adaptive arm)."""
+    model = str(TINY_TARGET)
+    spec = CompiledConfig(model=model, engine=EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=256, spec_method="ngram", spec_max_depth=8,
+        spec_default_depth=4, max_model_len=MAX_MODEL_LEN, num_threads=1, device=device),
+        fit=DeclaredFit(domains=CLASSES["repetitive"], prompt_tokens=(0, 600)))
+    draft = CompiledConfig(model=model, engine=EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=512, spec_method="draft",
+        draft_model=str(TINY_DRAFT), spec_max_depth=4, spec_default_depth=1,
+        max_model_len=MAX_MODEL_LEN, num_threads=1, device=device),
+        fit=DeclaredFit(domains=CLASSES["conversational"], prompt_tokens=(0, 600)))
+    batch = CompiledConfig(model=model, engine=EngineConfig(
+        max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN,
+        num_threads=1, device=device), fit=DeclaredFit(domains=CLASSES["long"]))
+    return {"spec": spec, "draft": draft, "batch": batch}
 
 
 def fleet_configs(fleet: str, long_cores: int, device: str) -> dict[str, CompiledConfig]:
     """The compiled configs (see the module docstring); ``--fit-only`` measures their fit.
     ``equal``: one core each, so the only thing a router can learn is which config fits
-    which shape; ``fast-long``: ``long`` on ``long_cores`` cores."""
+    which shape; ``fast-long``: ``long`` on ``long_cores`` cores; ``gpu``: :func:`gpu_fleet`."""
+    if fleet == "gpu":
+        return gpu_fleet(device)
     model = str(TINY_TARGET)
     spec = CompiledConfig(model=model, engine=EngineConfig(
         max_num_seqs=4, max_num_batched_tokens=256, spec_method="ngram", spec_max_depth=8,
@@ -345,13 +374,18 @@ def start_workers(configs: dict[str, CompiledConfig], log_dir: Path, tag: str
     return urls, procs
 
 
-async def wait_healthy(urls: dict[str, str], timeout_s: float = 600.0) -> None:
+async def wait_healthy(urls: dict[str, str], procs: list[subprocess.Popen[bytes]],
+                       timeout_s: float = 600.0) -> None:
+    """Until every worker answers /health; a worker process that exits first fails at once
+    (its log is in --log-dir)."""
     # NOTE: 600 s: nine workers importing torch at once on a shared two-core box took
     # longer than 180 s
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as s:
-        for url in urls.values():
+        for url, proc in zip(urls.values(), procs, strict=True):
             while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"worker {url} exited ({proc.returncode}) before healthy")
                 try:
                     async with s.get(f"{url}/health") as r:
                         if r.status == 200:
@@ -982,8 +1016,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     fleets = {name: start_workers(configs, args.log_dir, name) for name in args.policies}
     out: dict[str, Any] = {"rates": {}, "placement": {}, "depths": {}}
     try:
-        for fleet_urls, _ in fleets.values():
-            await wait_healthy(fleet_urls)
+        for fleet_urls, fleet_procs in fleets.values():
+            await wait_healthy(fleet_urls, fleet_procs)
         urls = {n: f[0] for n, f in fleets.items()}
         first = urls[args.policies[0]]
         schedules = Schedules(args)
@@ -1387,7 +1421,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "on this run's probe")
     ap.add_argument("--fleet", choices=FLEETS, default="equal",
                     help="equal: every worker one core (configs differ, resources do not); "
-                         "fast-long: the long worker on --long-cores cores")
+                         "fast-long: the long worker on --long-cores cores; gpu (with --device "
+                         "cuda): n-gram at small batch, draft speculation, a large batch")
     ap.add_argument("--long-cores", type=int, default=2,
                     help="fast-long fleet: engine-core processes (one thread each) of the "
                          "long-prompt worker")

@@ -21,10 +21,22 @@ band over all shapes, and one of a worker with fewer than that is infinite.
 :meth:`PredictionErrors.distinguishable` is the rule the policy applies: the
 model's pick overrides LO's only when its predicted cost is lower than LO's
 pick's by more than the two bands together (their root sum of squares, as for
-independent errors, in log space): ``ln(cost_lo / cost_pick) > sqrt(b_pick^2 +
-b_lo^2)``. So an accurate model routes by cost wherever it sees a real
-difference, a poor one only where the difference is large, and an unproven one
-not at all, and every outcome (LO's picks included) keeps measuring it.
+independent errors, in log space), times ``margin_bands``: ``ln(cost_lo /
+cost_pick) > margin_bands x sqrt(b_pick^2 + b_lo^2)``. So an accurate model
+routes by cost wherever it sees a real difference, a poor one only where the
+difference is large, and an unproven one not at all, and every outcome (LO's
+picks included) keeps measuring it.
+
+NOTE: ``margin_bands`` is 0.5, not 1. A band is the spread of one prediction's
+error, and the two predictions compared are made at the same moment by the same
+model for the same request: what the request turns out to be, how fast the
+machine runs and the load that arrives after the decision move both alike, so
+the spread of their difference is below the independent errors' root sum of
+squares, which a whole band takes it to be. In the simulator, over the
+prefix-mix model and the mixed-domain fleets, half a band met as many SLOs as a
+whole one or more on every workload (bench/RESULTS.md, Routing): at one band the
+fallback gave back the model's gain on a code-only load (0.851 of requests met,
+LO 0.864), at half a band it kept it (0.904).
 
 Example::
 
@@ -50,10 +62,15 @@ class ConfidenceConfig:
     # EWMA weight of one outcome in the running error, once more than 1 / weight were seen
     # (a plain mean before): ~20 outcomes of memory, so a fleet that changes is followed
     weight: float = 0.05
+    # how many combined error bands the pick's predicted cost must beat LO's pick's by
+    # (see the module docstring's NOTE)
+    margin_bands: float = 0.5
 
     def __post_init__(self) -> None:
         if self.min_samples < 1:
             raise ValueError(f"min_samples: expected >= 1, got {self.min_samples}")
+        if self.margin_bands < 0:
+            raise ValueError(f"margin_bands: expected >= 0, got {self.margin_bands}")
         if not 0.0 < self.weight <= 1.0:
             raise ValueError(f"weight: expected (0, 1], got {self.weight}")
 
@@ -142,11 +159,13 @@ class PredictionErrors:
 
     def distinguishable(self, cost_pick_s: float, band_pick: float, cost_other_s: float,
                         band_other: float) -> bool:
-        """Whether ``cost_pick_s`` is lower than ``cost_other_s`` by more than the two
-        predictions' error bands together (see the module docstring)."""
+        """Whether ``cost_pick_s`` is lower than ``cost_other_s`` by more than
+        ``margin_bands`` x the two predictions' error bands together (see the module
+        docstring)."""
         if not (cost_pick_s > 0 and cost_other_s > 0) or math.isinf(band_pick + band_other):
             return False
-        return math.log(cost_other_s / cost_pick_s) > math.hypot(band_pick, band_other)
+        margin = self.config.margin_bands * math.hypot(band_pick, band_other)
+        return math.log(cost_other_s / cost_pick_s) > margin
 
     def snapshot(self) -> dict[str, dict[str, dict[str, float]]]:
         """worker -> "domain/band" -> RMS and mean log error of TTFT and TPOT, samples

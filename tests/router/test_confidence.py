@@ -4,6 +4,7 @@ policy leaning on least-outstanding's pick where its model is unproven or poor."
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -47,13 +48,17 @@ def test_an_unmeasured_latency_is_skipped() -> None:
     assert errors.band("w", "code", 100) == pytest.approx(math.log(1.5))
 
 
-def test_distinguishable_needs_a_gap_wider_than_both_bands() -> None:
+def test_distinguishable_needs_a_gap_wider_than_half_the_bands() -> None:
     errors = PredictionErrors()
-    # bands 0.3 and 0.4 together: hypot = 0.5; the gap must exceed it in log space
-    assert errors.distinguishable(1.0, 0.3, math.exp(0.51), 0.4)
-    assert not errors.distinguishable(1.0, 0.3, math.exp(0.49), 0.4)
+    # bands 0.3 and 0.4 together: hypot = 0.5, half of it 0.25; the gap must exceed it in
+    # log space
+    assert errors.distinguishable(1.0, 0.3, math.exp(0.26), 0.4)
+    assert not errors.distinguishable(1.0, 0.3, math.exp(0.24), 0.4)
     assert not errors.distinguishable(1.0, math.inf, 100.0, 0.0)
     assert errors.distinguishable(1.0, 0.0, 1.001, 0.0)  # an exact model: any real gap
+    whole = PredictionErrors(ConfidenceConfig(margin_bands=1.0))  # a whole band: 0.5
+    assert whole.distinguishable(1.0, 0.3, math.exp(0.51), 0.4)
+    assert not whole.distinguishable(1.0, 0.3, math.exp(0.49), 0.4)
 
 
 def test_config_is_checked() -> None:
@@ -61,6 +66,8 @@ def test_config_is_checked() -> None:
         ConfidenceConfig(min_samples=0)
     with pytest.raises(ValueError):
         ConfidenceConfig(weight=0.0)
+    with pytest.raises(ValueError):
+        ConfidenceConfig(margin_bands=-0.1)
 
 
 def views() -> list[WorkerView]:
@@ -111,10 +118,13 @@ def test_a_poor_model_keeps_balancing() -> None:
     policy = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0,
                                            confidence=ConfidenceConfig(min_samples=4)))
     ws = views()
-    # each worker's latency swings 8x from one request to the next: no profile predicts it
+    # each request's latency swings 8x at random: no profile predicts it. NOTE: at random,
+    # not every other request: LO alternates between the two idle workers, so an
+    # alternating swing would always land on the same one and make it look 8x slower.
+    rng = random.Random(0)
     picks = []
-    for i in range(60):
-        swing = 8.0 if i % 2 else 1.0
+    for _ in range(60):
+        swing = rng.choice((1.0, 8.0))
         picks += run(policy, ws, 1, {"small": 0.01, "big": 0.012}, {"small": swing, "big": swing})
     late = picks[30:]
     # the two workers differ by 1.2x, well inside the error: LO's rotation goes on, and
