@@ -10,7 +10,8 @@ in one process on one GPU:
    (the reload's seconds are printed: weights stay, graphs are captured again), the
    decode rate of ``b`` requests decoding together through ``EngineCore.step`` (the
    engine's own loop: scheduler, graph replay, sampling, detokenizer), decode steps
-   only, and the device's share (one graph replay of the batch's bucket);
+   only, and the device's share (one graph replay of the batch's bucket); with
+   ``--serial`` also the same loop with no step launched ahead (engine.runner);
 4. transformers' eager ``generate`` on the same checkpoint and batches (greedy);
 5. with ``--profile``: the kernels of one uncaptured decode step per variant set and
    batch, by CUDA time (torch.profiler), appended to that file;
@@ -20,8 +21,8 @@ in one process on one GPU:
    (cProfile), appended to that file.
 
     python bench/gpu_forward.py [--batches 1 8 64] [--tokens 256]
-        [--variants default all] [--json out.json] [--profile kernels.txt]
-        [--profile-host host.txt]
+        [--variants default all] [--serial] [--budget 64] [--json out.json]
+        [--profile kernels.txt] [--profile-host host.txt]
 
 Needs CUDA. The checkpoint is written to a temporary folder with the bundled
 tokenizer, so nothing is downloaded.
@@ -67,7 +68,10 @@ VARIANT_SETS = {"default": ForwardConfig(),
                 "fused_rope_kv": ForwardConfig(fused_rope_kv=True),
                 "fused_silu": ForwardConfig(fused_silu=True),
                 "skinny_gemm": ForwardConfig(skinny_gemm=True),
-                "all": FUSED_FORWARD, "all+skinny": GPU_FORWARD}
+                "all": FUSED_FORWARD, "all+skinny": GPU_FORWARD,
+                # the same kernels with gate|up's SiLU a kernel of its own (an A/B of
+                # SkinnyGemm.gated, patched here only)
+                "all+skinny-ungated": GPU_FORWARD}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,11 +124,12 @@ def write_checkpoint(out: Path, s: Shape) -> int:
     return sum(v.numel() * v.element_size() for v in t.values())
 
 
-def engine_config(model_dir: Path, max_batch: int, forward: ForwardConfig) -> CompiledConfig:
+def engine_config(model_dir: Path, max_batch: int, forward: ForwardConfig,
+                  budget: int = 64) -> CompiledConfig:
     return CompiledConfig(model=str(model_dir), engine=EngineConfig(
         device="cuda", dtype="bfloat16", execution="cuda_graph", max_num_seqs=max_batch,
-        max_num_batched_tokens=max(max_batch, 64), kv_cache_tokens=65536, max_model_len=2048,
-        enable_prefix_caching=False, forward=forward))
+        max_num_batched_tokens=max(max_batch, budget), kv_cache_tokens=65536,
+        max_model_len=2048, enable_prefix_caching=False, forward=forward))
 
 
 def decode_rate(core: Any, batch: int, num_tokens: int, run: str) -> float:
@@ -262,6 +267,11 @@ def main() -> int:
     p.add_argument("--variants", nargs="+", default=list(VARIANT_SETS), choices=VARIANT_SETS)
     p.add_argument("--transformers-tokens", type=int, default=24, help="0 skips transformers")
     p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--budget", type=int, default=64, help="max_num_batched_tokens")
+    p.add_argument("--serial", action="store_true",
+                   help="also each batch with every step in series (no step launched ahead)")
+    p.add_argument("--skip-checks", action="store_true",
+                   help="no kernel checks nor projection timings (the engine checks at build)")
     p.add_argument("--json", type=Path)
     p.add_argument("--profile", type=Path, help="file the per-kernel profiles go to")
     p.add_argument("--profile-host", type=Path, help="file the host (cProfile) profiles go to")
@@ -281,8 +291,9 @@ def main() -> int:
         roof = bw / nbytes
         result.update(bandwidth_Bps=bw, weight_bytes=nbytes, roofline_tok_s=roof)
         print(f"checkpoint {nbytes / 1e9:.2f} GB -> batch-1 roofline {roof:.0f} tok/s", flush=True)
-        result["checks"] = check_kernels(shape)
-        result["projections"] = projection_rates(shape)
+        if not args.skip_checks:
+            result["checks"] = check_kernels(shape)
+            result["projections"] = projection_rates(shape)
         result["engine"] = run_engine(model_dir, args, roof)
         if args.transformers_tokens:
             result["transformers"] = {}
@@ -313,21 +324,35 @@ def check_kernels(shape: Shape) -> list[dict[str, Any]]:
 
 def run_engine(model_dir: Path, args: argparse.Namespace, roof: float) -> dict[str, Any]:
     max_batch = max(args.batches)
-    core = load_core(engine_config(model_dir, max_batch, VARIANT_SETS[args.variants[0]]))
+    core = load_core(engine_config(model_dir, max_batch, VARIANT_SETS[args.variants[0]],
+                                   args.budget))
     out: dict[str, Any] = {}
     for name in args.variants:
-        cfg = engine_config(model_dir, max_batch, VARIANT_SETS[name])
+        cfg = engine_config(model_dir, max_batch, VARIANT_SETS[name], args.budget)
+        SkinnyGemm.gated = _ungated if name.endswith("-ungated") else GATED  # type: ignore
         reload_s = core.reload(cfg)
-        entry: dict[str, Any] = {"reload_s": reload_s, "tok_s": {}, "replay_ms": {}}
+        if core.model.skinny is not None:
+            print(f"engine {name}: projections {core.model.skinny.configs}", flush=True)
+        entry: dict[str, Any] = {"reload_s": reload_s, "tok_s": {}, "replay_ms": {},
+                                 "serial_tok_s": {}, "ahead_used": {}}
         for b in args.batches:
             tokens = max(64, args.tokens // max(1, b // 4)) if b > 1 else args.tokens
             decode_rate(core, b, 16, f"{name}-warm-{b}")
+            if args.serial:  # the same loop with every step in series (no launch ahead)
+                core.runner.look_ahead = False
+                serial = decode_rate(core, b, tokens, f"{name}-serial-{b}")
+                core.runner.look_ahead = True
+                entry["serial_tok_s"][str(b)] = serial
+                print(f"engine {name:<14} batch {b:>3} in series: {serial:9.0f} tok/s", flush=True)
+            used = core.runner.num_ahead_used
             rate = decode_rate(core, b, tokens, f"{name}-{b}")
+            entry["ahead_used"][str(b)] = core.runner.num_ahead_used - used
             ms = replay_ms(core, b, PROMPT_TOKENS + tokens // 2)
             entry["tok_s"][str(b)], entry["replay_ms"][str(b)] = rate, ms
             frac = f"  {rate / roof:.2f} of the roofline" if b == 1 else ""
             print(f"engine {name:<14} reload {reload_s:5.2f} s  batch {b:>3}: {rate:9.0f} tok/s "
-                  f"(graph replay {ms:.3f} ms/step = {b / ms * 1e3:9.0f} tok/s){frac}", flush=True)
+                  f"(graph replay {ms:.3f} ms/step = {b / ms * 1e3:9.0f} tok/s){frac}; "
+                  f"{entry['ahead_used'][str(b)]} steps launched ahead", flush=True)
             if args.profile is not None:
                 top = profile_step(core, b, PROMPT_TOKENS + tokens // 2, args.profile,
                                    f"{name}, batch {b}")
@@ -342,19 +367,34 @@ def run_engine(model_dir: Path, args: argparse.Namespace, roof: float) -> dict[s
     return out
 
 
+GATED = SkinnyGemm.gated
+
+
+def _ungated(self: SkinnyGemm, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    from engine.fused import silu_mul
+
+    return silu_mul(self(x, w))
+
+
 def summarize(result: dict[str, Any], args: argparse.Namespace) -> None:
     engine, roof = result["engine"], result["roofline_tok_s"]
     base = engine.get("default")
     print("\n| variant set | " + " | ".join(f"batch {b}" for b in args.batches) + " | reload s |")
     print("|---|" + "---|" * len(args.batches) + "---|")
     for name, entry in engine.items():
-        cells = []
+        cells, serial = [], []
         for b in args.batches:
             rate = entry["tok_s"][str(b)]
             ratio = f" ({rate / base['tok_s'][str(b)]:.2f}x)" if base and name != "default" else ""
             frac = f" [{rate / roof:.2f} roof]" if b == 1 else ""
             cells.append(f"{rate:,.0f}{ratio}{frac}")
+            if str(b) in entry["serial_tok_s"]:
+                s = entry["serial_tok_s"][str(b)]
+                serial.append(f"{s:,.0f} ({rate / s:.2f}x ahead)"
+                              + (f" [{s / roof:.2f} roof]" if b == 1 else ""))
         print(f"| {name} | " + " | ".join(cells) + f" | {entry['reload_s']:.2f} |")
+        if serial:
+            print(f"| {name}, in series | " + " | ".join(serial) + " | - |")
     if "transformers" in result:
         print("| transformers eager | " + " | ".join(
             f"{result['transformers'][str(b)]:,.0f}" for b in args.batches) + " | - |")

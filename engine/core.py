@@ -312,7 +312,8 @@ class EngineCore:
                            sum(it.seq.num_computed for it in decoding),
                            [(it.seq.num_computed, it.num_new) for it in plan.scheduled
                             if not (it.num_new == 1 and it.samples)]) if pacer.engaged else None
-        results = {id(r.item): r for r in self.runner.execute(plan.scheduled)}
+        results = {id(r.item): r for r in self.runner.execute(plan.scheduled,
+                                                              bool(self.scheduler.waiting))}
         for item in plan.scheduled:
             out = self._postprocess(item, results.get(id(item)), stats)
             if out is not None:
@@ -357,8 +358,6 @@ class EngineCore:
     def _spec_depth(self, seq: Sequence) -> int:
         """The speculative depth ``seq`` asks for this step (0 while prefilling)."""
         if self.proposer is None or seq.params.spec_depth <= 0 or seq.is_prefilling:
-            return 0
-        if seq.grammar is not None:  # NOTE: drafts are not masked; constrained rows decode plainly
             return 0
         return max(0, min(seq.params.spec_depth,
                           seq.params.max_tokens - seq.num_output_tokens - 1,

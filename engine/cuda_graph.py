@@ -232,6 +232,7 @@ class RowDecoder:
         self.model = model
         self.kv = kv
         self.buckets = list(buckets)
+        self.max_positions = max_positions
         self.max_blocks = -(-max_positions // kv.block_size)
         rows, width = self.buckets[-1], COL_TABLE + self.max_blocks
         on_cuda = str(model.device).startswith("cuda")
@@ -253,14 +254,20 @@ class RowDecoder:
     def can_run(self, num_rows: int) -> bool:
         return 0 < num_rows <= self.buckets[-1]
 
-    def run(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
+    def run(self, rows: Sequence[DecodeRow], tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[sum of rows' num_rows, vocab]`` float32 on the device, rows in order.
 
         The tensor is a view of the static output: read it before the next run.
+        ``tokens``: the rows' tokens as a device tensor ``[len(rows)]`` (rows without
+        drafts), in place of each ``row.token``: ids a step sampled on the device, fed to
+        the next step before the host has read them (:class:`engine.runner.ModelRunner`'s
+        look-ahead).
         """
         n = sum(row.num_rows for row in rows)
         if not self.can_run(n):
             raise ValueError(f"{n} rows: no bucket in {self.buckets}")
+        if tokens is not None and (n != len(rows) or tokens.shape != (n,)):
+            raise ValueError(f"tokens {tuple(tokens.shape)} for {len(rows)} rows of {n}")
         bucket = self._bucket_for[n]
         # NOTE: the previous step's copy out of the pinned buffer may still be queued behind
         # its replay: a step of prompt chunks that sample nothing never syncs the host (the
@@ -272,8 +279,16 @@ class RowDecoder:
         self._inputs[:bucket].copy_(self._host[:bucket], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        if tokens is not None:
+            self._inputs[:n, COL_TOKEN].copy_(tokens)
+            if bucket > n:  # padding rows repeat row 0, its token included
+                self._inputs[n:bucket, COL_TOKEN].copy_(tokens[:1].expand(bucket - n))
         self._launch(bucket)
         return self._out[:n]
+
+    def output(self, num_rows: int) -> torch.Tensor:
+        """The logits of the last run's first ``num_rows`` rows (what :meth:`run` returned)."""
+        return self._out[:num_rows]
 
     def _launch(self, bucket: int) -> None:
         self._forward(bucket)
@@ -286,6 +301,29 @@ class RowDecoder:
                               context_lens=buf[:, COL_CONTEXT])
         logits = self.model.forward(buf[:, COL_TOKEN].long(), meta, self.kv)  # type: ignore[arg-type]
         self._out[:bucket].copy_(logits)
+
+
+class IdsReadback:
+    """Sampled ids ``[N]`` copied from the device into a pinned host buffer behind the work
+    queued so far, so the host can queue more before it waits for them (:meth:`wait`)."""
+
+    def __init__(self, max_rows: int, device: str | torch.device) -> None:
+        on_cuda = str(device).startswith("cuda")
+        self._host = torch.zeros(max_rows, dtype=torch.int64, pin_memory=on_cuda)
+        self._done = torch.cuda.Event() if on_cuda else None
+        self._num = 0
+
+    def start(self, ids: torch.Tensor) -> None:
+        self._num = int(ids.shape[0])
+        self._host[:self._num].copy_(ids, non_blocking=self._done is not None)
+        if self._done is not None:
+            self._done.record()
+
+    def wait(self) -> list[int]:
+        if self._done is not None:
+            self._done.synchronize()
+        ids: list[int] = self._host[:self._num].tolist()
+        return ids
 
 
 class CudaGraphDecoder(RowDecoder):

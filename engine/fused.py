@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from engine.errors import UnsupportedConfigError
 from engine.skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS
-from engine.skinny_gemm import skinny_bound, skinny_linear
+from engine.skinny_gemm import skinny_bound, skinny_gated, skinny_gated_bound, skinny_linear
 
 if TYPE_CHECKING:
     from engine.checkpoint import ModelSpec
@@ -363,6 +363,12 @@ def _skinny_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: torch.Gener
             got.append(fused(x, w, b))
             want.append(ref_out)
             bounds.append(skinny_bound(ref_out, x, w))
+        if i == 2:  # gate|up, also with its SiLU in the same kernel (SkinnyGemm.gated)
+            gated = getattr(fused, "gated", skinny_gated)
+            ref_act = silu_mul_reference(ref(x, w, None))
+            got.append(gated(x, w))
+            want.append(ref_act)
+            bounds.append(skinny_gated_bound(ref_act, x, w))
         del w
     return got, want, bounds
 

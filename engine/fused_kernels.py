@@ -95,14 +95,17 @@ def silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, num_cols,
 def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_rows, N, K, k_per_split,
                        stride_x, stride_w, stride_out, stride_split,
                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr,
-                       IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       IEEE: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[:rows, cols] = x @ w[cols].T`` over one K slice (program axis 1).
 
     ``x`` ``[rows <= BLOCK_M, K]``, ``w`` ``[N, K]`` (a projection's weight, streamed once).
     PARTIAL: float32 partial sums of slice ``s`` to ``out + s * stride_split`` (summed by
     :func:`split_sum_kernel`); else the dtype result (plus bias). EVEN: N % BLOCK_N == 0 and
     every slice a whole number of BLOCK_K, so the weight loads carry no mask.
+    GATED: ``w`` is ``[gate | up]``, ``[2 N, K]``; the program also sums ``up``'s rows
+    ``N + cols`` and stores ``silu(gate) * up`` (PARTIAL: both sums, up's at ``N + cols``),
+    rounded where ``silu_mul_kernel`` rounds.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -113,39 +116,72 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_rows, N, K, k_per_split
     k_start = pid_k * k_per_split
     x_at = x_ptr + rows[:, None] * stride_x + tl.arange(0, BLOCK_K)[None, :]
     w_at = w_ptr + cols[:, None].to(tl.int64) * stride_w + tl.arange(0, BLOCK_K)[None, :]
+    up_at = w_at + N.to(tl.int64) * stride_w
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(k_start, k_start + k_per_split, BLOCK_K):
         if EVEN:
             x = tl.load(x_at + k, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
             w = tl.load(w_at + k)  # [BLOCK_N, BLOCK_K]
+            if GATED:
+                w_up = tl.load(up_at + k)
         else:
             k_ok = (k + tl.arange(0, BLOCK_K)) < K
             x = tl.load(x_at + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_at + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if GATED:
+                w_up = tl.load(up_at + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if IEEE:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            if GATED:
+                acc_up += tl.dot(x, tl.trans(w_up), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
+            if GATED:
+                acc_up += tl.dot(x, tl.trans(w_up))
     out_at = rows[:, None] * stride_out + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
     if PARTIAL:
         tl.store(out_ptr + pid_k * stride_split + out_at, acc, mask=ok)
+        if GATED:
+            tl.store(out_ptr + pid_k * stride_split + N + out_at, acc_up, mask=ok)
     else:
+        dtype = out_ptr.dtype.element_ty
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        if GATED:
+            acc = _silu_times(acc, acc_up, dtype)
+        tl.store(out_ptr + out_at, acc.to(dtype), mask=ok)
+
+
+@triton.jit
+def _silu_times(gate, up, dtype: tl.constexpr):
+    """``silu(gate) * up`` of float32 projection sums, each rounded to ``dtype`` first (the
+    projection's output), then as ``silu_mul_kernel`` rounds."""
+    gate = _round(gate, dtype)
+    act = _round(gate / (1.0 + tl.exp(-gate)), dtype)
+    return act * _round(up, dtype)
 
 
 @triton.jit
 def split_sum_kernel(part_ptr, b_ptr, out_ptr, N, stride_split, stride_part, stride_out,
-                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """One tile of one row: the SPLIT partial sums of :func:`skinny_gemm_kernel`, in order."""
+                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """One tile of one row: the SPLIT partial sums of :func:`skinny_gemm_kernel`, in order
+    (GATED: gate's and up's, then ``silu(gate) * up``)."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
     acc = tl.zeros([BLOCK], tl.float32)
+    acc_up = tl.zeros([BLOCK], tl.float32)
     for s in tl.static_range(SPLIT):
-        acc += tl.load(part_ptr + s * stride_split + row * stride_part + cols, mask=ok, other=0.0)
+        at = part_ptr + s * stride_split + row * stride_part + cols
+        acc += tl.load(at, mask=ok, other=0.0)
+        if GATED:
+            acc_up += tl.load(at + N, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        acc = _silu_times(acc, acc_up, dtype)
+    tl.store(out_ptr + row * stride_out + cols, acc.to(dtype), mask=ok)

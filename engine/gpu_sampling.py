@@ -29,8 +29,16 @@ from polyinfer.sampling import (
 def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
                      rows: Sequence[Row] | None = None) -> list[int]:
     """[N, vocab] logits (any device) -> N token ids; greedy rows take the argmax."""
+    ids: list[int] = sample_ids(logits, params, rows).tolist()
+    return ids
+
+
+def sample_ids(logits: torch.Tensor, params: Sequence[SamplingParams],
+               rows: Sequence[Row] | None = None) -> torch.Tensor:
+    """:func:`sample_on_device`'s ids as a tensor ``[N]`` on the logits' device, not yet
+    read back (a caller can feed them to the next step before the host sees them)."""
     if all(p.greedy and not p.adjusts for p in params):
-        return logits.argmax(dim=1).tolist()
+        return logits.argmax(dim=1)
     probs = process_logits(logits, params, rows)  # [N, vocab] float32; greedy rows one-hot
     probs = seeded_point_masses(probs, params, rows)  # and keyed rows on their keyed sample
     # NOTE: point-mass rows pick their token with any u; only drawn rows take a uniform,
@@ -38,7 +46,7 @@ def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
     drawn = [i for i, p in enumerate(params) if not p.greedy and not p.keyed]
     u = torch.zeros(len(params))
     u[drawn] = uniforms(len(drawn))
-    return inverse_cdf(probs, u.to(probs.device, non_blocking=True)).tolist()
+    return inverse_cdf(probs, u.to(probs.device, non_blocking=True))
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

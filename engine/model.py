@@ -246,10 +246,14 @@ class LlamaModel:
             logger.debug("projections use F.linear: %s", reason)
 
     def _projection_shapes(self) -> list[tuple[int, int]]:
-        """``(N, K)`` of every projection weight (one layer's four, the LM head)."""
+        """``(N, K)`` of every projection weight (one layer's four, the LM head), and
+        ``(-N, K)`` of gate|up when it runs gated (``fused_silu``: SkinnyGemm.gated)."""
         layer = self.layers[0]
         weights = [layer.qkv, layer.o, layer.gate_up, layer.down, self.lm_head]
-        return [(int(w.shape[0]), int(w.shape[1])) for w in weights]  # type: ignore[union-attr]
+        shapes = [(int(w.shape[0]), int(w.shape[1])) for w in weights]  # type: ignore[union-attr]
+        if "fused_silu" in self.variants:
+            shapes.append((-shapes[2][0], shapes[2][1]))
+        return shapes
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         return KVCache(self.num_layers, num_blocks, block_size, self.spec.num_kv_heads,
@@ -293,7 +297,10 @@ class LlamaModel:
             return self._dense(h, delta, layer.post_norm, layer.gate_up, layer.down, eps,
                                self.linear)
         x, h = self._add_norm(h, delta, layer.post_norm, eps)
-        act = self._silu_mul(self._project(x, layer.gate_up))  # [T, intermediate]
+        if self.skinny is not None and "fused_silu" in self.variants:  # one kernel for both
+            act = self.skinny.gated(x, layer.gate_up)  # type: ignore[arg-type]
+        else:
+            act = self._silu_mul(self._project(x, layer.gate_up))  # [T, intermediate]
         return h, self._project(act, layer.down)
 
     def _attention(self, x: torch.Tensor, layer: LayerWeights, i: int,

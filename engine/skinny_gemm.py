@@ -52,36 +52,74 @@ DEFAULT = SkinnyConfig(block_n=64, block_k=256, split=2)  # untuned (the interpr
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                  cfg: SkinnyConfig = DEFAULT) -> torch.Tensor:
-    """``x @ w.T + bias`` for ``x`` ``[rows <= MAX_ROWS, K]``, ``w`` ``[N, K]``: ``[rows, N]``."""
+                  cfg: SkinnyConfig = DEFAULT, gated: bool = False) -> torch.Tensor:
+    """``x @ w.T + bias`` for ``x`` ``[rows <= MAX_ROWS, K]``, ``w`` ``[N, K]``: ``[rows, N]``.
+
+    ``gated``: ``w`` is ``[gate | up]`` (``[2 I, K]``, no bias) and the result
+    ``silu(gate) * up``, ``[rows, I]``, in the same pass (:func:`skinny_gated`).
+    """
     from engine.fused_kernels import skinny_gemm_kernel, split_sum_kernel
 
     rows, k = x.shape
-    n = w.shape[0]
+    n = w.shape[0] // 2 if gated else w.shape[0]
     if cfg.block_n == 0 or rows > MAX_ROWS or rows == 0:
-        return F.linear(x, w, bias)
+        out = F.linear(x, w, bias)
+        return _silu_mul(out) if gated else out
     if x.stride(-1) != 1:
         x = x.contiguous()
-    assert w.shape[1] == k and w.stride(-1) == 1
+    assert w.shape[1] == k and w.stride(-1) == 1 and not (gated and bias is not None)
     k_per_split = -(-k // (cfg.split * cfg.block_k)) * cfg.block_k
     split = -(-k // k_per_split)
     even = n % cfg.block_n == 0 and k % k_per_split == 0
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    part = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32,
-                                              device=x.device)
+    part = out if split == 1 else torch.empty(split, rows, 2 * n if gated else n,
+                                              dtype=torch.float32, device=x.device)
     grid = (-(-n // cfg.block_n), split)
     skinny_gemm_kernel[grid](
         x, w, bias if bias is not None else w, part, rows, n, k, k_per_split,
         x.stride(0), w.stride(0), part.stride(-2), part.stride(0) if split > 1 else 0,
         HAS_BIAS=bias is not None and split == 1, PARTIAL=split > 1, EVEN=even,
-        IEEE=x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
+        IEEE=x.dtype == torch.float32, GATED=gated, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_stages=cfg.num_stages, num_warps=cfg.num_warps)
     if split > 1:
         split_sum_kernel[(rows, -(-n // SUM_BLOCK))](
             part, bias if bias is not None else w, out, n, part.stride(0), part.stride(1),
-            out.stride(0), SPLIT=split, HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK,
-            num_warps=4)
+            out.stride(0), SPLIT=split, HAS_BIAS=bias is not None, GATED=gated,
+            BLOCK=SUM_BLOCK, num_warps=4)
     return out
+
+
+def skinny_gated(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = DEFAULT) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x @ w.T`` for ``w`` = ``[gate | up]`` ``[2 I, K]``: the MLP's
+    first projection and its activation as one kernel (no ``[rows, 2 I]`` intermediate,
+    one launch fewer a layer). Rounded as ``F.linear`` then ``engine.fused.silu_mul``."""
+    return skinny_linear(x, w, None, cfg, gated=True)
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    from engine.fused import silu_mul, silu_mul_reference
+
+    if gate_up.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return silu_mul(gate_up)
+    return silu_mul_reference(gate_up)
+
+
+def skinny_gated_bound(reference: torch.Tensor, x: torch.Tensor, w: torch.Tensor
+                       ) -> torch.Tensor:
+    """The bound :func:`skinny_gated` must meet against ``silu_mul(F.linear(x, w))``.
+
+    The two projections' bounds (:func:`skinny_bound`, ``b_g`` and ``b_u``) carried through
+    ``silu(g) * u`` (``|silu'| <= 1.1``): ``1.1 b_g (|u| + b_u) + (|silu(g)| + 1.1 b_g) b_u``,
+    plus two ulps of the result (each side rounds silu and the product once).
+    """
+    from engine.fused import error_bound
+
+    gate_up = F.linear(x, w)  # [rows, 2 I] in the dtype, as the reference computes it
+    bound = skinny_bound(gate_up, x, w)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    b_g, b_u = bound.chunk(2, dim=-1)
+    carried = 1.1 * b_g * (up.abs() + b_u) + (F.silu(gate).abs() + 1.1 * b_g) * b_u
+    return error_bound(reference) + 1.25 * carried
 
 
 def skinny_bound(reference: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -151,6 +189,17 @@ class SkinnyGemm:
             cfg = self._tune_one(w.shape[0], w.shape[1])
         return skinny_linear(x, w, bias, cfg)
 
+    def gated(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``w`` = ``[gate | up]``: :func:`skinny_gated` with the
+        launch tuned for it (cuBLAS then the fused SiLU kernel where that is faster)."""
+        if x.shape[0] > MAX_ROWS or x.dim() != 2:
+            return _silu_mul(F.linear(x, w))
+        key = (-w.shape[0], w.shape[1])  # gated shapes are keyed by -N
+        cfg = self.configs.get(key)
+        if cfg is None:
+            cfg = self._tune_one(*key)
+        return skinny_linear(x, w, None, cfg, gated=True)
+
     def tune(self, shapes: Iterable[tuple[int, int]]) -> None:
         todo = [s for s in dict.fromkeys(shapes) if s not in self.configs]
         if not todo:
@@ -162,14 +211,17 @@ class SkinnyGemm:
                     time.perf_counter() - t0, {s: self.configs[s] for s in todo})
 
     def _tune_one(self, n: int, k: int) -> SkinnyConfig:
+        """The fastest launch for weight ``[n, k]``; ``n < 0``: the gated ``[-n, k]`` one."""
         if self.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
             self.configs[(n, k)] = DEFAULT
             return DEFAULT
-        g = torch.Generator(device=self.device).manual_seed(n * 7919 + k)
+        gated, rows = n < 0, abs(n)
+        g = torch.Generator(device=self.device).manual_seed(rows * 7919 + k)
         x = torch.randn(8, k, device=self.device, generator=g).to(self.dtype)
-        w = torch.randn(n, k, device=self.device, generator=g).to(self.dtype)
-        timed = {c: time_ms(lambda c=c: skinny_linear(x, w, None, c))
-                 for c in [CUBLAS, *candidates(n, k)]}
+        w = torch.randn(rows, k, device=self.device, generator=g).to(self.dtype)
+        out_n = rows // 2 if gated else rows
+        timed = {c: time_ms(lambda c=c: skinny_linear(x, w, None, c, gated))
+                 for c in [CUBLAS, *candidates(out_n, k)]}
         best = min(timed, key=timed.__getitem__)
         logger.debug("skinny_gemm [%d, %d]: best %s %.4f ms, cuBLAS %.4f ms", n, k, best,
                      timed[best], timed[CUBLAS])

@@ -91,19 +91,38 @@ def check_skinny(dtype: str) -> None:
     """The projections at 1, 7 and 16 rows (a full tile), the LM head too, K split in two
     and not, columns and K not multiples of the tile (K 300, N 320 + 2 x 32)."""
     from engine.fused import ForwardShape, check_forward
-    from engine.skinny_gemm import SkinnyConfig, skinny_linear
+    from engine.skinny_gemm import SkinnyConfig
 
     wide, odd = SkinnyConfig(64, 256, 2), SkinnyConfig(16, 64, 1)
     for shape, num_rows, cfgs in ((ForwardShape(256, 768, 4, 2, 64, vocab=1000), 1, [wide]),
                                   (ForwardShape(256, 768, 4, 2, 64), 16, [wide]),
                                   (ForwardShape(320, 300, 5, 1, 32, 1e-6), 7, [wide, odd])):
         for cfg in cfgs:
-            def tuned(x, w, b, cfg=cfg):  # type: ignore[no-untyped-def]
-                return skinny_linear(x, w, b, cfg)
-
             [check] = check_forward(["skinny_gemm"], shape, "cpu", getattr(torch, dtype),
-                                    num_rows, impls={"skinny_gemm": tuned})
+                                    num_rows, impls={"skinny_gemm": Tuned(cfg)})
             assert check.ok, (shape, num_rows, cfg, check)
+
+
+class Tuned:
+    """A projection with one launch for every shape, gated gate|up included, called as
+    the model calls :class:`engine.skinny_gemm.SkinnyGemm`; ``swap`` plants a fault there:
+    up's rows taken as gate's."""
+
+    def __init__(self, cfg: object, swap: bool = False) -> None:
+        self.cfg, self.swap = cfg, swap
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        from engine.skinny_gemm import skinny_linear
+
+        return skinny_linear(x, w, b, self.cfg)  # type: ignore[arg-type]
+
+    def gated(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        from engine.skinny_gemm import skinny_gated
+
+        if self.swap:
+            half = w.shape[0] // 2
+            w = torch.cat([w[half:], w[:half]])
+        return skinny_gated(x, w, self.cfg)  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(120)
@@ -161,10 +180,11 @@ def check_planted_faults() -> None:
                ("fused_silu", silu_of_up), ("skinny_gemm", skinny_without_bias),
                ("skinny_gemm", skinny_without_last_block),
                ("skinny_gemm", skinny_row_zero_everywhere),
-               ("skinny_gemm", skinny_a_thousandth_high)]
+               ("skinny_gemm", skinny_a_thousandth_high),
+               ("skinny_gemm", Tuned(SkinnyConfig(16, 64, 2), swap=True))]
     for name, impl in planted:
         [check] = check_forward([name], shape, "cpu", torch.float32, 3, impls={name: impl})
-        assert not check.ok, (impl.__name__, check)
+        assert not check.ok, (getattr(impl, "__name__", impl), check)
 
 
 @pytest.mark.timeout(120)
