@@ -247,7 +247,10 @@ workers:
 routing: {{policy: round_robin, shape_estimator: {shape_estimator}}}
 traces: {{dir: "{workdir / 'traces'}"}}
 """)
-    env = {**os.environ, "PYTHONPATH": str(source)} if source else None
+    # NOTE: the tree first; what the bench's own path adds (a --target install of the
+    # wheels a machine lacks) stays reachable after it
+    path = os.pathsep.join(p for p in (str(source), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path} if source else None
     proc = subprocess.Popen(pinned([PY, "-m", "proxy.cli", "--log-level", "WARNING", "serve",
                                     "--config", str(cfg)], core),
                             cwd=workdir, env=env, stdout=subprocess.DEVNULL,
@@ -270,7 +273,7 @@ def source_labels(sources: list[Path]) -> list[str]:
 def find_vllm_router(explicit: str | None = None) -> str | None:
     for cand in (explicit, shutil.which("vllm-router"), "/tmp/vr-venv/bin/vllm-router"):
         if cand and Path(cand).exists():
-            return cand
+            return str(Path(cand).resolve())  # the proxies run in a temporary directory
     return None
 
 
