@@ -2,7 +2,8 @@
 
 Lifetimes are ``cleanup_ctx`` generators, started in order and stopped in
 reverse: the trace writer (last to stop, so it flushes every record), the
-upstream client, then the worker pool (supervised workers started and
+upstream client, the thread that serves large bodies' CPU work (proxy.offload), then the
+worker pool (supervised workers started and
 waited for; probe and scrape loops), the loop-lag probe, with
 ``optimize.enabled`` the background optimizer, and the dashboard's once-a-second
 sampler (first to stop).
@@ -24,6 +25,7 @@ from proxy.bluegreen import BlueGreen
 from proxy.config import ProxyConfig
 from proxy.connections import ConnectionGate
 from proxy.metrics import make_registry
+from proxy.offload import CpuLane
 from proxy.optimize import optimizer_ctx
 from proxy.pool import WorkerPool
 from proxy.relay import Relay
@@ -66,8 +68,8 @@ def create_app(config: ProxyConfig, *, estimator: ShapeEstimator | None = None,
     pool.on_scrape.append(acceptance.on_scrape)
     pool.on_scrape.append(StepTimeFeeds(relay).on_scrape)  # engine: per-step timings
     relay.on_finish.append(acceptance.on_finish)
-    app.cleanup_ctx.extend([_traces_ctx, _client_ctx, _pool_ctx, _lag_ctx, optimizer_ctx,
-                            dashboard.sampler_ctx])
+    app.cleanup_ctx.extend([_traces_ctx, _client_ctx, _offload_ctx, _pool_ctx, _lag_ctx,
+                            optimizer_ctx, dashboard.sampler_ctx])
     handlers.add_routes(app)
     admin.add_routes(app)
     dashboard.add_routes(app)
@@ -118,6 +120,17 @@ async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
     app[keys.RELAY].client = client
     yield
     client.close()
+
+
+async def _offload_ctx(app: web.Application) -> AsyncIterator[None]:
+    relay = app[keys.RELAY]
+    if not app[keys.CONFIG].limits.offload_body_bytes:
+        yield  # every body on the loop
+        return
+    relay.offload = CpuLane()
+    yield
+    relay.offload.close()
+    relay.offload = None
 
 
 async def _lag_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -44,6 +44,7 @@ from proxy.errors import (
     UpstreamError,
 )
 from proxy.exchange import ClientExchange
+from proxy.offload import CpuLane, read_request
 from proxy.pool import Worker, WorkerPool
 from proxy.record import RequestRecord
 from proxy.shape import ShapeEstimator, prompt_text
@@ -52,12 +53,9 @@ from proxy.traces import TraceWriter
 from proxy.upstream import UpstreamClient, UpstreamResponse
 from proxy.validate import (
     CHAT,
-    check_body,
     check_content_type,
     check_fits,
     encode_body,
-    parse_body,
-    prompt_chars,
     wants_usage,
 )
 from router.base import RequestShape, RouteDecision, RoutingPolicy, WorkerView
@@ -157,6 +155,7 @@ class Relay:
         self.traces: TraceWriter | None = None
         self.on_finish: list[Callable[[RequestRecord], None]] = []  # learners, never raising
         self.client: UpstreamClient | None = None  # set by the app's lifetime context
+        self.offload: CpuLane | None = None  # for large bodies; set by the app's lifetime context
         self.draining = False
         self.loop_lag_s = 0.0  # smoothed event-loop lag, from measure_loop_lag()
         self.loop_busy = 0.0  # smoothed share of the time the loop's thread was on the CPU
@@ -335,8 +334,11 @@ class Relay:
     async def _handle(self, ex: ClientExchange, rec: RequestRecord) -> None:
         check_content_type(ex.header("content-type"))
         raw = await self._read_body(ex)
-        body = parse_body(raw)
-        check_body(body, rec.endpoint)
+        # NOTE: a large body's parse, checks and shape estimate (the chat template rendered
+        # over every message) run off the loop (proxy.offload)
+        lane = self.offload if len(raw) > self.limits.offload_body_bytes else None
+        body, num_chars = (read_request(raw, rec.endpoint) if lane is None
+                           else await lane.call(read_request, raw, rec.endpoint))
         rec.model = body["model"]
         rec.stream = body.get("stream") is True
         if not self.pool.serves(rec.model):
@@ -347,10 +349,12 @@ class Relay:
         # NOTE: refused before the shape is estimated (which tokenizes or renders it)
         context = self.pool.max_context_tokens(rec.model)
         param = "messages" if rec.endpoint == CHAT else "prompt"
-        check_fits(prompt_chars(body, rec.endpoint), None, context, param)
+        check_fits(num_chars, None, context, param)
         # NOTE: a depth fixed before routing (the client's, speculation mode off / fixed) is
         # in the shape, so the policy prices and records the depth that is sent
-        rec.shape = self.speculation.pin(await self.estimator.estimate(body, ex.path))
+        estimate = self.estimator.estimate(body, ex.path)
+        rec.shape = self.speculation.pin(await estimate if lane is None
+                                         else await lane.run(estimate))
         check_fits(0, rec.shape.prompt_tokens, context, param)
         if self.config.traces.record_prompt_text:
             rec.prompt_text = prompt_text(body)
