@@ -257,3 +257,46 @@ def test_a_saturated_loop_lowers_the_limit_and_sheds_what_it_would_queue(
         assert held == [200] * 20
         assert eventually(lambda: relay.in_flight_limit.value > 20, 20)
         assert http.post("/v1/chat/completions", json=BODY).status_code == 200
+
+
+def _closed_after(sock: socket.socket, limit_s: float = 8.0) -> float | None:
+    """Trickle a byte every 0.3 s until the proxy closes the connection; how long it took."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        try:
+            sock.sendall(b"x")
+        except OSError:
+            return time.monotonic() - t0
+        sock.settimeout(0.3)
+        try:
+            if sock.recv(65536) == b"":
+                return time.monotonic() - t0
+        except TimeoutError:
+            pass
+    return None
+
+
+@pytest.mark.parametrize(("fast_path", "first"), [
+    (False, None), (False, b"GET /health"), (False, b"POST"), (True, b"GET /health")])
+def test_a_trickled_head_is_cut_off_on_aiohttps_path(upstream: FakeHeldUpstream,
+                                                     tmp_path: Path, fast_path: bool,
+                                                     first: bytes | None) -> None:
+    """aiohttp's protocol serves every connection with ``server.fast_path: false``, and
+    those the fast path hands over (any route but its two): a head trickled on it, as a
+    connection's first request or after one served on it, is closed at the header timeout
+    (aiohttp's own keep-alive timeout would hold it 75 s)."""
+    upstream.set_release(True)
+    config = _config(upstream, tmp_path, fast_path, header_timeout_s=1.0)
+    with ProxyThread(config) as p:
+        port = p.server.port  # type: ignore[union-attr]
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            if first is not None:
+                s.sendall(_request() if first == b"POST" else
+                          b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            s.sendall(b"GET /stats HTTP/1.1\r\nHost: x\r\n")
+            closed_after = _closed_after(s)
+        assert closed_after is not None and closed_after < 5, closed_after
+        with httpx.Client(base_url=p.url, timeout=10) as http:
+            assert http.get("/health").status_code == 200
+            assert http.post("/v1/chat/completions", json=BODY).status_code == 200
