@@ -10,6 +10,7 @@ cache, keyed by the source text) and keeps a matcher per sequence::
     grammars = grammars_for(tokenizer, vocab_size)     # one per tokenizer and process
     matcher = grammars.matcher(GrammarSpec.json_schema(schema))
     masked = mask_rows(logits, [matcher, None, ...])   # disallowed tokens -> -inf
+    masked = mask_rows(logits, [matcher], [drafts])    # k + 1 rows: each draft's position
     matcher.accept_token(token)                        # the core, as tokens are appended
 
 The grammar's end is the tokenizer's EOS: once the JSON closes, the mask allows only
@@ -117,20 +118,52 @@ def grammars_for(tokenizer: TextTokenizer, vocab_size: int) -> Grammars:
     return Grammars(tokenizer, vocab_size)
 
 
-def mask_rows(logits: torch.Tensor, matchers: Sequence[Any]) -> torch.Tensor:
-    """``logits`` [N, vocab] with the tokens each row's matcher disallows at -inf; the same
-    tensor when no row has a matcher, else a new one (the model's may be read-only)."""
-    index = [i for i, m in enumerate(matchers) if m is not None]
-    if not index:
+def mask_rows(logits: torch.Tensor, matchers: Sequence[Any],
+              drafts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """``logits`` with the tokens each sequence's matcher disallows at -inf; the same tensor
+    when no sequence has a matcher, else a new one (the model's may be read-only).
+
+    Sequence i has ``len(drafts[i]) + 1`` rows (one when ``drafts`` is None): row j is
+    the position after its first j drafts, masked by the matcher advanced over them (then
+    rolled back: the core accepts what verification keeps). Rows past a draft the grammar
+    refuses, or past one that completes it, stay unmasked: verification stops at or before
+    that draft (its own row gives it no probability), so they are never sampled from.
+    """
+    if all(m is None for m in matchers):
         return logits
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[1])
-    for i in index:
-        matchers[i].fill_next_token_bitmask(bitmask, i)
+    drafts = drafts if drafts is not None else [()] * len(matchers)
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    index = []
+    row = 0
+    for matcher, tokens in zip(matchers, drafts, strict=True):
+        if matcher is not None:
+            index += _fill_drafted(matcher, tokens, bitmask, row)
+        row += len(tokens) + 1
+    assert row == logits.shape[0], (row, logits.shape)
     out = logits.clone()
     xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), indices=index)
     return out
+
+
+def _fill_drafted(matcher: Any, drafts: Sequence[int], bitmask: torch.Tensor,
+                  row: int) -> list[int]:
+    """Fill the bitmask rows of one sequence from ``row``: the rows filled."""
+    matcher.fill_next_token_bitmask(bitmask, row)
+    filled = [row]
+    num_accepted = 0
+    for j, token in enumerate(drafts):
+        if not matcher.accept_token(token):
+            break
+        num_accepted += 1
+        if matcher.is_terminated():
+            break
+        matcher.fill_next_token_bitmask(bitmask, row + j + 1)
+        filled.append(row + j + 1)
+    if num_accepted:
+        matcher.rollback(num_accepted)
+    return filled
 
 
 def _encoded_vocab(tokenizer: TextTokenizer, vocab_size: int) -> list[str]:

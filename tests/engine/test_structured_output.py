@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import re
 import time
 from collections.abc import Iterator
@@ -68,7 +69,7 @@ def chat(server: EngineProcess, **kwargs: Any) -> Any:
 
 def test_json_object_parses(server: EngineProcess) -> None:
     texts = set()
-    for depth in (0, 4):  # a constrained request decodes without drafts at any depth
+    for depth in (0, 4):
         r = chat(server, response_format={"type": "json_object"},
                  extra_body={"speculative_depth": depth})
         choice = r.choices[0]
@@ -76,6 +77,31 @@ def test_json_object_parses(server: EngineProcess) -> None:
         assert isinstance(json.loads(choice.message.content), dict)
         texts.add(choice.message.content)
     assert len(texts) == 1, texts
+
+
+@pytest.mark.parametrize("constraint", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}},
+    {"extra_body": {"structured_outputs": {"regex": REGEX}}},
+    {"extra_body": {"structured_outputs": {"grammar": GRAMMAR}}},
+], ids=["json_schema", "regex", "grammar"])
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 11}],
+                         ids=["greedy", "seeded"])
+def test_constrained_speculation_is_lossless(server: EngineProcess, constraint: dict[str, Any],
+                                             sampling: dict[str, Any]) -> None:
+    """The mask applies at every draft's position in verification: the same text at every
+    depth; the draft model's (unconstrained) drafts are accepted inside JSON, where the
+    grammar leaves it free choices (its regex and grammar texts are too odd for it)."""
+    constraint = dict(constraint)
+    extra = constraint.pop("extra_body", {})
+    texts, accepted = set(), 0
+    for depth in (0, 1, 4):
+        r = chat(server, max_tokens=200, extra_body={**extra, "speculative_depth": depth},
+                 **constraint, **sampling)
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        texts.add(r.choices[0].message.content)
+        accepted += r.usage.model_extra["spec_decode"]["num_accepted_tokens"]
+    assert len(texts) == 1, texts
+    assert accepted > 0 or "response_format" not in constraint
 
 
 def test_json_schema_validates(server: EngineProcess) -> None:
@@ -213,6 +239,35 @@ def test_unconstrained_requests_are_unaffected(server: EngineProcess) -> None:
             json.loads(f.result().choices[0].message.content)
     with pytest.raises(json.JSONDecodeError):
         json.loads(alone)  # free text really is free: the mask changed something
+
+
+def test_drafted_rows_are_masked_at_each_drafts_position(tiny_model_dir: Path) -> None:
+    """choice ["yes", "maybe"]: "yes" is one token, "maybe" two ("may" 6539, "be" 1492),
+    EOS is 2."""
+    tokenizer = TextTokenizer(tiny_model_dir, (2,))
+    assert tokenizer.encode("yes") == [5033] and tokenizer.encode("maybe") == [6539, 1492]
+    grammars = grammars_for(tokenizer, tokenizer.vocab_size)
+    matcher = grammars.matcher(GrammarSpec.choice(["yes", "maybe"]))
+    logits = torch.zeros(8, tokenizer.vocab_size)
+
+    def allowed(out: torch.Tensor, row: int) -> set[int]:
+        return set(torch.nonzero(out[row] > -math.inf).flatten().tolist())
+
+    def spelled(tokens: set[int]) -> set[str]:
+        return {tokenizer.decode([t]) for t in tokens}
+
+    # a free row; drafts "may" "be" (3 rows); drafts "may", "yes" (refused), one more (4 rows)
+    out = mask_rows(logits, [None, matcher, matcher], [[], [6539, 1492], [6539, 5033, 7]])
+    assert len(allowed(out, 0)) == tokenizer.vocab_size  # no matcher: untouched
+    for row in (1, 4):
+        assert spelled(allowed(out, row)) == {"m", "ma", "may", "y", "ye", "yes"}
+    for row in (2, 5):  # after "may"
+        assert spelled(allowed(out, row)) == {"b", "be"}
+    assert allowed(out, 3) == {2}  # complete: EOS only
+    # 5033 is refused at row 5: rows 6 and 7 are never sampled from and stay unmasked
+    assert len(allowed(out, 6)) == len(allowed(out, 7)) == tokenizer.vocab_size
+    # the matcher was rolled back: still at the start
+    assert matcher.accept_token(5033) and matcher.accept_token(2) and matcher.is_terminated()
 
 
 def test_mask_cost_per_decode_token(tiny_model_dir: Path) -> None:
