@@ -21,7 +21,8 @@ in one process on one GPU:
    (cProfile), appended to that file.
 
     python bench/gpu_forward.py [--batches 1 8 64] [--tokens 256]
-        [--variants default all] [--serial] [--budget 64] [--json out.json]
+        [--variants default all] [--serial] [--budget 64] [--graph-sizes 1 2 4 8 64]
+        [--json out.json]
         [--profile kernels.txt] [--profile-host host.txt]
 
 Needs CUDA. The checkpoint is written to a temporary folder with the bundled
@@ -125,11 +126,12 @@ def write_checkpoint(out: Path, s: Shape) -> int:
 
 
 def engine_config(model_dir: Path, max_batch: int, forward: ForwardConfig,
-                  budget: int = 64) -> CompiledConfig:
+                  budget: int = 64, graph_sizes: tuple[int, ...] = ()) -> CompiledConfig:
     return CompiledConfig(model=str(model_dir), engine=EngineConfig(
         device="cuda", dtype="bfloat16", execution="cuda_graph", max_num_seqs=max_batch,
         max_num_batched_tokens=max(max_batch, budget), kv_cache_tokens=65536,
-        max_model_len=2048, enable_prefix_caching=False, forward=forward))
+        max_model_len=2048, enable_prefix_caching=False, forward=forward,
+        graph_sizes=graph_sizes))
 
 
 def decode_rate(core: Any, batch: int, num_tokens: int, run: str) -> float:
@@ -268,6 +270,8 @@ def main() -> int:
     p.add_argument("--transformers-tokens", type=int, default=24, help="0 skips transformers")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--budget", type=int, default=64, help="max_num_batched_tokens")
+    p.add_argument("--graph-sizes", type=int, nargs="*", default=[],
+                   help="then the last variant set with engine.graph_sizes these")
     p.add_argument("--serial", action="store_true",
                    help="also each batch with every step in series (no step launched ahead)")
     p.add_argument("--skip-checks", action="store_true",
@@ -327,12 +331,21 @@ def run_engine(model_dir: Path, args: argparse.Namespace, roof: float) -> dict[s
     core = load_core(engine_config(model_dir, max_batch, VARIANT_SETS[args.variants[0]],
                                    args.budget))
     out: dict[str, Any] = {}
-    for name in args.variants:
-        cfg = engine_config(model_dir, max_batch, VARIANT_SETS[name], args.budget)
+    runs = [(name, ()) for name in args.variants]
+    if args.graph_sizes:  # the last set again, capturing only these sizes
+        runs.append((args.variants[-1], tuple(args.graph_sizes)))
+    for name, sizes in runs:
+        cfg = engine_config(model_dir, max_batch, VARIANT_SETS[name], args.budget, sizes)
         SkinnyGemm.gated = _ungated if name.endswith("-ungated") else GATED  # type: ignore
+        if sizes:
+            name = f"{name}, graphs {list(sizes)}"
         reload_s = core.reload(cfg)
         if core.model.skinny is not None:
             print(f"engine {name}: projections {core.model.skinny.configs}", flush=True)
+        graphs = core.runner.graphs
+        print(f"engine {name}: reload {reload_s:.2f} s, {len(graphs.buckets)} graphs "
+              f"(rows {graphs.buckets[0]}..{graphs.buckets[-1]}) captured in "
+              f"{graphs.capture_s:.2f} s", flush=True)
         entry: dict[str, Any] = {"reload_s": reload_s, "tok_s": {}, "replay_ms": {},
                                  "serial_tok_s": {}, "ahead_used": {}}
         for b in args.batches:

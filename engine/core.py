@@ -127,9 +127,11 @@ class EngineCore:
             graphs = CudaGraphDecoder(self.model, kv, cfg.max_num_seqs,
                                       self.max_model_len + cfg.spec_max_depth + 1,
                                       max_depth=0 if cfg.spec_method == "none" else cfg.spec_max_depth,
-                                      max_tokens=cfg.max_num_batched_tokens)
+                                      max_tokens=cfg.max_num_batched_tokens,
+                                      sizes=cfg.graph_sizes)
         self.runner = ModelRunner(self.model, kv, short_q=max(cfg.spec_max_depth + 1, 8),
-                                  graphs=graphs, on_launch=self._launched)
+                                  graphs=graphs, on_launch=self._launched,
+                                  more_waiting=lambda: bool(self.scheduler.waiting))
         self.proposer: Proposer | None = build_proposer(cfg, self.spec, self.weights)
         self._threads_for = None
         logger.info("engine built: dtype=%s kv=%d blocks x %d (%.1f MiB) max_num_seqs=%d "
@@ -312,8 +314,7 @@ class EngineCore:
                            sum(it.seq.num_computed for it in decoding),
                            [(it.seq.num_computed, it.num_new) for it in plan.scheduled
                             if not (it.num_new == 1 and it.samples)]) if pacer.engaged else None
-        results = {id(r.item): r for r in self.runner.execute(plan.scheduled,
-                                                              bool(self.scheduler.waiting))}
+        results = {id(r.item): r for r in self.runner.execute(plan.scheduled)}
         for item in plan.scheduled:
             out = self._postprocess(item, results.get(id(item)), stats)
             if out is not None:

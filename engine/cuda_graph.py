@@ -130,6 +130,15 @@ def graph_buckets(max_batch: int, max_depth: int = 0, max_rows: int = MAX_GRAPH_
     return fine + coarse
 
 
+def capture_sizes(max_batch: int, max_depth: int = 0, max_rows: int = MAX_GRAPH_ROWS,
+                  max_tokens: int = 0, sizes: Sequence[int] = ()) -> list[int]:
+    """The row counts to capture: ``sizes`` (``engine.graph_sizes``, chosen from the
+    traffic) ascending, or :func:`graph_buckets`' ladder when there are none."""
+    if sizes:
+        return sorted(set(sizes))
+    return graph_buckets(max_batch, max_depth, max_rows, max_tokens)
+
+
 REPLAY_MARGIN = 0.03  # a larger bucket must replay this much faster to be chosen
 
 
@@ -335,10 +344,10 @@ class CudaGraphDecoder(RowDecoder):
 
     def __init__(self, model: LlamaModel, kv: KVCache, max_batch: int, max_positions: int,
                  max_depth: int = 0, max_rows: int = MAX_GRAPH_ROWS,
-                 max_tokens: int = 0) -> None:
+                 max_tokens: int = 0, sizes: Sequence[int] = ()) -> None:
         check_can_capture(model)
-        super().__init__(model, kv, graph_buckets(max_batch, max_depth, max_rows, max_tokens),
-                         max_positions)
+        super().__init__(model, kv, capture_sizes(max_batch, max_depth, max_rows, max_tokens,
+                                                  sizes), max_positions)
         self.max_batch = max_batch
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_s = 0.0

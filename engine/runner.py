@@ -67,9 +67,13 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache, short_q: int,
                  graphs: RowDecoder | None = None,
-                 on_launch: Callable[[], None] | None = None) -> None:
+                 on_launch: Callable[[], None] | None = None,
+                 more_waiting: Callable[[], bool] | None = None) -> None:
         self.model = model
         self.on_launch = on_launch  # called once a graph replay is queued (the GPU is busy)
+        # whether requests wait to be admitted: the next step will then not be this step's
+        # decodes alone, so none is launched ahead
+        self.more_waiting = more_waiting or (lambda: False)
         self.kv = kv
         self.short_q = short_q  # queries up to this length attend in the decode group
         self.num_q_per_kv = model.spec.num_heads // model.spec.num_kv_heads
@@ -87,15 +91,10 @@ class ModelRunner:
         self.lanes = Lanes(1, 1)  # one forward per step until set_lanes
         self.chooser = LaneChooser(1)
 
-    def execute(self, scheduled: Sequence[ScheduledSeq],
-                more_waiting: bool = False) -> list[StepResult]:
-        """Run one forward over ``scheduled``; results for the sequences that sampled.
-
-        ``more_waiting``: requests wait to be admitted, so the next step will not be this
-        step's decodes alone (no step is launched ahead).
-        """
+    def execute(self, scheduled: Sequence[ScheduledSeq]) -> list[StepResult]:
+        """Run one forward over ``scheduled``; results for the sequences that sampled."""
         if self.graphs is not None and self._graph_can_run(scheduled):
-            return self._execute_graph(scheduled, more_waiting)
+            return self._execute_graph(scheduled)
         if self._ahead is not None:  # a step too large for the graphs: the one ahead is stale
             self._ahead = None
             self.num_ahead_missed += 1
@@ -196,8 +195,7 @@ class ModelRunner:
         assert self.graphs is not None
         return self.graphs.can_run(sum(it.q_len for it in scheduled))
 
-    def _execute_graph(self, scheduled: Sequence[ScheduledSeq],
-                       more_waiting: bool = False) -> list[StepResult]:
+    def _execute_graph(self, scheduled: Sequence[ScheduledSeq]) -> list[StepResult]:
         """Every sequence's ``q_len`` rows through a captured graph; sampled or verified there.
 
         A sampling sequence reads its last ``k + 1`` rows; a prompt chunk that does not end
@@ -223,7 +221,7 @@ class ModelRunner:
         ids = sample_ids(_constrained(sampled, logits), params, _rows_of(sampled))  # [N]
         assert self._readback is not None
         self._readback.start(ids)
-        if self.look_ahead and not more_waiting and len(sampled) == len(scheduled):
+        if self.look_ahead and len(sampled) == len(scheduled) and not self.more_waiting():
             self._look_ahead(sampled, ids)
         tokens = self._readback.wait()
         if self._ahead is not None:

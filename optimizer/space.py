@@ -46,6 +46,7 @@ from polyinfer.config import (
     EngineConfig,
     ForwardConfig,
 )
+from polyinfer.trace import STATUS_OK, TraceRecord
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -160,6 +161,67 @@ DEFAULT_KNOBS: tuple[Knob, ...] = (
 FORWARD_KNOB = Knob("forward", (ForwardConfig(), FUSED_FORWARD, GPU_FORWARD))
 
 
+def decode_rows_share(records: Sequence[TraceRecord], max_num_seqs: int) -> dict[int, float]:
+    """The share of time ``n`` requests decoded together (``n`` capped at ``max_num_seqs``),
+    from each served request's decode interval ``[ts + ttft_s, ts + e2e_s]``: the rows of a
+    decode step, and how often a step has them, at the traffic's load."""
+    events: list[tuple[float, int]] = []
+    for r in records:
+        if r.status != STATUS_OK or r.e2e_s is None:
+            continue
+        start, end = r.ts + (r.ttft_s or 0.0), r.ts + r.e2e_s
+        if end > start:
+            events += [(start, 1), (end, -1)]
+    events.sort()
+    spent: dict[int, float] = {}
+    running, last = 0, 0.0
+    for t, change in events:
+        if running > 0 and t > last:
+            n = min(running, max_num_seqs)
+            spent[n] = spent.get(n, 0.0) + t - last
+        running, last = running + change, t
+    total = sum(spent.values())
+    return {n: s / total for n, s in sorted(spent.items())} if total > 0 else {}
+
+
+def graph_ladder(top: int) -> list[int]:
+    """Row counts a graph may be captured at: 1, 2, 4, then multiples of 8, then ``top``
+    (the engine's default ladder, engine.cuda_graph.decode_buckets)."""
+    sizes = [b for b in (1, 2, 4) if b < top] + list(range(8, top, 8))
+    return sizes + [top]
+
+
+def graph_sizes_for(rows_share: Mapping[int, float], top: int,
+                    min_share: float = 0.01) -> tuple[int, ...]:
+    """``engine.graph_sizes`` for a traffic whose decode steps have ``n`` rows a share
+    ``rows_share[n]`` of the time: the ladder's sizes (:func:`graph_ladder` up to ``top``)
+    that at least ``min_share`` of the steps would run in, and the one holding the most
+    rows seen, so that no decode step runs eager; () (the default ladder) without data.
+
+    NOTE: a step runs in the smallest graph that holds it, padded; at decode batch sizes
+    a replay costs about the same for a few rows more (the weights dominate), so a size
+    the traffic rarely needs is a capture (time, memory) that buys little.
+    """
+    if not rows_share:
+        return ()
+    ladder = graph_ladder(max(top, max(rows_share)))
+    used: dict[int, float] = {}
+    for n, share in rows_share.items():
+        size = next(b for b in ladder if b >= n)
+        used[size] = used.get(size, 0.0) + share
+    largest = next(b for b in ladder if b >= max(rows_share))
+    return tuple(sorted({b for b, share in used.items() if share >= min_share} | {largest}))
+
+
+def graph_sizes_knob(records: Sequence[TraceRecord], max_num_seqs: int,
+                     min_shares: Sequence[float] = (0.05, 0.01)) -> Knob:
+    """``engine.graph_sizes`` values for the search, from the traces' decode batch sizes:
+    the fewest graphs first (sizes for ``min_shares`` in turn), then the default ladder."""
+    share = decode_rows_share(records, max_num_seqs)
+    values = [graph_sizes_for(share, max_num_seqs, m) for m in min_shares]
+    return Knob("graph_sizes", (*dict.fromkeys(v for v in values if v), ()))
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     base: CompiledConfig  # knobs not in the space keep the base's values
@@ -258,6 +320,8 @@ class SearchSpace:
         point = json.loads(key)
         if isinstance(point.get("forward"), dict):  # a ForwardConfig, written as its fields
             point["forward"] = ForwardConfig(**point["forward"])
+        if isinstance(point.get("graph_sizes"), list):  # JSON has no tuples
+            point["graph_sizes"] = tuple(point["graph_sizes"])
         return self.build(point)
 
     # -- encodings ----------------------------------------------------------

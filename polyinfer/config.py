@@ -130,6 +130,12 @@ class EngineConfig:
     # Hot-reloadable; every reload starts with an empty cache.
     enable_prefix_caching: bool = True
     forward: ForwardConfig = field(default_factory=ForwardConfig)
+    # Row counts captured as CUDA graphs (execution "cuda_graph"); () = the default ladder
+    # (engine.cuda_graph.graph_buckets). A step runs in the smallest one that holds its
+    # rows, and eager above the largest. Chosen from the traffic's rows per step
+    # (optimizer.space.graph_sizes_for): fewer graphs capture faster (a reload) and hold
+    # less memory.
+    graph_sizes: tuple[int, ...] = ()
     # NOTE: measurement only. Loading only the first N layers makes a fast,
     # wrong model whose step times track the full one; never serve it.
     measure_num_layers: int | None = None
@@ -176,6 +182,8 @@ class EngineConfig:
         _check(not self.forward.enabled or self.execution != "compiled", "engine.forward",
                "no fused kernels with execution 'compiled' (torch.compile fuses its own)",
                self.forward.enabled)
+        _check(all(0 < n <= 1 << 16 for n in self.graph_sizes), "engine.graph_sizes",
+               "row counts in 1..65536 (empty: the default ladder)", self.graph_sizes)
         _check(self.measure_num_layers is None or self.measure_num_layers > 0,
                "engine.measure_num_layers", "a positive integer or null", self.measure_num_layers)
 

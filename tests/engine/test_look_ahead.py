@@ -72,7 +72,8 @@ def row_core(look_ahead: bool, kv_cache_tokens: int = 1024) -> Any:
     old = core.runner
     graphs = RowDecoder(core.model, old.kv, graph_buckets(4), core.max_model_len + 1)
     core.runner = ModelRunner(core.model, old.kv, old.short_q, graphs=graphs,
-                              on_launch=core._launched)
+                              on_launch=core._launched,
+                              more_waiting=lambda: bool(core.scheduler.waiting))
     core.runner.look_ahead = look_ahead
     return core
 
