@@ -4,7 +4,8 @@ Training uses scikit-learn's ``LogisticRegression``; serving needs only numpy:
 the artefact is a plain ``.npz`` (no pickle) holding the vocabulary, one
 weight row per key (exported from the fitted model), the class names, the
 feature parameters and a format version. ``predict`` sums the weight rows of
-a text's ~150 keys: one gather, ~20-40 us with the key lookups.
+a text's ~100 keys (router.scorer: one lookup per distinct word and pair, one
+gather).
 
 Example::
 
@@ -27,6 +28,7 @@ import numpy as np
 from polyinfer.config import DOMAINS
 from router.errors import ClassifierArtefactError
 from router.features import FeatureConfig, Vocabulary
+from router.scorer import TextScorer
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class DomainClassifier:
         self.bias = bias.astype(np.float32)  # [num_classes]
         self._bias = self.bias.tolist()
         self.meta = dict(meta or {})
+        self.scorer = TextScorer(vocabulary, weights.astype(np.float32))
 
     def scores(self, text: str) -> np.ndarray:
         """[num_classes] class scores: what ``predict`` takes the best of."""
@@ -79,8 +82,7 @@ class DomainClassifier:
         return self.classes[scores.index(max(scores))]
 
     def _summed_rows(self, text: str) -> tuple[np.ndarray, int]:
-        rows, num_keys = self.vocabulary.rows(text)
-        return self.weights.take(rows, axis=0).sum(axis=0), num_keys
+        return self.scorer.summed_rows(text)
 
     # --- training ----------------------------------------------------------------------
 

@@ -16,17 +16,17 @@ reading the whole text instead is no better on held-out prompts
 :meth:`Vocabulary.build` keeps the keys seen in at least ``min_df`` training
 texts, so the model has one weight row per kept key and an unseen key weighs
 nothing (it still counts in the norm). :func:`feature_keys` is the definition
-training uses; :meth:`Vocabulary.rows` computes the same rows for one text
-with C loops only (sets, ``zip``, ``map`` over dict lookups): no hashing of
-n-grams in Python, and one numpy call per text. It replaced hashed
-log-count features evaluated with ~40 numpy calls, which cost ~3-5x more a
-text and scored lower on held-out prompts (bench/RESULTS.md).
+training uses; :class:`router.scorer.TextScorer` computes the same sums for one
+text with C loops only (sets, ``zip``, ``map`` over dicts): no hashing of
+n-grams in Python. It replaced hashed log-count features evaluated with ~40
+numpy calls, which cost more a text and scored lower on held-out prompts
+(bench/RESULTS.md).
 
 Example::
 
     vocab = Vocabulary.build(texts, FeatureConfig())
-    rows, num_keys = vocab.rows("Translate German to English: Guten Morgen")
-    # rows: [num_keys] row of each key in the weights (unseen keys: vocab.num_rows - 1)
+    rows, num_keys = vocab.reference_rows("Translate German to English: Guten Morgen")
+    # rows: the weight row of each key (keys outside the vocabulary: vocab.unseen)
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -126,38 +125,19 @@ class Vocabulary:
         df = Counter(k for text in texts for k in feature_keys(text, config))
         return cls(config, sorted((k for k, n in df.items() if n >= config.min_df), key=repr))
 
-    def rows(self, text: str) -> tuple[np.ndarray, int]:
-        """The weight row of each of ``text``'s keys ([num_keys] intp) and num_keys.
+    def word_rows(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """Rows of the ``"w"``, ``"h"`` and ``"t"`` keys, by word."""
+        return self._any, self._head, self._tail
 
-        The same keys as :func:`feature_keys`, gathered in C loops: a set per window,
-        bigrams as ``zip`` tuples, dict lookups through ``map`` with the unseen row as the
-        default.
-        """
-        c = self.config
-        parts = windows(text, c)
-        head = _WORD_RE.findall(parts[0])
-        in_head = set(head)
-        in_tail: set[str] = set()
-        pairs: set[tuple[str, str]] = set()
-        if c.word_bigrams:
-            pairs.update(zip(head, head[1:], strict=False))
-        if len(parts) > 1:
-            tail = _WORD_RE.findall(parts[1])
-            in_tail.update(tail)
-            if c.word_bigrams:
-                pairs.update(zip(tail, tail[1:], strict=False))
-        anywhere = in_head | in_tail
-        length, newlines = shape_buckets(text)
-        unseen = self.unseen
-        default = repeat(unseen)
-        found = [*map(self._any.get, anywhere, default), *map(self._head.get, in_head, default),
-                 *map(self._tail.get, in_tail, default), *map(self._pair.get, pairs, default),
-                 self._shape.get(("s", length), unseen), self._shape.get(("n", newlines), unseen)]
-        # NOTE: fromiter over a list; over the chained maps themselves it is ~2x slower
-        return np.fromiter(found, np.intp, len(found)), len(found)
+    def pair_rows(self) -> dict[tuple[str, str], int]:
+        return self._pair
+
+    def shape_rows(self) -> dict[tuple[str, int], int]:
+        return self._shape
 
     def reference_rows(self, text: str) -> tuple[np.ndarray, int]:
-        """What :meth:`rows` computes, from :func:`feature_keys` (sorted rows)."""
+        """The rows of :func:`feature_keys` (sorted; unseen keys: ``unseen``) and their
+        number."""
         if self._index is None:
             self._index = {k: row for row, k in enumerate(self.keys)}
         keys = feature_keys(text, self.config)
