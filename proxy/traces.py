@@ -97,6 +97,7 @@ class TraceWriter:
         self.num_dropped = 0
         self.num_failed = 0  # records lost to write errors
         self._failing = False
+        self._closing = False
         self._io_lock = threading.Lock()  # a cancelled flush's thread may still be writing
 
     def append(self, rec: RequestRecord) -> None:
@@ -127,7 +128,7 @@ class TraceWriter:
         self._task = asyncio.create_task(self._run(), name="trace-writer")
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.config.flush_interval_s)
             self._wake.clear()
@@ -138,7 +139,9 @@ class TraceWriter:
             return
         batch, self._pending = self._pending, []
         try:
-            await asyncio.to_thread(self._write, batch)
+            # NOTE: shielded: cancelling a to_thread call whose thread has not started yet
+            # cancels the call, and the batch, already out of _pending, would be lost
+            await asyncio.shield(asyncio.to_thread(self._write, batch))
         except OSError as e:
             self.num_failed += len(batch)
             if not self._failing:  # NOTE: once per failing spell, not once per flush
@@ -160,12 +163,14 @@ class TraceWriter:
             self._out.close()
 
     async def close(self) -> None:
+        """Flush every record appended so far and close the file.
+
+        NOTE: the task is stopped, not cancelled: it may be flushing a batch it has taken
+        (the drain's cut requests' records, lost once when cancelling it here)."""
+        self._closing = True
+        self._wake.set()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        # NOTE: the task may have been cancelled mid-write with a batch in the
-        # thread; that thread still finishes. Flush what is left after it.
+            await self._task
         await self.flush()
         await asyncio.to_thread(self._close_file)
 

@@ -397,3 +397,34 @@ def test_a_prompt_too_long_for_every_worker_is_refused_before_forwarding(
     records = read_traces(Path(proxy.config.traces.dir))
     refused = [r for r in records if r["status"] != "ok"]
     assert len(refused) == 5 and all(r["num_attempts"] == 0 for r in refused), refused
+
+
+def test_closing_the_trace_writer_keeps_a_batch_still_queued_for_its_thread(
+        tmp_path: Path) -> None:
+    """The drain test's lost records, found: the writer's periodic flush had swapped the
+    cut requests' records out and queued their write for a thread, and close() cancelled
+    that flush; a queued ``to_thread`` call that has not started is cancelled with it, and
+    its batch was lost. Here the thread is kept busy so the write is still queued."""
+    import asyncio
+    import concurrent.futures
+
+    from proxy.config import TraceConfig
+    from proxy.record import RequestRecord
+    from proxy.traces import TraceWriter
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+        writer = TraceWriter(TraceConfig(batch_size=2, flush_interval_s=60), tmp_path)
+        writer.start()
+        busy = loop.run_in_executor(None, time.sleep, 0.3)  # the one thread, taken
+        for i in range(2):  # a full batch: the writer's task takes it and queues its write
+            writer.append(RequestRecord(request_id=f"r{i}", ts=0.0, t0=0.0,
+                                        endpoint="completions"))
+        await asyncio.sleep(0.05)
+        assert not writer._pending  # swapped out, its write queued behind the busy thread
+        await writer.close()
+        await busy
+
+    asyncio.run(main())
+    assert [r["request_id"] for r in read_traces(tmp_path)] == ["r0", "r1"]
