@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.core import EngineCore
+from engine.grammar import GrammarSpec
 from engine.loader import load_core
 from engine.sequence import GenerationParams
 from polyinfer.config import TINY_DRAFT, TINY_TARGET, CompiledConfig, EngineConfig
@@ -85,12 +86,13 @@ def _core(method: str) -> EngineCore:
 
 
 def _run(core: EngineCore, prompts: list[list[int]], sampling: SamplingParams,
-         logprobs: int | None, max_tokens: int, depth: int = 0) -> tuple[float, int, int, int]:
+         logprobs: int | None, max_tokens: int, depth: int = 0,
+         grammar: GrammarSpec | None = None) -> tuple[float, int, int, int]:
     """(decode seconds, generated tokens, drafted, accepted) for the batch."""
     for i, ids in enumerate(prompts):
         core.add_request(f"r{i}", ids, GenerationParams(
             max_tokens=max_tokens, sampling=sampling, ignore_eos=True, spec_depth=depth,
-            logprobs=logprobs))
+            logprobs=logprobs, grammar=grammar))
     seconds, num_tokens, drafted, accepted = 0.0, 0, {}, {}
     while core.has_work:
         t0 = time.perf_counter()
@@ -176,7 +178,7 @@ def _grammar_step_ms(batch: int, vocab: int, logits: torch.Tensor) -> float:
     sampled tokens (restarted when their JSON closes)."""
     import statistics
 
-    from engine.grammar import GrammarSpec, grammars_for, mask_rows
+    from engine.grammar import grammars_for, mask_rows
     from engine.tokenizer import TextTokenizer
     from polyinfer.sampling import sample
 
@@ -214,7 +216,7 @@ def mask_costs(args: argparse.Namespace) -> None:
 
     import torch
 
-    from engine.grammar import GrammarSpec, grammars_for, mask_rows
+    from engine.grammar import grammars_for, mask_rows
     from engine.tokenizer import TextTokenizer
 
     torch.set_num_threads(1)
@@ -270,16 +272,42 @@ def acceptance(args: argparse.Namespace) -> None:
     for method in ("ngram", "draft"):
         core = _core(method)
         prompts = [core.tokenizer.encode(chat_text(p)) for p in mixed_prompts(args.batch)]
-        rates = {}
-        for label, sampling in (("unseeded", BASE), ("seeded", dataclasses.replace(BASE,
-                                                                                   seed=7))):
-            drafted = accepted = 0
-            for _ in range(args.rounds):
-                _, _, d, a = _run(core, prompts, sampling, None, args.max_tokens, depth=4)
-                drafted, accepted = drafted + d, accepted + a
-            rates[label] = accepted / max(drafted, 1)
-        print(f"{method:10s} {rates['unseeded']:22.3f} {rates['seeded']:16.3f} "
-              f"{rates['seeded'] / max(rates['unseeded'], 1e-9):6.2f}")
+        for grammar in (None, GrammarSpec.json_schema(SCHEMA)):
+            rates = {}
+            for label, sampling in (("unseeded", BASE), ("seeded", dataclasses.replace(
+                    BASE, seed=7))):
+                drafted = accepted = 0
+                for _ in range(args.rounds):
+                    _, _, d, a = _run(core, prompts, sampling, None, args.max_tokens, depth=4,
+                                      grammar=grammar)
+                    drafted, accepted = drafted + d, accepted + a
+                rates[label] = accepted / max(drafted, 1)
+            name = method + (" json" if grammar else "")
+            print(f"{name:10s} {rates['unseeded']:22.3f} {rates['seeded']:16.3f} "
+                  f"{rates['seeded'] / max(rates['unseeded'], 1e-9):6.2f}", flush=True)
+
+
+def constrained_speed(args: argparse.Namespace) -> None:
+    """A json_schema-constrained batch at depth 0 against depth 4, per proposer, paired in
+    AB / BA order (seeded, temperature 0.8): ms per generated token of decode steps."""
+    grammar = GrammarSpec.json_schema(SCHEMA)
+    print(f"\njson_schema-constrained decode, batch {args.batch}, seeded t=0.8: ms per "
+          "generated token at depth 0 and 4")
+    print(f"{'proposer':10s} {'depth 0':>8s} {'depth 4':>8s} {'0 / 4':>6s}")
+    sampling = dataclasses.replace(BASE, seed=7)
+    for method in ("ngram", "draft"):
+        core = _core(method)
+        prompts = [core.tokenizer.encode(chat_text(p)) for p in mixed_prompts(args.batch)]
+        _run(core, prompts, sampling, None, 8, grammar=grammar)  # warm-up
+        sums = {0: [0.0, 0], 4: [0.0, 0]}
+        for r in range(args.rounds):
+            for depth in ((0, 4) if r % 2 == 0 else (4, 0)):
+                sec, n, _, _ = _run(core, prompts, sampling, None, args.max_tokens, depth,
+                                    grammar)
+                sums[depth][0] += sec
+                sums[depth][1] += n
+        ms = {d: v[0] / max(v[1], 1) * 1e3 for d, v in sums.items()}
+        print(f"{method:10s} {ms[0]:8.3f} {ms[4]:8.3f} {ms[0] / ms[4]:6.2f}", flush=True)
 
 
 def main() -> None:
@@ -290,12 +318,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-steps", action="store_true", help="no whole-step table")
     parser.add_argument("--masks-only", action="store_true", help="only the mask table")
+    parser.add_argument("--constrained-only", action="store_true",
+                        help="only the constrained decode's speed at depth 0 and 4")
     parser.add_argument("--device", default="cpu", help="the mask table's logits device")
     parser.add_argument("--seed-texts", default="", metavar="DEVICE:DTYPE,...",
                         help="only the seeded texts on each device and dtype")
     args = parser.parse_args()
     if args.seed_texts:
         seed_texts(args)
+        return
+    if args.constrained_only:
+        constrained_speed(args)
         return
     if args.quick:
         args.batch, args.max_tokens, args.rounds = 4, 24, 1
@@ -306,6 +339,7 @@ def main() -> None:
     mask_costs(args)
     if not args.masks_only:
         acceptance(args)
+        constrained_speed(args)
 
 
 if __name__ == "__main__":
