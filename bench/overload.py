@@ -100,8 +100,10 @@ def main() -> None:
     rows = []
     try:
         po.wait_http(f"{up_url}/health")
+        # NOTE: the tree always named: the proxy runs in workdir, where a relative
+        # PYTHONPATH entry (".") no longer finds it unless the project is installed
         target = po.start_polyinfer(up_url, workdir, layout.proxy, args.shape_estimator,
-                                    args.source.resolve() if args.source else None)
+                                    (args.source or po.REPO).resolve())
         rates = args.sweep or [args.start * args.step ** i for i in range(args.max_points)]
         for rate in rates:
             row = summary(po.load_parts(target.url, round(rate), args.duration, args.prompts,
