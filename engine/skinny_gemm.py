@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # rows one program's tl.dot tile holds; more rows go to F.linear
 SUM_BLOCK = 1024  # columns per program of the split-K sum
+SMEM_BYTES = 160 << 10  # shared memory a launch's pipelined tiles may take (H100/H200: 227 KiB)
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,16 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     part = out if split == 1 else torch.empty(split, rows, 2 * n if gated else n,
                                               dtype=torch.float32, device=x.device)
     grid = (-(-n // cfg.block_n), split)
+    stages = cfg.num_stages
+    if gated:  # two weight tiles a stage: fewer stages where they would not fit
+        tile = (MAX_ROWS + 2 * cfg.block_n) * cfg.block_k * x.element_size()
+        stages = max(1, min(stages, SMEM_BYTES // tile))
     skinny_gemm_kernel[grid](
         x, w, bias if bias is not None else w, part, rows, n, k, k_per_split,
         x.stride(0), w.stride(0), part.stride(-2), part.stride(0) if split > 1 else 0,
         HAS_BIAS=bias is not None and split == 1, PARTIAL=split > 1, EVEN=even,
         IEEE=x.dtype == torch.float32, GATED=gated, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_stages=cfg.num_stages, num_warps=cfg.num_warps)
+        BLOCK_K=cfg.block_k, num_stages=stages, num_warps=cfg.num_warps)
     if split > 1:
         split_sum_kernel[(rows, -(-n // SUM_BLOCK))](
             part, bias if bias is not None else w, out, n, part.stride(0), part.stride(1),
@@ -158,8 +163,9 @@ class SkinnyGemm:
     """:func:`skinny_linear` with a launch per weight shape ``(N, K)``; called as ``F.linear``.
 
     On a CUDA device :meth:`tune` times every candidate and cuBLAS on random inputs of the
-    shape (8 rows: a tile holds 16, so the time hardly depends on the rows) and keeps the
-    fastest; elsewhere (Triton's interpreter) the default launch serves every shape.
+    shape (8 rows: a tile holds 16, so the time hardly depends on the rows), back to back
+    in a CUDA graph (:func:`graph_time_ms`), and keeps the fastest; elsewhere (Triton's
+    interpreter) the default launch serves every shape.
     """
 
     def __init__(self, device: str | torch.device, dtype: torch.dtype,
@@ -218,15 +224,63 @@ class SkinnyGemm:
         gated, rows = n < 0, abs(n)
         g = torch.Generator(device=self.device).manual_seed(rows * 7919 + k)
         x = torch.randn(8, k, device=self.device, generator=g).to(self.dtype)
-        w = torch.randn(rows, k, device=self.device, generator=g).to(self.dtype)
+        weights = [torch.randn(rows, k, device=self.device, generator=g).to(self.dtype)
+                   for _ in range(_num_copies(rows * k * x.element_size(), self.device))]
         out_n = rows // 2 if gated else rows
-        timed = {c: time_ms(lambda c=c: skinny_linear(x, w, None, c, gated))
-                 for c in [CUBLAS, *candidates(out_n, k)]}
+        timed = {}
+        for c in [CUBLAS, *candidates(out_n, k)]:
+            try:
+                timed[c] = graph_time_ms(lambda w, c=c: skinny_linear(x, w, None, c, gated),
+                                         weights)
+            except Exception as e:  # a launch this device cannot hold (Triton OutOfResources)
+                logger.debug("skinny_gemm [%d, %d] %s: %s", n, k, c, e)
         best = min(timed, key=timed.__getitem__)
         logger.debug("skinny_gemm [%d, %d]: best %s %.4f ms, cuBLAS %.4f ms", n, k, best,
                      timed[best], timed[CUBLAS])
         self.configs[(n, k)] = best
         return best
+
+
+TUNE_CALLS = 24  # back-to-back calls per timed graph
+
+
+def _num_copies(weight_bytes: int, device: torch.device) -> int:
+    """Weight copies to cycle through so that a call finds its weight in HBM, not in L2
+    (the whole model is 40x the H200's L2): together at least twice the L2, 2 to 8."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+    return max(2, min(8, -(-2 * l2 // weight_bytes)))
+
+
+def graph_time_ms(fn, weights: list[torch.Tensor], calls: int = TUNE_CALLS) -> float:  # type: ignore[no-untyped-def]
+    """Device ms per call of ``fn(weight)``, captured in a CUDA graph as ``calls`` calls back
+    to back over ``weights`` in turn, as the model's graph runs its projections.
+
+    NOTE: timed one call at a time (events around it, the L2 flushed before), the gated
+    gate|up kernel beat cuBLAS + the SiLU kernel, and in the model's graph it replayed
+    28 us a step slower (H200, bench/RESULTS.md): launch gaps and the L2 are not those
+    of a graph.
+    """
+    for w in weights:
+        fn(w)  # compiles, picks cuBLAS's kernel
+    side = torch.cuda.Stream(device=weights[0].device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(weights[0])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(weights[i % len(weights)])
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(3):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[1]
 
 
 def time_ms(fn, iters: int = 20) -> float:  # type: ignore[no-untyped-def]
