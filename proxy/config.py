@@ -149,9 +149,10 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    # a name from proxy.routing.POLICIES. NOTE: adaptive becomes the default once measured
-    # never worse than least_outstanding on held-out traffic (bench/RESULTS.md, Routing)
-    policy: str = "round_robin"
+    # a name from proxy.routing.POLICIES. NOTE: adaptive, measured never worse than
+    # least_outstanding beyond the noise of an LO/LO A/A on held-out traffic at its knee,
+    # and ahead of both baselines on the GPU fleet (bench/RESULTS.md, Routing)
+    policy: str = "adaptive"
     seed: int = 0  # for randomised policies
     # classifier: router.shape.ShapeEstimator (tokenizer + domain classifier, exact
     # token counts); heuristic: proxy.shape (length / keywords, ~10x cheaper).

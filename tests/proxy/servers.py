@@ -94,6 +94,9 @@ def external_config(engines: list[EngineProcess], tmp: Path, **sections: Any) ->
         # NOTE: the test machine is shared and noisy: no shedding on loop lag unless asked.
         "limits": {"max_loop_lag_s": 0},
         "run_dir": str(tmp / "run"),
+        # NOTE: round-robin, not the default (adaptive): these tests count on every worker
+        # getting requests in turn; a test of a policy names it
+        "routing": {"policy": "round_robin"},
     }
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
@@ -103,13 +106,15 @@ def external_config(engines: list[EngineProcess], tmp: Path, **sections: Any) ->
 def launched_config(tmp: Path, launch: LaunchSpec, limits: LimitsConfig, health: HealthConfig,
                     workers: tuple[WorkerSpec, ...] | None = None) -> ProxyConfig:
     """The embedded default with its workers (or ``workers``) launched and supervised by
-    the proxy: any port, run dir and traces under ``tmp``."""
+    the proxy: any port, run dir and traces under ``tmp``; round-robin, as in
+    :func:`external_config`."""
     base = default_config()
     return dataclasses.replace(
         base, server=ServerConfig(port=0), run_dir=str(tmp / "run"),
         workers=tuple(dataclasses.replace(w, launch=launch) for w in workers or base.workers),
         traces=TraceConfig(dir=str(tmp / "traces"), flush_interval_s=0.1),
-        limits=limits, health=health)
+        limits=limits, health=health,
+        routing=dataclasses.replace(base.routing, policy="round_robin"))
 
 
 class ProxyThread:
