@@ -16,6 +16,7 @@ upstream connection, which aborts the request on the worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -67,6 +68,8 @@ logger = logging.getLogger(__name__)
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 # a request answered with a server error by this many workers is not sent to another
 MAX_REFUSALS = 2
+# A stream cut at the drain deadline gets this long to take its error event and end.
+CUT_WRITE_TIMEOUT_S = 1.0
 # A client's own x-request-id is kept when it is an id: else the proxy makes one
 _REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 _JSON_HEADERS = {"Content-Type": "application/json"}
@@ -252,13 +255,14 @@ class Relay:
         if id(rec) not in self._streaming:
             raise ShuttingDown("the proxy is shutting down and could not finish this request",
                                retry_after_s=self.limits.retry_after_s)
-        await _write_quietly(ex, sse_error_event(
-            f"the proxy is shutting down; the response is incomplete (request "
-            f"{rec.request_id})", "service_unavailable"))
-        try:
-            await ex.write_eof()
-        except (ConnectionError, RuntimeError):
-            pass
+        # NOTE: bounded: a client that does not read would hold this write (and its record,
+        # appended after it) past the drain and the trace writer's close
+        with contextlib.suppress(TimeoutError, ConnectionError, RuntimeError):
+            async with asyncio.timeout(CUT_WRITE_TIMEOUT_S):
+                await _write_quietly(ex, sse_error_event(
+                    f"the proxy is shutting down; the response is incomplete (request "
+                    f"{rec.request_id})", "service_unavailable"))
+                await ex.write_eof()
 
     def _admit(self, ex: ClientExchange) -> None:
         retry = self.limits.retry_after_s

@@ -20,7 +20,7 @@ import pytest
 from proxy import keys
 from proxy.admission import InFlightLimit
 from proxy.config import ProxyConfig
-from tests.proxy.servers import ProxyThread, eventually
+from tests.proxy.servers import ProxyThread, eventually, read_traces
 
 MODEL = "fake-held"
 BODY = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
@@ -31,9 +31,17 @@ _ANSWER = orjson.dumps({"id": "x", "object": "chat.completion", "model": MODEL,
                                   "total_tokens": 2}})
 
 
+FLOOD_EVENTS = 20_000  # of ~1 KB: 20 MB
+_FLOOD_EVENT = b"data: " + orjson.dumps({"id": "x", "object": "chat.completion.chunk",
+                                         "choices": [{"index": 0, "delta": {
+                                             "content": "x" * 1000}}]}) + b"\n\n"
+_FLOOD_CHUNK = b"%x\r\n%s\r\n" % (len(_FLOOD_EVENT), _FLOOD_EVENT)
+
+
 class FakeHeldUpstream:
     """FAKE worker (test fixture): answers each POST once ``release`` is set (at once when
-    it is), and counts how many it held at the same time."""
+    it is), and counts how many it held at the same time; a stream request is answered at
+    once with FLOOD_EVENTS events, as fast as the proxy reads them."""
 
     def __init__(self) -> None:
         self.url = ""
@@ -80,12 +88,18 @@ class FakeHeldUpstream:
                     name, _, value = line.partition(b":")
                     if name.strip().lower() == b"content-length":
                         length = int(value)
-                if length:
-                    await reader.readexactly(length)
+                body = await reader.readexactly(length) if length else b""
                 if head.startswith(b"GET /health"):
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
                 elif head.startswith(b"GET"):
                     writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                elif b'"stream":true' in body:  # a stream far larger than any buffer
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                                 b"Transfer-Encoding: chunked\r\n\r\n")
+                    for _ in range(FLOOD_EVENTS):
+                        writer.write(_FLOOD_CHUNK)
+                        await writer.drain()
+                    writer.write(b"0\r\n\r\n")
                 else:
                     self.num_held += 1
                     self.max_held = max(self.max_held, self.num_held)
@@ -107,14 +121,14 @@ def upstream() -> Iterator[FakeHeldUpstream]:
 
 
 def _config(up: FakeHeldUpstream, tmp: Path, fast_path: bool = True,
-            **limits: object) -> ProxyConfig:
+            traces: dict[str, object] | None = None, **limits: object) -> ProxyConfig:
     return ProxyConfig.from_dict({
         "server": {"host": "127.0.0.1", "port": 0, "fast_path": fast_path},
         "workers": [{"name": "held", "url": up.url,
                      "config": {"backend": "external", "model": MODEL}}],
         "routing": {"shape_estimator": "heuristic"},
         "health": {"interval_s": 0.5, "metrics_interval_s": 0},
-        "traces": {"enabled": False},
+        "traces": traces or {"enabled": False},
         "limits": {"max_loop_lag_s": 0, **limits},
         "run_dir": str(tmp / "run")})
 
@@ -300,3 +314,26 @@ def test_a_trickled_head_is_cut_off_on_aiohttps_path(upstream: FakeHeldUpstream,
         with httpx.Client(base_url=p.url, timeout=10) as http:
             assert http.get("/health").status_code == 200
             assert http.post("/v1/chat/completions", json=BODY).status_code == 200
+
+
+def test_a_stream_cut_at_the_drain_to_a_client_not_reading_keeps_its_trace(
+        upstream: FakeHeldUpstream, tmp_path: Path) -> None:
+    """The drain cuts a stream whose client stopped reading (its buffers full): the error
+    event cannot be written, and waiting for it held the request, and its trace record,
+    past the trace writer's close. The write is bounded, so the record is kept."""
+    config = _config(upstream, tmp_path, traces={"dir": str(tmp_path / "traces"),
+                                                 "flush_interval_s": 0.1},
+                     drain_timeout_s=0.5)
+    p = ProxyThread(config).__enter__()
+    port = p.server.port  # type: ignore[union-attr]
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(_request({**BODY, "stream": True}))
+        assert s.recv(1024).startswith(b"HTTP/1.1 200")  # then it reads no more
+        assert eventually(lambda: p.app[keys.STATS].in_flight == 1, 5)
+        t0 = time.monotonic()
+        p.stop()
+        stop_s = time.monotonic() - t0
+    records = read_traces(tmp_path / "traces")
+    assert [r["error"][:20] for r in records] == ["shutting_down: cut a"], records
+    assert stop_s < 10, stop_s
