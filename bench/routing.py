@@ -65,12 +65,10 @@ the prefix class's.
 
 Policies (``--policies``, each on its own fleet; default round_robin, least_outstanding,
 adaptive): the product's policies (round_robin, least_outstanding, declared_fit, adaptive),
-``least_outstanding-twin`` (least-outstanding again: an A/A, how far two identical fleets of
-one run differ, the noise every comparison sits in), and the product's options that are off
-by default: ``adaptive-slos``, whose proxy sends the engine workers each request's SLOs
-(``routing.forward_slos=True``: prompt chunks paced for the decodes' TPOT SLOs,
-engine.pacing), and ``adaptive-cap`` / ``least_outstanding-cap``, behind the proxy's
-per-worker ``max_outstanding`` caps (``WORKER_CAPS``; proxy.admission).
+and ``least_outstanding-twin`` (least-outstanding again: an A/A, how far two identical
+fleets of one run differ, the noise every comparison sits in). The A/Bs of the proxy's
+options that are off by default (``routing.forward_slos``, per-worker ``max_outstanding``
+caps) were answered (bench/RESULTS.md, Routing: settings) and their arms removed.
 
 Rates: ``--rates`` in req/s, or ``--rate-multiples``: each m x this machine's speed index
 (the median ratio of the reference probe's latencies, ``REF_PROBE``, on the machine it was
@@ -165,35 +163,18 @@ CLASSES: dict[str, tuple[str, ...]] = {
     "long": ("summarization", "rag"),
 }
 CLASS_OF = {d: c for c, ds in CLASSES.items() for d in ds}
-# name -> the proxy's speculation mode: the product's policies (proxy.routing), the
-# least-outstanding A/A that sizes the noise, and adaptive or least-outstanding behind the
-# product's options that are off by default: ``adaptive-slos``, the proxy's
-# ``routing.forward_slos`` (the engine workers pace prompt chunks by the requests' SLOs,
-# engine.pacing), and ``adaptive-cap`` / ``least_outstanding-cap``, behind per-worker
-# ``max_outstanding`` caps (proxy.admission)
+# name -> the proxy's speculation mode: the product's policies (proxy.routing) and the
+# least-outstanding A/A that sizes the noise
 POLICIES: dict[str, Literal["policy", "adaptive"]] = {
     "round_robin": "policy", "least_outstanding": "policy", "declared_fit": "policy",
-    "adaptive": "adaptive", "least_outstanding-twin": "policy",
-    "adaptive-slos": "adaptive", "adaptive-cap": "adaptive", "least_outstanding-cap": "policy"}
-SLOS = "adaptive-slos"
-CAP = "adaptive-cap"
-LO_CAP = "least_outstanding-cap"
+    "adaptive": "adaptive", "least_outstanding-twin": "policy"}
 LO_TWIN = "least_outstanding-twin"  # LO again, on its own fleet: the A/A that sizes the noise
-ADAPTIVE_ARMS = ("adaptive", SLOS, CAP)  # the adaptive policy, each behind its proxy's options
-# the proxy's routing config beside the policy's (proxy_config)
-ROUTING_OPTIONS: dict[str, dict[str, Any]] = {SLOS: {"forward_slos": True}}
-# the proxy's per-worker max_outstanding caps (proxy.admission); a capped baseline is the
-# baseline behind the same caps (CAPPED_BASELINES)
-WORKER_CAPS: dict[str, dict[str, int]] = {
-    CAP: {"spec": 4, "batch": 12, "long": 8}, LO_CAP: {"spec": 4, "batch": 12, "long": 8}}
-CAPPED_BASELINES = {LO_CAP: "least_outstanding", LO_TWIN: "least_outstanding"}  # and the twin
+BASELINE_OF = {LO_TWIN: "least_outstanding"}  # a bench name -> the product policy it runs
 # NOTE: the others run when asked for (--policies): a fleet per policy costs three cores
 DEFAULT_POLICIES = ["round_robin", "least_outstanding", "adaptive"]
 # (policy, baseline) pairs whose goodput ratios the reports print, where both ran
 COMPARISONS = (("adaptive", "round_robin"), ("adaptive", "least_outstanding"),
                ("declared_fit", "round_robin"), ("adaptive", "declared_fit"),
-               (SLOS, "adaptive"), (CAP, "adaptive"), (CAP, "round_robin"),
-               (CAP, "least_outstanding"), (CAP, LO_CAP), (LO_CAP, "least_outstanding"),
                (LO_TWIN, "least_outstanding"))
 MAX_MODEL_LEN = 2048
 CHAT_TEMPLATE_TOKENS = 8  # what the chat template adds around one user message
@@ -310,9 +291,9 @@ def fleet_configs(fleet: str, long_cores: int, device: str) -> dict[str, Compile
 
 def make_policy(name: str, seed: int) -> Any:
     """The policy behind a ``--policies`` name (:data:`POLICIES`)."""
-    if name in ADAPTIVE_ARMS:
+    if name == "adaptive":
         return AdaptivePolicy(seed=seed)
-    return build_policy(CAPPED_BASELINES.get(name, name), seed=seed)
+    return build_policy(BASELINE_OF.get(name, name), seed=seed)
 
 
 def domain_class(domain: str | None) -> str:
@@ -812,17 +793,12 @@ def rates_from_probe(multiples: list[float], speed: float) -> list[float]:
 def proxy_config(name: str, urls: dict[str, str], configs: dict[str, CompiledConfig],
                  slos: Slos) -> ProxyConfig:
     """The proxy in front of policy ``name``'s fleet."""
-    caps = WORKER_CAPS.get(name, {})
     return ProxyConfig(
-        workers=tuple(WorkerSpec(n, url=urls[n], config=configs[n],
-                                 max_outstanding=caps.get(n, 0)) for n in configs),
+        workers=tuple(WorkerSpec(n, url=urls[n], config=configs[n]) for n in configs),
         # NOTE: every proxy is told the SLOs the run is judged by, as an operator would
-        # configure them; only the adaptive policies use them. The policy object itself is
+        # configure them; only the adaptive policy uses them. The policy object itself is
         # handed to the app (make_policy): the config only names its kind.
-        routing=dataclasses.replace(
-            slos.routing("adaptive" if name in ADAPTIVE_ARMS
-                         else CAPPED_BASELINES.get(name, name)),
-            **ROUTING_OPTIONS.get(name, {})),
+        routing=slos.routing(BASELINE_OF.get(name, name)),
         speculation=SpeculationConfig(mode=POLICIES[name]),
         traces=ProxyTraceConfig(enabled=False),
         health=HealthConfig(interval_s=1.0, metrics_interval_s=0.25),
@@ -1072,7 +1048,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             p.wait(timeout=30)
     adaptive: Any = policies.get("adaptive")
     out["adaptive_stats"] = adaptive.stats() if adaptive is not None else {}
-    out["arm_stats"] = {n: policies[n].stats() for n in ADAPTIVE_ARMS[1:] if n in policies}
     # what each adaptive fleet's depth policy learned (acceptance, step model, calibration)
     out["depth_policies"] = {n: p.depth_policy.snapshot() for n, p in policies.items()
                              if isinstance(p, AdaptivePolicy)}
@@ -1204,8 +1179,10 @@ def goal_rate_summary(out: dict[str, Any]) -> list[str]:
             f"{n} {bound}{rate:.2f}" if rate is not None else f"{n} none"
             for n, (bound, rate) in found.items()))
         for top, base in COMPARISONS:
-            if top in found and base in found and found[top][1] and found[base][1]:
+            if top in found and base in found:
                 (tb, tr), (bb, br) = found[top], found[base]
+                if not tr or not br:
+                    continue
                 exact = not tb and not bb
                 lines.append(f"  {top}/{base} at {goal:.0%}: {tr / br:.2f}x"
                              + ("" if exact else f" (bounds: {tb or '='} / {bb or '='})"))

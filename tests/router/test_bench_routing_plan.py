@@ -23,8 +23,7 @@ def test_the_twin_is_least_outstanding_again() -> None:
 
 @pytest.mark.parametrize(("name", "cls"), [
     ("round_robin", "RoundRobinPolicy"), ("declared_fit", "DeclaredFitPolicy"),
-    ("adaptive", "AdaptivePolicy"), ("adaptive-slos", "AdaptivePolicy"),
-    ("adaptive-cap", "AdaptivePolicy"), ("least_outstanding-cap", "LeastOutstandingPolicy")])
+    ("adaptive", "AdaptivePolicy"), ("least_outstanding-twin", "LeastOutstandingPolicy")])
 def test_each_name_is_a_product_policy(name: str, cls: str) -> None:
     policy = BENCH.make_policy(name, 3)
     assert type(policy).__name__ == cls
@@ -108,14 +107,22 @@ def test_every_policy_gets_a_valid_proxy_config_with_the_run_s_slos(name: str) -
     config = BENCH.proxy_config(name, {n: f"http://{n}" for n in configs}, configs, slos)
     assert [w.name for w in config.workers] == ["spec", "batch", "long"]
     assert config.routing.slo_tpot_s["chat"] == 0.01
-    base = BENCH.CAPPED_BASELINES.get(name, name)
+    base = BENCH.BASELINE_OF.get(name, name)
     baseline = base in ("round_robin", "least_outstanding", "declared_fit")
     assert config.speculation.mode == ("policy" if baseline else "adaptive")
     assert config.routing.policy == (base if baseline else "adaptive")
-    caps = BENCH.WORKER_CAPS.get(name, {})
-    assert {w.name: w.max_outstanding for w in config.workers} == {
-        n: caps.get(n, 0) for n in configs}
-    assert config.routing.forward_slos == (name == "adaptive-slos")
+    assert all(w.max_outstanding == 0 for w in config.workers)
+    assert not config.routing.forward_slos
+
+
+def test_the_gpu_fleet_differs_as_a_gpu_fleet_does() -> None:
+    configs = BENCH.fleet_configs("gpu", 2, "cuda")
+    engines = {n: c.engine for n, c in configs.items()}
+    assert {n: e.spec_method for n, e in engines.items()} == {
+        "spec": "ngram", "draft": "draft", "batch": "none"}
+    assert engines["spec"].max_num_seqs < engines["draft"].max_num_seqs < engines[
+        "batch"].max_num_seqs
+    assert engines["draft"].draft_model and all(e.device == "cuda" for e in engines.values())
 
 
 DATA = Path(__file__).resolve().parents[2] / "data"
