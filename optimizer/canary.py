@@ -15,11 +15,16 @@ The rule, per shape and metric (NOTE: stated so an operator can check it):
   and ``max_ttft_regression``, +15% and +50% by default):
   the slow-down is both beyond noise and beyond what is tolerated. Both sides
   need ``min_samples`` requests of that shape.
+- a trade is not a regression: a shape whose end-to-end time improved beyond
+  noise (the upper confidence bound of its ``after / before`` below 1) keeps the
+  new config even if its TTFT or TPOT got worse. Batching more sequences is
+  the usual case: each token comes later, but the request no longer queues,
+  so it finishes sooner.
 - errors: the new config regressed when at least ``min_errors`` of the shape's
   requests failed and that many or more are unlikely under the incumbent's
   rate, ``P(X >= e | Binomial(n, p0)) < alpha'``, with ``p0 = (e0 + 1) / (n0 + 2)``
   (the incumbent's rate, Laplace-smoothed so a clean incumbent is not rate 0).
-- ``alpha' = alpha / (shapes x 3 metrics x looks)``: Bonferroni over every test
+- ``alpha' = alpha / (shapes x 4 tests x looks)``: Bonferroni over every test
   the watch may run, so repeated looks at a growing sample do not inflate the
   false-rollback rate beyond ``alpha``.
 
@@ -37,13 +42,14 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from polyinfer.trace import STATUS_CANCELLED, STATUS_OK, TraceRecord
 from router.profiles import PROMPT_BANDS, prompt_band
 
-METRICS = ("ttft_s", "tpot_s")
+METRICS = ("ttft_s", "tpot_s")  # judged
+LATENCIES = (*METRICS, "e2e_s")  # compared
 
 
 @dataclass(frozen=True)
@@ -76,14 +82,15 @@ def shape_name(shape: Shape) -> str:
 
 @dataclass
 class _Side:
-    ttft_s: list[float]
-    tpot_s: list[float]
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)
     num: int = 0  # finished requests (ok or failed; client cancels excluded)
     num_errors: int = 0
 
 
 def _group(records: Iterable[TraceRecord]) -> dict[Shape, _Side]:
-    out: dict[Shape, _Side] = defaultdict(lambda: _Side([], []))
+    out: dict[Shape, _Side] = defaultdict(_Side)
     for r in records:
         if r.status == STATUS_CANCELLED:
             continue
@@ -92,7 +99,7 @@ def _group(records: Iterable[TraceRecord]) -> dict[Shape, _Side]:
         if r.status != STATUS_OK:
             side.num_errors += 1
             continue
-        for metric in METRICS:
+        for metric in LATENCIES:
             value = getattr(r, metric)
             if value is not None and value > 0:
                 getattr(side, metric).append(value)
@@ -133,6 +140,7 @@ class Finding:
     before: float  # geometric-mean seconds, or error rate
     after: float
     ratio_low: float  # one-sided lower confidence bound of after / before (latency)
+    ratio_high: float  # and upper
     num_before: int
     num_after: int
     p_value: float | None = None  # errors only
@@ -147,10 +155,13 @@ class Finding:
                 f"n={self.num_after} vs {self.num_before})")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"shape": self.shape, "metric": self.metric, "before": round(self.before, 5),
-                "after": round(self.after, 5), "ratio_low": round(self.ratio_low, 3),
-                "num_before": self.num_before, "num_after": self.num_after,
-                **({"p_value": self.p_value} if self.p_value is not None else {})}
+        out: dict[str, Any] = {"shape": self.shape, "metric": self.metric,
+                               "before": round(self.before, 5), "after": round(self.after, 5),
+                               "num_before": self.num_before, "num_after": self.num_after}
+        if self.p_value is not None:
+            return {**out, "p_value": self.p_value}
+        return {**out, "ratio_low": round(self.ratio_low, 3),
+                "ratio_high": round(self.ratio_high, 3)}
 
 
 @dataclass(frozen=True)
@@ -170,7 +181,7 @@ class ShapeCanary:
         self.cfg = cfg
         self.max_regression = max_regression  # metric -> tolerated slow-down (0.15 = +15%)
         self.before = _group(before)
-        tests = max(1, len(self.before)) * (len(METRICS) + 1) * max(1, looks)
+        tests = max(1, len(self.before)) * (len(LATENCIES) + 1) * max(1, looks)
         self.alpha_per_test = cfg.alpha / tests
 
     def ready(self, after: Iterable[TraceRecord]) -> bool:
@@ -185,16 +196,20 @@ class ShapeCanary:
         found: list[Finding] = []
         judged = 0
         for shape in sorted(set(self.before) | set(now)):
-            b, a = self.before.get(shape, _Side([], [])), now.get(shape, _Side([], []))
+            b, a = self.before.get(shape, _Side()), now.get(shape, _Side())
             row: dict[str, Any] = {"requests": [b.num, a.num], "errors": [b.num_errors,
                                                                           a.num_errors]}
+            name = shape_name(shape)
+            e2e = self._latency(name, "e2e_s", b.e2e_s, a.e2e_s)
+            if e2e is not None:
+                row["e2e_s"] = e2e.to_dict()
+            faster = e2e is not None and e2e.ratio_high < 1.0
             for metric in METRICS:
-                f = self._latency(shape_name(shape), metric, getattr(b, metric),
-                                  getattr(a, metric))
+                f = self._latency(name, metric, getattr(b, metric), getattr(a, metric))
                 if f is not None:
                     judged += 1
                     row[metric] = f.to_dict()
-                    if f.ratio_low > 1.0 + self.max_regression[metric]:
+                    if f.ratio_low > 1.0 + self.max_regression[metric] and not faster:
                         found.append(f)
             err = self._errors(shape_name(shape), b, a)
             if err is not None:
@@ -216,9 +231,10 @@ class ShapeCanary:
         se = math.sqrt(v0 + v1) or 1e-9
         df = (v0 + v1) ** 2 / ((v0 ** 2 / (n0 - 1) + v1 ** 2 / (n1 - 1)) or 1e-18)
         diff = statistics.fmean(y) - statistics.fmean(x)
-        low = diff - t_quantile(self.alpha_per_test, max(df, 3.0)) * se
+        half = t_quantile(self.alpha_per_test, max(df, 3.0)) * se
         return Finding(shape, metric, math.exp(statistics.fmean(x)),
-                       math.exp(statistics.fmean(y)), math.exp(low), n0, n1)
+                       math.exp(statistics.fmean(y)), math.exp(diff - half),
+                       math.exp(diff + half), n0, n1)
 
     def _errors(self, shape: str, before: _Side, after: _Side) -> Finding | None:
         if after.num == 0 or after.num_errors < self.cfg.min_errors:
@@ -226,4 +242,4 @@ class ShapeCanary:
         p0 = (before.num_errors + 1) / (before.num + 2)
         p = binomial_tail(after.num_errors, after.num, p0)
         return Finding(shape, "errors", before.num_errors / max(1, before.num),
-                       after.num_errors / after.num, 0.0, before.num, after.num, p)
+                       after.num_errors / after.num, 0.0, math.inf, before.num, after.num, p)

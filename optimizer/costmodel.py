@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -132,8 +133,16 @@ def _time_layer_stack(shape: ModelShape, num_tokens: int, repeats: int) -> float
                 x = x + (torch.nn.functional.silu(gate) * up) @ w_down
             _ = x[-1:] @ w_head
 
-    forward()
-    return _best_of(forward, repeats)
+    # NOTE: timed on the threads an engine uses by default (num_threads 0: half the cores);
+    # all of them would also thrash on a box whose other cores are busy (9 s against 1 s
+    # for this fit on a loaded 2-core box)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    try:
+        forward()
+        return _best_of(forward, repeats)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)

@@ -249,12 +249,15 @@ class OptimizerService:
         engine = EngineClient(engine_url, session)
         await engine.wait_ready()
         board = await loop.run_in_executor(None, Board, self.config.board_path)
-        self.state = "measuring hardware"
-        space, cost_model, synth = await loop.run_in_executor(None, self._build_models)
+        # NOTE: the hardware is measured while the first traffic arrives, not before it
+        models = loop.run_in_executor(None, self._build_models)
         self.live_config = await self._live_config(session)
         promoter = Promoter(session, self.config.promotion, self.sinks, self.blue_green)
         while True:
             profile = await self._wait_for_traffic()
+            if not models.done():
+                self.state = "measuring hardware"
+            space, cost_model, synth = await models
             await self._campaign(profile, board, space, cost_model, synth, engine, promoter)
             if self.config.once:
                 self.state = "done"
@@ -483,7 +486,9 @@ class OptimizerService:
                  "objective": campaign.measurer.objective,
                  "concurrency": campaign.measurer.tiers[campaign.fast].concurrency,
                  "fast_experiments": campaign.num_fast, "pruning": campaign.pruner.snapshot(),
-                 "agents": {r.agent.name: r.num_posted for r in runners}}
+                 "agents": {r.agent.name: r.num_posted for r in runners},
+                 "rejected_proposals": {r.agent.name: r.num_rejected for r in runners
+                                        if r.num_rejected}}
         logger.info("campaign finished: %s", entry)
         self.history.append(entry)
         del self.history[:-20]

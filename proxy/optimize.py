@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 class OptimizeSetupError(RuntimeError):
-    """``optimize`` names no engine worker the proxy has."""
+    """``optimize`` names no engine worker the proxy has, or its settings are wrong."""
 
 
 def pick_workers(pool: WorkerPool, cfg: OptimizeConfig,
@@ -80,9 +80,15 @@ async def optimizer_ctx(app: web.Application) -> AsyncIterator[None]:
     if not config.optimize.enabled:
         yield
         return
-    from optimizer.service import OptimizerConfig, OptimizerService
+    from optimizer.errors import OptimizerError
+    from optimizer.service import OptimizerService
+    from optimizer.settings import build_config, load_settings
     from proxy.promotion import PoolConfigSink, PoolSwitch
 
+    try:
+        settings = load_settings(config.optimize.settings) if config.optimize.settings else {}
+    except OptimizerError as e:
+        raise OptimizeSetupError(str(e)) from e
     pool = app[keys.POOL]
     workers = pick_workers(pool, config.optimize, tuple(w.name for w in config.workers))
     board = Path(config.optimize.board_path)
@@ -91,14 +97,18 @@ async def optimizer_ctx(app: web.Application) -> AsyncIterator[None]:
     board.parent.mkdir(parents=True, exist_ok=True)
     tasks = []
     for worker in workers:
+        try:
+            opt = build_config(settings, base=worker.view.config, worker_url=worker.url,
+                               worker_name=worker.name, worker_backend=worker.backend,
+                               board_path=_board_for(board, worker.name, len(workers)),
+                               agents=config.optimize.agents,
+                               llm_url=config.optimize.llm_url or None,
+                               llm_model=config.optimize.llm_model,
+                               min_records=config.optimize.min_records)
+        except OptimizerError as e:
+            raise OptimizeSetupError(str(e)) from e
         service = OptimizerService(
-            OptimizerConfig(base=worker.view.config, worker_url=worker.url,
-                            worker_name=worker.name, worker_backend=worker.backend,
-                            board_path=_board_for(board, worker.name, len(workers)),
-                            agents=config.optimize.agents,
-                            llm_url=config.optimize.llm_url or None,
-                            llm_model=config.optimize.llm_model,
-                            min_records=config.optimize.min_records),
+            opt,
             sinks=(PoolConfigSink(pool),),
             blue_green=PoolSwitch(app[keys.BLUEGREEN], pool))
         app[keys.RELAY].on_finish.append(_observer(service, worker.name))

@@ -50,6 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="OpenAI-compatible endpoint for the llm agent (implies it)")
     p.add_argument("--optimize-llm-model", metavar="NAME", default="",
                    help="model name the llm agent asks for")
+    p.add_argument("--optimize-settings", metavar="FILE",
+                   help="YAML/JSON of optimizer settings (budgets, canary, knobs: optimizer.settings)")
     p.set_defaults(func=main)
 
 
@@ -101,4 +103,5 @@ def _optimize_flags(cfg: OptimizeConfig, args: argparse.Namespace) -> OptimizeCo
         agents = (*agents, "llm")
     return dataclasses.replace(cfg, enabled=True, agents=agents, llm_url=llm_url,
                                worker=getattr(args, "optimize_worker", None) or cfg.worker,
-                               llm_model=getattr(args, "optimize_llm_model", "") or cfg.llm_model)
+                               llm_model=getattr(args, "optimize_llm_model", "") or cfg.llm_model,
+                               settings=getattr(args, "optimize_settings", None) or cfg.settings)

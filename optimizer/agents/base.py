@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from optimizer.board import Board, best_by_key
 from optimizer.space import SearchSpace
@@ -69,6 +69,14 @@ class Agent(Protocol):
         ...
 
 
+@runtime_checkable
+class RejectsProposals(Protocol):
+    """An agent whose raw proposals can be unusable (an LLM's): it says why, once each."""
+
+    def take_rejections(self) -> list[str]:
+        ...
+
+
 def fresh(space: SearchSpace, view: BoardView, configs: Sequence[CompiledConfig]) -> list[
         CompiledConfig]:
     """Configs whose key is not on the board yet, first occurrence only."""
@@ -95,6 +103,7 @@ class AgentRunner:
         self.target_open = target_open
         self.poll_s = poll_s
         self.num_posted = 0
+        self.num_rejected = 0  # proposals the agent itself found unusable (RejectsProposals)
         self.num_failed_rounds = 0
 
     async def step(self) -> int:
@@ -112,7 +121,16 @@ class AgentRunner:
             self.num_failed_rounds += 1
             logger.exception("agent %s failed to propose", self.agent.name)
             return 0
+        finally:
+            if isinstance(self.agent, RejectsProposals):
+                await loop.run_in_executor(None, self._note_rejections,
+                                           self.agent.take_rejections())
         return await loop.run_in_executor(None, self._post, cands)
+
+    def _note_rejections(self, reasons: Sequence[str]) -> None:
+        for why in reasons:
+            self.board.note(self.campaign, self.agent.name, "rejected_proposal", {"reason": why})
+        self.num_rejected += len(reasons)
 
     def _open_count(self) -> int:
         return sum(p.agent == self.agent.name for p in

@@ -3,7 +3,10 @@
 It sends the knobs with their allowed values, the best measured configs and
 the current incumbent, and asks for a JSON list of knob assignments. Answers
 are parsed leniently (the first JSON array in the text), each point is
-repaired into the space, and anything unusable is dropped, never raised.
+repaired into the space, and anything unusable is rejected, never raised: an
+answer without a JSON list, an entry that is not an object, a knob outside the
+space or a value it does not allow. Each rejection is kept with its reason
+(:meth:`LlmAgent.take_rejections`) and the runner puts it on the board.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import urllib.request
 from typing import Any
 
 from optimizer.agents.base import BoardView, Candidate, fresh
+from optimizer.errors import SpaceError
 from optimizer.space import SearchSpace
+from polyinfer.config import CompiledConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +36,7 @@ class LlmAgent:
         self.model = model
         self.timeout_s = timeout_s
         self.api_key = api_key
+        self._rejections: list[str] = []
 
     def prompt(self, view: BoardView, num: int) -> str:
         knobs = {k.name: list(k.values) for k in self.space.knobs}
@@ -46,10 +52,43 @@ class LlmAgent:
 
     def propose(self, view: BoardView, num: int) -> list[Candidate]:
         text = self._ask(self.prompt(view, num))
-        points = parse_points(text) if text else []
-        configs = [c for c in (self.space.repair(p) for p in points) if c is not None]
+        if text is None:
+            return []
+        entries = parse_entries(text)
+        if entries is None:
+            self._reject(f"no JSON list in the answer: {text[:120]!r}")
+            return []
+        configs = [c for c in (self._vet(e) for e in entries) if c is not None]
         return [Candidate(c, reason="suggested by the LLM")
                 for c in fresh(self.space, view, configs)[:num]]
+
+    def take_rejections(self) -> list[str]:
+        """Why proposals were rejected since the last call (for the board)."""
+        out, self._rejections = self._rejections, []
+        return out
+
+    def _vet(self, entry: Any) -> CompiledConfig | None:
+        if not isinstance(entry, dict):
+            self._reject(f"not an object of knob values: {entry!r:.80}")
+            return None
+        names = {k.name for k in self.space.knobs}
+        unknown = sorted(set(entry) - names)
+        if unknown:
+            self._reject(f"knob(s) {unknown} not in the search space {sorted(names)}")
+            return None
+        cfg = self.space.repair(entry)
+        if cfg is None:
+            try:
+                self.space.build(entry)
+                why = "no valid config near it"
+            except SpaceError as e:
+                why = str(e)
+            self._reject(f"{json.dumps(entry)[:120]}: {why}")
+        return cfg
+
+    def _reject(self, why: str) -> None:
+        logger.info("llm agent: rejected a proposal: %s", why)
+        self._rejections.append(why[:300])
 
     def _ask(self, prompt: str) -> str | None:
         body = {"model": self.model, "temperature": 0.7, "max_tokens": 512,
@@ -68,7 +107,12 @@ class LlmAgent:
 
 
 def parse_points(text: str) -> list[dict[str, Any]]:
-    """The first JSON array of objects in ``text`` (models wrap JSON in prose or fences)."""
+    """The objects of the first JSON array in ``text`` (models wrap JSON in prose or fences)."""
+    return [v for v in parse_entries(text) or [] if isinstance(v, dict)]
+
+
+def parse_entries(text: str) -> list[Any] | None:
+    """The first JSON array in ``text``, or None when there is none."""
     for m in re.finditer(r"\[", text):
         depth = 0
         for j in range(m.start(), len(text)):
@@ -79,6 +123,6 @@ def parse_points(text: str) -> list[dict[str, Any]]:
                 except ValueError:
                     break
                 if isinstance(value, list):
-                    return [v for v in value if isinstance(v, dict)]
+                    return value
                 break
-    return []
+    return None

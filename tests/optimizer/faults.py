@@ -26,17 +26,17 @@ under the condition named here:
   every logit gets Gaussian noise of ``scale`` (the fault request's ``scale``,
   default 0.5): a kernel whose numerical error is within or beyond a bound,
   as the scale says;
-- ``slow_prefill``: on any config but the one the engine ran when the fault was
-  switched on, a step that prefills a prompt of more than ``min_prompt_tokens``
-  (default 200) sleeps ``sleep_s`` (default 0.25 s): a candidate that serves one
-  shape slower than its measurement said.
+- ``slow_prompts``: on any config but the one the engine ran when the fault was
+  switched on, a completion whose prompt is longer than ``min_prompt_chars``
+  (default 1,000) waits ``sleep_s`` (default 1 s) before it starts: a candidate
+  that serves one shape slower than its measurement said, and only that shape.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import sys
-import time
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ from aiohttp import web
 
 FAULTS = ("none", "cross_kv", "block_table", "top_p", "bucket", "stale_prefix")
 # faults outside the mutation suite: a numerical one and a served-latency one
-OTHER_FAULTS = ("logit_noise", "slow_prefill")
+OTHER_FAULTS = ("logit_noise", "slow_prompts")
 
 
 class FaultState:
@@ -55,8 +55,8 @@ class FaultState:
         self.config: Any = None  # the engine config it was last built with
         self.armed_config: Any = None  # the one it ran when the active fault was switched on
         self.scale = 0.5  # logit_noise
-        self.min_prompt_tokens = 200  # slow_prefill
-        self.sleep_s = 0.25  # slow_prefill
+        self.min_prompt_chars = 1000  # slow_prompts
+        self.sleep_s = 1.0  # slow_prompts
         self.num_triggered = 0  # steps (or reloads) the active fault corrupted
 
 
@@ -116,11 +116,6 @@ def _build(original: Any) -> Any:
 
 def _forward(original: Any) -> Any:
     def patched(runner: Any, items: Any, hidden_only: bool = False) -> torch.Tensor:
-        if (STATE.active == "slow_prefill" and STATE.config != STATE.armed_config
-                and any(it.seq.num_computed < it.seq.num_prompt_tokens
-                        and it.seq.num_prompt_tokens > STATE.min_prompt_tokens for it in items)):
-            STATE.num_triggered += 1
-            time.sleep(STATE.sleep_s)
         out = original(runner, items, hidden_only)
         if STATE.active == "logit_noise" and STATE.attention == "naive" and not hidden_only:
             STATE.num_triggered += 1
@@ -157,8 +152,8 @@ async def handle_fault(request: web.Request) -> web.Response:
                                            f"{FAULTS + OTHER_FAULTS}"}, status=400)
     STATE.active, STATE.num_triggered, STATE.armed_config = name, 0, STATE.config
     STATE.scale = float(body.get("scale", 0.5))
-    STATE.min_prompt_tokens = int(body.get("min_prompt_tokens", 200))
-    STATE.sleep_s = float(body.get("sleep_s", 0.25))
+    STATE.min_prompt_chars = int(body.get("min_prompt_chars", 1000))
+    STATE.sleep_s = float(body.get("sleep_s", 1.0))
     return web.json_response({"active": name})
 
 
@@ -166,9 +161,21 @@ async def handle_fault_state(request: web.Request) -> web.Response:
     return web.json_response({"active": STATE.active, "num_triggered": STATE.num_triggered})
 
 
+@web.middleware
+async def _slow_prompts(request: web.Request, handler: Any) -> web.StreamResponse:
+    if (STATE.active == "slow_prompts" and request.method == "POST"
+            and request.path.startswith("/v1/") and STATE.config != STATE.armed_config):
+        body = await request.read()  # NOTE: aiohttp keeps it; the handler reads it again
+        if len(body) > STATE.min_prompt_chars:
+            STATE.num_triggered += 1
+            await asyncio.sleep(STATE.sleep_s)
+    return await handler(request)
+
+
 def _create_app(original: Any) -> Any:
     def patched(config: Any) -> web.Application:
         app = original(config)
+        app.middlewares.append(_slow_prompts)
         app.router.add_post("/test/fault", handle_fault)
         app.router.add_get("/test/fault", handle_fault_state)
         return app

@@ -22,12 +22,14 @@ LIMITS = {"ttft_s": 0.5, "tpot_s": 0.15}
 
 def records(domain: str, prompt_tokens: int, ttft_s: float, tpot_s: float, n: int,
             seed: int, ts: float = 1000.0, spread: float = 0.1) -> list[TraceRecord]:
-    """``n`` requests of one shape, latencies log-normal around the given medians."""
+    """``n`` requests of one shape (16 tokens), latencies log-normal around the medians."""
     rng = random.Random(seed)
-    return [TraceRecord(ts + i * 0.1, domain, prompt_tokens, 16, 16,
-                        ttft_s=ttft_s * rng.lognormvariate(0, spread),
-                        tpot_s=tpot_s * rng.lognormvariate(0, spread), e2e_s=0.05)
-            for i in range(n)]
+    out = []
+    for i in range(n):
+        ttft, tpot = (v * rng.lognormvariate(0, spread) for v in (ttft_s, tpot_s))
+        out.append(TraceRecord(ts + i * 0.1, domain, prompt_tokens, 16, 16, ttft_s=ttft,
+                               tpot_s=tpot, e2e_s=ttft + 15 * tpot))
+    return out
 
 
 def test_quantiles_match_the_tables() -> None:
@@ -64,6 +66,20 @@ def test_one_shape_regressing_is_caught_where_the_worker_mean_is_flat() -> None:
     assert found is not None and found.shape == "chat/prompt 256-1024"
     assert found.metric == "ttft_s" and found.ratio_low > 1.5
     assert "chat/prompt 256-1024" in found.reason() and "TTFT" in found.reason()
+
+
+def test_a_tpot_for_ttft_trade_that_finishes_sooner_is_kept() -> None:
+    # a bigger batch: each token 3x later, but no queueing, so the request ends sooner
+    before = records("chat", 100, 0.50, 0.004, 30, 1)
+    after = records("chat", 100, 0.05, 0.012, 30, 2)
+    verdict = ShapeCanary(CanaryConfig(), before, LIMITS).judge(after)
+    row = verdict.shapes["chat/prompt 0-256"]
+    assert row["tpot_s"]["ratio_low"] > 2 and row["e2e_s"]["ratio_high"] < 1
+    assert verdict.regressed is None
+    # the same TPOT without the TTFT gain is a regression
+    slower = records("chat", 100, 0.50, 0.012, 30, 3)
+    found = ShapeCanary(CanaryConfig(), before, LIMITS).judge(slower).regressed
+    assert found is not None and found.metric == "tpot_s"
 
 
 def test_a_small_slowdown_within_the_tolerance_is_kept() -> None:
