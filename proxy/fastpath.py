@@ -126,6 +126,32 @@ def response_head(status: int, headers: dict[str, str], content_length: int | No
         status, _STATUS_TEXT.get(status, b"Unknown"), fields.encode("utf-8"), date, length)
 
 
+_DOOR_LINES = (b"POST /v1/chat/completions HTTP/1.1\r\n", b"POST /v1/completions HTTP/1.1\r\n")
+_LENGTH_FIELD = b"\r\ncontent-length:"
+
+
+def door_framing(head: bytes, max_body_bytes: int) -> tuple[int, bool] | None:
+    """(body length, keep-alive) of a hot-route head to refuse at the door, found without
+    parsing its fields; None when only :func:`parse_head` can say (then it does).
+
+    NOTE: a refusal must cost a small fraction of a request (see ``_shed``); the full
+    parse is most of a door 429's Python time. The framing is the same as the full
+    parse's for every head this accepts: one Content-Length, no Transfer-Encoding."""
+    if not head.startswith(_DOOR_LINES):
+        return None
+    low = head.lower()
+    at = low.find(_LENGTH_FIELD)
+    if at == -1 or low.find(_LENGTH_FIELD, at + 1) != -1 or b"transfer-encoding" in low:
+        return None
+    start = at + len(_LENGTH_FIELD)
+    end = low.find(b"\r\n", start)
+    value = low[start:] if end == -1 else low[start:end]
+    value = value.strip(_OWS)
+    if not value.isdigit() or len(value) > 15 or int(value) > max_body_bytes:
+        return None
+    return int(value), b"\r\nconnection: close" not in low
+
+
 class _DateHeader:
     """The ``Date`` header value, formatted at most once per second."""
 
@@ -311,6 +337,13 @@ class FastConnection(asyncio.Protocol):
                 if len(buf) > MAX_HEAD_BYTES or b"\n\n" in buf or b"\n\r\n" in buf:
                     self._hand_over()
                 return
+            relay = self.server.relay
+            if relay.shedding or relay.stats.in_flight >= relay.in_flight_limit.value:
+                framing = door_framing(bytes(buf[:end]), self.server.max_body_bytes)
+                if framing is not None and len(buf) >= end + 4 + framing[0]:
+                    del buf[:end + 4 + framing[0]]
+                    self._shed(framing[1])
+                    return
             head = parse_head(bytes(buf[:end]))
             if head is None or head.content_length > self.server.max_body_bytes:
                 self._hand_over()
@@ -324,7 +357,7 @@ class FastConnection(asyncio.Protocol):
         self._head = None
         relay = self.server.relay
         if relay.shedding or relay.stats.in_flight >= relay.in_flight_limit.value:
-            self._shed(head)
+            self._shed(head.keep_alive)
             return
         task = _start_task(self.server.loop, self._serve(FastExchange(self, head, body), head))
         if not task.done():  # an eager task may have finished (an error answered at once)
@@ -344,7 +377,7 @@ class FastConnection(asyncio.Protocol):
             self._task = None
         self._request_done(ex, head.keep_alive)
 
-    def _shed(self, head: RequestHead) -> None:
+    def _shed(self, keep_alive: bool) -> None:
         """Answer 429 + Retry-After at once, before the body is parsed or a record made.
 
         NOTE: past capacity, what a refusal costs decides the goodput: the proxy's core
@@ -358,7 +391,7 @@ class FastConnection(asyncio.Protocol):
                        + b"\r\n\r\n" + _SHED_BODY)
         except ConnectionError:
             return
-        if not head.keep_alive or self.server.closing:
+        if not keep_alive or self.server.closing:
             if self.transport is not None:
                 self.transport.close()
         elif self._buf:

@@ -337,3 +337,38 @@ def test_a_stream_cut_at_the_drain_to_a_client_not_reading_keeps_its_trace(
     records = read_traces(tmp_path / "traces")
     assert [r["error"][:20] for r in records] == ["shutting_down: cut a"], records
     assert stop_s < 10, stop_s
+
+
+def test_door_framing_finds_the_body_length_without_a_full_parse() -> None:
+    from proxy.fastpath import door_framing
+    line = b"POST /v1/chat/completions HTTP/1.1\r\n"
+    assert door_framing(line + b"Host: x\r\nContent-Length: 42", 100) == (42, True)
+    assert door_framing(b"POST /v1/completions HTTP/1.1\r\ncontent-length:\t7 \r\n"
+                        b"Connection: close", 100) == (7, False)
+    for head in (line + b"Content-Length: 42\r\nContent-Length: 43",  # repeated
+                 line + b"Content-Length: 42\r\nTransfer-Encoding: chunked",
+                 line + b"Content-Length: 4x2", line + b"Host: x",
+                 line + b"Content-Length: 101",  # over the body limit: aiohttp's 413
+                 b"POST /v1/models HTTP/1.1\r\nContent-Length: 2",
+                 b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: 2"):
+        assert door_framing(head, 100) is None, head  # the full parse decides
+
+
+def test_pipelined_requests_past_the_limit_are_each_refused(upstream: FakeHeldUpstream,
+                                                            tmp_path: Path) -> None:
+    with ProxyThread(_config(upstream, tmp_path, max_in_flight=1)) as p, \
+            httpx.Client(base_url=p.url, timeout=30) as http:
+        held = threading.Thread(target=lambda: http.post("/v1/chat/completions", json=BODY))
+        held.start()
+        assert eventually(lambda: upstream.num_held == 1, 10)
+        with socket.create_connection(("127.0.0.1", p.server.port), timeout=10) as s:  # type: ignore[union-attr]
+            s.sendall(_request() * 3 + _request({**BODY, "max_tokens": 2})[:-5])
+            out = b""
+            while out.count(b"HTTP/1.1 429") < 3:
+                out += s.recv(65536)
+            s.sendall(_request({**BODY, "max_tokens": 2})[-5:])  # the fourth's last bytes
+            while out.count(b"HTTP/1.1 429") < 4:
+                out += s.recv(65536)
+        assert out.count(b"HTTP/1.1 ") == 4
+        upstream.set_release(True)
+        held.join(30)
