@@ -4,8 +4,7 @@ Training uses scikit-learn's ``LogisticRegression``; serving needs only numpy:
 the artefact is a plain ``.npz`` (no pickle) holding the vocabulary, one
 weight row per key (exported from the fitted model), the class names, the
 feature parameters and a format version. ``predict`` sums the weight rows of
-a text's ~100 keys (router.scorer: one lookup per distinct word and pair, one
-gather).
+a text's ~60 keys (router.scorer: one lookup per distinct word, one gather).
 
 Example::
 

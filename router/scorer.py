@@ -3,16 +3,16 @@
 A text's score is the sum of the weight rows of its keys
 (:mod:`router.features`): every word of the windows as ``("w", word)``, each
 head word as ``("h", word)``, each tail word as ``("t", word)``, the adjacent
-pairs and the two shape buckets. Words are looked up once per window instead
-of once per key, from rows summed at load:
+pairs (when the features have them) and the two shape buckets. Words are
+looked up once per window instead of once per key, from rows summed at load:
 
 - a head word: ``w + h``;
 - a tail word not in the head: ``w + t``; one also in the head (its ``w`` is
   counted there): ``t``.
 
-So a text costs a set per window, one dict lookup per distinct word and per
-pair (``map`` over dicts, the unseen row as the default), one gather and one
-sum: ~35% fewer lookups and rows than one per key. The number of keys (for
+So a text costs a set per window, one dict lookup per distinct word (and
+pair), through ``map`` over dicts with the unseen row as the default, one
+gather and one sum: a third fewer lookups and rows than one per key. The number of keys (for
 the l2 norm) comes from the sets' sizes. tests/router/test_classifier.py checks
 the scores against the spelled-out keys and the fitted model's.
 

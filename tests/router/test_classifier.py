@@ -31,10 +31,12 @@ TINY = [
 
 def test_keys_spelled_out_read_only_the_windows() -> None:
     c = FeatureConfig()
-    keys = feature_keys("Hello world, hello", c)
-    assert keys == {("w", "hello"), ("w", "world"), ("w", ","), ("h", "hello"), ("h", "world"),
-                    ("h", ","), ("b", "hello", "world"), ("b", "world", ","), ("b", ",", "hello"),
-                    ("s", 5), ("n", 0)}
+    words = {("w", "hello"), ("w", "world"), ("w", ","), ("h", "hello"), ("h", "world"),
+             ("h", ","), ("s", 5), ("n", 0)}
+    assert feature_keys("Hello world, hello", c) == words
+    pairs = {("b", "hello", "world"), ("b", "world", ","), ("b", ",", "hello")}
+    with_pairs = FeatureConfig(word_bigrams=True)
+    assert feature_keys("Hello world, hello", with_pairs) == words | pairs
     huge = "word " * 200_000  # a 1 MB prompt reads only the head and tail windows
     assert sum(len(w) for w in windows(huge, c)) == c.head_chars + c.tail_chars == 128 + 64
     assert feature_keys("", c) == {("s", 0), ("n", 0)}
@@ -46,7 +48,7 @@ TEXTS = ["", "Translate to French: good morning", "x\n" * 50, "Über straße, na
 
 
 @pytest.mark.parametrize("config", [FeatureConfig(), FeatureConfig(head_chars=16, tail_chars=8),
-                                    FeatureConfig(word_bigrams=False, min_df=1)])
+                                    FeatureConfig(word_bigrams=True, min_df=1)])
 def test_folded_rows_sum_to_the_rows_of_the_spelled_out_keys(config: FeatureConfig) -> None:
     vocab = Vocabulary.build(TEXTS[1:] * 2, config)  # every key twice: all in the vocabulary
     weights = np.random.default_rng(0).normal(size=(len(vocab.keys), 3)).astype(np.float32)
