@@ -26,7 +26,7 @@ class RedactingServerLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
 
     def log(self, level: int, msg: object, *args: object, exc_info: Any = None,
             stack_info: bool = False, stacklevel: int = 1,
-            extra: Mapping[str, object] | None = None) -> None:
+            extra: Mapping[str, object] | None = None, **kwargs: object) -> None:
         exc = _exception(exc_info)
         if isinstance(exc, HttpProcessingError):
             # NOTE: the message and the traceback both quote the request; its class and
