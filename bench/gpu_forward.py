@@ -70,9 +70,9 @@ VARIANT_SETS = {"default": ForwardConfig(),
                 "fused_silu": ForwardConfig(fused_silu=True),
                 "skinny_gemm": ForwardConfig(skinny_gemm=True),
                 "all": FUSED_FORWARD, "all+skinny": GPU_FORWARD,
-                # the same kernels with gate|up's SiLU a kernel of its own (an A/B of
-                # SkinnyGemm.gated, patched here only)
-                "all+skinny-ungated": GPU_FORWARD}
+                # the same kernels with the norms and gate|up's SiLU kernels of their own
+                # (an A/B of SkinnyGemm.norm_linear and .gated, patched here only)
+                "all+skinny-unfused": GPU_FORWARD}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,7 +336,9 @@ def run_engine(model_dir: Path, args: argparse.Namespace, roof: float) -> dict[s
         runs.append((args.variants[-1], tuple(args.graph_sizes)))
     for name, sizes in runs:
         cfg = engine_config(model_dir, max_batch, VARIANT_SETS[name], args.budget, sizes)
-        SkinnyGemm.gated = _ungated if name.endswith("-ungated") else GATED  # type: ignore
+        unfused = name.endswith("-unfused")
+        SkinnyGemm.gated = _ungated if unfused else GATED  # type: ignore[method-assign]
+        SkinnyGemm.norm_linear = _norm_apart if unfused else NORM_LINEAR  # type: ignore
         if sizes:
             name = f"{name}, graphs {list(sizes)}"
         reload_s = core.reload(cfg)
@@ -380,13 +382,23 @@ def run_engine(model_dir: Path, args: argparse.Namespace, roof: float) -> dict[s
     return out
 
 
-GATED = SkinnyGemm.gated
+GATED, NORM_LINEAR = SkinnyGemm.gated, SkinnyGemm.norm_linear
 
 
 def _ungated(self: SkinnyGemm, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     from engine.fused import silu_mul
 
     return silu_mul(self(x, w))
+
+
+def _norm_apart(self: SkinnyGemm, h: torch.Tensor, delta: torch.Tensor | None,
+                nw: torch.Tensor, eps: float, w: torch.Tensor,
+                bias: torch.Tensor | None = None, gated: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    from engine.fused import add_rms_norm
+
+    x, h = add_rms_norm(h, delta, nw, eps)
+    return (_ungated(self, x, w) if gated else self(x, w, bias)), h
 
 
 def summarize(result: dict[str, Any], args: argparse.Namespace) -> None:

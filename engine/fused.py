@@ -37,7 +37,13 @@ import torch.nn.functional as F
 
 from engine.errors import UnsupportedConfigError
 from engine.skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS
-from engine.skinny_gemm import skinny_bound, skinny_gated, skinny_gated_bound, skinny_linear
+from engine.skinny_gemm import (
+    skinny_bound,
+    skinny_gated,
+    skinny_gated_bound,
+    skinny_linear,
+    skinny_norm_linear,
+)
 
 if TYPE_CHECKING:
     from engine.checkpoint import ModelSpec
@@ -369,7 +375,41 @@ def _skinny_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: torch.Gener
             got.append(gated(x, w))
             want.append(ref_act)
             bounds.append(skinny_gated_bound(ref_act, x, w))
+        if i in (0, 2):  # with the residual add and RMSNorm before (SkinnyGemm.norm_linear)
+            case = _norm_projection_case(fused, ref, x, w, bias if i == 0 else None, i == 2,
+                                         dev, s.eps)
+            got += case[0]
+            want += case[1]
+            bounds += case[2]
         del w
+    return got, want, bounds
+
+
+def _norm_projection_case(fused: Impl, ref: Impl, h: torch.Tensor, w: torch.Tensor,
+                          bias: torch.Tensor | None, gated: bool, dev: torch.Generator,
+                          eps: float) -> Case:
+    """``norm_linear(h, delta, norm, w)`` against the reference add + RMSNorm + ``ref``
+    (then SiLU when ``gated``), with a delta and (not gated) without: the projection within
+    its bound of the reference's input, the residual exact."""
+    norm_linear = getattr(fused, "norm_linear", None)
+    if norm_linear is None:
+        def norm_linear(h, delta, nw, eps, w, bias, gated):  # type: ignore[no-untyped-def]
+            return skinny_norm_linear(h, delta, nw, eps, w, bias, gated=gated)
+    nw = (torch.randn(h.shape[1], generator=dev, device=h.device) * 0.1 + 1).to(h.dtype)
+    delta = torch.randn(h.shape, generator=dev, device=h.device).to(h.dtype)
+    got: list[torch.Tensor] = []
+    want: list[torch.Tensor] = []
+    bounds: list[torch.Tensor | None] = []
+    for d in (delta,) if gated else (delta, None):
+        y, h_out = norm_linear(h, d, nw, eps, w, bias, gated)
+        x_ref, h_ref = add_rms_norm_reference(h, d, nw, eps)
+        y_ref = ref(x_ref, w, bias)
+        if gated:
+            y_ref = silu_mul_reference(y_ref)
+        got += [y, h_out]
+        want += [y_ref, h_ref]
+        bounds += [skinny_gated_bound(y_ref, x_ref, w) if gated
+                   else skinny_bound(y_ref, x_ref, w), None]
     return got, want, bounds
 
 

@@ -92,10 +92,12 @@ def silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, num_cols,
 
 
 @triton.jit
-def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_rows, N, K, k_per_split,
-                       stride_x, stride_w, stride_out, stride_split,
+def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, delta_ptr, nw_ptr, h_out_ptr,
+                       num_rows, N, K, k_per_split, stride_x, stride_w, stride_out,
+                       stride_split, stride_delta, stride_h_out, eps,
                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr,
-                       IEEE: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+                       IEEE: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+                       HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[:rows, cols] = x @ w[cols].T`` over one K slice (program axis 1).
 
@@ -106,6 +108,11 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_rows, N, K, k_per_split
     GATED: ``w`` is ``[gate | up]``, ``[2 N, K]``; the program also sums ``up``'s rows
     ``N + cols`` and stores ``silu(gate) * up`` (PARTIAL: both sums, up's at ``N + cols``),
     rounded where ``silu_mul_kernel`` rounds.
+    NORM: ``x`` is the residual stream ``h`` and the product is of ``rms_norm(h + delta) *
+    nw`` (HAS_DELTA: ``h + delta``, rounded, also stored to ``h_out`` by the programs of
+    the first column tile): the squares are summed in the same pass over K and the row's
+    ``rsqrt`` scales the sums at the end, so the norm costs no kernel of its own
+    (PARTIAL: each slice's sum of squares at column ``N`` (GATED: ``2 N``) of its rows).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -114,23 +121,37 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_rows, N, K, k_per_split
     row_ok = rows < num_rows
     col_ok = cols < N
     k_start = pid_k * k_per_split
+    dtype = x_ptr.dtype.element_ty
     x_at = x_ptr + rows[:, None] * stride_x + tl.arange(0, BLOCK_K)[None, :]
+    d_at = delta_ptr + rows[:, None] * stride_delta + tl.arange(0, BLOCK_K)[None, :]
+    h_at = h_out_ptr + rows[:, None] * stride_h_out + tl.arange(0, BLOCK_K)[None, :]
     w_at = w_ptr + cols[:, None].to(tl.int64) * stride_w + tl.arange(0, BLOCK_K)[None, :]
     up_at = w_at + N.to(tl.int64) * stride_w
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    squares = tl.zeros([BLOCK_M], tl.float32)
     for k in range(k_start, k_start + k_per_split, BLOCK_K):
+        k_ok = (k + tl.arange(0, BLOCK_K)) < K
+        x_ok = row_ok[:, None] & k_ok[None, :]
         if EVEN:
             x = tl.load(x_at + k, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
             w = tl.load(w_at + k)  # [BLOCK_N, BLOCK_K]
             if GATED:
                 w_up = tl.load(up_at + k)
         else:
-            k_ok = (k + tl.arange(0, BLOCK_K)) < K
-            x = tl.load(x_at + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_at + k, mask=x_ok, other=0.0)
             w = tl.load(w_at + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             if GATED:
                 w_up = tl.load(up_at + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            h = x.to(tl.float32)
+            if HAS_DELTA:
+                h = _round(h + tl.load(d_at + k, mask=x_ok, other=0.0).to(tl.float32), dtype)
+                if pid_n == 0:
+                    tl.store(h_at + k, h.to(dtype), mask=x_ok)
+            squares += tl.sum(h * h, axis=1)
+            nw = tl.load(nw_ptr + k + tl.arange(0, BLOCK_K), mask=k_ok, other=0.0)
+            x = (h * nw.to(tl.float32)[None, :]).to(dtype)
         if IEEE:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             if GATED:
@@ -145,8 +166,16 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, num_rows, N, K, k_per_split
         tl.store(out_ptr + pid_k * stride_split + out_at, acc, mask=ok)
         if GATED:
             tl.store(out_ptr + pid_k * stride_split + N + out_at, acc_up, mask=ok)
+        if NORM:
+            if pid_n == 0:
+                ss_col = 2 * N if GATED else N
+                tl.store(out_ptr + pid_k * stride_split + rows * stride_out + ss_col, squares,
+                         mask=row_ok)
     else:
-        dtype = out_ptr.dtype.element_ty
+        if NORM:
+            rstd = tl.rsqrt(squares / K + eps)[:, None]
+            acc = acc * rstd
+            acc_up = acc_up * rstd
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -164,21 +193,29 @@ def _silu_times(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def split_sum_kernel(part_ptr, b_ptr, out_ptr, N, stride_split, stride_part, stride_out,
-                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def split_sum_kernel(part_ptr, b_ptr, out_ptr, N, K, stride_split, stride_part, stride_out,
+                     eps, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                     NORM: tl.constexpr, BLOCK: tl.constexpr):
     """One tile of one row: the SPLIT partial sums of :func:`skinny_gemm_kernel`, in order
-    (GATED: gate's and up's, then ``silu(gate) * up``)."""
+    (GATED: gate's and up's, then ``silu(gate) * up``; NORM: scaled by the row's rsqrt of
+    its summed squares)."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
     acc = tl.zeros([BLOCK], tl.float32)
     acc_up = tl.zeros([BLOCK], tl.float32)
+    squares = 0.0
     for s in tl.static_range(SPLIT):
-        at = part_ptr + s * stride_split + row * stride_part + cols
-        acc += tl.load(at, mask=ok, other=0.0)
+        at = part_ptr + s * stride_split + row * stride_part
+        acc += tl.load(at + cols, mask=ok, other=0.0)
         if GATED:
-            acc_up += tl.load(at + N, mask=ok, other=0.0)
+            acc_up += tl.load(at + N + cols, mask=ok, other=0.0)
+        if NORM:
+            squares += tl.load(at + (2 * N if GATED else N))
+    if NORM:
+        rstd = tl.rsqrt(squares / K + eps)
+        acc = acc * rstd
+        acc_up = acc_up * rstd
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty

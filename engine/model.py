@@ -245,14 +245,18 @@ class LlamaModel:
         if reason is not None:
             logger.debug("projections use F.linear: %s", reason)
 
-    def _projection_shapes(self) -> list[tuple[int, int]]:
-        """``(N, K)`` of every projection weight (one layer's four, the LM head), and
-        ``(-N, K)`` of gate|up when it runs gated (``fused_silu``: SkinnyGemm.gated)."""
+    def _projection_shapes(self) -> list[tuple]:
+        """``(N, K)`` of every projection weight (one layer's four, the LM head), and the
+        ``(N, K, kind)`` of those that run with their neighbours fused (_norm_project)."""
         layer = self.layers[0]
         weights = [layer.qkv, layer.o, layer.gate_up, layer.down, self.lm_head]
-        shapes = [(int(w.shape[0]), int(w.shape[1])) for w in weights]  # type: ignore[union-attr]
-        if "fused_silu" in self.variants:
-            shapes.append((-shapes[2][0], shapes[2][1]))
+        shapes: list[tuple] = [(int(w.shape[0]), int(w.shape[1]))  # type: ignore[union-attr]
+                               for w in weights]
+        silu = "fused_silu" in self.variants
+        if "fused_norm" in self.variants:  # see _norm_project
+            shapes += [(*shapes[0], "norm"), (*shapes[2], "norm+gated" if silu else "norm")]
+        elif silu:
+            shapes.append((*shapes[2], "gated"))
         return shapes
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
@@ -268,14 +272,13 @@ class LlamaModel:
         that computes :meth:`logits` only for the rows it turns out to need (verification).
         """
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
-        eps = self.spec.rms_norm_eps
         rope = None  # cos, sin [T, 1, D] at the positions, for the unfused RoPE
         if "fused_rope_kv" not in self.variants:
             rope = self.cos[meta.positions].unsqueeze(1), self.sin[meta.positions].unsqueeze(1)
         delta: torch.Tensor | None = None  # the last block's output, not yet added to h
         for i, layer in enumerate(self.layers):
-            x, h = self._add_norm(h, delta, layer.input_norm, eps)
-            delta = self._attention(x, layer, i, meta, kv, rope)
+            qkv, h = self._norm_project(h, delta, layer.input_norm, layer.qkv, layer.qkv_bias)
+            delta = self._attention(qkv, layer, i, meta, kv, rope)
             h, delta = self._dense_block(h, delta, layer)
         assert delta is not None
         h = h + delta
@@ -296,19 +299,36 @@ class LlamaModel:
         if not self.variants:  # the reference ops, compiled as one region when asked
             return self._dense(h, delta, layer.post_norm, layer.gate_up, layer.down, eps,
                                self.linear)
-        x, h = self._add_norm(h, delta, layer.post_norm, eps)
-        if self.skinny is not None and "fused_silu" in self.variants:  # one kernel for both
-            act = self.skinny.gated(x, layer.gate_up)  # type: ignore[arg-type]
-        else:
-            act = self._silu_mul(self._project(x, layer.gate_up))  # [T, intermediate]
+        act, h = self._norm_project(h, delta, layer.post_norm, layer.gate_up, mlp=True)
         return h, self._project(act, layer.down)
 
-    def _attention(self, x: torch.Tensor, layer: LayerWeights, i: int,
+    def _norm_project(self, h: torch.Tensor, delta: torch.Tensor | None, norm: torch.Tensor,
+                      weight: Weight, bias: torch.Tensor | None = None, mlp: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the projection of ``rms_norm(h + delta) * norm``, ``h + delta``); ``mlp``: of
+        gate|up, then ``silu(gate) * up`` ``[T, intermediate]``.
+
+        With ``skinny_gemm``, the neighbours go into the projection's kernel where tuning
+        finds that faster: the add and norm (``fused_norm``), the SiLU (``fused_silu``).
+        """
+        eps = self.spec.rms_norm_eps
+        gated = mlp and self.skinny is not None and "fused_silu" in self.variants
+        if self.skinny is not None and "fused_norm" in self.variants:
+            y, h = self.skinny.norm_linear(h, delta, norm, eps, weight, bias,  # type: ignore[arg-type]
+                                           gated)
+        else:
+            x, h = self._add_norm(h, delta, norm, eps)
+            y = (self.skinny.gated(x, weight) if gated  # type: ignore[union-attr, arg-type]
+                 else self._project(x, weight, bias))
+        return (self._silu_mul(y) if mlp and not gated else y), h
+
+    def _attention(self, qkv: torch.Tensor, layer: LayerWeights, i: int,
                    meta: AttnMetadata | DecodeMetadata, kv: KVCache,
                    rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The attention block's output from its q|k|v projection ``[T, (nq + 2 nkv) D]``."""
         spec = self.spec
         nq, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        qkv = self._project(x, layer.qkv, layer.qkv_bias).view(-1, nq + 2 * nkv, d)
+        qkv = qkv.view(-1, nq + 2 * nkv, d)
         if rope is None:  # q rotated in place in qkv; k, v written to the cache: [T, nq, D]
             q = fused.rope_kv_write(qkv, self.cos, self.sin, meta.positions, meta.slot_mapping,
                                     kv.k[i], kv.v[i], nq, nkv)

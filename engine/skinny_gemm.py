@@ -59,13 +59,52 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     ``gated``: ``w`` is ``[gate | up]`` (``[2 I, K]``, no bias) and the result
     ``silu(gate) * up``, ``[rows, I]``, in the same pass (:func:`skinny_gated`).
     """
+    rows = x.shape[0]
+    if cfg.block_n == 0 or rows > MAX_ROWS or rows == 0:
+        out = F.linear(x, w, bias)
+        return _silu_mul(out) if gated else out
+    return _launch(x, w, bias, cfg, gated)
+
+
+@dataclass(frozen=True)
+class NormInput:
+    """What :func:`skinny_norm_linear` normalizes in its projection's pass."""
+
+    delta: torch.Tensor | None  # [rows, K] added to the residual stream first, or None
+    weight: torch.Tensor  # [K] RMSNorm weight
+    h_out: torch.Tensor  # [rows, K] where h + delta goes (h itself without delta)
+    eps: float
+
+
+def skinny_norm_linear(h: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
+                       eps: float, w: torch.Tensor, bias: torch.Tensor | None = None,
+                       cfg: SkinnyConfig = DEFAULT, gated: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(skinny_linear(rms_norm(h + delta) * norm_weight, w, bias), h + delta)`` with the
+    residual add and the norm in the projection's own kernel (``cfg`` cuBLAS: the fused
+    norm kernel, then ``F.linear``).
+
+    NOTE: the kernel sums ``(h * norm_weight) @ w.T`` and the squares of ``h`` in one pass
+    and scales by the row's ``rsqrt`` at the end, so its input is rounded before the
+    scaling where the reference rounds after it: one more rounding of each input, far
+    inside :func:`skinny_bound`'s four ulps of the summed terms.
+    """
+    rows = h.shape[0]
+    if cfg.block_n == 0 or rows > MAX_ROWS or rows == 0 or h.stride(-1) != 1:
+        x, h_out = _add_rms_norm(h, delta, norm_weight, eps)
+        return skinny_linear(x, w, bias, cfg, gated), h_out
+    if delta is not None:
+        assert delta.shape == h.shape and delta.stride(-1) == 1
+    h_out = h if delta is None else torch.empty_like(h)
+    return _launch(h, w, bias, cfg, gated, NormInput(delta, norm_weight, h_out, eps)), h_out
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig,
+            gated: bool, norm: NormInput | None = None) -> torch.Tensor:
     from engine.fused_kernels import skinny_gemm_kernel, split_sum_kernel
 
     rows, k = x.shape
     n = w.shape[0] // 2 if gated else w.shape[0]
-    if cfg.block_n == 0 or rows > MAX_ROWS or rows == 0:
-        out = F.linear(x, w, bias)
-        return _silu_mul(out) if gated else out
     if x.stride(-1) != 1:
         x = x.contiguous()
     assert w.shape[1] == k and w.stride(-1) == 1 and not (gated and bias is not None)
@@ -73,24 +112,31 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     split = -(-k // k_per_split)
     even = n % cfg.block_n == 0 and k % k_per_split == 0
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    part = out if split == 1 else torch.empty(split, rows, 2 * n if gated else n,
-                                              dtype=torch.float32, device=x.device)
+    width = (2 * n if gated else n) + (1 if norm is not None else 0)  # partials, squares
+    part = out if split == 1 else torch.empty(split, rows, width, dtype=torch.float32,
+                                              device=x.device)
     grid = (-(-n // cfg.block_n), split)
     stages = cfg.num_stages
     if gated:  # two weight tiles a stage: fewer stages where they would not fit
         tile = (MAX_ROWS + 2 * cfg.block_n) * cfg.block_k * x.element_size()
         stages = max(1, min(stages, SMEM_BYTES // tile))
+    delta = norm.delta if norm is not None and norm.delta is not None else x
     skinny_gemm_kernel[grid](
-        x, w, bias if bias is not None else w, part, rows, n, k, k_per_split,
-        x.stride(0), w.stride(0), part.stride(-2), part.stride(0) if split > 1 else 0,
+        x, w, bias if bias is not None else w, part, delta,
+        norm.weight if norm is not None else w, norm.h_out if norm is not None else x,
+        rows, n, k, k_per_split, x.stride(0), w.stride(0), part.stride(-2),
+        part.stride(0) if split > 1 else 0, delta.stride(0),
+        norm.h_out.stride(0) if norm is not None else 0, norm.eps if norm is not None else 0.0,
         HAS_BIAS=bias is not None and split == 1, PARTIAL=split > 1, EVEN=even,
-        IEEE=x.dtype == torch.float32, GATED=gated, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_stages=stages, num_warps=cfg.num_warps)
+        IEEE=x.dtype == torch.float32, GATED=gated, NORM=norm is not None,
+        HAS_DELTA=norm is not None and norm.delta is not None, BLOCK_M=MAX_ROWS,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_stages=stages, num_warps=cfg.num_warps)
     if split > 1:
         split_sum_kernel[(rows, -(-n // SUM_BLOCK))](
-            part, bias if bias is not None else w, out, n, part.stride(0), part.stride(1),
-            out.stride(0), SPLIT=split, HAS_BIAS=bias is not None, GATED=gated,
-            BLOCK=SUM_BLOCK, num_warps=4)
+            part, bias if bias is not None else w, out, n, k, part.stride(0), part.stride(1),
+            out.stride(0), norm.eps if norm is not None else 0.0, SPLIT=split,
+            HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, BLOCK=SUM_BLOCK,
+            num_warps=4)
     return out
 
 
@@ -101,12 +147,21 @@ def skinny_gated(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = DEFAULT) 
     return skinny_linear(x, w, None, cfg, gated=True)
 
 
+def _on_triton(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     from engine.fused import silu_mul, silu_mul_reference
 
-    if gate_up.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return silu_mul(gate_up)
-    return silu_mul_reference(gate_up)
+    return silu_mul(gate_up) if _on_triton(gate_up) else silu_mul_reference(gate_up)
+
+
+def _add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from engine.fused import add_rms_norm, add_rms_norm_reference
+
+    return (add_rms_norm if _on_triton(h) else add_rms_norm_reference)(h, delta, weight, eps)
 
 
 def skinny_gated_bound(reference: torch.Tensor, x: torch.Tensor, w: torch.Tensor
@@ -159,8 +214,15 @@ def candidates(n: int, k: int) -> list[SkinnyConfig]:
     return out
 
 
+Key = tuple  # (N, K) of a weight, or (N, K, kind): kind "gated", "norm" or "norm+gated"
+
+
 class SkinnyGemm:
     """:func:`skinny_linear` with a launch per weight shape ``(N, K)``; called as ``F.linear``.
+
+    :meth:`gated` and :meth:`norm_linear` are the same projections with their neighbours
+    fused in (the SiLU after gate|up; the residual add and RMSNorm before), each tuned
+    on its own key (``(N, K, kind)``), cuBLAS with the separate kernels a candidate.
 
     On a CUDA device :meth:`tune` times every candidate and cuBLAS on random inputs of the
     shape (8 rows: a tile holds 16, so the time hardly depends on the rows), back to back
@@ -169,13 +231,13 @@ class SkinnyGemm:
     """
 
     def __init__(self, device: str | torch.device, dtype: torch.dtype,
-                 configs: dict[tuple[int, int], SkinnyConfig] | None = None) -> None:
+                 configs: dict[Key, SkinnyConfig] | None = None) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.configs = dict(configs or {})
 
     @classmethod
-    def for_shapes(cls, shapes: Iterable[tuple[int, int]], device: str | torch.device,
+    def for_shapes(cls, shapes: Iterable[Key], device: str | torch.device,
                    dtype: torch.dtype, share: SkinnyGemm | None = None) -> SkinnyGemm:
         """Tuned for weight ``shapes``; a ``share`` on the same device and dtype lends its
         choices (a hot reload tunes nothing it already knows)."""
@@ -190,54 +252,73 @@ class SkinnyGemm:
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] > MAX_ROWS or x.dim() != 2:
             return F.linear(x, w, bias)
-        cfg = self.configs.get((w.shape[0], w.shape[1]))
-        if cfg is None:
-            cfg = self._tune_one(w.shape[0], w.shape[1])
-        return skinny_linear(x, w, bias, cfg)
+        return skinny_linear(x, w, bias, self._config((w.shape[0], w.shape[1])))
 
     def gated(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``w`` = ``[gate | up]``: :func:`skinny_gated` with the
         launch tuned for it (cuBLAS then the fused SiLU kernel where that is faster)."""
         if x.shape[0] > MAX_ROWS or x.dim() != 2:
             return _silu_mul(F.linear(x, w))
-        key = (-w.shape[0], w.shape[1])  # gated shapes are keyed by -N
-        cfg = self.configs.get(key)
-        if cfg is None:
-            cfg = self._tune_one(*key)
-        return skinny_linear(x, w, None, cfg, gated=True)
+        return skinny_linear(x, w, None, self._config((w.shape[0], w.shape[1], "gated")),
+                             gated=True)
 
-    def tune(self, shapes: Iterable[tuple[int, int]]) -> None:
+    def norm_linear(self, h: torch.Tensor, delta: torch.Tensor | None,
+                    norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
+                    bias: torch.Tensor | None = None, gated: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`skinny_norm_linear` with the launch tuned for it (cuBLAS: the fused norm
+        kernel, then the projection, as without it)."""
+        if h.shape[0] > MAX_ROWS or h.dim() != 2:
+            x, h_out = _add_rms_norm(h, delta, norm_weight, eps)
+            return (_silu_mul(F.linear(x, w)) if gated else F.linear(x, w, bias)), h_out
+        kind = "norm+gated" if gated else "norm"
+        cfg = self._config((w.shape[0], w.shape[1], kind))
+        return skinny_norm_linear(h, delta, norm_weight, eps, w, bias, cfg, gated)
+
+    def _config(self, key: Key) -> SkinnyConfig:
+        cfg = self.configs.get(key)
+        return cfg if cfg is not None else self._tune_one(key)
+
+    def tune(self, shapes: Iterable[Key]) -> None:
         todo = [s for s in dict.fromkeys(shapes) if s not in self.configs]
         if not todo:
             return
         t0 = time.perf_counter()
-        for n, k in todo:
-            self._tune_one(n, k)
+        for key in todo:
+            self._tune_one(key)
         logger.info("skinny_gemm tuned %d shapes in %.1f s: %s", len(todo),
                     time.perf_counter() - t0, {s: self.configs[s] for s in todo})
 
-    def _tune_one(self, n: int, k: int) -> SkinnyConfig:
-        """The fastest launch for weight ``[n, k]``; ``n < 0``: the gated ``[-n, k]`` one."""
+    def _tune_one(self, key: Key) -> SkinnyConfig:
+        """The fastest launch for ``key``: weight ``[n, k]``, its kind if any."""
         if self.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-            self.configs[(n, k)] = DEFAULT
+            self.configs[key] = DEFAULT
             return DEFAULT
-        gated, rows = n < 0, abs(n)
-        g = torch.Generator(device=self.device).manual_seed(rows * 7919 + k)
+        n, k = key[0], key[1]
+        kind = key[2] if len(key) > 2 else ""
+        gated = "gated" in kind
+        g = torch.Generator(device=self.device).manual_seed(n * 7919 + k)
         x = torch.randn(8, k, device=self.device, generator=g).to(self.dtype)
-        weights = [torch.randn(rows, k, device=self.device, generator=g).to(self.dtype)
-                   for _ in range(_num_copies(rows * k * x.element_size(), self.device))]
-        out_n = rows // 2 if gated else rows
+        delta = torch.randn(8, k, device=self.device, generator=g).to(self.dtype)
+        nw = torch.randn(k, device=self.device, generator=g).to(self.dtype)
+        weights = [torch.randn(n, k, device=self.device, generator=g).to(self.dtype)
+                   for _ in range(_num_copies(n * k * x.element_size(), self.device))]
+
+        def call(w: torch.Tensor, c: SkinnyConfig) -> object:
+            if "norm" in kind:
+                return skinny_norm_linear(x, delta, nw, 1e-5, w, None, c, gated)
+            return skinny_linear(x, w, None, c, gated)
+
         timed = {}
-        for c in [CUBLAS, *candidates(out_n, k)]:
+        for c in [CUBLAS, *candidates(n // 2 if gated else n, k)]:
             try:
-                timed[c] = graph_time_ms(lambda w, c=c: skinny_linear(x, w, None, c, gated),
-                                         weights)
+                timed[c] = graph_time_ms(lambda w, c=c: call(w, c), weights)
             except Exception as e:  # a launch this device cannot hold (Triton OutOfResources)
-                logger.debug("skinny_gemm [%d, %d] %s: %s", n, k, c, e)
+                logger.debug("skinny_gemm %s %s: %s", key, c, e)
         best = min(timed, key=timed.__getitem__)
-        logger.debug("skinny_gemm [%d, %d]: best %s %.4f ms, cuBLAS %.4f ms", n, k, best,
-                     timed[best], timed[CUBLAS])
-        self.configs[(n, k)] = best
+        logger.info("skinny_gemm %s: best %s %.4f ms, cuBLAS %.4f ms", key, best,
+                    timed[best], timed[CUBLAS])
+        self.configs[key] = best
         return best
 
 

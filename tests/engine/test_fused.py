@@ -104,12 +104,21 @@ def check_skinny(dtype: str) -> None:
 
 
 class Tuned:
-    """A projection with one launch for every shape, gated gate|up included, called as
-    the model calls :class:`engine.skinny_gemm.SkinnyGemm`; ``swap`` plants a fault there:
-    up's rows taken as gate's."""
+    """A projection with one launch for every shape, gated gate|up and the norm in front
+    included, called as the model calls :class:`engine.skinny_gemm.SkinnyGemm`. Planted
+    faults: ``swap``, up's rows taken as gate's; ``norm_of_h``, the norm of the residual
+    stream before the add (the add itself right)."""
 
-    def __init__(self, cfg: object, swap: bool = False) -> None:
-        self.cfg, self.swap = cfg, swap
+    def __init__(self, cfg: object, swap: bool = False, norm_of_h: bool = False) -> None:
+        self.cfg, self.swap, self.norm_of_h = cfg, swap, norm_of_h
+
+    def norm_linear(self, h, delta, nw, eps, w, bias, gated):  # type: ignore[no-untyped-def]
+        from engine.skinny_gemm import skinny_norm_linear
+
+        if self.norm_of_h and delta is not None:
+            y, _ = skinny_norm_linear(h, None, nw, eps, w, bias, self.cfg, gated)
+            return y, h + delta
+        return skinny_norm_linear(h, delta, nw, eps, w, bias, self.cfg, gated)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         from engine.skinny_gemm import skinny_linear
@@ -181,16 +190,17 @@ def check_planted_faults() -> None:
                ("skinny_gemm", skinny_without_last_block),
                ("skinny_gemm", skinny_row_zero_everywhere),
                ("skinny_gemm", skinny_a_thousandth_high),
-               ("skinny_gemm", Tuned(SkinnyConfig(16, 64, 2), swap=True))]
+               ("skinny_gemm", Tuned(SkinnyConfig(16, 64, 2), swap=True)),
+               ("skinny_gemm", Tuned(SkinnyConfig(16, 64, 1), norm_of_h=True))]
     for name, impl in planted:
         [check] = check_forward([name], shape, "cpu", torch.float32, 3, impls={name: impl})
         assert not check.ok, (getattr(impl, "__name__", impl), check)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 def test_planted_faults_are_refused_in_the_interpreter() -> None:
     _interpreted("from tests.engine.test_fused import check_planted_faults; "
-                 "check_planted_faults()")
+                 "check_planted_faults()", timeout_s=190)
 
 
 # -- the whole model and a hot reload, in the interpreter -----------------------------------
