@@ -427,10 +427,13 @@ class EngineCore:
         """Append sampled tokens up to the first stop condition; returns how many were kept."""
         p = seq.params
         for n, tok in enumerate(tokens, 1):
+            if seq.grammar is not None and not seq.grammar.accept_token(tok):
+                # NOTE: only where the mask left nothing to sample (min_tokens banned the EOS
+                # that ends the grammar): the grammar wins, the token is dropped
+                self._finish(seq, "stop", None)
+                return n - 1
             seq.token_ids.append(tok)
-            if seq.grammar is not None and (not seq.grammar.accept_token(tok)
-                                            or seq.grammar.is_terminated()):
-                # the grammar closed (it accepted EOS) or, past its mask, cannot go on
+            if seq.grammar is not None and seq.grammar.is_terminated():  # it accepted EOS
                 self._finish(seq, "stop", tok if tok in p.stop_token_ids else None)
                 return n
             if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
