@@ -13,8 +13,9 @@ cache, keyed by the source text) and keeps a matcher per sequence::
     masked = mask_rows(logits, [matcher], [drafts])    # k + 1 rows: each draft's position
     matcher.accept_token(token)                        # the core, as tokens are appended
 
-The grammar's end is the tokenizer's EOS: once the JSON closes, the mask allows only
-EOS, and accepting it terminates the matcher (the core then finishes the request).
+The grammar's end is the tokenizer's EOS: once the output is complete (the JSON closes,
+the regex or grammar has matched all it can), the mask allows only EOS, and accepting it
+terminates the matcher (the core then finishes the request).
 xgrammar is imported on first use: a worker that never sees a grammar does not pay for it.
 """
 
