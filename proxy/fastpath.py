@@ -386,6 +386,7 @@ class FastConnection(asyncio.Protocol):
         counted in /stats as shed_at_door)."""
         server = self.server
         server.relay.num_shed_at_door += 1
+        server.relay.stats.refused_at_door(429)  # /metrics, the dashboard
         try:
             self.write(server.shed_head() + server.relay.new_request_id().encode()
                        + b"\r\n\r\n" + _SHED_BODY)

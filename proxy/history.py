@@ -67,6 +67,11 @@ class History:
 
     # -- the request path ------------------------------------------------------------
 
+    def refuse(self, status: str) -> None:
+        """A request refused before it had a record (the fast path's door 429s)."""
+        refused = self._open.refused
+        refused[status] = refused.get(status, 0) + 1
+
     def record(self, rec: RequestRecord) -> None:
         slot = self._open
         if not rec.worker:

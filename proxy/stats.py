@@ -80,6 +80,11 @@ class Stats:
             m: {ALL: LatencySeries()} for m in ("ttft", "tpot", "e2e")}
         self.history = History()  # the dashboard's per-second rings
 
+    def refused_at_door(self, http_status: int) -> None:
+        """A request refused before it was parsed: counted as a refusal, with no record."""
+        self.rejected[http_status] += 1
+        self.history.refuse(str(http_status))
+
     def record(self, rec: RequestRecord) -> None:
         self.history.record(rec)
         worker = rec.worker or "none"
