@@ -37,7 +37,8 @@ first), under the same write-then-attend order, so row ``j`` attends the
 ``num_computed``, so prefix-cache hits are simply not rows. The buckets also
 cover the step's token budget (``max_tokens``, the engine's
 ``max_num_batched_tokens``) up to ``max_rows``, so every step that fits the
-budget fits a graph: step 8 up to 256 rows, then step 64 (:func:`graph_buckets`).
+budget fits a graph: step 8 up to 256 rows, then step 64 (:func:`graph_buckets`), unless
+``engine.graph_sizes`` names the sizes (chosen from the traffic: :func:`capture_sizes`).
 Only steps beyond the largest bucket stay on the eager path
 (:class:`engine.runner.ModelRunner` decides).
 

@@ -16,6 +16,13 @@ rows, a prefill chunk one row per prompt token (mixed steps included); the
 ``[rows, vocab]`` logits stay on the device, the sampling rows are picked there,
 and the same ``verify`` accepts from them (greedy: one argmax over those rows,
 one device-to-host copy).
+
+A graph step of plain decodes launches the next one before it reads its own tokens
+back (:meth:`ModelRunner._look_ahead`): the sampled ids go from the sampler to the
+next replay's inputs on the device, so the host's read-back, append, detokenize and
+schedule run while the GPU computes. The next step uses it when it schedules the same
+decodes (or a subset: rows that finished) and discards it otherwise; outputs are the
+same token for token (tests/engine/test_look_ahead.py).
 """
 
 from __future__ import annotations

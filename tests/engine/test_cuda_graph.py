@@ -183,7 +183,7 @@ def gpu_core(model_dir: Path, execution: str, dtype: str, spec: str = "none"):  
 
     return load_core(CompiledConfig(model=str(model_dir), engine=EngineConfig(
         device="cuda", dtype=dtype, execution=execution, max_num_seqs=8,  # type: ignore[arg-type]
-        max_num_batched_tokens=256, kv_cache_tokens=8192, max_model_len=1024,
+        max_num_batched_tokens=256, kv_cache_tokens=8192, max_model_len=2048,
         spec_method=spec, spec_max_depth=4)))  # type: ignore[arg-type]
 
 
