@@ -69,7 +69,9 @@ VARIANT_SETS = {"default": ForwardConfig(),
                 "fused_rope_kv": ForwardConfig(fused_rope_kv=True),
                 "fused_silu": ForwardConfig(fused_silu=True),
                 "skinny_gemm": ForwardConfig(skinny_gemm=True),
+                "split_attention": ForwardConfig(split_attention=True),
                 "all": FUSED_FORWARD, "all+skinny": GPU_FORWARD,
+                "all+skinny+split": dataclasses.replace(GPU_FORWARD, split_attention=True),
                 # the same kernels with the norms and gate|up's SiLU kernels of their own
                 # (an A/B of SkinnyGemm.norm_linear and .gated, patched here only)
                 "all+skinny-unfused": GPU_FORWARD}
@@ -134,14 +136,15 @@ def engine_config(model_dir: Path, max_batch: int, forward: ForwardConfig,
         graph_sizes=graph_sizes))
 
 
-def decode_rate(core: Any, batch: int, num_tokens: int, run: str) -> float:
+def decode_rate(core: Any, batch: int, num_tokens: int, run: str,
+                prompt_tokens: int = PROMPT_TOKENS) -> float:
     """Output tokens per second of ``batch`` requests decoding together (decode steps only)."""
     params = GenerationParams(max_tokens=num_tokens, ignore_eos=True)
     for i in range(batch):  # distinct prompts: nothing shared, every row its own context
-        core.add_request(f"{run}-{i}", [(7 * i + j) % 5000 + 5 for j in range(PROMPT_TOKENS)],
+        core.add_request(f"{run}-{i}", [(7 * i + j) % 5000 + 5 for j in range(prompt_tokens)],
                          params)
     produced = 0
-    while core.num_waiting or any(s.num_computed < PROMPT_TOKENS for s in core.requests.values()):
+    while core.num_waiting or any(s.num_computed < prompt_tokens for s in core.requests.values()):
         outputs, _ = core.step()  # prefill (and the first tokens)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -270,6 +273,8 @@ def main() -> int:
     p.add_argument("--transformers-tokens", type=int, default=24, help="0 skips transformers")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--budget", type=int, default=64, help="max_num_batched_tokens")
+    p.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
+                   help="prompt length (the context decoded over; split_attention is for long)")
     p.add_argument("--graph-sizes", type=int, nargs="*", default=[],
                    help="then the last variant set with engine.graph_sizes these")
     p.add_argument("--serial", action="store_true",
@@ -352,24 +357,25 @@ def run_engine(model_dir: Path, args: argparse.Namespace, roof: float) -> dict[s
                                  "serial_tok_s": {}, "ahead_used": {}}
         for b in args.batches:
             tokens = max(64, args.tokens // max(1, b // 4)) if b > 1 else args.tokens
-            decode_rate(core, b, 16, f"{name}-warm-{b}")
+            prompt = args.prompt_tokens
+            decode_rate(core, b, 16, f"{name}-warm-{b}", prompt)
             if args.serial:  # the same loop with every step in series (no launch ahead)
                 core.runner.look_ahead = False
-                serial = decode_rate(core, b, tokens, f"{name}-serial-{b}")
+                serial = decode_rate(core, b, tokens, f"{name}-serial-{b}", prompt)
                 core.runner.look_ahead = True
                 entry["serial_tok_s"][str(b)] = serial
                 print(f"engine {name:<14} batch {b:>3} in series: {serial:9.0f} tok/s", flush=True)
             used = core.runner.num_ahead_used
-            rate = decode_rate(core, b, tokens, f"{name}-{b}")
+            rate = decode_rate(core, b, tokens, f"{name}-{b}", prompt)
             entry["ahead_used"][str(b)] = core.runner.num_ahead_used - used
-            ms = replay_ms(core, b, PROMPT_TOKENS + tokens // 2)
+            ms = replay_ms(core, b, prompt + tokens // 2)
             entry["tok_s"][str(b)], entry["replay_ms"][str(b)] = rate, ms
             frac = f"  {rate / roof:.2f} of the roofline" if b == 1 else ""
             print(f"engine {name:<14} reload {reload_s:5.2f} s  batch {b:>3}: {rate:9.0f} tok/s "
                   f"(graph replay {ms:.3f} ms/step = {b / ms * 1e3:9.0f} tok/s){frac}; "
                   f"{entry['ahead_used'][str(b)]} steps launched ahead", flush=True)
             if args.profile is not None:
-                top = profile_step(core, b, PROMPT_TOKENS + tokens // 2, args.profile,
+                top = profile_step(core, b, prompt + tokens // 2, args.profile,
                                    f"{name}, batch {b}")
                 entry.setdefault("profile", {})[str(b)] = top[:25]
                 total = sum(t for _, _, t in top)

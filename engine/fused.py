@@ -10,7 +10,9 @@ variant here replaces a run of those by one Triton kernel:
   k and v at each token's slot;
 - ``fused_silu``: ``silu(gate) * up`` from the ``[gate | up]`` projection;
 - ``skinny_gemm``: every projection of at most 16 rows (decode at small batch) as one
-  stream over its weight (:mod:`engine.skinny_gemm`), in place of cuBLAS.
+  stream over its weight (:mod:`engine.skinny_gemm`), in place of cuBLAS;
+- ``split_attention``: captured decode attention over 256-token slices of the context
+  then merged (:func:`engine.triton_attention.decode_attention_split`).
 
 Which ones a model uses is :class:`polyinfer.config.ForwardConfig`, part of the
 compiled config, so a hot reload swaps them without reloading weights. Every variant
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-VARIANTS = ("fused_norm", "fused_rope_kv", "fused_silu", "skinny_gemm")
+VARIANTS = ("fused_norm", "fused_rope_kv", "fused_silu", "skinny_gemm", "split_attention")
 NORM_BLOCK_MAX = 16384  # widest hidden size one program normalizes
 SILU_BLOCK = 1024  # columns per program of silu_mul
 
@@ -413,10 +415,58 @@ def _norm_projection_case(fused: Impl, ref: Impl, h: torch.Tensor, w: torch.Tens
     return got, want, bounds
 
 
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               meta: Any, scale: float) -> torch.Tensor:
+    """Softmax attention of each row over its gathered context, in float32: ``[B, H * D]``
+    in ``q``'s dtype (the reference of ``split_attention``)."""
+    num_kv, _, block_size, dim = k_cache.shape
+    group = q.shape[1] // num_kv
+    out = []
+    for i, n in enumerate(meta.context_lens.tolist()):
+        blocks = meta.block_tables[i, :-(-n // block_size)].long()
+        k = k_cache[:, blocks].reshape(num_kv, -1, dim)[:, :n].float()
+        v = v_cache[:, blocks].reshape(num_kv, -1, dim)[:, :n].float()
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # [H, n, D]
+        w = torch.softmax(q[i].float().unsqueeze(1) @ k.transpose(1, 2) * scale, dim=-1)
+        out.append((w @ v).reshape(-1))
+    return torch.stack(out).to(q.dtype)
+
+
+def _split_attention_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: torch.Generator,
+                          device: str | torch.device, dtype: torch.dtype) -> Case:
+    """``n`` rows (at most 8) with contexts of 1 to 600 tokens over random blocks of a
+    640-position table (three 256-token slices); bound: two ulps of the largest |v|."""
+    from engine.triton_attention import DecodeMetadata
+
+    rows, block_size, width = min(n, 8), 16, 40
+    num_blocks = rows * width
+    k_cache = _rand(g, device, dtype, s.num_kv_heads, num_blocks, block_size, s.head_dim)
+    v_cache = _rand(g, device, dtype, s.num_kv_heads, num_blocks, block_size, s.head_dim)
+    q = _rand(g, device, dtype, rows, s.num_heads, s.head_dim)
+    tables = torch.randperm(num_blocks, generator=g).view(rows, width).to(torch.int32)
+    lens = torch.randint(1, 601, (rows,), generator=g).to(torch.int32)
+    lens[0] = 600  # every slice used once
+    positions = (lens - 1).long().to(device)
+    meta = DecodeMetadata(positions, positions, tables.to(device), lens.to(device))
+    scale = s.head_dim ** -0.5
+    want = ref(q, k_cache, v_cache, meta, scale)
+    size = torch.full_like(want, float(v_cache.float().abs().max()), dtype=torch.float32)
+    return [fused(q, k_cache, v_cache, meta, scale)], [want], [error_bound(want, size)]
+
+
+def _split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any,
+                     scale: float) -> torch.Tensor:
+    from engine.triton_attention import decode_attention_split
+
+    return decode_attention_split(q, k_cache, v_cache, meta, scale)
+
+
 _FUSED: dict[str, Impl] = {"fused_norm": add_rms_norm, "fused_rope_kv": rope_kv_write,
-                           "fused_silu": silu_mul, "skinny_gemm": skinny_linear}
+                           "fused_silu": silu_mul, "skinny_gemm": skinny_linear,
+                           "split_attention": _split_attention}
 _REFERENCE: dict[str, Impl] = {"fused_norm": add_rms_norm_reference,
                                "fused_rope_kv": rope_kv_reference,
-                               "fused_silu": silu_mul_reference, "skinny_gemm": F.linear}
+                               "fused_silu": silu_mul_reference, "skinny_gemm": F.linear,
+                               "split_attention": decode_attention_reference}
 _CASES = {"fused_norm": _norm_case, "fused_rope_kv": _rope_case, "fused_silu": _silu_case,
-          "skinny_gemm": _skinny_case}
+          "skinny_gemm": _skinny_case, "split_attention": _split_attention_case}

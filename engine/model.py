@@ -28,7 +28,12 @@ from engine.cpu_gemm import CpuGemm, CpuProjection, load_cpu_gemm, project
 from engine.errors import CheckpointError, UnsupportedConfigError
 from engine.kv_cache import KVCache
 from engine.skinny_gemm import SkinnyGemm
-from engine.triton_attention import DecodeMetadata, decode_attention, is_available
+from engine.triton_attention import (
+    DecodeMetadata,
+    decode_attention,
+    decode_attention_split,
+    is_available,
+)
 
 if TYPE_CHECKING:
     from polyinfer.config import ForwardConfig
@@ -335,7 +340,9 @@ class LlamaModel:
         else:
             q = fused.rope_kv_rows(qkv, *rope, meta.slot_mapping, kv.k[i], kv.v[i], nq, nkv)
         if isinstance(meta, DecodeMetadata):  # a captured decode step (engine.cuda_graph)
-            out = decode_attention(q, kv.k[i], kv.v[i], meta, self.scale)
+            attend = (decode_attention_split if "split_attention" in self.variants
+                      else decode_attention)
+            out = attend(q, kv.k[i], kv.v[i], meta, self.scale)
         else:
             out = paged_attention(q, kv.k[i], kv.v[i], meta, self.scale, self.naive_attention)
         return self._project(out, layer.o)

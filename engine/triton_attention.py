@@ -25,6 +25,7 @@ import torch
 
 TILE = 64  # context tokens per inner-loop iteration
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
+SPLIT_TOKENS = 256  # context tokens per program of decode_attention_split
 
 
 @dataclass(frozen=True)
@@ -73,4 +74,42 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.stride(0), out.stride(1), tables.stride(0), lens.stride(0), scale,
         BLOCK_SIZE=block_size, G=group, G_PAD=max(MIN_DOT_ROWS, 1 << (group - 1).bit_length()),
         D=head_dim, TILE_T=TILE, IEEE=q.dtype == torch.float32)
+    return out.view(num_seqs, num_heads * head_dim)
+
+
+def decode_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: DecodeMetadata, scale: float,
+                           split_tokens: int = SPLIT_TOKENS) -> torch.Tensor:
+    """:func:`decode_attention` with each sequence's context split over programs of
+    ``split_tokens`` tokens, then merged by a second kernel (flash-decoding).
+
+    NOTE: one (sequence, KV head) program walks its whole context in ``decode_attention``,
+    so at batch 1 a 2,000-token context is 8 programs of 32 dependent tiles each. The
+    slices are fixed by the block table's width (every position a graph can hold), so a
+    captured graph serves any context; slices past a row's context return at once.
+    """
+    from engine.triton_decode_kernel import decode_combine_kernel, decode_split_kernel
+
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv, _, block_size, _ = k_cache.shape
+    assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    assert split_tokens % TILE == 0
+    group = num_heads // num_kv
+    tables, lens = meta.block_tables, meta.context_lens
+    num_splits = -(-tables.shape[1] * block_size // split_tokens)
+    part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
+                       device=q.device)
+    stats = torch.empty(num_seqs, num_heads, num_splits, 2, dtype=torch.float32,
+                        device=q.device)
+    decode_split_kernel[(num_seqs, num_kv, num_splits)](
+        q, k_cache, v_cache, part, stats, tables, lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        tables.stride(0), lens.stride(0), scale,
+        BLOCK_SIZE=block_size, G=group, G_PAD=max(MIN_DOT_ROWS, 1 << (group - 1).bit_length()),
+        D=head_dim, TILE_T=TILE, SPLIT_T=split_tokens, NUM_SPLITS=num_splits,
+        IEEE=q.dtype == torch.float32)
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    decode_combine_kernel[(num_seqs, num_heads)](
+        part, stats, out, out.stride(0), out.stride(1), D=head_dim, NUM_SPLITS=num_splits,
+        S_PAD=max(2, 1 << (num_splits - 1).bit_length()))
     return out.view(num_seqs, num_heads * head_dim)

@@ -50,3 +50,76 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr,
     out = acc / den[:, None]
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+
+
+@triton.jit
+def decode_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, stats_ptr, tables_ptr, lens_ptr,
+                        stride_qb, stride_qh, stride_kh, stride_kb, stride_ks,
+                        stride_tb, stride_lb, scale,
+                        BLOCK_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                        D: tl.constexpr, TILE_T: tl.constexpr, SPLIT_T: tl.constexpr,
+                        NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    """:func:`decode_kernel` over one ``SPLIT_T``-token slice of the context (axis 2):
+    unnormalized ``acc`` to ``part [B, H, NUM_SPLITS, D]``, the running max and sum to
+    ``stats [B, H, NUM_SPLITS, 2]`` (float32); a slice past the context writes max -inf."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(lens_ptr + b * stride_lb)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    g_ok = g < G
+    heads = kvh * G + g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None], other=0.0)  # [G_PAD, D]
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    den = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    lo = split * SPLIT_T
+    hi = tl.minimum(lo + SPLIT_T, ctx)
+    for start in range(lo, hi, TILE_T):
+        t = start + tl.arange(0, TILE_T)
+        t_ok = t < hi
+        blk = tl.load(tables_ptr + b * stride_tb + t // BLOCK_SIZE, mask=t_ok, other=0)
+        row = kvh * stride_kh + blk.to(tl.int64) * stride_kb + (t % BLOCK_SIZE) * stride_ks
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(t_ok[None, :], s * scale, float("-inf"))  # [G_PAD, TILE_T]
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        den = den * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    at = (b * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [G_PAD]
+    tl.store(part_ptr + at[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
+    tl.store(stats_ptr + at * 2, m, mask=g_ok)
+    tl.store(stats_ptr + at * 2 + 1, den, mask=g_ok)
+
+
+@triton.jit
+def decode_combine_kernel(part_ptr, stats_ptr, out_ptr, stride_ob, stride_oh,
+                          D: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+    """One (sequence, head): the slices of :func:`decode_split_kernel` merged by their maxima
+    (slices past the context, max -inf, weigh nothing)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D)
+    s_ok = s < NUM_SPLITS
+    at = (b * tl.num_programs(1) + h) * NUM_SPLITS + s  # [S_PAD]
+    m = tl.load(stats_ptr + at * 2, mask=s_ok, other=float("-inf"))
+    den = tl.load(stats_ptr + at * 2 + 1, mask=s_ok, other=0.0)
+    top = tl.max(m, 0)
+    w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)  # [S_PAD]
+    acc = tl.load(part_ptr + at[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(den * w, 0)  # [D]
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))

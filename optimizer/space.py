@@ -158,7 +158,10 @@ DEFAULT_KNOBS: tuple[Knob, ...] = (
 # A GPU engine (execution "cuda_graph") also searches its code: the forward-pass variants
 # (engine.forward, each checked against the torch reference before it serves), ordered
 # from the torch ops to every fused kernel and the skinny projections.
-FORWARD_KNOB = Knob("forward", (ForwardConfig(), FUSED_FORWARD, GPU_FORWARD))
+# The last also splits decode attention over the context (for long contexts at small
+# batch; one kernel more a layer at short ones).
+FORWARD_KNOB = Knob("forward", (ForwardConfig(), FUSED_FORWARD, GPU_FORWARD,
+                                dataclasses.replace(GPU_FORWARD, split_attention=True)))
 
 
 def decode_rows_share(records: Sequence[TraceRecord], max_num_seqs: int) -> dict[int, float]:

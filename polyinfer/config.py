@@ -75,6 +75,9 @@ class ForwardConfig:
     # projections of <= 16 rows (small-batch decode) as one stream over the weight, the
     # launch tuned per shape on the device, cuBLAS kept where it is faster
     skinny_gemm: bool = False
+    # captured decode attention split over 256-token slices of the context, then merged
+    # (flash-decoding): more programs for long contexts at small batch, one kernel more
+    split_attention: bool = False
 
     @property
     def enabled(self) -> tuple[str, ...]:

@@ -24,7 +24,12 @@ from engine.cuda_graph import (
 )
 from engine.gpu_sampling import inverse_cdf, sample_on_device
 from engine.sequence import GenerationParams
-from engine.triton_attention import DecodeMetadata, check_head_dim, decode_attention
+from engine.triton_attention import (
+    DecodeMetadata,
+    check_head_dim,
+    decode_attention,
+    decode_attention_split,
+)
 from polyinfer.config import CompiledConfig, ConfigError, EngineConfig
 from polyinfer.sampling import SamplingParams, sample
 from tests.engine.drive import run_interpreted
@@ -140,11 +145,16 @@ def attention_case(num_heads: int, num_kv: int, lens: list[int], dtype: torch.dt
 
 
 def check_attention(num_heads: int, num_kv: int, lens: list[int], dtype: torch.dtype,
-                    device: str, tol: float) -> None:
+                    device: str, tol: float, split_tokens: int = 0) -> None:
+    """The decode kernel (``split_tokens``: the split-K one, slices of that many tokens)
+    against plain softmax attention."""
     q, k_cache, v_cache, tables, lens_t = attention_case(num_heads, num_kv, lens, dtype, device)
     positions = (lens_t - 1).long()
     meta = DecodeMetadata(positions, positions, tables, lens_t)
-    got = decode_attention(q, k_cache, v_cache, meta, 64 ** -0.5)
+    if split_tokens:
+        got = decode_attention_split(q, k_cache, v_cache, meta, 64 ** -0.5, split_tokens)
+    else:
+        got = decode_attention(q, k_cache, v_cache, meta, 64 ** -0.5)
     want = reference_attention(q, k_cache, v_cache, tables, lens, 64 ** -0.5)
     assert got.shape == want.shape and got.dtype == dtype
     assert (got.float().cpu() - want).abs().max().item() < tol
@@ -159,7 +169,9 @@ def test_decode_kernel_matches_reference_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     code = ("import torch; from tests.engine.test_cuda_graph import check_attention; "
             "check_attention(4, 2, [1, 16, 17, 70, 130], torch.float32, 'cpu', 1e-5); "
-            "check_attention(8, 1, [3, 64, 65], torch.float32, 'cpu', 1e-5)")
+            "check_attention(8, 1, [3, 64, 65], torch.float32, 'cpu', 1e-5); "
+            "check_attention(4, 2, [1, 64, 65, 200], torch.float32, 'cpu', 1e-5, 64); "
+            "check_attention(8, 1, [130, 3], torch.float32, 'cpu', 1e-5, 128)")
     done = run_interpreted(code, timeout_s=110)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -173,8 +185,9 @@ def test_decode_kernel_matches_reference_in_the_interpreter() -> None:
 @pytest.mark.parametrize("lens", [[1], [5, 64, 65, 300], [1000, 3, 129]])
 def test_decode_kernel_matches_reference_on_cuda(num_heads: int, num_kv: int,
                                                  dtype: torch.dtype, lens: list[int]) -> None:
-    check_attention(num_heads, num_kv, lens, dtype, "cuda",
-                    1e-4 if dtype == torch.float32 else 3e-2)
+    for split_tokens in (0, 64, 256):
+        check_attention(num_heads, num_kv, lens, dtype, "cuda",
+                        1e-4 if dtype == torch.float32 else 3e-2, split_tokens)
 
 
 

@@ -79,12 +79,17 @@ def check_kernels(dtype: str) -> None:
 
     shapes = [ForwardShape(256, 768, 4, 2, 64), ForwardShape(320, 600, 5, 1, 32, 1e-6),
               ForwardShape(2048, 1024, 32, 8, 64, rope_theta=500000.0)]
-    variants = [v for v in VARIANTS if v != "skinny_gemm"]  # check_skinny: smaller shapes
+    # check_skinny: smaller shapes; split_attention (contexts up to 600) at the first only
+    variants = [v for v in VARIANTS if v not in ("skinny_gemm", "split_attention")]
     for shape in shapes:
         for num_rows in (1, 6):
             checks = check_forward(variants, shape, "cpu", getattr(torch, dtype), num_rows)
             assert [c.variant for c in checks] == variants
             assert all(c.ok for c in checks), checks
+    for num_rows in (1, 3):
+        [check] = check_forward(["split_attention"], shapes[0], "cpu", getattr(torch, dtype),
+                                num_rows)
+        assert check.ok, check
 
 
 def check_skinny(dtype: str) -> None:
@@ -148,6 +153,8 @@ def test_skinny_projections_match_f_linear_in_the_interpreter() -> None:
 
 def check_planted_faults() -> None:
     """Broken kernels, each close to a real one, are all refused."""
+    import dataclasses
+
     from engine import fused
     from engine.fused import ForwardShape, check_forward
     from engine.skinny_gemm import SkinnyConfig, skinny_linear
@@ -183,8 +190,14 @@ def check_planted_faults() -> None:
     def skinny_a_thousandth_high(x, w, bias):  # type: ignore[no-untyped-def]
         return skinny_linear(x, w, bias, SkinnyConfig(16, 64, 4)) * (1 + 2**-10)
 
+    def attention_without_the_new_token(q, k, v, meta, scale):  # type: ignore[no-untyped-def]
+        from engine.triton_attention import decode_attention_split
+
+        fewer = dataclasses.replace(meta, context_lens=(meta.context_lens - 1).clamp(min=1))
+        return decode_attention_split(q, k, v, fewer, scale)
+
     shape = ForwardShape(256, 768, 4, 2, 64)
-    planted = [("fused_norm", norm_without_residual_store), ("fused_norm", norm_eps_inside_mean),
+    planted = [("split_attention", attention_without_the_new_token),("fused_norm", norm_without_residual_store), ("fused_norm", norm_eps_inside_mean),
                ("fused_rope_kv", rope_one_position_late), ("fused_rope_kv", rope_without_v),
                ("fused_silu", silu_of_up), ("skinny_gemm", skinny_without_bias),
                ("skinny_gemm", skinny_without_last_block),

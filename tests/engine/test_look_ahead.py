@@ -1,5 +1,6 @@
 """The graph runner's look-ahead (engine.runner.ModelRunner._look_ahead): a decode step
-launched before the last step's tokens are read back must change no output.
+launched before the last step's tokens are read back must change no output. Also the
+split decode attention (engine.forward.split_attention) on the same row-decoder engines.
 
 On the CPU the graphs' forward runs uncaptured (engine.cuda_graph.RowDecoder) under
 Triton's interpreter; on a GPU through captured graphs. Each compares an engine that
@@ -59,16 +60,17 @@ def generate(core: Any, prompts: list[list[int]], params: list[GenerationParams]
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
-def row_core(look_ahead: bool, kv_cache_tokens: int = 1024) -> Any:
+def row_core(look_ahead: bool, kv_cache_tokens: int = 1024, forward: Any = None) -> Any:
     """A CPU engine (2 layers) whose decode steps run through the graphs' forward,
     uncaptured; prompts, more rows than its largest bucket (4), run eager."""
     from engine.cuda_graph import RowDecoder, graph_buckets
     from engine.loader import load_core
     from engine.runner import ModelRunner
+    from polyinfer.config import ForwardConfig
 
     core = load_core(CompiledConfig(model=str(TINY_TARGET), engine=EngineConfig(
         max_num_seqs=4, max_num_batched_tokens=64, kv_cache_tokens=kv_cache_tokens,
-        max_model_len=64, measure_num_layers=2)))
+        max_model_len=64, measure_num_layers=2, forward=forward or ForwardConfig())))
     old = core.runner
     graphs = RowDecoder(core.model, old.kv, graph_buckets(4), core.max_model_len + 1)
     core.runner = ModelRunner(core.model, old.kv, old.short_q, graphs=graphs,
@@ -124,3 +126,23 @@ def test_look_ahead_changes_no_output_with_graphs_on_the_gpu(tiny_model_dir: Pat
             assert generate(ahead, prompts, params, arrive) == generate(serial, prompts,
                                                                         params, arrive)
         assert ahead.runner.num_ahead_used >= 40
+
+
+def check_split_attention_keeps_greedy_outputs() -> None:
+    """Run under Triton's interpreter: the decode steps with split_attention (one 256-token
+    slice here, the kernels' own checks split more) give the same greedy tokens."""
+    from polyinfer.config import ForwardConfig
+
+    plain, split = row_core(True), row_core(True, forward=ForwardConfig(split_attention=True))
+    assert split.model.variants == ("split_attention",)
+    for prompts, params, arrive in cases()[:2]:
+        assert generate(split, prompts, params, arrive) == generate(plain, prompts, params,
+                                                                    arrive)
+
+
+@pytest.mark.timeout(200)
+def test_split_attention_keeps_greedy_outputs_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    done = run_interpreted("from tests.engine.test_look_ahead import "
+                           "check_split_attention_keeps_greedy_outputs as f; f()", timeout_s=190)
+    assert done.returncode == 0, done.stderr[-3000:]
