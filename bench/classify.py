@@ -9,8 +9,8 @@ box, wall p99 is mostly preemption; CPU time is the cost of the call itself)
 and wall time, which is how long the call holds the proxy's event loop.
 ``--baseline-src DIR`` (a source tree of an earlier commit, e.g.
 ``git archive HEAD~1 | tar -x -C DIR``) loads that tree's estimator into the
-same process: the two are timed alternately on the same prompts, so both see
-the same noise.
+same process: they are timed alternately on the same prompts, so all see the
+same noise; give it twice for an A/A pair (the spread between the two copies).
 
 Quality (``--quality``), on the held-out split of router.dataset (half the
 Spec-Bench question ids, 20% of GSM8K rows, 25% of stdlib modules; never
@@ -101,8 +101,9 @@ class Side:
 
 def sides(args: argparse.Namespace) -> list[Side]:
     out = [Side("new", ShapeEstimator.load(TINY_TARGET))]
-    if args.baseline_src:
-        out.append(Side("base", load_baseline(args.baseline_src).load(TINY_TARGET)))
+    for i, src in enumerate(args.baseline_src):  # the same tree twice: an A/A pair
+        name = "base" if i == 0 else f"base#{i + 1}"
+        out.append(Side(name, load_baseline(src).load(TINY_TARGET)))
     return out
 
 
@@ -363,7 +364,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=REPO / "data")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--baseline-src", type=Path, default=None)
+    ap.add_argument("--baseline-src", type=Path, action="append", default=[],
+                    help="a source tree to time beside this one (repeatable)")
     ap.add_argument("--no-cost", action="store_true")
     ap.add_argument("--quality", action="store_true")
     ap.add_argument("--train-full", action="store_true")

@@ -10,84 +10,164 @@ looked up once per window instead of once per key, from rows summed at load:
 - a tail word not in the head: ``w + t``; one also in the head (its ``w`` is
   counted there): ``t``.
 
-So a text costs a set per window, one dict lookup per distinct word (and
-pair), through ``map`` over dicts with the unseen row as the default, one
-gather and one sum: a third fewer lookups and rows than one per key. The number of keys (for
-the l2 norm) comes from the sets' sizes. tests/router/test_classifier.py checks
-the scores against the spelled-out keys and the fitted model's.
+Each folded row is held as one Python int: its class values in fixed point,
+one 64-bit lane a class (``LANE_BITS``), signed. Adding such ints adds every
+lane at once and exactly (integer addition is linear; a lane's negative value
+borrows from the next one and is given back when the sum is unpacked), so a
+text costs one set per window, one ``map`` of dict lookups per window with
+``sum`` over it (C loops, no per-word Python), and one unpack of the total: no
+numpy call, whose fixed cost was more than the lookups' at ~40 words. The
+fraction bits are chosen at load so that no sum can overflow a lane; the
+rounding is 2**-41 a row at most (float32 sums, as before, round ~1e-7 a row).
+The number of keys (for the l2 norm) comes from the sets' sizes.
+tests/router/test_classifier.py checks the scores against the spelled-out
+keys and the fitted model's.
 
 Example::
 
     scorer = TextScorer(vocabulary, weights)        # weights [num_keys, num_classes]
-    total, num_keys = scorer.summed_rows("Translate to French: good morning")
+    total, num_keys = scorer.class_sums("Translate to French: good morning")
     # scores = total / sqrt(num_keys) + bias
 """
 
 from __future__ import annotations
 
+import math
+import struct
 from itertools import repeat
+from typing import Any
 
 import numpy as np
 
 from router.features import _WORD_RE, Vocabulary, shape_buckets, windows
 
+LANE_BITS = 64  # one class value per lane of a packed row
+MAX_FRACTION_BITS = 40
+
+
+def word_set(window: str) -> set[str]:
+    """The distinct words of ``window``, as ``set(_WORD_RE.findall(window))``.
+
+    NOTE: a whitespace-separated piece that is all alphanumerics is one word of the regex
+    (its ``\\w`` is ``str.isalnum`` or ``_``, its ``\\s`` is what ``str.split`` splits on),
+    so only the other pieces go through the regex: one C split and one findall over the
+    few pieces with punctuation, about half the cost of the regex over the window.
+    """
+    words = set(window.split())
+    odd = [w for w in words if not w.isalnum()]
+    if odd:
+        words.difference_update(odd)
+        words.update(_WORD_RE.findall(" ".join(odd)))
+    return words
+
 
 class TextScorer:
-    """Sums of a text's weight rows, from per-word folded rows."""
+    """Sums of a text's weight rows, from per-word folded rows packed into ints."""
 
     def __init__(self, vocabulary: Vocabulary, weights: np.ndarray) -> None:
         self.config = vocabulary.config
         # NOTE: the vocabulary's own tables: word -> row, pair -> row, shape -> row
         any_, head, tail = vocabulary.word_rows()
         pairs, shapes = vocabulary.pair_rows(), vocabulary.shape_rows()
-        num_classes = weights.shape[1]
-        zero = np.zeros(num_classes, np.float32)
+        self.num_classes = num_classes = weights.shape[1]
+        w64 = weights.astype(np.float64)
+        zero = np.zeros(num_classes)
 
         def row(table: dict[str, int], word: str) -> np.ndarray:
             got = table.get(word)
-            return zero if got is None else weights[got]
-
-        rows: list[np.ndarray] = []
-
-        def add(vector: np.ndarray) -> int:
-            rows.append(vector)
-            return len(rows) - 1
+            return zero if got is None else w64[got]
 
         words = sorted(set(any_) | set(head) | set(tail))
-        self._head = {w: add(row(any_, w) + row(head, w)) for w in words}
-        self._tail_only = {w: add(row(any_, w) + row(tail, w)) for w in words}
-        self._tail_also = {w: add(row(tail, w)) for w in words if w in tail}
-        self._pair = {p: add(weights[r]) for p, r in pairs.items()}
-        self._shape = {s: add(weights[r]) for s, r in shapes.items()}
-        self.unseen = add(zero)
-        self.weights = np.stack(rows).astype(np.float32)  # [num_rows, num_classes]
+        folded: dict[str, dict[Any, np.ndarray]] = {
+            "head": {w: row(any_, w) + row(head, w) for w in words},
+            "tail_only": {w: row(any_, w) + row(tail, w) for w in words},
+            "tail_also": {w: row(tail, w) for w in words if w in tail},
+            "pair": {p: w64[r] for p, r in pairs.items()},
+            "shape": {s: w64[r] for s, r in shapes.items()},
+        }
+        # NOTE: a text adds each folded row at most once, so no sum exceeds the sum of
+        # every row's largest |value|: the fraction bits leave that much room in a lane.
+        bound = sum(float(np.abs(v).max(initial=0.0)) for t in folded.values()
+                    for v in t.values()) + 1.0
+        self.fraction_bits = min(MAX_FRACTION_BITS, LANE_BITS - 2 - math.ceil(math.log2(bound)))
+        if self.fraction_bits < 16:
+            raise ValueError(f"weights too large to pack: sum of |rows| {bound:.3g}")
+        scale = float(1 << self.fraction_bits)
+
+        def pack(vector: np.ndarray) -> int:
+            lanes = np.rint(vector * scale).astype(np.int64).tolist()
+            return sum(v << (LANE_BITS * i) for i, v in enumerate(lanes))
+
+        def packed(table: dict[Any, np.ndarray]) -> dict[Any, int]:
+            return {k: pack(v) for k, v in table.items() if v.any()}  # zero rows: absent
+
+        self._head: dict[str, int] = packed(folded["head"])
+        self._tail_only: dict[str, int] = packed(folded["tail_only"])
+        self._tail_also: dict[str, int] = packed(folded["tail_also"])
+        self._pair: dict[tuple[str, str], int] = packed(folded["pair"])
+        self._shape: dict[tuple[str, int], int] = packed(folded["shape"])
+        half = 1 << (LANE_BITS - 1)
+        # adding ``half`` to every lane makes each lane of a sum non-negative: plain digits
+        self._lane_offset = sum(half << (LANE_BITS * i) for i in range(num_classes))
+        self._half = half
+        self._unpack = struct.Struct(f"<{num_classes}Q").unpack
+        self._num_bytes = num_classes * LANE_BITS // 8
+        self._unit = 1.0 / scale
+
+    def class_sums(self, text: str) -> tuple[list[float], int]:
+        """(the per-class sums of the weight rows of ``text``'s keys, the number of keys)."""
+        total, num_keys = self._packed_sum(text)
+        lanes = self._unpack((total + self._lane_offset).to_bytes(self._num_bytes, "little"))
+        half, unit = self._half, self._unit
+        return [(v - half) * unit for v in lanes], num_keys
 
     def summed_rows(self, text: str) -> tuple[np.ndarray, int]:
-        """([num_classes] sum of the weight rows of ``text``'s keys, the number of keys)."""
+        """``class_sums`` as a [num_classes] array."""
+        sums, num_keys = self.class_sums(text)
+        return np.array(sums), num_keys
+
+    def _packed_sum(self, text: str) -> tuple[int, int]:
         c = self.config
-        parts = windows(text, c)
+        if c.word_bigrams:
+            return self._packed_sum_with_pairs(text)
+        head_chars, tail_chars = c.head_chars, c.tail_chars
+        zeros = repeat(0)
+        if len(text) <= head_chars + tail_chars:
+            in_head = word_set(text.lower())
+            total = sum(map(self._head.get, in_head, zeros))
+            num_keys = 2 * len(in_head) + 2
+        else:
+            in_head = word_set(text[:head_chars].lower())
+            total = sum(map(self._head.get, in_head, zeros))
+            num_keys = 2 * len(in_head) + 2
+            if tail_chars:
+                in_tail = word_set(text[-tail_chars:].lower())
+                both = in_tail & in_head
+                total += sum(map(self._tail_only.get, in_tail - both, zeros))
+                total += sum(map(self._tail_also.get, both, zeros))
+                num_keys += 2 * len(in_tail) - len(both)
+        length, newlines = shape_buckets(text)
+        shape = self._shape.get
+        return total + shape(("s", length), 0) + shape(("n", newlines), 0), num_keys
+
+    def _packed_sum_with_pairs(self, text: str) -> tuple[int, int]:
+        """The same with adjacent-pair keys (ordered words: the regex over each window)."""
+        parts = windows(text, self.config)
+        zeros = repeat(0)
         head = _WORD_RE.findall(parts[0])
         in_head = set(head)
-        pairs: set[tuple[str, str]] = set()
-        if c.word_bigrams:
-            pairs.update(zip(head, head[1:], strict=False))
-        unseen = self.unseen
-        default = repeat(unseen)
-        found = [*map(self._head.get, in_head, default)]
+        pairs = set(zip(head, head[1:], strict=False))
+        total = sum(map(self._head.get, in_head, zeros))
         num_keys = 2 * len(in_head)
         if len(parts) > 1:
             tail = _WORD_RE.findall(parts[1])
             in_tail = set(tail)
-            if c.word_bigrams:
-                pairs.update(zip(tail, tail[1:], strict=False))
+            pairs.update(zip(tail, tail[1:], strict=False))
             both = in_tail & in_head
-            found += map(self._tail_only.get, in_tail - both, default)
-            found += map(self._tail_also.get, both, default)
+            total += sum(map(self._tail_only.get, in_tail - both, zeros))
+            total += sum(map(self._tail_also.get, both, zeros))
             num_keys += 2 * len(in_tail) - len(both)
-        found += map(self._pair.get, pairs, default)
+        total += sum(map(self._pair.get, pairs, zeros))
         length, newlines = shape_buckets(text)
-        found.append(self._shape.get(("s", length), unseen))
-        found.append(self._shape.get(("n", newlines), unseen))
-        num_keys += len(pairs) + 2
-        rows = np.fromiter(found, np.intp, len(found))
-        return self.weights.take(rows, axis=0).sum(axis=0), num_keys
+        total += self._shape.get(("s", length), 0) + self._shape.get(("n", newlines), 0)
+        return total, num_keys + len(pairs) + 2

@@ -3,6 +3,8 @@ and the shipped artefact."""
 
 from __future__ import annotations
 
+import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -133,3 +135,23 @@ def test_shipped_artefact_loads_and_classifies_obvious_prompts() -> None:
     }
     for text, domain in cases.items():
         assert clf.predict(text) == domain, text[:60]
+
+
+def test_word_set_is_the_regex_split_for_every_character() -> None:
+    """word_set's shortcut (a whitespace piece of alphanumerics is one regex word) holds for
+    every code point: ``\\w`` is ``isalnum`` or ``_``, ``\\s`` is what ``split`` cuts at."""
+    from router.features import _WORD_RE
+    from router.scorer import word_set
+
+    word, space = re.compile(r"\w"), re.compile(r"\s")
+    for code in range(0x110000):
+        ch = chr(code)
+        assert bool(word.fullmatch(ch)) == (ch.isalnum() or ch == "_"), hex(code)
+        assert bool(space.fullmatch(ch)) == (ch.split() == []), hex(code)
+    rng = random.Random(0)
+    pool = "aZ9_ \t\n.,:;-'\"()[]é日ß\u00a0\u2003\x1c\x00ǅ½²"
+    for _ in range(3000):
+        text = "".join(rng.choice(pool) for _ in range(rng.randrange(1, 40))).lower()
+        assert word_set(text) == set(_WORD_RE.findall(text)), repr(text)
+    for text in TEXTS:
+        assert word_set(text.lower()) == set(_WORD_RE.findall(text.lower()))
