@@ -2,6 +2,9 @@
 
     python bench/optimizer_loop.py             # ~10-15 minutes on a busy 2-core box
     python bench/optimizer_loop.py --budget 4  # a shorter search
+    # a default that is poor for the traffic (one sequence at a time under 8 streams),
+    # scored in tokens per engine CPU second: a known-better config exists
+    python bench/optimizer_loop.py --worker-seqs 1 --objective cpu
 
 Two steps, real engines on the bundled model, loopback HTTP:
 
@@ -11,10 +14,11 @@ Two steps, real engines on the bundled model, loopback HTTP:
            (caught / planted);
   loop     a proxy supervising one engine worker (launched: a switch stops a
            real process), clients replaying the Azure conversation trace
-           (data/traces, lengths capped) at the worker's capacity (twice its
-           batch in flight, streaming), and an optimizer for that worker fed the
-           proxy's own trace records, promoting through the proxy's blue-green
-           and hot reload; ``limits.drain_timeout_s`` is 1 s, shorter than the
+           (data/traces, lengths capped) at the worker's capacity (``--clients``
+           streams in flight, 8: twice the default batch), and an optimizer for
+           that worker fed the proxy's own trace records, promoting through the
+           proxy's blue-green and hot reload (judged by the per-shape canary on
+           those records); ``limits.drain_timeout_s`` is 1 s, shorter than the
            drain at capacity. Every client request must come back whole (HTTP 200,
            all its tokens, ``[DONE]``): anything else is a request lost.
 
@@ -70,7 +74,7 @@ from proxy.server import ProxyServer  # noqa: E402
 from tests.optimizer.faults import FAULTS, LAUNCHER  # noqa: E402
 
 TRACE = ROOT / "data" / "traces" / "azure_llm_2023_conv.csv"
-KNOBS = (Knob("max_num_seqs", (2, 4, 8, 16)), Knob("max_num_batched_tokens", (128, 256, 512)),
+KNOBS = (Knob("max_num_seqs", (1, 2, 4, 8, 16)), Knob("max_num_batched_tokens", (128, 256, 512)),
          Knob("spec_method", ("none", "ngram")), Knob("spec_max_depth", (0, 2, 4)),
          Knob("spec_default_depth", (0, 2, 4)), Knob("num_threads", (0, 1, 2)))
 
@@ -145,7 +149,8 @@ class Clients:
 
 async def loop(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     base = next(w for w in default_config().workers if w.config.engine.spec_method == "none")
-    worker_spec = dataclasses.replace(base, config=base.config.with_engine(max_num_seqs=4))
+    worker_spec = dataclasses.replace(
+        base, config=base.config.with_engine(max_num_seqs=args.worker_seqs))
     config = dataclasses.replace(
         default_config(), server=ServerConfig(port=0), run_dir=str(work / "run"),
         workers=(dataclasses.replace(worker_spec, launch=LaunchSpec(startup_timeout_s=300)),),
@@ -178,13 +183,14 @@ async def _loop(args: argparse.Namespace, server: ProxyServer, work: Path) -> di
             search=SearchConfig(fast_budget=args.budget, finalists=1, idle_timeout_s=30,
                                 max_pairs=args.max_pairs),
             promotion=PromotionConfig(watch_s=3.0, min_requests=4, max_watch_s=60),
-            verify=VerifyConfig(max_batch=8), min_records=args.min_records, once=True),
+            verify=VerifyConfig(max_batch=8), min_records=args.min_records,
+            objective=args.objective, once=True),
         sinks=(PoolConfigSink(pool),), blue_green=PoolSwitch(server.app[keys.BLUEGREEN], pool))
     server.app[keys.RELAY].on_finish.append(
         lambda rec: service.observe(rec.trace_record()) if rec.worker == name else None)
     clients, stop = Clients(), asyncio.Event()
     load = asyncio.create_task(clients.run(server.url, worker.view.config.model_name, prompts,
-                                           stop, concurrency=2 * 4))
+                                           stop, concurrency=args.clients))
     t0 = time.monotonic()
     switch: dict[str, Any] = {}
     try:
@@ -221,6 +227,13 @@ async def _blue_green(server: ProxyServer, name: str, service: OptimizerService
     return {"to": key, **report.to_dict()}
 
 
+def _ratios(row: dict[str, Any]) -> str:
+    """A canary row as 'metric after/before' ratios (geometric means) with the request counts."""
+    parts = [f"{m} x{row[m]['after'] / row[m]['before']:.2f}" for m in ("ttft_s", "tpot_s",
+                                                                        "e2e_s") if m in row]
+    return f"n={row['requests']} " + " ".join(parts)
+
+
 def report(m: dict[str, Any], lp: dict[str, Any]) -> str:
     caught = sum(m["caught"].values())
     lines = [f"mutants caught / planted: {caught} / {len(m['caught'])} "
@@ -231,6 +244,12 @@ def report(m: dict[str, Any], lp: dict[str, Any]) -> str:
                      f"{h.get('gain')} CI {h.get('ci')} pairs {h.get('pairs')} (needed "
                      f"{h.get('pairs_needed')}, detectable {h.get('detectable_effect')}) key "
                      f"{h.get('key')} in {h.get('seconds')} s")
+        canary = h.get("canary") or {}
+        if canary:
+            lines.append(f"canary: {canary.get('judged')} shape x metric comparisons judged, "
+                         f"regressed: {canary.get('regressed')}; shapes "
+                         + "; ".join(f"{k}: {_ratios(v)}" for k, v in
+                                     canary.get("shapes", {}).items()))
     promotions = sum(h.get("status") == "promoted" for h in lp["history"])
     lines.append(f"experiments: {lp['experiments']}, experiments/hour: "
                  f"{lp['experiments_per_hour']}; promotions: {promotions}")
@@ -254,6 +273,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=160)
     p.add_argument("--max-output-tokens", type=int, default=32)
     p.add_argument("--timeout-s", type=float, default=1800)
+    p.add_argument("--worker-seqs", type=int, default=4,
+                   help="the live worker's max_num_seqs before the campaign (1: a default "
+                        "that is poor for 8 clients, so a better config exists)")
+    p.add_argument("--clients", type=int, default=8, help="concurrent streaming clients")
+    p.add_argument("--objective", default="auto", choices=["auto", "wall", "cpu", "request"],
+                   help="the campaign's objective (cpu: tokens per engine CPU second)")
     p.add_argument("--skip-mutants", action="store_true")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--engine-log", type=Path, help="the mutation suite's engine log")
