@@ -13,8 +13,8 @@ the policy's own CPU time, with realistic state behind it.
 
 Each tree runs in its own process (``--baseline REV``: the tree of a git revision, exported
 with ``git archive``, first on PYTHONPATH), repeats alternating ABBA; the table shows the
-median microseconds per request (choose + observe) and new / base, and whether the two
-trees made the same decisions (worker, depth, reason) on every request.
+median thread-CPU microseconds per request (choose + observe) and new / base, and whether
+the trees made the same decisions (worker, depth, reason) on every request.
 
     python bench/router_cost.py --baseline HEAD          # this work tree against HEAD
     python bench/router_cost.py --new HEAD --baseline HEAD~3   # two commits, no work tree
@@ -119,7 +119,10 @@ def _feed(policy: Any, views: list[Any]) -> None:
 
 
 def run_level(inflight: int, num: int, seed: int) -> tuple[float, list[tuple]]:
-    """(median seconds of choose + observe per request, the timed requests' decisions)."""
+    """(median seconds of choose + observe per request, the timed requests' decisions).
+
+    NOTE: thread CPU time, not wall time: on a shared box a wall median moves with the
+    co-tenants' load (an A/A pair differed by up to 37%); the CPU time is the call's own."""
     from router.adaptive import AdaptiveConfig, AdaptivePolicy
     clock = [0.0]
     policy = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0), seed=seed,
@@ -132,7 +135,7 @@ def run_level(inflight: int, num: int, seed: int) -> tuple[float, list[tuple]]:
         clock[0] += 0.01
         if i % FEED_EVERY == 0:
             _feed(policy, views)
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         d = policy.choose(shape, views)
         view = next(v for v in views if v.name == d.worker)
         pending.append((shape, d, view.outstanding_requests + 1))
@@ -141,7 +144,7 @@ def run_level(inflight: int, num: int, seed: int) -> tuple[float, list[tuple]]:
             done_shape, done, batch = pending.popleft()
             policy.observe(_outcome(done_shape, done, batch))
             next(v for v in views if v.name == done.worker).outstanding_requests -= 1
-        t1 = time.perf_counter()
+        t1 = time.thread_time()
         if i >= WARMUP:
             times.append(t1 - t0)
             decisions.append((d.worker, d.spec_depth, d.reason))
@@ -174,9 +177,10 @@ def bench(args: argparse.Namespace) -> None:
 
 def _bench(args: argparse.Namespace, export_rev: Callable[[str], Path]) -> None:
     trees = {"new": export_rev(args.new) if args.new else REPO}
-    if args.baseline or args.baseline_dir:
-        trees["base"] = Path(args.baseline_dir).resolve() if args.baseline_dir \
-            else export_rev(args.baseline)
+    bases = [export_rev(args.baseline)] if args.baseline else []
+    bases += [Path(d).resolve() for d in args.baseline_dir]
+    for i, tree in enumerate(bases):  # the same tree twice: an A/A pair
+        trees["base" if i == 0 else f"base#{i + 1}"] = tree
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     order = list(trees)
     for r in range(args.repeats):
@@ -187,17 +191,21 @@ def _bench(args: argparse.Namespace, export_rev: Callable[[str], Path]) -> None:
     print(f"{args.num} timed requests per level (after {WARMUP} warm-up), seed {args.seed}, "
           f"median per request of each run, median of {args.repeats} runs")
     head = " | ".join(f"{name} us" for name in trees)
-    extra = " | new / base | same decisions" if "base" in trees else ""
+    others = [name for name in trees if name != "new"]
+    extra = "".join(f" | new / {name}" for name in others)
+    extra += " | same decisions" if others else ""
     print(f"| in flight | {head}{extra} |")
-    print("|---|" + "---|" * (len(trees) + (2 if "base" in trees else 0)))
+    print("|---|" + "---|" * (len(trees) + len(others) + (1 if others else 0)))
     for n in map(str, args.inflight):
         us = {name: 1e6 * statistics.median(r["levels"][n]["median_s"] for r in rs)
               for name, rs in runs.items()}
         row = " | ".join(f"{us[name]:,.0f}" for name in trees)
-        if "base" in trees:
-            a, b = runs["new"][0]["levels"][n]["decisions"], runs["base"][0]["levels"][n]["decisions"]
-            same = sum(x == y for x, y in zip(a, b, strict=True))
-            row += f" | {us['new'] / us['base']:.3f} | {same} of {len(a)}"
+        row += "".join(f" | {us['new'] / us[name]:.3f}" for name in others)
+        if others:
+            a = runs["new"][0]["levels"][n]["decisions"]
+            same = min(sum(x == y for x, y in zip(a, runs[name][0]["levels"][n]["decisions"],
+                                                 strict=True)) for name in others)
+            row += f" | {same} of {len(a)}"
         print(f"| {n} | {row} |")
 
 
@@ -205,7 +213,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--baseline", help="git revision to compare against, side by side")
-    parser.add_argument("--baseline-dir", help="an exported tree to compare against (no git)")
+    parser.add_argument("--baseline-dir", action="append", default=[],
+                        help="an exported tree to compare against (no git; repeatable: the "
+                        "same tree twice is an A/A pair)")
     parser.add_argument("--new", help="git revision to run as 'new' (default: the work tree, "
                         "with whatever is uncommitted in it, others' edits included)")
     parser.add_argument("--inflight", type=int, nargs="+", default=[0, 16, 64, 256])

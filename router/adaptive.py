@@ -243,15 +243,15 @@ class AdaptivePolicy:
             full = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d)
             saved_s = max(full.ttft_s - pred.ttft_s, 0.0)
         now = self.clock()
+        pred_cost_s = self._cost(shape, pred)
         # past capacity the request waits for a slot: until enough of those ahead finish
-        wait = self._inflight.slot_wait_s(view.name, now, queue + 1 - cap, cap,
-                                          self._cost(shape, pred))
+        wait = self._inflight.slot_wait_s(view.name, now, queue + 1 - cap, cap, pred_cost_s)
         ttft_s, tpot_s = self._latency(shape, view.name, now, pred, wait)
         cost = ttft_s + max(shape.predicted_output_tokens - 1, 0) * tpot_s
         # NOTE: below capacity it joins the batch and slows every request running there
         # (crowding); at capacity it waits instead and slows no one.
         crowd_s = prof.tpot_per_seq_s() if queue < cap else 0.0
-        harm = self._interference(view.name, now, prefill_s, crowd_s, self._cost(shape, pred))
+        harm = self._interference(view.name, now, prefill_s, crowd_s, pred_cost_s)
         penalty, meets = self._slo(shape, ttft_s, tpot_s)
         return Candidate(view.name, cost * penalty + harm,
                          self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
@@ -294,31 +294,38 @@ class AdaptivePolicy:
         steps) plus ``crowd_s`` per step they share with this one while both run (a bigger
         batch makes every step slower): the externality that keeps the policy from piling
         requests onto the worker that looks best for each one alone. Each flight is
-        priced as predicted when it was sent, with this request's delay alone.
+        priced as predicted when it was sent, with this request's delay alone: the loss
+        in its steps while both run (``min(remaining, cost_s)`` steps of ``max(TPOT,
+        0.1 ms)``, each ``crowd_s`` slower), and ``_slo_of`` at its TPOT with the delay
+        spread over its gaps, the TTFT part precomputed.
         """
         harm = 0.0
-        if prefill_s > 0 or crowd_s > 0:
-            for f in self._inflight.active(worker, now):
-                delay = prefill_s + self._crowd_delay(f, now, cost_s, crowd_s)
-                harm += self._flight_cost(f, delay) - f.cost_s * f.penalty
+        if prefill_s <= 0 and crowd_s <= 0:
+            return harm
+        # NOTE: runs over every flight on the worker for every candidate, so it is written
+        # out in one loop, no call a flight: min / max as comparisons that pick the same
+        # operand, the arithmetic in the plain formula's order, so the sum is the same bit
+        # for bit (tests/router/test_same_decisions.py).
+        slo_penalty = self.config.slo_penalty
+        for f in self._inflight.on_worker(worker):
+            if not now < f.active_until_s:  # InFlight.active
+                continue
+            f_cost = f.cost_s
+            shared = f.sent_s + f_cost - now  # remaining_s: max(left, 0.1 x cost) ...
+            late = 0.1 * f_cost
+            if late > shared:
+                shared = late
+            if cost_s < shared:  # ... while both run
+                shared = cost_s
+            tpot_s = f.tpot_s
+            delay = prefill_s + crowd_s * shared / (1e-4 if 1e-4 > tpot_s else tpot_s)
+            miss = f.ttft_miss
+            if f.slo_tpot_s:
+                tpot_miss = (tpot_s + delay / f.num_gaps) / f.slo_tpot_s - 1.0
+                if tpot_miss > 0.0:
+                    miss += tpot_miss
+            harm += (f_cost + delay) * (1.0 + slo_penalty * miss) - f_cost * f.penalty
         return harm
-
-    @staticmethod
-    def _crowd_delay(f: Flight, now: float, cost_s: float, crowd_s: float) -> float:
-        """Seconds a running request loses to this one's joining its batch: its steps while
-        both run, each ``crowd_s`` slower."""
-        return crowd_s * min(f.remaining_s(now), cost_s) / max(f.tpot_s, 1e-4)
-
-    def _flight_cost(self, f: Flight, delay_s: float) -> float:
-        """A routed request's penalised cost with ``delay_s`` more in its decode: ``_slo_of``
-        at its TPOT with the delay spread over its gaps, the TTFT part precomputed.
-
-        NOTE: runs for every flight on the worker per candidate (``_interference``): written
-        out rather than through ``_slo_of``, with the same arithmetic in the same order."""
-        miss = f.ttft_miss
-        if f.slo_tpot_s:
-            miss += max(0.0, (f.tpot_s + delay_s / f.num_gaps) / f.slo_tpot_s - 1.0)
-        return (f.cost_s + delay_s) * (1.0 + self.config.slo_penalty * miss)
 
     @staticmethod
     def _cost(shape: RequestShape, pred: Prediction) -> float:

@@ -22,7 +22,7 @@ must not grow it forever) and ignored once far past their predicted end.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 STALE_FACTOR = 4.0  # an entry counts until sent + STALE_FACTOR x its predicted e2e
@@ -104,6 +104,10 @@ class InFlight:
             if now_s < f.active_until_s:
                 yield f
 
+    def on_worker(self, worker: str) -> Iterable[Flight]:
+        """Every flight on ``worker``, active or not (a loop that tests activity inline)."""
+        return self._by_worker.get(worker, {}).values()
+
     def slot_wait_s(self, worker: str, now_s: float, num_ahead: int, capacity: int,
                     fallback_s: float) -> float:
         """Seconds until ``num_ahead`` of the requests on ``worker`` have finished, so a new
@@ -113,8 +117,9 @@ class InFlight:
         cost, or of ``fallback_s`` when none is known."""
         if num_ahead <= 0:
             return 0.0
-        flights = list(self.active(worker, now_s))
-        left = sorted(f.remaining_s(now_s) for f in flights)
+        flights = [f for f in self.on_worker(worker) if now_s < f.active_until_s]
+        # NOTE: Flight.remaining_s written out (this runs for every candidate at capacity)
+        left = sorted([max(f.sent_s + f.cost_s - now_s, 0.1 * f.cost_s) for f in flights])
         if num_ahead <= len(left):
             return left[num_ahead - 1]
         mean_s = sum(f.cost_s for f in flights) / len(flights) if flights else fallback_s
