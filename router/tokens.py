@@ -217,10 +217,13 @@ class TokenCounter:
         size = self.config.block_chars
         end = min(len(data) // size, self.config.max_hash_blocks) * size
         crc32, crc = zlib.crc32, 0
-        # NOTE: a comprehension over bytes slices (a 256-byte copy is cheaper than a
-        # memoryview slice object): ~25% less than the loop of appends
-        return tuple([(crc := crc32(data[start:start + size], crc)) | start << 32
-                      for start in range(0, end, size)])
+        out = []
+        for start in range(0, end, size):
+            # NOTE: a bytes slice (a 256-byte copy) costs less than a memoryview slice
+            # object: ~7% less a prompt here
+            crc = crc32(data[start:start + size], crc)
+            out.append(start << 32 | crc)
+        return tuple(out)
 
 
 def load_calibration_sample(path: Path) -> dict[str, list[str]]:
