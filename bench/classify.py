@@ -27,7 +27,8 @@ cache. The engine reuses whole 16-token KV blocks of the exact token ids; the
 router's model credits matched prefix blocks x tokens per block. Printed: the
 cached share of prompt tokens, engine vs model, for this estimator's byte
 blocks, the baseline's, and token-aligned 64-token blocks (what tokenising
-every prompt would give), with the per-request error of the model.
+every prompt would give), with the per-request error of the model;
+``--prefix-max-blocks N ...`` adds this estimator hashing at most N blocks.
 
 ``--write-calibration PATH`` writes the token calibration sample (prompts of
 every domain from the training side) that router.tokens fits on at load.
@@ -56,8 +57,8 @@ sys.path.insert(0, str(REPO))
 
 from polyinfer.config import TINY_TARGET  # noqa: E402
 from router.corpus import Example, gsm8k, spec_bench  # noqa: E402
-from router.shape import ShapeEstimator  # noqa: E402
-from router.tokens import render_chat  # noqa: E402
+from router.shape import ShapeConfig, ShapeEstimator  # noqa: E402
+from router.tokens import TokenConfig, render_chat  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 PARTS = ("polyinfer", "router")  # the packages a baseline tree brings its own copy of
@@ -206,7 +207,7 @@ def held_out(data: Path) -> tuple[list[Example], list[Example]]:
     return split.train, split.test
 
 
-def classifier_quality(ss: list[Side], test: list[Example]) -> None:
+def classifier_quality(ss: list[Side], test: list[Example], more: Sequence[str] = ()) -> None:
     from router.training import evaluate
 
     sb = [e for e in test if e.source == "spec_bench"]
@@ -216,6 +217,12 @@ def classifier_quality(ss: list[Side], test: list[Example]) -> None:
             per = " ".join(f"{d} {v['f1']:.3f}" for d, v in r["per_domain"].items())
             print(f"  {s.name:<5} {name:<24} macro-F1 {r['macro_f1']:.3f} accuracy "
                   f"{r['accuracy']:.3f} (n={r['num_examples']}) | F1 {per}")
+    texts = [e.text for e in test] + list(more)
+    ours = [ss[0].est.classifier.predict(t) for t in texts]
+    for s in ss[1:]:
+        differ = sum(a != s.est.classifier.predict(t) for a, t in zip(ours, texts, strict=True))
+        print(f"  {s.name} decides otherwise than {ss[0].name} on {differ} of {len(texts)} prompts "
+              f"(every held-out prompt and the cost prompts)")
 
 
 def train_full_text(train: list[Example], test: list[Example]) -> None:
@@ -320,6 +327,9 @@ def prefix_quality(ss: list[Side], args: argparse.Namespace) -> None:
     models.append((f"token-aligned {TOKEN_BLOCK}-token blocks", np.array(
         [TOKEN_BLOCK * leading_in(token_block_hashes(x, TOKEN_BLOCK), seen) for x in ids],
         float)))
+    for blocks in args.prefix_max_blocks:  # the same estimator with fewer blocks hashed
+        ss = [*ss, Side(f"new, <= {blocks} blocks", ShapeEstimator.load(
+            TINY_TARGET, config=ShapeConfig(tokens=TokenConfig(max_hash_blocks=blocks))))]
     for s in ss:
         seen = set()
         cached = []
@@ -373,6 +383,8 @@ def main() -> None:
     ap.add_argument("--prefix-offset", type=int, default=3500)
     ap.add_argument("--prefix-requests", type=int, default=400)
     ap.add_argument("--prefix-max-tokens", type=int, default=4096)
+    ap.add_argument("--prefix-max-blocks", type=int, nargs="*", default=[],
+                    help="with --prefix: also this estimator hashing at most N blocks")
     ap.add_argument("--write-calibration", type=Path, default=None, metavar="PATH")
     args = ap.parse_args()
     if args.write_calibration:
@@ -384,7 +396,7 @@ def main() -> None:
     if args.quality or args.train_full:
         train, test = held_out(args.data)
         print("# classifier, held out")
-        classifier_quality(ss, test)
+        classifier_quality(ss, test, [e.text for e in real_prompts(args.data)])
         if args.train_full:
             train_full_text(train, test)
         print("# token count against the tokenizer's exact count of the rendered prompt")
