@@ -45,6 +45,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from scipy import stats
+
 from polyinfer.trace import STATUS_CANCELLED, STATUS_OK, TraceRecord
 from router.profiles import PROMPT_BANDS, prompt_band
 
@@ -122,15 +124,13 @@ def baseline(records: Sequence[TraceRecord], switch_start_unix: float,
 
 
 def t_quantile(p: float, df: float) -> float:
-    """Student's t quantile (upper tail p) by the Cornish-Fisher expansion (ample for df >= 3)."""
-    z = statistics.NormalDist().inv_cdf(1.0 - p)
-    return (z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
-            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3))
+    """Student's t quantile with upper tail ``p``."""
+    return float(stats.t.isf(p, df))
 
 
 def binomial_tail(k: int, n: int, p: float) -> float:
     """P(X >= k) for X ~ Binomial(n, p)."""
-    return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
+    return float(stats.binom.sf(k - 1, n, p))
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ class ShapeCanary:
         se = math.sqrt(v0 + v1) or 1e-9
         df = (v0 + v1) ** 2 / ((v0 ** 2 / (n0 - 1) + v1 ** 2 / (n1 - 1)) or 1e-18)
         diff = statistics.fmean(y) - statistics.fmean(x)
-        half = t_quantile(self.alpha_per_test, max(df, 3.0)) * se
+        half = t_quantile(self.alpha_per_test, max(df, 1.0)) * se
         return Finding(shape, metric, math.exp(statistics.fmean(x)),
                        math.exp(statistics.fmean(y)), math.exp(diff - half),
                        math.exp(diff + half), n0, n1)
