@@ -234,13 +234,14 @@ class AdaptivePolicy:
         d = depth or 0
         model_cached = self._model_cached_tokens(shape, view)
         cached = model_cached * self.prefix_cache.hit_ratio(view.name)
-        pred = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d, cached)
+        coef = prof.coefficients(shape.domain, shape.prompt_tokens)
+        pred = prof.predict_at(coef, queue, batch, d, shape.prompt_tokens, cached)
         depth, pred = self._slo_depth(shape, view, batch, depth, pred)
-        idle = prof.predict(shape.domain, shape.prompt_tokens, 0, 1, d, cached)
+        idle = prof.predict_at(coef, 0, 1, d, shape.prompt_tokens, cached)
         prefill_s = idle.prefill_s
         saved_s = 0.0
         if cached > 0:
-            full = prof.predict(shape.domain, shape.prompt_tokens, queue, batch, d)
+            full = prof.predict_at(coef, queue, batch, d, shape.prompt_tokens)
             saved_s = max(full.ttft_s - pred.ttft_s, 0.0)
         now = self.clock()
         pred_cost_s = self._cost(shape, pred)

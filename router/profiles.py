@@ -50,7 +50,7 @@ TPOT_KEY = "tpot"  # calibration keys (router.calibration): TPOT, and TTFT per p
 
 
 def ttft_key(prompt_tokens: int) -> str:
-    return f"ttft/{prompt_band(prompt_tokens)}"
+    return _TTFT_KEYS[prompt_band(prompt_tokens)]
 
 
 def batch_capacity(config: CompiledConfig) -> int:
@@ -62,10 +62,6 @@ def uncached(prompt_tokens: int, cached_tokens: float) -> int:
     """Prompt tokens left to prefill when ``cached_tokens`` are found in the prefix cache;
     at least one (an engine recomputes the last prompt token to sample the first output)."""
     return max(prompt_tokens - int(cached_tokens), 1) if cached_tokens > 0 else prompt_tokens
-
-
-def _dot(a: Vec, b: Vec) -> float:
-    return a[0] * b[0] + a[1] * b[1] + a[2] * b[2]
 
 
 def _downdate(p: Mat3, gain: Vec, px: Vec, lam: float) -> Mat3:
@@ -87,6 +83,9 @@ def prompt_band(prompt_tokens: int) -> int:
         if prompt_tokens < edge:
             return i
     return len(PROMPT_BANDS)
+
+
+_TTFT_KEYS = tuple(f"ttft/{band}" for band in range(len(PROMPT_BANDS) + 1))
 
 
 def ttft_features(prompt_tokens: int, queue: float) -> Vec:
@@ -128,11 +127,16 @@ class BayesianRLS:
     def update(self, x: Vec, y: float) -> None:
         # NOTE: plain floats, not numpy: on 3-vectors numpy's per-call overhead was most of
         # the cost of an update, which runs up to five times per finished request
+        # (the dot products written out, each summed left to right)
         p, lam = self._p, self.forgetting
-        px = (_dot(p[0], x), _dot(p[1], x), _dot(p[2], x))
-        denom = lam + _dot(x, px)
+        x0, x1, x2 = x
+        (p00, p01, p02), (p10, p11, p12), (p20, p21, p22) = p
+        px = (p00 * x0 + p01 * x1 + p02 * x2, p10 * x0 + p11 * x1 + p12 * x2,
+              p20 * x0 + p21 * x1 + p22 * x2)
+        denom = lam + (x0 * px[0] + x1 * px[1] + x2 * px[2])
         gain = (px[0] / denom, px[1] / denom, px[2] / denom)
-        pred = _dot(x, self.theta)
+        t = self.theta
+        pred = x0 * t[0] + x1 * t[1] + x2 * t[2]
         target = y / self.scale
         if pred > 0:
             # NOTE: latencies are heavy-tailed (a stall, a co-tenant); bound one sample's
@@ -140,7 +144,6 @@ class BayesianRLS:
             # and a single outlier cannot swing the fit by orders of magnitude.
             target = min(max(target, pred / OUTLIER_FACTOR), pred * OUTLIER_FACTOR)
         err = target - pred
-        t = self.theta
         self.theta = (t[0] + gain[0] * err, t[1] + gain[1] * err, t[2] + gain[2] * err)
         sym = _downdate(p, gain, px, lam)
         # NOTE: forgetting inflates P along directions the data never excites; cap its
@@ -262,12 +265,24 @@ class WorkerProfile:
         self._all = _Models(BayesianRLS(prior.ttft_coef(), v, forgetting),
                             BayesianRLS(prior.tpot_coef("chat"), v, forgetting))
         self._buckets: dict[tuple[str, int], _Models] = {}
+        # NOTE: pure functions of the prior (fixed for the profile's life), read at every
+        # predict: the batch capacity, and per domain the prior's TPOT speculation ratio
+        self._cap = batch_capacity(prior.config)
+        self._spec: dict[str, float] = {}
+
+    def _spec_ratio(self, domain: str) -> float:
+        """The prior's TPOT at ``domain`` over its TPOT at chat (the speculation factor)."""
+        spec = self._spec.get(domain)
+        if spec is None:
+            spec = self._spec[domain] = \
+                self.prior.tpot_coef(domain)[0] / self.prior.tpot_coef("chat")[0]
+        return spec
 
     def _bucket_coef(self, domain: str, prompt_tokens: int) -> tuple[Vec, Vec]:
         """A new bucket's (TTFT, TPOT) coefficients: the worker-level fits, shaped by the
         bucket's prior factors."""
         f = self.prior.factor(domain, prompt_tokens)
-        spec = self.prior.tpot_coef(domain)[0] / self.prior.tpot_coef("chat")[0]
+        spec = self._spec_ratio(domain)
         t, p = self._all.ttft.coef, self._all.tpot.coef
         fs = f * spec
         return (t[0] * f, t[1] * f, t[2] * f), (p[0] * fs, p[1] * fs, p[2] * fs)
@@ -282,24 +297,45 @@ class WorkerProfile:
                 depth: int, cached_tokens: float = 0.0) -> Prediction:
         """TTFT and TPOT; the prefill part of TTFT counts only the ``prompt_tokens`` not
         among the ``cached_tokens`` the worker is expected to find in its prefix cache."""
-        cap = batch_capacity(self.prior.config)
-        new_tokens = uncached(prompt_tokens, cached_tokens)
-        xt = ttft_features(new_tokens, min(queue, cap))
-        xp = tpot_features(min(batch, cap), depth)
+        return self.predict_at(self.coefficients(domain, prompt_tokens), queue, batch, depth,
+                               prompt_tokens, cached_tokens)
+
+    def coefficients(self, domain: str, prompt_tokens: int) -> tuple[Vec, Vec, int]:
+        """(TTFT coefficients, TPOT coefficients, the bucket's samples) for a shape: what
+        :meth:`predict_at` evaluates; valid until the next :meth:`observe`."""
         bucket = self._buckets.get((domain, prompt_band(prompt_tokens)))
         if bucket is None:
             # NOTE: no model is built for a bucket without samples (predict runs several
             # times per routing decision); its coefficients are derived on the fly.
             ct, cp = self._bucket_coef(domain, prompt_tokens)
-            n = 0
-        else:
-            ct, cp = bucket.ttft.coef, bucket.tpot.coef
-            n = bucket.tpot.num_samples
-        # NOTE: floors: a fit may extrapolate below zero far from its data.
-        floor_ttft = 0.1 * ct[0] if ct[0] > 0 else 1e-4
-        ttft = max(ct[0] + ct[1] * xt[1] + ct[2] * xt[2], floor_ttft, 1e-4)
-        tpot = max(cp[0] + cp[1] * xp[1] + cp[2] * xp[2], 1e-5)
-        prefill = max(ct[1] * xt[1], 0.0)
+            return ct, cp, 0
+        return bucket.ttft.coef, bucket.tpot.coef, bucket.tpot.num_samples
+
+    def predict_at(self, coef: tuple[Vec, Vec, int], queue: float, batch: float, depth: int,
+                   prompt_tokens: int, cached_tokens: float = 0.0) -> Prediction:
+        """:meth:`predict` from the shape's :meth:`coefficients` (a router prices one shape
+        at several loads)."""
+        # NOTE: the features and min / max written out as comparisons that pick the same
+        # operand (tests/router/test_same_decisions.py): this runs 2-3 times a candidate
+        ct, cp, n = coef
+        cap = self._cap
+        new_tokens = max(prompt_tokens - int(cached_tokens), 1) if cached_tokens > 0 \
+            else prompt_tokens  # uncached()
+        q = cap if cap < queue else queue
+        b = cap if cap < batch else batch
+        c0 = ct[0]
+        prefill = ct[1] * (new_tokens / 1000.0)
+        ttft = c0 + prefill + ct[2] * (q / 8.0)
+        floor_ttft = 0.1 * c0 if c0 > 0 else 1e-4
+        if floor_ttft > ttft:  # floors: a fit may extrapolate below zero far from its data
+            ttft = floor_ttft
+        if 1e-4 > ttft:
+            ttft = 1e-4
+        tpot = cp[0] + cp[1] * (b / 8.0) + cp[2] * (depth / 4.0)
+        if 1e-5 > tpot:
+            tpot = 1e-5
+        if 0.0 > prefill:
+            prefill = 0.0
         if self._all.ttft.num_samples == 0:
             c = self.calibration.factor(ttft_key(new_tokens))
             ttft, prefill = ttft * c, prefill * c
@@ -322,12 +358,12 @@ class WorkerProfile:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = self._bucket_init(domain, prompt_tokens)
-        cap = batch_capacity(self.prior.config)
+        cap = self._cap
         new_tokens = uncached(prompt_tokens, cached_tokens)
         xt = ttft_features(new_tokens, min(queue, cap))
         xp = tpot_features(min(batch, cap), depth)
         f = self.prior.factor(domain, prompt_tokens)
-        spec = self.prior.tpot_coef(domain)[0] / self.prior.tpot_coef("chat")[0]
+        spec = self._spec_ratio(domain)
         if has_ttft:
             assert ttft_s is not None
             bucket.ttft.update(xt, ttft_s)

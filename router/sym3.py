@@ -50,18 +50,29 @@ def eigvals(a: Mat3) -> tuple[float, float, float]:
 def eigvec(a: Mat3, lam: float) -> Vec3 | None:
     """A unit eigenvector of ``a`` for eigenvalue ``lam``; None if not one direction."""
     (a00, a01, a02), (_, a11, a12), (_, _, a22) = a
-    r0, r1, r2 = (a00 - lam, a01, a02), (a01, a11 - lam, a12), (a02, a12, a22 - lam)
-    best, best_n = (0.0, 0.0, 0.0), 0.0
-    for u, v in ((r0, r1), (r0, r2), (r1, r2)):
-        c = (u[1] * v[2] - u[2] * v[1], u[2] * v[0] - u[0] * v[2], u[0] * v[1] - u[1] * v[0])
-        n = c[0] * c[0] + c[1] * c[1] + c[2] * c[2]
-        if n > best_n:
-            best, best_n = c, n
-    scale = _dot(r0, r0) + _dot(r1, r1) + _dot(r2, r2)
+    # NOTE: rows r0 = (b00, a01, a02), r1 = (a01, b11, a12), r2 = (a02, a12, b22) of
+    # A - lam I; the cross products r0 x r1, r0 x r2, r1 x r2 written out (this runs after
+    # most RLS updates), the same operations in the same order as the plain loop
+    # (tests/router/test_same_decisions.py)
+    b00, b11, b22 = a00 - lam, a11 - lam, a22 - lam
+    c0, c1, c2 = a01 * a12 - a02 * b11, a02 * a01 - b00 * a12, b00 * b11 - a01 * a01
+    best_n = c0 * c0 + c1 * c1 + c2 * c2
+    if not best_n > 0.0:
+        c0 = c1 = c2 = best_n = 0.0
+    d0, d1, d2 = a01 * b22 - a02 * a12, a02 * a02 - b00 * b22, b00 * a12 - a01 * a02
+    n = d0 * d0 + d1 * d1 + d2 * d2
+    if n > best_n:
+        c0, c1, c2, best_n = d0, d1, d2, n
+    d0, d1, d2 = b11 * b22 - a12 * a12, a12 * a02 - a01 * b22, a01 * a12 - b11 * a02
+    n = d0 * d0 + d1 * d1 + d2 * d2
+    if n > best_n:
+        c0, c1, c2, best_n = d0, d1, d2, n
+    scale = ((b00 * b00 + a01 * a01 + a02 * a02) + (a01 * a01 + b11 * b11 + a12 * a12)
+             + (a02 * a02 + a12 * a12 + b22 * b22))
     if best_n <= _DEGENERATE * scale * scale or best_n == 0.0:
         return None
     s = 1.0 / math.sqrt(best_n)
-    return best[0] * s, best[1] * s, best[2] * s
+    return c0 * s, c1 * s, c2 * s
 
 
 def clip_eigenvalues(a: Mat3, cap: float) -> Mat3 | None:
@@ -88,10 +99,6 @@ def clip_eigenvalues(a: Mat3, cap: float) -> Mat3 | None:
     e = lo - cap
     return _sym(cap + e * v[0] * v[0], e * v[0] * v[1], e * v[0] * v[2],
                 cap + e * v[1] * v[1], e * v[1] * v[2], cap + e * v[2] * v[2])
-
-
-def _dot(a: Vec3, b: Vec3) -> float:
-    return a[0] * b[0] + a[1] * b[1] + a[2] * b[2]
 
 
 def _sym(a00: float, a01: float, a02: float, a11: float, a12: float, a22: float) -> Mat3:

@@ -2,18 +2,39 @@
 
 Each written-out path against the plain formula, on random inputs (bit-for-bit: the same
 arithmetic in the same order), and a seeded simulator run against recorded decisions. The
-RLS update's own comparison is in test_sym3.py. bench/router_cost.py compares whole trees
-(``--baseline REV``).
+RLS update against numpy's formulas is in test_sym3.py. bench/router_cost.py compares whole
+trees (``--baseline REV``).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
+import numpy as np
+
 from bench.sim import prefix_mix_sim as pm
+from polyinfer.config import CompiledConfig, DeclaredFit
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
+from router.calibration import Calibration
 from router.inflight import STALE_FACTOR, Flight, InFlight
+from router.profiles import (
+    OUTLIER_FACTOR,
+    TPOT_KEY,
+    BayesianRLS,
+    LatencyPrior,
+    Prediction,
+    PriorConfig,
+    WorkerProfile,
+    _downdate,
+    batch_capacity,
+    prompt_band,
+    tpot_features,
+    ttft_features,
+    uncached,
+)
+from router.sym3 import Mat3, clip_eigenvalues, eigvec
 
 
 def _random_flight(rng: random.Random, worker: str = "w", sent_s: float | None = None
@@ -121,3 +142,137 @@ def test_simulated_decisions_match_the_recorded_ones() -> None:
     pm.run_results(make, pm.prefix_mix(16.0, 240, 1, tight=True))
     assert log[:len(RECORDED_FIRST)] == RECORDED_FIRST
     assert dict(Counter(log)) == RECORDED_COUNTS
+
+
+def _old_predict(prof: WorkerProfile, domain: str, prompt_tokens: int, queue: float,
+                 batch: float, depth: int, cached_tokens: float = 0.0) -> Prediction:
+    """WorkerProfile.predict as the plain formula: features, min / max, f-string keys."""
+    cap = batch_capacity(prof.prior.config)
+    new_tokens = uncached(prompt_tokens, cached_tokens)
+    xt = ttft_features(new_tokens, min(queue, cap))
+    xp = tpot_features(min(batch, cap), depth)
+    bucket = prof._buckets.get((domain, prompt_band(prompt_tokens)))
+    if bucket is None:
+        f = prof.prior.factor(domain, prompt_tokens)
+        spec = prof.prior.tpot_coef(domain)[0] / prof.prior.tpot_coef("chat")[0]
+        t, p = prof._all.ttft.coef, prof._all.tpot.coef
+        fs = f * spec
+        ct, cp = (t[0] * f, t[1] * f, t[2] * f), (p[0] * fs, p[1] * fs, p[2] * fs)
+        n = 0
+    else:
+        ct, cp, n = bucket.ttft.coef, bucket.tpot.coef, bucket.tpot.num_samples
+    floor_ttft = 0.1 * ct[0] if ct[0] > 0 else 1e-4
+    ttft = max(ct[0] + ct[1] * xt[1] + ct[2] * xt[2], floor_ttft, 1e-4)
+    tpot = max(cp[0] + cp[1] * xp[1] + cp[2] * xp[2], 1e-5)
+    prefill = max(ct[1] * xt[1], 0.0)
+    if prof._all.ttft.num_samples == 0:
+        c = prof.calibration.factor(f"ttft/{prompt_band(new_tokens)}")
+        ttft, prefill = ttft * c, prefill * c
+    if prof._all.tpot.num_samples == 0:
+        tpot *= prof.calibration.factor(TPOT_KEY)
+    return Prediction(ttft, tpot, n, prefill)
+
+
+def _random_profile(rng: random.Random) -> WorkerProfile:
+    fit = rng.choice((DeclaredFit(), DeclaredFit(domains=("code", "chat"), prompt_tokens=(0, 600))))
+    cfg = CompiledConfig(fit=fit).with_engine(
+        max_num_seqs=rng.choice((1, 4, 32)), max_num_batched_tokens=rng.choice((256, 2048)),
+        spec_method=rng.choice(("none", "ngram")), spec_max_depth=4)
+    return WorkerProfile(LatencyPrior(cfg, PriorConfig()), 0.98, Calibration())
+
+
+def _random_request(rng: random.Random) -> tuple[str, int, float, float, int, float]:
+    return (rng.choice(("code", "chat", "rag")), rng.choice((1, 100, 255, 256, 599, 600, 5000)),
+            rng.choice((0, 1, 3, 40, 2.5)), rng.choice((1, 2, 4, 33, 7.5)), rng.randint(0, 4),
+            rng.choice((0.0, 0.0, 50.0, 99.5, 10_000.0)))
+
+
+def test_predict_is_the_plain_formula_bit_for_bit() -> None:
+    """Before and after samples (so the calibrated prior, then the fits), with and without
+    buckets of their own, cached prefixes, loads past the capacity."""
+    rng = random.Random(4)
+    for trial in range(40):
+        prof = _random_profile(rng)
+        for step in range(60):
+            req = _random_request(rng)
+            assert prof.predict(*req) == _old_predict(prof, *req), (trial, step, req)
+            coef = prof.coefficients(req[0], req[1])
+            assert prof.predict_at(coef, req[2], req[3], req[4], req[1], req[5]) \
+                == _old_predict(prof, *req)
+            if rng.random() < 0.3:
+                obs = _random_request(rng)
+                prof.observe(*obs[:5], rng.choice((None, rng.uniform(0.001, 2.0))),
+                             rng.choice((None, rng.uniform(1e-4, 0.1))), obs[5])
+            if rng.random() < 0.1:
+                prof.calibration.observe(rng.choice((TPOT_KEY, "ttft/0", "ttft/2")),
+                                         rng.uniform(0.01, 1), rng.uniform(0.01, 1))
+
+
+def _old_eigvec(a: Mat3, lam: float) -> tuple[float, float, float] | None:
+    """router.sym3.eigvec as the plain loop over the three rows' cross products."""
+    (a00, a01, a02), (_, a11, a12), (_, _, a22) = a
+    r0, r1, r2 = (a00 - lam, a01, a02), (a01, a11 - lam, a12), (a02, a12, a22 - lam)
+    best, best_n = (0.0, 0.0, 0.0), 0.0
+    for u, v in ((r0, r1), (r0, r2), (r1, r2)):
+        c = (u[1] * v[2] - u[2] * v[1], u[2] * v[0] - u[0] * v[2], u[0] * v[1] - u[1] * v[0])
+        n = c[0] * c[0] + c[1] * c[1] + c[2] * c[2]
+        if n > best_n:
+            best, best_n = c, n
+
+    def dot(x: tuple[float, ...], y: tuple[float, ...]) -> float:
+        return x[0] * y[0] + x[1] * y[1] + x[2] * y[2]
+    scale = dot(r0, r0) + dot(r1, r1) + dot(r2, r2)
+    if best_n <= 1e-12 * scale * scale or best_n == 0.0:
+        return None
+    s = 1.0 / math.sqrt(best_n)
+    return best[0] * s, best[1] * s, best[2] * s
+
+
+def test_eigvec_is_the_plain_loop_bit_for_bit() -> None:
+    rng = random.Random(5)
+    for trial in range(20_000):
+        vals = [rng.choice((0.0, 1.0, rng.gauss(0, 1), rng.gauss(0, 1e-6))) for _ in range(6)]
+        a = ((vals[0], vals[1], vals[2]), (vals[1], vals[3], vals[4]),
+             (vals[2], vals[4], vals[5]))
+        lam = rng.choice((0.0, vals[0], rng.gauss(0, 1)))
+        assert eigvec(a, lam) == _old_eigvec(a, lam), (trial, a, lam)
+
+
+def _old_update(rls: BayesianRLS, x: tuple[float, float, float], y: float
+                ) -> tuple[tuple[float, float, float], Mat3]:
+    """(theta, P) after BayesianRLS.update as the plain formula, with its dot-product
+    helper calls."""
+    def dot(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+        return a[0] * b[0] + a[1] * b[1] + a[2] * b[2]
+    p, lam = rls._p, rls.forgetting
+    px = (dot(p[0], x), dot(p[1], x), dot(p[2], x))
+    denom = lam + dot(x, px)
+    gain = (px[0] / denom, px[1] / denom, px[2] / denom)
+    pred = dot(x, rls.theta)
+    target = y / rls.scale
+    if pred > 0:
+        target = min(max(target, pred / OUTLIER_FACTOR), pred * OUTLIER_FACTOR)
+    err = target - pred
+    t = rls.theta
+    theta = (t[0] + gain[0] * err, t[1] + gain[1] * err, t[2] + gain[2] * err)
+    sym = _downdate(p, gain, px, lam)
+    capped = clip_eigenvalues(sym, rls._p_cap)
+    if capped is None:
+        eig, vec = np.linalg.eigh(np.array(sym))
+        full = (vec * np.clip(eig, 0.0, rls._p_cap)) @ vec.T
+        capped = tuple(tuple(float(v) for v in row) for row in full)  # type: ignore[assignment]
+    assert capped is not None
+    return theta, capped
+
+
+def test_rls_update_is_the_plain_formula_bit_for_bit() -> None:
+    rng = random.Random(6)
+    for trial in range(200):
+        rls = BayesianRLS((rng.uniform(1e-3, 0.05), rng.uniform(0, 0.1), rng.uniform(0, 0.2)),
+                          1.0, rng.choice((0.98, 1.0)))
+        for step in range(50):
+            x = (1.0, rng.choice((0.1, 0.5, rng.uniform(0, 5))), rng.choice((0.0, 0.25, 1.0)))
+            y = rng.choice((rng.uniform(1e-3, 0.2), rng.uniform(1, 5)))
+            want = _old_update(rls, x, y)
+            rls.update(x, y)
+            assert (rls.theta, rls._p) == want, (trial, step)
