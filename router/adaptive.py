@@ -126,9 +126,13 @@ class AdaptiveConfig:
             raise ValueError("max_pending must be > 0")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Candidate:
-    """One worker's predicted cost for the request at hand."""
+    """One worker's predicted cost for the request at hand (read-only by convention).
+
+    NOTE: not frozen: a frozen dataclass's ``__init__`` sets each field through
+    ``object.__setattr__``: 4.2 us for these 16 fields against 0.6 here, and a decision builds
+    one per worker."""
 
     name: str
     cost_s: float  # predicted seconds, with saturation wait, SLO penalty and interference

@@ -240,8 +240,11 @@ class _Models:
     tpot: BayesianRLS
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Prediction:
+    """Read-only by convention; not frozen, as :class:`router.adaptive.Candidate` (a
+    routing decision builds several)."""
+
     ttft_s: float
     tpot_s: float
     num_samples: int  # samples of the request's own bucket behind it

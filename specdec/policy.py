@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdec.errors import ProposerConfigError
-from specdec.step_model import NUM_FEATURES, StepTimeModel, batch_bucket, token_cost
+from specdec.step_model import NUM_FEATURES, StepTimeModel, batch_bucket, token_costs
 
 logger = logging.getLogger(__name__)
 
@@ -154,15 +154,16 @@ def depth_token_times(acceptance: float, batch: int, step_time: StepTimeModel, m
     factors = step_time.calibrations(batch, max_depth) if calibrated else [1.0] * (max_depth + 1)
     wait = not calibrated  # once calibrated, the factors carry the client's wait
     prefill = step_time.shared_prefill(batch, wait)
-    times = [token_cost(step_time, batch, 0, 1.0, None, wait, prefill) * factors[0]]
+    expected: list[float] = [1.0]
+    drafted: list[float | None] = [None]
     for k in range(1, max_depth + 1):
-        expected = (tokens_per_step[k] if tokens_per_step is not None and k < len(tokens_per_step)
-                    else expected_tokens_per_step(acceptance, k))
-        drafted = (drafts_per_step[k] if drafts_per_step is not None and k < len(drafts_per_step)
-                   else None)
-        times.append(token_cost(step_time, batch, k, expected, drafted, wait, prefill)
-                     * factors[k])
-    return times
+        expected.append(tokens_per_step[k]
+                        if tokens_per_step is not None and k < len(tokens_per_step)
+                        else expected_tokens_per_step(acceptance, k))
+        drafted.append(drafts_per_step[k]
+                       if drafts_per_step is not None and k < len(drafts_per_step) else None)
+    costs = token_costs(step_time, batch, expected, drafted, wait, prefill)
+    return [cost * factor for cost, factor in zip(costs, factors, strict=True)]
 
 
 def batch_tokens_per_step(own: Sequence[float], mix: Sequence[tuple[float, Sequence[float]]],

@@ -106,6 +106,43 @@ def token_cost(step_time: StepTimeModel, batch: float, k: float, expected: float
     return max(step - prefill, 1e-9) / max(expected, 1.0) + prefill
 
 
+def token_costs(step_time: StepTimeModel, batch: float, expected: Sequence[float],
+                drafted: Sequence[float | None], overhead: bool = True,
+                prefill: float | None = None) -> list[float]:
+    """:func:`token_cost` at k = 0, 1, ... len(expected) - 1 at once (``expected[k]``,
+    ``drafted[k]`` for each k).
+
+    NOTE: the depth policy prices every depth of every speculating candidate at each
+    decision; here the step's terms that do not depend on k are summed once and
+    :meth:`StepTimeModel.engine_step` is written out, the same operations in the same
+    order, so each cost is :func:`token_cost`'s bit for bit (tests/specdec/test_policy.py)."""
+    if prefill is None:
+        prefill = step_time.shared_prefill(batch, overhead)
+    w0, wb, wbk, wk, w_spec, w_pre, w_ver = step_time._w
+    wait = step_time.overhead(batch) if overhead else 0.0
+    head = w0 + wb * batch
+    per_row = wbk * batch
+    seqs = 1.0 if 1.0 > batch else batch  # max(batch, 1.0)
+    verify = w_spec + w_ver * batch
+    pre = w_pre * step_time.mean_prefill
+    out = []
+    for k, (e, d) in enumerate(zip(expected, drafted, strict=True)):
+        rows = k if d is None else d
+        longest = seqs * rows
+        if not longest < k:  # longest_proposal: min(k, ...)
+            longest = k
+        step = head + per_row * rows + wk * longest + (verify if k > 0 else 0.0) + pre
+        if 1e-6 > step:
+            step = 1e-6
+        if overhead:
+            step = step + wait
+        left = step - prefill
+        if 1e-9 > left:
+            left = 1e-9
+        out.append(left / (1.0 if 1.0 > e else e) + prefill)
+    return out
+
+
 @dataclass
 class StepTimeModel:
     """t(batch, k) = w . [1, batch, batch*d, k, k > 0, prefill, batch*(k > 0)] seconds (d
@@ -155,6 +192,10 @@ class StepTimeModel:
     _calibrated: dict[tuple[int, int], list[float]] = field(default_factory=dict, repr=False,
                                                             compare=False)
     calibration_prior: float = 8.0  # requests (in their tokens) a depth needs to weigh as its bucket
+    # batch bucket -> the measured one nearest it, while token_costs has _nearest_at cells
+    # (cells are only ever added, so their count tells when the answers may change)
+    _nearest: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
+    _nearest_at: int = field(default=-1, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._solve()
@@ -343,8 +384,15 @@ class StepTimeModel:
     def _nearest_bucket(self, batch: float) -> int:
         """The measured batch bucket nearest ``batch``'s (``token_costs`` must not be empty)."""
         bucket = batch_bucket(batch)
-        buckets = {b for b, _ in self.token_costs}
-        return min(buckets, key=lambda b: (abs(math.log2(b / bucket)), b))
+        if self._nearest_at != len(self.token_costs):
+            self._nearest.clear()
+            self._nearest_at = len(self.token_costs)
+        nearest = self._nearest.get(bucket)
+        if nearest is None:
+            buckets = {b for b, _ in self.token_costs}
+            nearest = self._nearest[bucket] = min(
+                buckets, key=lambda b: (abs(math.log2(b / bucket)), b))
+        return nearest
 
     def calibrations(self, batch: float, max_depth: int) -> list[float]:
         """:meth:`calibration` for k = 0..max_depth (the bucket's mean computed once).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import orjson
 import pytest
 
@@ -15,7 +17,7 @@ from specdec.policy import (
     expected_tokens_per_step,
     solve_acceptance,
 )
-from specdec.step_model import StepTimeModel, longest_proposal, token_cost
+from specdec.step_model import StepTimeModel, longest_proposal, token_cost, token_costs
 
 
 def _model(w0: float, wb: float, wbk: float, wk: float) -> StepTimeModel:
@@ -566,3 +568,33 @@ def test_token_times_are_the_requests_own_by_its_domain_not_the_workers_mix() ->
     assert min(range(5), key=rag.__getitem__) == 0
     assert dp.token_times("w", "translation", 8, 2) == pytest.approx(own[:3])  # capped
     assert dp.peek("w", "translation", 8, 4) == 0  # nothing was recorded
+
+
+def test_token_costs_are_token_cost_at_each_depth_bit_for_bit() -> None:
+    """The written-out loop against :func:`token_cost` per k: client samples, the engine's
+    steps (prefill in them), the client's wait, batches below 1 and fractional ones."""
+    rng = random.Random(7)
+    for trial in range(60):
+        model = StepTimeModel.from_prior((0.010, 0.0005, 0.0003, 0.0005, 0.002, 0.0002), 4.0,
+                                         0.99, 0.999)
+        for _ in range(rng.randint(0, 30)):
+            batch, k = rng.randint(1, 40), rng.randint(0, 8)
+            model.observe(batch, k, rng.uniform(0.005, 0.2), rng.choice((None, k / 2)))
+        if rng.random() < 0.5:
+            n = len(model.xty)
+            xtx = [[rng.uniform(0, 1) * (i == j) + 0.01 for j in range(n)] for i in range(n)]
+            model.observe_sums(xtx, [rng.uniform(0, 1) for _ in range(n)], 8,
+                               rng.choice((0.0, 256.0)))
+            model.observe(4, 2, 0.02)  # a client residual over the engine's steps
+        for _ in range(5):
+            batch = rng.choice((0, 0.5, 1, 1.0, 3, 7.5, 64))
+            depth = rng.randint(0, 16)
+            expected = [1.0] + [rng.choice((0.5, 1.0, rng.uniform(1, 6))) for _ in range(depth)]
+            drafted = [None] + [rng.choice((None, 0.0, rng.uniform(0, k)))
+                                for k in range(1, depth + 1)]
+            for overhead in (True, False):
+                prefill = rng.choice((None, 0.0, rng.uniform(0, 0.01)))
+                want = [token_cost(model, batch, k, e, d, overhead, prefill)
+                        for k, (e, d) in enumerate(zip(expected, drafted, strict=True))]
+                assert token_costs(model, batch, expected, drafted, overhead, prefill) \
+                    == want, trial
