@@ -288,8 +288,12 @@ class StepTimeModel:
     def shared_prefill(self, batch: float, overhead: bool = True) -> float:
         """The prompt tokens' part of a depth-0 step (:meth:`prefill_part`), at most 0.99 of
         the step (:meth:`predict`, or :meth:`engine_step` without ``overhead``)."""
-        step = self.predict(batch, 0) if overhead else self.engine_step(batch, 0)
-        return min(self.prefill_part(batch), 0.99 * step)
+        # NOTE: prefill_part's first step is this one's: computed once (per decision)
+        step = self.engine_step(batch, 0, None, None)
+        part = max(step - self.engine_step(batch, 0, None, 0.0), 0.0)  # prefill_part
+        if overhead:
+            step = step + self.overhead(batch)  # predict
+        return min(part, 0.99 * step)
 
     def _observe_residual(self, batch: int, residual_s: float) -> None:
         mean, n = self.residuals.setdefault(batch_bucket(batch), [0.0, 0.0])

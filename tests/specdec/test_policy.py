@@ -571,8 +571,9 @@ def test_token_times_are_the_requests_own_by_its_domain_not_the_workers_mix() ->
 
 
 def test_token_costs_are_token_cost_at_each_depth_bit_for_bit() -> None:
-    """The written-out loop against :func:`token_cost` per k: client samples, the engine's
-    steps (prefill in them), the client's wait, batches below 1 and fractional ones."""
+    """The written-out loop against :func:`token_cost` per k (and shared_prefill against
+    its plain formula): client samples, the engine's steps (prefill in them), the client's
+    wait, batches below 1 and fractional ones."""
     rng = random.Random(7)
     for trial in range(60):
         model = StepTimeModel.from_prior((0.010, 0.0005, 0.0003, 0.0005, 0.002, 0.0002), 4.0,
@@ -593,6 +594,9 @@ def test_token_costs_are_token_cost_at_each_depth_bit_for_bit() -> None:
             drafted = [None] + [rng.choice((None, 0.0, rng.uniform(0, k)))
                                 for k in range(1, depth + 1)]
             for overhead in (True, False):
+                step = model.predict(batch, 0) if overhead else model.engine_step(batch, 0)
+                assert model.shared_prefill(batch, overhead) \
+                    == min(model.prefill_part(batch), 0.99 * step)
                 prefill = rng.choice((None, 0.0, rng.uniform(0, 0.01)))
                 want = [token_cost(model, batch, k, e, d, overhead, prefill)
                         for k, (e, d) in enumerate(zip(expected, drafted, strict=True))]
