@@ -204,6 +204,10 @@ class LatencyPrior:
         fit = config.fit
         # NOTE: the default fit (any domain, any length) declares nothing: no bonus.
         self._declared = bool(fit.domains) or fit.prompt_tokens != DeclaredFit().prompt_tokens
+        # pure functions of the config, read at every finished request: computed once
+        self._ttft_coef = self._ttft_coef_of()
+        self._tpot_coef: dict[str, Vec] = {}
+        self._cap = batch_capacity(config)
 
     def factor(self, domain: str, prompt_tokens: int) -> float:
         if self._declared and self.config.fit.covers(domain, prompt_tokens):
@@ -212,6 +216,9 @@ class LatencyPrior:
 
     def ttft_coef(self) -> Vec:
         """[s, s per 1000 prompt tokens, s per 8 queued requests] for an average shape."""
+        return self._ttft_coef
+
+    def _ttft_coef_of(self) -> Vec:
         p, e = self.prior, self.config.engine
         per_k = 1000 * (p.prefill_s_per_token + p.step_s / e.max_num_batched_tokens)
         # a queued request ahead costs about one prefill step, shared by the engine cores;
@@ -219,9 +226,12 @@ class LatencyPrior:
         return (p.step_s, per_k, 8 * p.step_s / max(e.data_parallel_size, 1))
 
     def tpot_coef(self, domain: str) -> Vec:
-        p, e = self.prior, self.config.engine
-        f = p.spec_speedup if e.spec_method != "none" and domain in p.copy_domains else 1.0
-        return (p.step_s * f, 8 * p.step_per_seq_s * f, 0.0)
+        coef = self._tpot_coef.get(domain)
+        if coef is None:
+            p, e = self.prior, self.config.engine
+            f = p.spec_speedup if e.spec_method != "none" and domain in p.copy_domains else 1.0
+            coef = self._tpot_coef[domain] = (p.step_s * f, 8 * p.step_per_seq_s * f, 0.0)
+        return coef
 
     def ttft_s(self, domain: str, prompt_tokens: int, queue: float) -> float:
         c = self.ttft_coef()
@@ -230,7 +240,7 @@ class LatencyPrior:
 
     def tpot_s(self, domain: str, prompt_tokens: int, batch: float, depth: int) -> float:
         c = self.tpot_coef(domain)
-        x = tpot_features(min(batch, batch_capacity(self.config)), depth)
+        x = tpot_features(min(batch, self._cap), depth)
         return (c[0] + c[1] * x[1] + c[2] * x[2]) * self.factor(domain, prompt_tokens)
 
 
