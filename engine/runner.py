@@ -94,9 +94,19 @@ class ModelRunner:
         self._ahead: LookAhead | None = None  # the step launched ahead, not yet consumed
         self.num_ahead_used = 0  # steps launched ahead and consumed ...
         self.num_ahead_missed = 0  # ... and those the next schedule did not match
-        self._readback = IdsReadback(graphs.max_rows, model.device) if graphs else None
         self.lanes = Lanes(1, 1)  # one forward per step until set_lanes
         self.chooser = LaneChooser(1)
+
+    @property
+    def graphs(self) -> RowDecoder | None:
+        return self._graphs
+
+    @graphs.setter
+    def graphs(self, graphs: RowDecoder | None) -> None:
+        """Set or swap the captured steps; the pinned readback is sized for them."""
+        self._graphs = graphs
+        self._ahead = None  # launched on the old graphs: never consumed on the new ones
+        self._readback = IdsReadback(graphs.max_rows, self.model.device) if graphs else None
 
     def execute(self, scheduled: Sequence[ScheduledSeq]) -> list[StepResult]:
         """Run one forward over ``scheduled``; results for the sequences that sampled."""
