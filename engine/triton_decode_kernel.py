@@ -8,26 +8,20 @@ import triton.language as tl
 
 
 @triton.jit
-def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr,
-                  stride_qb, stride_qh, stride_kh, stride_kb, stride_ks,
-                  stride_ob, stride_oh, stride_tb, stride_lb, scale,
-                  BLOCK_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                  D: tl.constexpr, TILE_T: tl.constexpr, IEEE: tl.constexpr):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    ctx = tl.load(lens_ptr + b * stride_lb)
-    g = tl.arange(0, G_PAD)
+def _attend_range(lo, hi, q, k_ptr, v_ptr, tables_ptr, b, kvh, stride_kh, stride_kb,
+                  stride_ks, stride_tb, scale, BLOCK_SIZE: tl.constexpr,
+                  G_PAD: tl.constexpr, D: tl.constexpr, TILE_T: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """Online softmax of ``q [G_PAD, D]`` over context positions ``[lo, hi)`` of sequence
+    ``b``'s KV head ``kvh``: the running max ``m``, sum ``den`` [G_PAD] and unnormalized
+    ``acc`` [G_PAD, D], float32 (``m`` -inf where the range is empty)."""
     d = tl.arange(0, D)
-    g_ok = g < G
-    heads = kvh * G + g
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None], other=0.0)  # [G_PAD, D]
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     den = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    for start in range(0, ctx, TILE_T):
+    for start in range(lo, hi, TILE_T):
         t = start + tl.arange(0, TILE_T)
-        t_ok = t < ctx
+        t_ok = t < hi
         blk = tl.load(tables_ptr + b * stride_tb + t // BLOCK_SIZE, mask=t_ok, other=0)
         row = kvh * stride_kh + blk.to(tl.int64) * stride_kb + (t % BLOCK_SIZE) * stride_ks
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
@@ -47,6 +41,27 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr,
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m = m_new
+    return m, den, acc
+
+
+@triton.jit
+def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr,
+                  stride_qb, stride_qh, stride_kh, stride_kb, stride_ks,
+                  stride_ob, stride_oh, stride_tb, stride_lb, scale,
+                  BLOCK_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                  D: tl.constexpr, TILE_T: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    ctx = tl.load(lens_ptr + b * stride_lb)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    g_ok = g < G
+    heads = kvh * G + g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None], other=0.0)  # [G_PAD, D]
+    m, den, acc = _attend_range(0, ctx, q, k_ptr, v_ptr, tables_ptr, b, kvh,
+                                stride_kh, stride_kb, stride_ks, stride_tb, scale,
+                                BLOCK_SIZE, G_PAD, D, TILE_T, IEEE)
     out = acc / den[:, None]
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
@@ -72,33 +87,11 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, stats_ptr, tables_ptr, le
     heads = kvh * G + g
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None], other=0.0)  # [G_PAD, D]
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    den = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
     lo = split * SPLIT_T
     hi = tl.minimum(lo + SPLIT_T, ctx)
-    for start in range(lo, hi, TILE_T):
-        t = start + tl.arange(0, TILE_T)
-        t_ok = t < hi
-        blk = tl.load(tables_ptr + b * stride_tb + t // BLOCK_SIZE, mask=t_ok, other=0)
-        row = kvh * stride_kh + blk.to(tl.int64) * stride_kb + (t % BLOCK_SIZE) * stride_ks
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(t_ok[None, :], s * scale, float("-inf"))  # [G_PAD, TILE_T]
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        den = den * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+    m, den, acc = _attend_range(lo, hi, q, k_ptr, v_ptr, tables_ptr, b, kvh,
+                                stride_kh, stride_kb, stride_ks, stride_tb, scale,
+                                BLOCK_SIZE, G_PAD, D, TILE_T, IEEE)
     at = (b * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [G_PAD]
     tl.store(part_ptr + at[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
     tl.store(stats_ptr + at * 2, m, mask=g_ok)
