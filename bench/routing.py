@@ -238,6 +238,15 @@ TRACE_LINE = 2 * 10**6  # trace requests' line numbers in a schedule start here
 FLEETS = ("equal", "fast-long", "gpu")
 
 
+def ngram_worker(device: str) -> CompiledConfig:
+    """Every fleet's ``spec`` worker: n-gram speculation at a small batch, for repetitive
+    domains' short prompts."""
+    return CompiledConfig(model=str(TINY_TARGET), engine=EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=256, spec_method="ngram", spec_max_depth=8,
+        spec_default_depth=4, max_model_len=MAX_MODEL_LEN, num_threads=1, device=device),
+        fit=DeclaredFit(domains=CLASSES["repetitive"], prompt_tokens=(0, 600)))
+
+
 def gpu_fleet(device: str) -> dict[str, CompiledConfig]:
     """``--fleet gpu`` (with ``--device cuda``): configs that differ as a GPU fleet's do --
     n-gram speculation at small batch, draft-model speculation, a large batch without it.
@@ -245,10 +254,7 @@ def gpu_fleet(device: str) -> dict[str, CompiledConfig]:
     tokens per launch (speculation) and slots, not compute; the draft worker's default depth
     is an operator's cautious 1 (the depth policy finds what pays, for the adaptive arm)."""
     model = str(TINY_TARGET)
-    spec = CompiledConfig(model=model, engine=EngineConfig(
-        max_num_seqs=4, max_num_batched_tokens=256, spec_method="ngram", spec_max_depth=8,
-        spec_default_depth=4, max_model_len=MAX_MODEL_LEN, num_threads=1, device=device),
-        fit=DeclaredFit(domains=CLASSES["repetitive"], prompt_tokens=(0, 600)))
+    spec = ngram_worker(device)
     draft = CompiledConfig(model=model, engine=EngineConfig(
         max_num_seqs=8, max_num_batched_tokens=512, spec_method="draft",
         draft_model=str(TINY_DRAFT), spec_max_depth=4, spec_default_depth=1,
@@ -267,10 +273,7 @@ def fleet_configs(fleet: str, long_cores: int, device: str) -> dict[str, Compile
     if fleet == "gpu":
         return gpu_fleet(device)
     model = str(TINY_TARGET)
-    spec = CompiledConfig(model=model, engine=EngineConfig(
-        max_num_seqs=4, max_num_batched_tokens=256, spec_method="ngram", spec_max_depth=8,
-        spec_default_depth=4, max_model_len=MAX_MODEL_LEN, num_threads=1, device=device),
-        fit=DeclaredFit(domains=CLASSES["repetitive"], prompt_tokens=(0, 600)))
+    spec = ngram_worker(device)
     batch = CompiledConfig(model=model, engine=EngineConfig(
         max_num_seqs=32 if fleet == "equal" else 16, max_num_batched_tokens=256,
         max_model_len=MAX_MODEL_LEN,
