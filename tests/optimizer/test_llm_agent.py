@@ -1,8 +1,8 @@
 """The LLM agent against an OpenAI-compatible endpoint on loopback.
 
 No model that proposes sensible configs can run here, so the endpoint is a
-fixture (`FakeLlmEndpoint`): a real aiohttp server that answers chat
-completions with canned text and records what it was asked.
+fixture (tests/optimizer/fake_llm.py, a fake): a real aiohttp server that answers
+chat completions with canned text and records what it was asked.
 """
 
 from __future__ import annotations
@@ -10,37 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
-from aiohttp import web
 
 from optimizer.agents.base import BoardView
 from optimizer.agents.llm import LlmAgent, parse_points
 from optimizer.space import SearchSpace
 from polyinfer.config import CompiledConfig
-
-
-class FakeLlmEndpoint:
-    def __init__(self, answer: str) -> None:
-        self.answer = answer
-        self.requests: list[dict[str, Any]] = []
-
-    async def handle(self, request: web.Request) -> web.Response:
-        self.requests.append(await request.json())
-        return web.json_response({"choices": [{"message": {"role": "assistant",
-                                                           "content": self.answer}}]})
-
-
-async def serve(fake: FakeLlmEndpoint) -> tuple[web.AppRunner, str]:
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", fake.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+from tests.optimizer.fake_llm import FakeLlm
 
 
 def test_parse_points_finds_the_json_list() -> None:
@@ -65,8 +42,8 @@ async def test_llm_agent_repairs_and_dedups_answers(space: SearchSpace) -> None:
         {"max_num_seqs": 4, "max_num_batched_tokens": 256},  # duplicate
         {"no_such_knob": 1},
     ])
-    fake = FakeLlmEndpoint(f"Here are my picks: {answer}")
-    runner, url = await serve(fake)
+    fake = FakeLlm(f"Here are my picks: {answer}")
+    runner, url = await fake.start()
     try:
         agent = LlmAgent(space, url, model="m")
         measured = {space.key(space.build({"max_num_seqs": 16})): 120.0}

@@ -27,7 +27,6 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from aiohttp import web
 
 from optimizer.board import Board
 from optimizer.engine_proc import EngineProcess
@@ -37,6 +36,7 @@ from polyinfer.config import TINY_TARGET, CompiledConfig
 from proxy.cli import build_parser
 from proxy.serve_cli import build_config
 from proxy.server import ProxyServer
+from tests.optimizer.fake_llm import FakeLlm
 from tests.optimizer.faults import LAUNCHER
 
 pytestmark = pytest.mark.timeout(240)
@@ -68,30 +68,6 @@ ANSWERS = [
     "More concurrency should help here; I would raise the batch.",  # no JSON list
     json.dumps([{"max_num_seqs": 8}, {"max_num_seqs": "lots"}, {"kv_cache_tokens": 99}]),
 ]
-
-
-class FakeLlm:
-    """A scripted OpenAI-compatible chat endpoint (a fake LLM); then empty lists."""
-
-    def __init__(self, answers: list[str]) -> None:
-        self.answers = list(answers)
-        self.requests: list[dict[str, Any]] = []
-
-    async def handle(self, request: web.Request) -> web.Response:
-        self.requests.append(await request.json())
-        text = self.answers.pop(0) if self.answers else "[]"
-        return web.json_response({"choices": [{"message": {"role": "assistant",
-                                                           "content": text}}]})
-
-    async def start(self) -> tuple[web.AppRunner, str]:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        return runner, f"http://127.0.0.1:{port}"
 
 
 class Clients:
@@ -173,7 +149,7 @@ async def test_campaign_promotion_planted_regression_and_rollback(tmp_path: Path
     long = synth.make("chat", 420)  # one text: one shape, the prefix cache warm for it
     prompts = [synth.make("code", 30), long, synth.make("code", 40)]
     assert len(prompts[1]) > 1000 > len(prompts[0]) + 200
-    fake = FakeLlm(ANSWERS)
+    fake = FakeLlm(*ANSWERS, "[]")  # then empty lists
     llm_runner, llm_url = await fake.start()
     live = EngineProcess(POOR, launcher=LAUNCHER, log_path=tmp_path / "live.log")
     t0 = time.monotonic()
