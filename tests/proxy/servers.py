@@ -173,3 +173,25 @@ def eventually(predicate: Any, timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return bool(predicate())
+
+
+async def read_raw_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One request read by a raw-socket fake upstream: its head and its body (by
+    Content-Length; none without)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return head, (await reader.readexactly(length) if length else b"")
+
+
+def answer_get(head: bytes) -> bytes | None:
+    """A raw-socket fake upstream's answer to a GET (200 ``ok`` for /health, else 404);
+    None for any other method."""
+    if head.startswith(b"GET /health"):
+        return b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    if head.startswith(b"GET"):
+        return b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+    return None

@@ -20,7 +20,14 @@ import pytest
 
 from proxy import keys
 from proxy.config import ProxyConfig
-from tests.proxy.servers import EngineProcess, ProxyThread, eventually, read_traces
+from tests.proxy.servers import (
+    EngineProcess,
+    ProxyThread,
+    answer_get,
+    eventually,
+    read_raw_request,
+    read_traces,
+)
 
 MODEL = "tiny-target"
 SECRET = "SECRET-PROMPT-TEXT"
@@ -80,17 +87,9 @@ class FakeBrokenUpstream:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n")[1:]:
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                body = await reader.readexactly(length) if length else b""
-                if head.startswith(b"GET /health"):
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                elif head.startswith(b"GET"):
-                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                head, body = await read_raw_request(reader)
+                if (got := answer_get(head)) is not None:
+                    writer.write(got)
                 else:
                     self.num_posts += 1
                     request = orjson.loads(body)

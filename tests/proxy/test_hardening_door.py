@@ -20,7 +20,7 @@ import pytest
 from proxy import keys
 from proxy.admission import InFlightLimit
 from proxy.config import ProxyConfig
-from tests.proxy.servers import ProxyThread, eventually, read_traces
+from tests.proxy.servers import ProxyThread, answer_get, eventually, read_raw_request, read_traces
 
 MODEL = "fake-held"
 BODY = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
@@ -82,17 +82,9 @@ class FakeHeldUpstream:
         assert self.release is not None
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n")[1:]:
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                body = await reader.readexactly(length) if length else b""
-                if head.startswith(b"GET /health"):
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                elif head.startswith(b"GET"):
-                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                head, body = await read_raw_request(reader)
+                if (got := answer_get(head)) is not None:
+                    writer.write(got)
                 elif b'"stream":true' in body:  # a stream far larger than any buffer
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                                  b"Transfer-Encoding: chunked\r\n\r\n")
