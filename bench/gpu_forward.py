@@ -234,12 +234,48 @@ def profile_step(core: Any, batch: int, context: int, out: Path,
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
     with out.open("a") as f:
         f.write(f"\n== {title}: 5 steps ==\n{table}\n")
+        f.write(replay_timeline(graphs._graphs[bucket]))
     rows_out = []
     for e in prof.key_averages():
         total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if total > 0 and e.count:
             rows_out.append((e.key, e.count // 5, total / 5))
     return sorted(rows_out, key=lambda r: -r[2])
+
+
+def replay_timeline(graph: torch.cuda.CUDAGraph) -> str:
+    """The kernels of one replay of ``graph`` in launch order: each one's us and the gap
+    before it (the device idle between kernels), then per kernel name calls, us and gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"
+                      and e.time_range.elapsed_us() > 0 and "Memcpy" not in e.name
+                      and "Memset" not in e.name), key=lambda e: e.time_range.start)
+    if not kernels:
+        return "replay: the profiler saw no kernels inside the graph\n"
+    lines, by_name, end = [], {}, None
+    for e in kernels:
+        gap = 0.0 if end is None else e.time_range.start - end
+        end = e.time_range.end
+        dur = e.time_range.end - e.time_range.start
+        lines.append(f"{dur:8.2f} us  gap {gap:6.2f}  {e.name[:90]}")
+        c = by_name.setdefault(e.name[:90], [0, 0.0, 0.0])
+        c[0] += 1
+        c[1] += dur
+        c[2] += gap
+    span = kernels[-1].time_range.end - kernels[0].time_range.start
+    busy = sum(v[1] for v in by_name.values())
+    head = (f"replay: {len(kernels)} kernels over {span:.1f} us, busy {busy:.1f} us, "
+            f"gaps {span - busy:.1f} us\n")
+    summary = "".join(f"{v[0]:5d} x {v[1]:9.1f} us (gaps {v[2]:7.1f})  {k}\n" for k, v in
+                      sorted(by_name.items(), key=lambda kv: -kv[1][1]))
+    print("  " + head.strip() + "\n" + summary, flush=True)
+    return head + summary + "\n".join(lines) + "\n"
 
 
 def transformers_rate(model_dir: Path, batch: int, num_tokens: int) -> float:
