@@ -15,13 +15,25 @@ about shedding, its in-flight limit, connections and its worker (probe, breaker,
 
     python bench/overload.py                          # 2000 req/s x1.25 until saturated, then 3x
     python bench/overload.py --sweep 2000 2500 3000 --duration 10 --prompts unique
+    python bench/overload.py --door-cost             # loop CPU per served / refused request
+
+``--door-cost`` answers what the goodput past capacity rests on: past capacity the proxy's
+core serves S requests and refuses the rest, S x cost + refused x cost_refused <= 1 s, so at
+3x capacity goodput is (1 - 3r) / (1 - r) of capacity, r = cost_refused / cost (0.9x needs
+r <= 0.048). It runs the proxy in this process (uvloop) in front of one FakeFastUpstream
+process, and a raw-socket client process keeps ``--conns`` keep-alive connections busy, one
+request at a time each; blocks of ``--block`` requests alternate served (the in-flight limit
+out of reach) and refused (limit 0: every request a door 429), and each block's cost is the
+loop thread's CPU time (user + system, ``time.thread_time``) over its requests.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -69,7 +81,189 @@ def proxy_stats(url: str) -> dict:
             "worker": {k: worker.get(k) for k in ("healthy", "probe_ok", "breaker")}}
 
 
+_BARE_429 = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+             b"Retry-After: 1\r\nContent-Length: 2\r\n\r\n{}")
+
+
+class BareRefusal(asyncio.Protocol):
+    """The least a refusal can cost on this loop: a bare protocol that frames each request
+    by its Content-Length and writes a constant 429 (no proxy logic), for --door-cost's
+    calibration."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        self.buf = b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf + data
+        while (end := buf.find(b"\r\n\r\n")) != -1:
+            at = buf.find(b"Content-Length: ", 0, end) + 16
+            size = end + 4 + int(buf[at:buf.find(b"\r\n", at)])
+            if len(buf) < size:
+                break
+            buf = buf[size:]
+            assert self.transport is not None
+            self.transport.write(self.answer)
+        self.buf = buf
+
+
+def door_client_main(port: int, num_conns: int, path: str, stream: bool) -> None:
+    """The door-cost client (its own process): per line on stdin (a request count), that
+    many requests over ``num_conns`` keep-alive connections, then one line on stdout: the
+    count of answers by status."""
+    import selectors
+    import socket
+    body = json.dumps({**po.BODY, "stream": stream}).encode()
+    request = (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
+    sel = selectors.DefaultSelector()
+    conns = []
+    for _ in range(num_conns):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conns.append(sock)
+    for line in sys.stdin:
+        todo = int(line)
+        counts: dict[int, int] = {}
+        bufs = {s: b"" for s in conns}
+        busy = 0
+        for sock in conns:
+            if todo:
+                sock.sendall(request)
+                todo -= 1
+                busy += 1
+                sel.register(sock, selectors.EVENT_READ)
+        while busy:
+            for key, _ in sel.select():
+                sock = key.fileobj
+                data = sock.recv(1 << 16)
+                if not data:
+                    raise SystemExit("the proxy closed a connection")
+                buf = bufs[sock] + data
+                end = buf.find(b"\r\n\r\n")
+                if end == -1:
+                    bufs[sock] = buf
+                    continue
+                head = buf[:end].lower()
+                at = head.find(b"content-length:")
+                if at != -1:
+                    size = end + 4 + int(head[at + 15:head.find(b"\r\n", at) if
+                                              head.find(b"\r\n", at) != -1 else None])
+                    done = len(buf) >= size
+                else:
+                    size = buf.find(b"\r\n0\r\n\r\n", end) + 7
+                    done = size >= 7
+                if not done:
+                    bufs[sock] = buf
+                    continue
+                status = int(buf[9:12])
+                counts[status] = counts.get(status, 0) + 1
+                bufs[sock] = buf[size:]
+                if todo:
+                    sock.sendall(request)
+                    todo -= 1
+                else:
+                    sel.unregister(sock)
+                    busy -= 1
+        print(json.dumps(counts), flush=True)
+
+
+def door_cost(args: argparse.Namespace) -> None:
+    """Loop CPU per served and per refused request, blocks alternating (see the doc)."""
+    import subprocess
+
+    import uvloop
+
+    from proxy import keys
+    from proxy.admission import InFlightLimit
+    from proxy.config import ProxyConfig
+    from proxy.server import ProxyServer
+
+    workdir = Path(tempfile.mkdtemp(prefix="door-cost-"))
+    port = po.free_port()
+    upstream = subprocess.Popen([po.PY, str(po.REPO / "bench" / "fake_upstream.py"), "--port",
+                                 str(port), "--chunks", str(args.chunks)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    po.wait_http(f"http://127.0.0.1:{port}/health")
+
+    async def run() -> dict[str, list[tuple[float, float]]]:
+        config = ProxyConfig.from_dict({
+            "server": {"host": "127.0.0.1", "port": 0},
+            "workers": [{"name": "up", "url": f"http://127.0.0.1:{port}",
+                         "config": {"backend": "external", "model": "fake-fast"}}],
+            "routing": {"policy": "round_robin"},
+            "traces": {"dir": str(workdir / "traces")}, "run_dir": str(workdir / "run")})
+        server = ProxyServer(config)
+        await server.start()
+        relay = server.app[keys.RELAY]
+        served_limit = relay.in_flight_limit
+        loop = asyncio.get_running_loop()
+        bare = await loop.create_server(lambda: BareRefusal(_BARE_429), "127.0.0.1", 0)
+        clients = {}
+        for kind, to in (("proxy", server.port), ("bare", bare.sockets[0].getsockname()[1])):
+            clients[kind] = await asyncio.create_subprocess_exec(
+                po.PY, __file__, "--door-client", str(to), str(args.conns),
+                "/v1/chat/completions", "1" if args.stream else "0",
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+
+        async def block(client: asyncio.subprocess.Process, n: int
+                        ) -> tuple[float, float, float, dict]:
+            assert client.stdin is not None and client.stdout is not None
+            client.stdin.write(b"%d\n" % n)
+            t, use = time.perf_counter(), resource.getrusage(resource.RUSAGE_THREAD)
+            line = await client.stdout.readline()
+            end = resource.getrusage(resource.RUSAGE_THREAD)
+            user, system = end.ru_utime - use.ru_utime, end.ru_stime - use.ru_stime
+            return user / n * 1e6, system / n * 1e6, n / (time.perf_counter() - t), \
+                json.loads(line)
+        out: dict[str, list[tuple[float, float]]] = {"served": [], "refused": [], "bare": []}
+        try:
+            for client in clients.values():
+                await block(client, 500)  # warm-up: connections, caches
+            for i in range(3 * args.blocks):
+                kind = ("served", "refused", "bare")[i % 3]
+                relay.in_flight_limit = served_limit if kind == "served" else InFlightLimit(0)
+                relay.in_flight_limit.update(False, 0)
+                user, system, rps, counts = await block(
+                    clients["bare" if kind == "bare" else "proxy"], args.block)
+                want = "200" if kind == "served" else "429"
+                if counts.get(want) != args.block:
+                    raise SystemExit(f"{kind} block answered {counts}")
+                out[kind].append((user, system))
+                print(f"{kind:<8} {user + system:7.1f} us loop CPU / request (user {user:.1f}, "
+                      f"system {system:.1f}; {rps:,.0f} req/s)", flush=True)
+        finally:
+            for client in clients.values():
+                assert client.stdin is not None
+                client.stdin.close()
+                await client.wait()
+            relay.in_flight_limit = served_limit
+            bare.close()
+            await server.stop()
+        return out
+    try:
+        out = uvloop.run(run())
+    finally:
+        upstream.terminate()
+        upstream.wait(timeout=10)
+    total = {k: [u + s for u, s in v] for k, v in out.items()}
+    med = {k: float(np.median(v)) for k, v in total.items()}
+    r = med["refused"] / med["served"]
+    print("# median us / request (max/min over blocks): " + ", ".join(
+        f"{k} {med[k]:.1f} ({max(v) / min(v):.2f})" for k, v in total.items())
+          + f"; r = {r:.3f}; goodput bound at 3x (1 - 3r) / (1 - r) = "
+            f"{(1 - 3 * r) / (1 - r):.2f}x")
+    print(json.dumps({"door_cost_us": out, "median_us": med, "r": round(r, 4)}))
+
+
 def main() -> None:
+    if len(sys.argv) == 6 and sys.argv[1] == "--door-client":
+        door_client_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1")
+        return
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", type=float, nargs="+", default=None,
@@ -90,7 +284,17 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=po.DATA)
     p.add_argument("--source", type=Path, default=None,
                    help="run the proxy from another source tree (e.g. an earlier commit)")
+    p.add_argument("--door-cost", action="store_true",
+                   help="measure the loop CPU per served and per refused request (see above)")
+    p.add_argument("--conns", type=int, default=16, help="--door-cost: client connections")
+    p.add_argument("--block", type=int, default=2000, help="--door-cost: requests per block")
+    p.add_argument("--blocks", type=int, default=5, help="--door-cost: blocks of each kind")
+    p.add_argument("--no-stream", dest="stream", action="store_false",
+                   help="--door-cost: non-streamed requests")
     args = p.parse_args()
+    if args.door_cost:
+        door_cost(args)
+        return
     layout = po.Layout.plan(os.cpu_count() or 1, args.upstream_procs, args.loadgen_procs, True)
     print(f"# cores: proxy {layout.proxy}, upstream {list(layout.upstream)}, "
           f"load {list(layout.loadgen)} (of {os.cpu_count()})", flush=True)
