@@ -249,28 +249,23 @@ class AdaptivePolicy:
             saved_s = max(full.ttft_s - pred.ttft_s, 0.0)
         now = self.clock()
         pred_cost_s = self._cost(shape, pred)
-        # past capacity the request waits for a slot: until enough of those ahead finish
-        wait = self._inflight.slot_wait_s(view.name, now, queue + 1 - cap, cap, pred_cost_s)
-        ttft_s, tpot_s = self._latency(shape, view.name, now, pred, wait)
-        cost = ttft_s + max(shape.predicted_output_tokens - 1, 0) * tpot_s
         # NOTE: below capacity it joins the batch and slows every request running there
         # (crowding); at capacity it waits instead and slows no one.
         crowd_s = prof.tpot_per_seq_s() if queue < cap else 0.0
-        harm = self._interference(view.name, now, prefill_s, crowd_s, pred_cost_s)
+        # past capacity the request waits for a slot: until enough of those ahead finish;
+        # the prefill routed there before that is still to run is spread over its decode
+        # (TPOT); the harm is what it costs the flights there (_interference); one pass
+        wait, ahead, harm = self._inflight.load_terms(
+            view.name, now, queue + 1 - cap, cap, pred_cost_s, prefill_s, crowd_s, pred_cost_s,
+            self.config.slo_penalty)
+        ttft_s = pred.ttft_s + wait
+        tpot_s = pred.tpot_s + ahead / max(shape.predicted_output_tokens - 1, 1)
+        cost = ttft_s + max(shape.predicted_output_tokens - 1, 0) * tpot_s
         penalty, meets = self._slo(shape, ttft_s, tpot_s)
         return Candidate(view.name, cost * penalty + harm,
                          self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
                          ttft_s, tpot_s, prefill_s, wait, model_cached, cached, saved_s * penalty,
                          cap)
-
-    def _latency(self, shape: RequestShape, worker: str, now: float, pred: Prediction,
-                 wait_s: float) -> tuple[float, float]:
-        """(TTFT, TPOT) predicted on the worker, seconds: the profile's, plus the slot wait
-        in TTFT, plus the prefill routed there before that is still to run, spread over
-        this request's decode steps in TPOT."""
-        ahead = self._inflight.prefill_ahead_s(worker, now)
-        num_gaps = max(shape.predicted_output_tokens - 1, 1)
-        return pred.ttft_s + wait_s, pred.tpot_s + ahead / num_gaps
 
     def _model_cached_tokens(self, shape: RequestShape, view: WorkerView) -> float:
         """Prompt tokens in the leading prefix blocks the worker's modelled cache holds."""
@@ -299,38 +294,11 @@ class AdaptivePolicy:
         steps) plus ``crowd_s`` per step they share with this one while both run (a bigger
         batch makes every step slower): the externality that keeps the policy from piling
         requests onto the worker that looks best for each one alone. Each flight is
-        priced as predicted when it was sent, with this request's delay alone: the loss
-        in its steps while both run (``min(remaining, cost_s)`` steps of ``max(TPOT,
-        0.1 ms)``, each ``crowd_s`` slower), and ``_slo_of`` at its TPOT with the delay
-        spread over its gaps, the TTFT part precomputed.
-        """
-        harm = 0.0
-        if prefill_s <= 0 and crowd_s <= 0:
-            return harm
-        # NOTE: runs over every flight on the worker for every candidate, so it is written
-        # out in one loop, no call a flight: min / max as comparisons that pick the same
-        # operand, the arithmetic in the plain formula's order, so the sum is the same bit
-        # for bit (tests/router/test_same_decisions.py).
-        slo_penalty = self.config.slo_penalty
-        for f in self._inflight.on_worker(worker):
-            if not now < f.active_until_s:  # InFlight.active
-                continue
-            f_cost = f.cost_s
-            shared = f.sent_s + f_cost - now  # remaining_s: max(left, 0.1 x cost) ...
-            late = 0.1 * f_cost
-            if late > shared:
-                shared = late
-            if cost_s < shared:  # ... while both run
-                shared = cost_s
-            tpot_s = f.tpot_s
-            delay = prefill_s + crowd_s * shared / (1e-4 if 1e-4 > tpot_s else tpot_s)
-            miss = f.ttft_miss
-            if f.slo_tpot_s:
-                tpot_miss = (tpot_s + delay / f.num_gaps) / f.slo_tpot_s - 1.0
-                if tpot_miss > 0.0:
-                    miss += tpot_miss
-            harm += (f_cost + delay) * (1.0 + slo_penalty * miss) - f_cost * f.penalty
-        return harm
+        priced as predicted when it was sent, with this request's delay alone
+        (:meth:`router.inflight.InFlight.load_terms`, which :meth:`candidate` calls once
+        for this, the slot wait and the prefill ahead together)."""
+        return self._inflight.load_terms(worker, now, 0, 1, 0.0, prefill_s, crowd_s, cost_s,
+                                         self.config.slo_penalty)[2]
 
     @staticmethod
     def _cost(shape: RequestShape, pred: Prediction) -> float:

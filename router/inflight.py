@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 STALE_FACTOR = 4.0  # an entry counts until sent + STALE_FACTOR x its predicted e2e
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Flight:
-    """One routed request, as predicted when it was sent (times: policy clock, seconds)."""
+    """One routed request, as predicted when it was sent (times: policy clock, seconds).
+    Read-only by convention: not frozen, as :class:`router.adaptive.Candidate` (a frozen
+    dataclass sets each field through ``object.__setattr__``, and a decision builds one)."""
 
     worker: str
     queue: int  # load the decision saw
@@ -56,14 +58,21 @@ class Flight:
     ttft_miss: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        cost_s = self.ttft_s + max(self.num_tokens - 1, 0) * self.tpot_s
-        object.__setattr__(self, "cost_s", cost_s)
-        object.__setattr__(self, "active_until_s",
-                           self.sent_s + STALE_FACTOR * max(cost_s, 1e-3))
-        object.__setattr__(self, "num_gaps", max(self.num_tokens - 1, 1))
-        object.__setattr__(self, "first_token_s", self.sent_s + self.ttft_s)
-        object.__setattr__(self, "ttft_miss", max(0.0, self.ttft_s / self.slo_ttft_s - 1.0)
-                           if self.slo_ttft_s else 0.0)
+        self.cost_s = cost_s = self.ttft_s + max(self.num_tokens - 1, 0) * self.tpot_s
+        self.active_until_s = self.sent_s + STALE_FACTOR * max(cost_s, 1e-3)
+        self.num_gaps = max(self.num_tokens - 1, 1)
+        self.first_token_s = self.sent_s + self.ttft_s
+        self.ttft_miss = max(0.0, self.ttft_s / self.slo_ttft_s - 1.0) \
+            if self.slo_ttft_s else 0.0
+
+    def terms(self) -> tuple[float, ...]:
+        """What :meth:`InFlight.load_terms` reads of the flight, in its loop's order: the
+        derived fields and the products it would otherwise compute at every decision."""
+        tpot_s = self.tpot_s
+        return (self.active_until_s, self.sent_s + self.cost_s, 0.1 * self.cost_s,
+                self.cost_s, self.first_token_s, self.prefill_s,
+                1e-4 if 1e-4 > tpot_s else tpot_s, tpot_s, self.ttft_miss,
+                self.slo_tpot_s or 0.0, self.num_gaps, self.cost_s * self.penalty)
 
     def remaining_s(self, now_s: float) -> float:
         """Predicted time left; a request running late counts a tenth of its cost."""
@@ -80,6 +89,7 @@ class InFlight:
         self.capacity = capacity
         self._all: OrderedDict[int, Flight] = OrderedDict()
         self._by_worker: dict[str, dict[int, Flight]] = {}
+        self._terms: dict[str, dict[int, tuple[float, ...]]] = {}  # Flight.terms, as _by_worker
 
     def __len__(self) -> int:
         return len(self._all)
@@ -88,14 +98,17 @@ class InFlight:
         self.pop(key)
         self._all[key] = flight
         self._by_worker.setdefault(flight.worker, {})[key] = flight
+        self._terms.setdefault(flight.worker, {})[key] = flight.terms()
         while len(self._all) > self.capacity:
             old_key, old = self._all.popitem(last=False)
             self._by_worker[old.worker].pop(old_key, None)
+            self._terms[old.worker].pop(old_key, None)
 
     def pop(self, key: int) -> Flight | None:
         flight = self._all.pop(key, None)
         if flight is not None:
             self._by_worker[flight.worker].pop(key, None)
+            self._terms[flight.worker].pop(key, None)
         return flight
 
     def active(self, worker: str, now_s: float) -> Iterator[Flight]:
@@ -117,20 +130,68 @@ class InFlight:
         cost, or of ``fallback_s`` when none is known."""
         if num_ahead <= 0:
             return 0.0
-        flights = [f for f in self.on_worker(worker) if now_s < f.active_until_s]
-        # NOTE: Flight.remaining_s written out (this runs for every candidate at capacity)
-        left = sorted([max(f.sent_s + f.cost_s - now_s, 0.1 * f.cost_s) for f in flights])
-        if num_ahead <= len(left):
-            return left[num_ahead - 1]
-        mean_s = sum(f.cost_s for f in flights) / len(flights) if flights else fallback_s
-        return (left[-1] if left else 0.0) + (num_ahead - len(left)) / capacity * mean_s
+        return self.load_terms(worker, now_s, num_ahead, capacity, fallback_s)[0]
 
     def prefill_ahead_s(self, worker: str, now_s: float) -> float:
         """Prefill time still to run on ``worker`` for requests sent before now."""
-        total = 0.0
-        for f in self._by_worker.get(worker, {}).values():
-            # NOTE: active and prefilling (the first token not yet due), tested inline: this
-            # runs over every flight on the worker for every candidate
-            if now_s < f.first_token_s and now_s < f.active_until_s:
-                total += min(f.prefill_s, f.first_token_s - now_s)
-        return total
+        return self.load_terms(worker, now_s)[1]
+
+    def load_terms(self, worker: str, now_s: float, num_ahead: int = 0, capacity: int = 1,
+                   fallback_s: float = 0.0, prefill_s: float = 0.0, crowd_s: float = 0.0,
+                   cost_s: float = 0.0, slo_penalty: float = 0.0
+                   ) -> tuple[float, float, float]:
+        """(:meth:`slot_wait_s`, :meth:`prefill_ahead_s`, interference) on ``worker`` at
+        ``now_s``, in one pass over its flights: what a router's candidate needs of them.
+
+        Interference (with ``prefill_s`` or ``crowd_s`` > 0) is the penalised delay a new
+        request costing ``cost_s`` adds to the active flights: each is stalled by its prefill
+        ``prefill_s`` plus ``crowd_s`` per step they share while both run
+        (``min(remaining, cost_s)`` of the flight's steps of ``max(TPOT, 0.1 ms)``), and
+        priced as predicted when it was sent, with that delay spread over its TPOT gaps:
+        ``(cost + delay) x (1 + slo_penalty x miss) - cost x penalty``
+        (:class:`router.adaptive.AdaptivePolicy` explains why).
+
+        NOTE: this loop runs over every flight on the worker for every candidate of every
+        decision: one loop, the flight's constants precomputed (:meth:`Flight.terms`), min /
+        max as comparisons that pick the same operand and the arithmetic in the plain
+        formulas' order, so each sum is theirs bit for bit
+        (tests/router/test_same_decisions.py)."""
+        wait = ahead = harm = 0.0
+        terms = self._terms.get(worker)
+        if not terms:
+            if num_ahead > 0:
+                wait = num_ahead / capacity * fallback_s
+            return wait, ahead, harm
+        priced = prefill_s > 0 or crowd_s > 0
+        lefts: list[float] | None = [] if num_ahead > 0 else None
+        costs: list[float] = []
+        for (until, end, late, f_cost, first, f_prefill, tpot_div, tpot_s, ttft_miss,
+             slo_tpot, gaps, base) in terms.values():
+            if not now_s < until:  # active
+                continue
+            if now_s < first:  # prefilling: min(prefill, first - now) still to run
+                x = first - now_s
+                ahead += x if x < f_prefill else f_prefill
+            left = end - now_s  # Flight.remaining_s: max(sent + cost - now, 0.1 x cost)
+            if late > left:
+                left = late
+            if lefts is not None:
+                lefts.append(left)
+                costs.append(f_cost)
+            if priced:
+                shared = cost_s if cost_s < left else left  # while both run
+                delay = prefill_s + crowd_s * shared / tpot_div
+                miss = ttft_miss
+                if slo_tpot:
+                    tpot_miss = (tpot_s + delay / gaps) / slo_tpot - 1.0
+                    if tpot_miss > 0.0:
+                        miss += tpot_miss
+                harm += (f_cost + delay) * (1.0 + slo_penalty * miss) - base
+        if lefts is not None:
+            lefts.sort()
+            if num_ahead <= len(lefts):
+                wait = lefts[num_ahead - 1]
+            else:
+                mean_s = sum(costs) / len(costs) if costs else fallback_s
+                wait = (lefts[-1] if lefts else 0.0) + (num_ahead - len(lefts)) / capacity * mean_s
+        return wait, ahead, harm

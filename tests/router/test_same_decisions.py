@@ -84,6 +84,18 @@ def test_interference_is_the_old_loop_bit_for_bit() -> None:
                 delay = prefill + crowd_s * shared / max(f.tpot_s, 1e-4)
                 old += _old_flight_cost(p, f, delay) - f.cost_s * f.penalty
         assert p._interference("a", now, prefill, crowd_s, cost) == old, trial
+        # the candidate's one pass: the slot wait, the prefill ahead and this, together
+        active = list(p._inflight.active("a", now))
+        ahead = 1 + trial % 40
+        left = sorted(max(f.sent_s + f.cost_s - now, 0.1 * f.cost_s) for f in active)
+        wait = left[ahead - 1] if ahead <= len(left) else \
+            left[-1] + (ahead - len(left)) / 8 * sum(f.cost_s for f in active) / len(active)
+        prefilling = 0.0  # a loop, as the code sums (sum() compensates from Python 3.12)
+        for f in active:
+            if now < f.sent_s + f.ttft_s:
+                prefilling += min(f.prefill_s, f.sent_s + f.ttft_s - now)
+        assert p._inflight.load_terms("a", now, ahead, 8, 0.5, prefill, crowd_s, cost,
+                                      p.config.slo_penalty) == (wait, prefilling, old), trial
 
 
 def test_prefill_ahead_and_activity_are_the_old_scans() -> None:
@@ -95,8 +107,10 @@ def test_prefill_ahead_and_activity_are_the_old_scans() -> None:
             active = [f for f in every
                       if now < f.sent_s + STALE_FACTOR * max(f.cost_s, 1e-3)]
             assert list(flights.active(worker, now)) == active
-            old = sum(min(f.prefill_s, f.sent_s + f.ttft_s - now) for f in active
-                      if now < f.sent_s + f.ttft_s)
+            old = 0.0  # a loop, as the code sums (sum() compensates from Python 3.12)
+            for f in active:
+                if now < f.sent_s + f.ttft_s:
+                    old += min(f.prefill_s, f.sent_s + f.ttft_s - now)
             assert flights.prefill_ahead_s(worker, now) == old
             left = sorted(f.remaining_s(now) for f in active)
             for ahead in (1, len(left) // 2, len(left), len(left) + 7):
