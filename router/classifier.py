@@ -74,11 +74,8 @@ class DomainClassifier:
         return self.weights[rows].astype(np.float64).sum(axis=0) / math.sqrt(num_keys) + self.bias
 
     def predict(self, text: str) -> str:
-        sums, num_keys = self.scorer.class_sums(text)
         # NOTE: on 8 Python floats, no numpy call (router.scorer)
-        scale = 1.0 / math.sqrt(num_keys)
-        scores = [x * scale + b for x, b in zip(sums, self._bias, strict=True)]
-        return self.classes[scores.index(max(scores))]
+        return self.classes[self.scorer.best(text, self._bias)]
 
     def _summed_rows(self, text: str) -> tuple[np.ndarray, int]:
         return self.scorer.summed_rows(text)

@@ -59,6 +59,7 @@ CHUNK_CHARS = 256  # encode in word-aligned pieces of about this many characters
 # NOTE: below ~16 bytes a block is a few tokens (more hashing than the cache model can use:
 # the engine caches 16-token KV blocks); above 64 kB one block is most prompts (no sharing seen).
 MIN_BLOCK_CHARS, MAX_BLOCK_CHARS, MAX_HASH_BLOCKS = 16, 65536, 4096
+GENERATION_PROMPT = "<|im_start|>assistant\n"  # ChatML's, after the messages
 CALIBRATION_SAMPLE = Path(__file__).resolve().parent / "data" / "token_calibration.json"
 # NOTE: UTF-8 bytes per token of the bundled tokenizer (models/tiny-target), fitted by
 # TokenCounter.calibrate on CALIBRATION_SAMPLE; used without a tokenizer.
@@ -130,6 +131,9 @@ class TokenCounter:
         # NOTE: per instance, not module-level; functools' C LRU costs ~0.1 us a hit.
         self._chunk_len = functools.lru_cache(maxsize=config.chunk_cache_entries)(
             self._encode_len)
+        size = config.block_chars
+        self._blocks = [(slice(start, start + size), start << 32)
+                        for start in range(0, size * config.max_hash_blocks, size)]
 
     @classmethod
     def load(cls, tokenizer_dir: str | Path | None, config: TokenConfig | None = None,
@@ -214,15 +218,15 @@ class TokenCounter:
         than 1 in 40,000 lookups. One C call a block; a second checksum (Adler-32, for 63
         bits) cost ~40% more.
         """
-        size = self.config.block_chars
-        end = min(len(data) // size, self.config.max_hash_blocks) * size
         crc32, crc = zlib.crc32, 0
-        out = []
-        for start in range(0, end, size):
-            # NOTE: a bytes slice (a 256-byte copy) costs less than a memoryview slice
-            # object: ~7% less a prompt here
-            crc = crc32(data[start:start + size], crc)
-            out.append(start << 32 | crc)
+        out: list[int] = []
+        append = out.append
+        # NOTE: (slice, offset << 32) built once: a loop over them costs ~15% less than
+        # slicing by a range's start each time; a bytes slice (a 256-byte copy) costs less
+        # than a memoryview slice object
+        for block, offset in self._blocks[: len(data) // self.config.block_chars]:
+            crc = crc32(data[block], crc)
+            append(offset | crc)
         return tuple(out)
 
 
@@ -240,7 +244,7 @@ def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bo
     parts = [f"<|im_start|>{m.get('role', 'user')}\n{message_text(m)}<|im_end|>\n"
              for m in messages if isinstance(m, Mapping)]
     if add_generation_prompt:
-        parts.append("<|im_start|>assistant\n")
+        parts.append(GENERATION_PROMPT)
     return "".join(parts)
 
 

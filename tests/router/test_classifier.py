@@ -155,3 +155,29 @@ def test_word_set_is_the_regex_split_for_every_character() -> None:
         assert word_set(text) == set(_WORD_RE.findall(text)), repr(text)
     for text in TEXTS:
         assert word_set(text.lower()) == set(_WORD_RE.findall(text.lower()))
+
+
+def test_ascii_windows_split_as_the_regex() -> None:
+    """The bytes path of ASCII windows: the same words as the regex for every ASCII
+    character and random ASCII texts, and the same sums as the str path."""
+    from router.features import _WORD_RE
+    from router.scorer import ascii_key, ascii_word_set
+
+    def regex_words(text: str) -> set:
+        return {ascii_key(w) for w in _WORD_RE.findall(text)}
+
+    for code in range(128):
+        text = f"a{chr(code)}b {chr(code)}{chr(code)} _{chr(code)}9"
+        assert ascii_word_set(text.encode()) == regex_words(text), hex(code)
+    rng = random.Random(1)
+    for _ in range(3000):
+        text = "".join(chr(rng.randrange(128)) for _ in range(rng.randrange(60)))
+        assert ascii_word_set(text.encode()) == regex_words(text), repr(text)
+    clf = DomainClassifier.load()
+    scorer = clf.scorer
+    for text in TEXTS + [t + "é" for t in TEXTS] + ["x" * 130 + " tail: what? é", "é" + "y " * 99]:
+        sums, num_keys = scorer.class_sums(text)
+        ref_rows, ref_num = clf.vocabulary.reference_rows(text)
+        assert num_keys == ref_num, text[:40]
+        assert np.allclose(sums, clf.weights[ref_rows].astype(np.float64).sum(axis=0),
+                           atol=1e-5), text[:40]

@@ -203,3 +203,28 @@ def test_the_proxy_config_sets_the_prefix_block_and_refuses_bad_ones() -> None:
     for bad in (8, 1 << 20, "256", True):
         with pytest.raises(ConfigError, match="routing.prefix_block_chars"):
             ProxyConfig.from_dict({"routing": {"prefix_block_chars": bad}})
+
+
+def test_chat_texts_render_as_render_chat_and_shapes_as_the_constructor() -> None:
+    """The estimator renders, picks the classified texts and builds the shape in one pass
+    each; the results are render_chat's and RequestShape's own."""
+    import dataclasses
+
+    from router.shape import _chat_texts, _new_shape
+
+    messages: list[Any] = [
+        {"role": "system", "content": "Be terse."}, {"content": "no role"}, None, 3,
+        {"role": None, "content": "a None role"}, {"role": 7, "content": [{"text": "a"}, {}]},
+        {"role": "assistant", "content": "earlier turn"}, {"role": "user", "content": "Now?"}]
+    for msgs in (messages, messages[:1], [], messages[3:]):
+        rendered, asked, roles = _chat_texts(msgs)
+        assert rendered == render_chat(msgs)
+        assert roles == tuple(str(m.get("role", "user")) for m in msgs if isinstance(m, dict))
+        assert asked == "\n\n".join(m["content"] for m in msgs if isinstance(m, dict)
+                                    and m.get("role") in ("user", "system"))
+    fields = {f.name: i for i, f in enumerate(dataclasses.fields(RequestShape))}
+    fast = _new_shape(dict(fields))
+    assert fast == RequestShape(**fields) and hash(fast) == hash(RequestShape(**fields))
+    assert dataclasses.replace(fast, domain="code").domain == "code"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.domain = "code"  # type: ignore[misc]
