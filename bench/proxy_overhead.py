@@ -17,6 +17,7 @@ CPU seconds per request (from /proc/<pid>/stat, user + system).
     python bench/proxy_overhead.py --no-working-tree --baseline-src /tmp/new --baseline-src /tmp/new \
         --baseline-src /tmp/base --prompts unique           # A/A pair + A/B, nothing else
     python bench/proxy_overhead.py --rounds 3                   # 3 sweeps, CPU ratios per round
+    python bench/proxy_overhead.py --policies round_robin adaptive   # each proxy with both
     # a many-core machine: 4 upstream processes, the load from 6 processes, each on its core
     python bench/proxy_overhead.py --upstream-procs 4 --loadgen-procs 6 --rates 1000 2000 4000 \
         --vllm-router /path/to/vllm-router
@@ -234,9 +235,10 @@ class Target:
 
 
 def start_polyinfer(upstream: str, workdir: Path, core: int | None,
-                    shape_estimator: str, source: Path | None = None, label: str = "") -> Target:
+                    shape_estimator: str, source: Path | None = None, label: str = "",
+                    policy: str = "round_robin") -> Target:
     """``source``: run the proxy from another source tree (e.g. an earlier commit), as
-    target ``polyinfer<label>``."""
+    target ``polyinfer<label>``; a ``policy`` other than round_robin adds ``/<policy>``."""
     port = free_port()
     tag = f"{shape_estimator}-{port}"
     cfg = workdir / f"polyinfer-{tag}.yaml"
@@ -244,7 +246,7 @@ def start_polyinfer(upstream: str, workdir: Path, core: int | None,
 server: {{host: 127.0.0.1, port: {port}}}
 workers:
   - {{name: up, url: "{upstream}", config: {{backend: external, model: fake-fast}}}}
-routing: {{policy: round_robin, shape_estimator: {shape_estimator}}}
+routing: {{policy: {policy}, shape_estimator: {shape_estimator}}}
 traces: {{dir: "{workdir / 'traces'}"}}
 """)
     # NOTE: the tree first; what the bench's own path adds (a --target install of the
@@ -257,6 +259,7 @@ traces: {{dir: "{workdir / 'traces'}"}}
                             stderr=open(workdir / f"polyinfer-{tag}.log", "w"))
     wait_up(proc, f"http://127.0.0.1:{port}/health")
     name = "polyinfer" if shape_estimator == "classifier" else f"polyinfer-{shape_estimator[:5]}"
+    label += "" if policy == "round_robin" else f"/{policy}"
     return Target(name + label, f"http://127.0.0.1:{port}/v1/chat/completions", proc)
 
 
@@ -451,10 +454,12 @@ def start_upstreams(args: argparse.Namespace, layout: Layout) -> tuple[str, list
 def start_targets(up_url: str, args: argparse.Namespace, workdir: Path,
                   core: int | None) -> list[Target]:
     targets = [Target("direct", f"{up_url}/v1/chat/completions", None)]
-    for estimator in [] if args.no_working_tree else args.shape_estimators:
-        targets.append(start_polyinfer(up_url, workdir, core, estimator))
-    for src, label in zip(args.baseline_src, source_labels(args.baseline_src), strict=True):
-        targets.append(start_polyinfer(up_url, workdir, core, "classifier", src.resolve(), label))
+    for policy in args.policies:
+        for estimator in [] if args.no_working_tree else args.shape_estimators:
+            targets.append(start_polyinfer(up_url, workdir, core, estimator, policy=policy))
+        for src, label in zip(args.baseline_src, source_labels(args.baseline_src), strict=True):
+            targets.append(start_polyinfer(up_url, workdir, core, "classifier", src.resolve(),
+                                           label, policy))
     peers = (("vllm-router", find_vllm_router(args.vllm_router), start_vllm_router,
               "not installed"),
              ("litellm", None if args.skip_litellm else find_litellm(), start_litellm,
@@ -554,6 +559,10 @@ def main() -> None:
                    choices=["classifier", "heuristic"],
                    help="polyinfer variants: router classifier (default config) and/or the "
                         "cheap heuristic shape estimator")
+    p.add_argument("--policies", nargs="+", default=["round_robin"], metavar="POLICY",
+                   help="routing policies: every polyinfer target once per policy (round_robin "
+                        "as before; e.g. adaptive, the serve default, adds targets "
+                        "polyinfer.../adaptive)")
     orchestrate(p.parse_args())
 
 
