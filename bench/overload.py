@@ -136,10 +136,10 @@ def door_client_main(port: int, num_conns: int, path: str, stream: bool) -> None
                 sock.sendall(request)
                 todo -= 1
                 busy += 1
-                sel.register(sock, selectors.EVENT_READ)
+                sel.register(sock, selectors.EVENT_READ, sock)
         while busy:
             for key, _ in sel.select():
-                sock = key.fileobj
+                sock = key.data
                 data = sock.recv(1 << 16)
                 if not data:
                     raise SystemExit("the proxy closed a connection")

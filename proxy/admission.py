@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 RECHECK_S = 0.5
 
@@ -106,3 +107,60 @@ class InFlightLimit:
             self.value = max(self.minimum, int(min(self.value, num_in_flight) * self.DECREASE))
         elif self.value < self.maximum:
             self.value = min(self.maximum, self.value + max(1, int(self.value * self.INCREASE)))
+
+
+def cpu_share(proc_cgroup: str | None = None, root: Path = Path("/sys/fs/cgroup")) -> float:
+    """The share of one core this process's cgroup CPU quota lets one thread use: quota /
+    period, the tightest along the cgroup's path (cgroup v2 ``cpu.max``, v1
+    ``cpu.cfs_quota_us``), at most 1; 1 with no quota (or none readable).
+
+    NOTE: the loop's busy share is its thread's CPU time over the wall time; under a quota
+    of 0.5 CPU a loop saturated by its own work is on the CPU half the time, which reads as
+    a noisy neighbour (lag, not busy) unless its busy share is taken over this."""
+    if proc_cgroup is None:
+        try:
+            proc_cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            return 1.0
+    quotas = []
+    for line in proc_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # v2, the unified hierarchy
+            for folder in _up_from(root, path):
+                quotas.append(_quota_v2(folder / "cpu.max"))
+        elif "cpu" in controllers.split(","):
+            for mount in (root / controllers, root / "cpu", root / "cpu,cpuacct"):
+                for folder in _up_from(mount, path):
+                    quotas.append(_quota_v1(folder))
+                if mount.is_dir():
+                    break
+    found = [q for q in quotas if q is not None and q > 0]
+    return min([1.0, *found])
+
+
+def _up_from(mount: Path, path: str) -> list[Path]:
+    """``mount``/``path`` and each folder above it up to ``mount`` (in a cgroup namespace the
+    path may name a folder that is not there: then only those that are)."""
+    parts = [p for p in path.split("/") if p]
+    folders = [mount.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+    return [f for f in folders if f.is_dir()]
+
+
+def _quota_v2(file: Path) -> float | None:
+    try:
+        quota, period = file.read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _quota_v1(folder: Path) -> float | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period

@@ -31,7 +31,7 @@ import orjson
 from polyinfer.capabilities import OPTIONS, requested_options
 from polyinfer.errors import error_body, error_codes, error_field, sse_error_event
 from polyinfer.trace import STATUS_CANCELLED, STATUS_ERROR
-from proxy.admission import RECHECK_S, AdmissionQueue, InFlightLimit
+from proxy.admission import RECHECK_S, AdmissionQueue, InFlightLimit, cpu_share
 from proxy.config import ProxyConfig
 from proxy.errors import (
     BodyTooLarge,
@@ -296,13 +296,17 @@ class Relay:
         """Track how late the event loop wakes a sleeper and how busy its thread is: the
         proxy's own saturation signals."""
         lag = busy = 0.0
+        share, num_samples = cpu_share(), 0  # busy is of what a CPU quota lets the thread use
         while True:
             t, cpu = time.perf_counter(), time.thread_time()
             await asyncio.sleep(period_s)
             elapsed = time.perf_counter() - t
             # NOTE: smoothed over ~0.1 s so a single scheduling hiccup sheds nothing.
             lag = 0.5 * lag + 0.5 * (elapsed - period_s)
-            busy = 0.5 * busy + 0.5 * min(1.0, (time.thread_time() - cpu) / elapsed)
+            busy = 0.5 * busy + 0.5 * min(1.0, (time.thread_time() - cpu) / elapsed / share)
+            num_samples += 1
+            if num_samples % 100 == 0:  # a container's quota may be changed while it runs
+                share = cpu_share()
             self.loop_lag_s, self.loop_busy = lag, busy
             max_lag = self.limits.max_loop_lag_s
             self.shedding = bool(max_lag) and lag > max_lag

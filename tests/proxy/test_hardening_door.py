@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from proxy import keys
-from proxy.admission import InFlightLimit
+from proxy.admission import InFlightLimit, cpu_share
 from proxy.config import ProxyConfig
 from tests.proxy.servers import ProxyThread, answer_get, eventually, read_raw_request, read_traces
 
@@ -364,3 +364,28 @@ def test_pipelined_requests_past_the_limit_are_each_refused(upstream: FakeHeldUp
         assert out.count(b"HTTP/1.1 ") == 4
         upstream.set_release(True)
         held.join(30)
+
+
+def test_the_busy_share_is_of_what_a_cpu_quota_allows(tmp_path: Path) -> None:
+    """A loop saturated under a cgroup quota of half a core is on the CPU half the time: its
+    busy share is taken over the quota's share, so it does not read as a noisy neighbour."""
+    v2 = tmp_path / "v2"
+    (v2 / "pod" / "proxy").mkdir(parents=True)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    (v2 / "pod" / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs for the pod
+    (v2 / "pod" / "proxy" / "cpu.max").write_text("50000 100000\n")
+    assert cpu_share("0::/pod/proxy\n", v2) == 0.5
+    (v2 / "pod" / "proxy" / "cpu.max").write_text("max 100000\n")
+    assert cpu_share("0::/pod/proxy\n", v2) == 1.0  # 1.5 CPUs: one thread may use a core
+    (v2 / "pod" / "cpu.max").write_text("25000 100000\n")
+    assert cpu_share("0::/pod/proxy\n", v2) == 0.25  # the tightest along the path
+    assert cpu_share("0::/elsewhere\n", v2) == 1.0  # namespaced: only what is there
+    v1 = tmp_path / "v1"
+    (v1 / "cpu,cpuacct" / "docker" / "abc").mkdir(parents=True)
+    (v1 / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("20000\n")
+    (v1 / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu,cpuacct" / "cpu.cfs_period_us").write_text("100000\n")
+    text = "4:memory:/docker/abc\n2:cpu,cpuacct:/docker/abc\n0::/\n"
+    assert cpu_share(text, v1) == 0.2
+    assert cpu_share("2:cpu,cpuacct:/\n", v1) == 1.0  # -1 = no quota
