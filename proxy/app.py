@@ -24,7 +24,7 @@ from proxy import admin, dashboard, handlers, keys
 from proxy.bluegreen import BlueGreen
 from proxy.config import ProxyConfig
 from proxy.connections import ConnectionGate
-from proxy.metrics import make_registry
+from proxy.metrics import DoorCollector, make_registry
 from proxy.offload import CpuLane
 from proxy.optimize import optimizer_ctx
 from proxy.pool import WorkerPool
@@ -61,6 +61,8 @@ def create_app(config: ProxyConfig, *, estimator: ShapeEstimator | None = None,
     app[keys.GATE] = ConnectionGate(config.limits.max_connections, config.limits.retry_after_s)
     app[keys.REGISTRY] = make_registry(stats, pool, lambda: relay.policy.name)
     app[keys.REGISTRY].register(TraceCollector(app[keys.TRACES]))
+    app[keys.REGISTRY].register(DoorCollector(app[keys.GATE],
+                                              lambda: relay.in_flight_limit.value))
     app[keys.DASHBOARD] = resources.files("proxy").joinpath("static/dashboard.html").read_bytes()
     app[keys.BLUEGREEN] = BlueGreen(pool, stall_timeout_s=config.limits.read_timeout_s)
     app[keys.OPTIMIZER] = []

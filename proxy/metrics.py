@@ -17,6 +17,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from proxy.connections import ConnectionGate
 from proxy.pool import WorkerPool
 from proxy.stats import ALL, LATENCY_BUCKETS_S, LatencySeries, Stats
 
@@ -126,6 +127,27 @@ def _buckets(s: LatencySeries) -> list[tuple[str, float]]:
         cumulative += n
         out.append((bound, float(cumulative)))
     return out
+
+
+class DoorCollector(Collector):
+    """What the door refused and holds: connections (open, refused at accept time) and the
+    in-flight limit it refuses requests past (their 429s count in polyinfer_rejected)."""
+
+    def __init__(self, gate: ConnectionGate, in_flight_limit: Callable[[], int]) -> None:
+        self.gate = gate
+        self.in_flight_limit = in_flight_limit
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("polyinfer_connections_open", "Client connections open",
+                                value=self.gate.num_open)
+        yield CounterMetricFamily("polyinfer_connections_refused",
+                                  "Client connections refused at accept time "
+                                  "(limits.max_connections): 503 + Retry-After, then closed",
+                                  value=self.gate.num_refused)
+        yield GaugeMetricFamily("polyinfer_in_flight_limit",
+                                "Requests in flight admitted at most (limits.max_in_flight, "
+                                "lowered while the event loop is saturated)",
+                                value=self.in_flight_limit())
 
 
 def make_registry(stats: Stats, pool: WorkerPool, policy_name: Callable[[], str]

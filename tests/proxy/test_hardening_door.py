@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import keys
 from proxy.admission import InFlightLimit, cpu_share
@@ -188,7 +189,12 @@ def test_connections_past_the_limit_are_refused_at_accept(upstream: FakeHeldUpst
         with httpx.Client(base_url=p.url, timeout=10) as http:
             assert http.post("/v1/chat/completions", json=BODY).status_code == 200
             doc = http.get("/stats").json()
+            metrics = {m.name: m.samples[0].value for m in
+                       text_string_to_metric_families(http.get("/metrics").text)
+                       if m.name.startswith(("polyinfer_connections", "polyinfer_in_flight_"))}
         assert doc["connections"]["refused"] == 3
+        assert metrics == {"polyinfer_connections_open": 1, "polyinfer_connections_refused": 3,
+                           "polyinfer_in_flight_limit": 4096}, metrics
 
 
 @pytest.mark.parametrize("fast_path", [True, False])
