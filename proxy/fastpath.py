@@ -68,7 +68,6 @@ _STATUS_TEXT = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Fo
 _EAGER = {"eager_start": True} if sys.version_info >= (3, 12) else {}
 _SHED_BODY = orjson.dumps(error_body("proxy saturated: retry after the Retry-After seconds",
                                      "rate_limit_exceeded", None, "overloaded"))
-_SHED_TAIL = b"\r\n\r\n" + _SHED_BODY  # after the x-request-id value
 _SHED_HEADERS = {"x-polyinfer-worker": "none", "x-polyinfer-domain": "none",
                  "x-polyinfer-spec-depth": "none"}
 
@@ -413,7 +412,7 @@ class FastConnection(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        transport.write(server.shed_head() + relay.new_request_id().encode() + _SHED_TAIL)
+        transport.write(server.shed_response())
         if not keep_alive or server.closing:
             transport.close()
         elif self._buf:
@@ -513,7 +512,7 @@ class FastServer:
         self.loop = asyncio.get_running_loop()
         self.connections: set[FastConnection] = set()
         self.date = _DateHeader()
-        self._shed_head = (b"", b"")  # (its Date, the head) for shed_head()
+        self._shed_answer = (b"", b"")  # (its Date, the response) for shed_response()
         self.closing = False
         # NOTE: one sweep for every idle keep-alive connection instead of a timer per request.
         self._sweeper = self.loop.create_task(self._sweep(), name="fastpath-keepalive")
@@ -521,15 +520,17 @@ class FastServer:
     def __call__(self) -> FastConnection:
         return FastConnection(self)
 
-    def shed_head(self) -> bytes:
-        """A door 429's head up to its ``x-request-id`` value (remade once a second)."""
+    def shed_response(self) -> bytes:
+        """A door 429, whole (remade once a second, for its Date).
+
+        NOTE: no ``x-request-id``: the id names a request's record, and a request refused
+        at the door has none (it is counted only)."""
         date = self.date.value()
-        if self._shed_head[0] != date:
+        if self._shed_answer[0] != date:
             headers = {"Content-Type": "application/json",
                        "Retry-After": str(self.relay.limits.retry_after_s), **_SHED_HEADERS}
-            head = response_head(429, headers, len(_SHED_BODY), date)
-            self._shed_head = date, head[:-2] + b"x-request-id: "
-        return self._shed_head[1]
+            self._shed_answer = date, response_head(429, headers, len(_SHED_BODY), date) + _SHED_BODY
+        return self._shed_answer[1]
 
     async def _sweep(self) -> None:
         period_s = max(0.5, min(10.0, self.keepalive_timeout_s / 4,
