@@ -21,12 +21,17 @@ fraction bits are chosen at load so that no sum can overflow a lane; the
 rounding is 2**-41 a row at most (float32 sums, as before, round ~1e-7 a row).
 The number of keys (for the l2 norm) comes from the sets' sizes.
 
-An ASCII window (most prompts' heads and tails) is read as bytes: one
-``bytes.translate`` to spaces and a ``split`` give its runs of word
-characters, a second ``translate`` that deletes word characters and spaces
-gives its punctuation (each one word of the regex, as an int), and the rows are
-looked up in tables keyed the same way: the same words, sets and sums as the
-regex, at about half the cost of the str path (bench/classify.py).
+A window is read as its UTF-8 bytes: one ``bytes.translate`` that turns
+every ASCII byte but a word character into a space and a ``split`` give its
+pieces; a second ``translate`` that deletes ASCII word characters, spaces and
+every non-ASCII byte leaves its ASCII punctuation (each one word of the regex,
+kept as its code). A piece that is ASCII is one run of word characters (kept
+as bytes); only a piece with non-ASCII bytes (a word with an umlaut, a curly
+quote) is decoded and split by the regex, its ASCII words re-keyed the same
+way. The tables are keyed the same way (bytes, int, and str for non-ASCII
+words): the same words, sets and sums as the regex (``read_words``). An ASCII
+window costs about half of the earlier str split (``str.split`` and the regex
+over the pieces with punctuation); one with non-ASCII characters about the same.
 tests/router/test_classifier.py checks the scores against the spelled-out
 keys and the fitted model's.
 
@@ -42,7 +47,7 @@ from __future__ import annotations
 import math
 import re
 import struct
-from itertools import repeat
+from itertools import filterfalse, repeat
 from typing import Any
 
 import numpy as np
@@ -54,39 +59,41 @@ MAX_FRACTION_BITS = 40
 # NOTE: the regex's own classes over ASCII (``\w`` word characters, ``\s`` spaces, which
 # for str patterns include \x1c-\x1f), so the bytes path splits exactly as the regex does
 _IS_WORD, _IS_SPACE = re.compile(r"\w").fullmatch, re.compile(r"\s").fullmatch
-# every byte but a word character -> a space: ``split`` then gives the runs of word characters
-_TO_SPACES = bytes(c if _IS_WORD(chr(c)) else 0x20 for c in range(256))
-# deleted to leave the punctuation (``[^\w\s]``: each such character is one word)
-_WORD_OR_SPACE = bytes(c for c in range(128) if _IS_WORD(chr(c)) or _IS_SPACE(chr(c)))
+# every ASCII byte but a word character -> a space (non-ASCII bytes kept: ``split`` then
+# cuts at ASCII spaces and punctuation only)
+_TO_SPACES = bytes(c if c >= 0x80 or _IS_WORD(chr(c)) else 0x20 for c in range(256))
+# deleted to leave the ASCII punctuation (``[^\w\s]``: each such character is one word)
+_NOT_PUNCTUATION = bytes(c for c in range(256)
+                         if c >= 0x80 or _IS_WORD(chr(c)) or _IS_SPACE(chr(c)))
 
 
-def word_set(window: str) -> set[str]:
-    """The distinct words of ``window``, as ``set(_WORD_RE.findall(window))``.
-
-    NOTE: a whitespace-separated piece that is all alphanumerics is one word of the regex
-    (its ``\\w`` is ``str.isalnum`` or ``_``, its ``\\s`` is what ``str.split`` splits on),
-    so only the other pieces go through the regex: one C split and one findall over the
-    few pieces with punctuation, about half the cost of the regex over the window.
-    """
-    words = set(window.split())
-    odd = [w for w in words if not w.isalnum()]
-    if odd:
-        words.difference_update(odd)
-        words.update(_WORD_RE.findall(" ".join(odd)))
-    return words
-
-
-def ascii_word_set(window: bytes) -> set[bytes | int]:
-    """The distinct words of an ASCII ``window``: runs of word characters as bytes, each
-    punctuation character as its code (``ascii_key`` of ``word_set``'s words)."""
-    words: set[bytes | int] = set(window.translate(_TO_SPACES).split())
-    words.update(window.translate(None, _WORD_OR_SPACE))
-    return words
-
-
-def ascii_key(word: str) -> bytes | int:
-    """An ASCII regex word as ``ascii_word_set`` gives it."""
+def word_key(word: str) -> bytes | int | str:
+    """How ``read_words`` keys a regex word: an ASCII run of word characters as its bytes,
+    an ASCII punctuation character as its code, a word with non-ASCII characters as is."""
+    if not word.isascii():
+        return word
     return ord(word) if len(word) == 1 and not _IS_WORD(word) else word.encode()
+
+
+def read_words(window: str) -> set[bytes | int | str]:
+    """``{word_key(w) for w in _WORD_RE.findall(window)}``, from C loops over the bytes.
+
+    NOTE: the pieces between ASCII non-word bytes cannot hold a word's edge but at their
+    ends (an ASCII space or punctuation character is never inside a ``\\w`` run), so the
+    regex over each piece with non-ASCII bytes (valid UTF-8: it is cut at ASCII bytes) gives
+    the rest of the window's words.
+    """
+    data = window.encode("utf-8", "surrogatepass")
+    words: set[Any] = set(data.translate(_TO_SPACES).split())
+    if not window.isascii():  # NOTE: O(1): the str's kind
+        odd = list(filterfalse(bytes.isascii, words))
+        words.difference_update(odd)
+        # NOTE: an odd piece's ASCII words are runs of word characters (its ASCII
+        # punctuation became spaces): bytes keys; the rest are keyed as str
+        words.update([w.encode() if w.isascii() else w for w in _WORD_RE.findall(
+            b" ".join(odd).decode("utf-8", "surrogatepass"))])
+    words.update(data.translate(None, _NOT_PUNCTUATION))
+    return words
 
 
 class TextScorer:
@@ -135,12 +142,10 @@ class TextScorer:
         self._pair: dict[tuple[str, str], int] = packed(folded["pair"])
         self._shape: dict[tuple[str, int], int] = packed(folded["shape"])
 
-        def ascii_table(table: dict[str, int]) -> dict[bytes | int, int]:
-            return {ascii_key(w): v for w, v in table.items() if w.isascii()}
-
-        self._head_a = ascii_table(self._head)
-        self._tail_only_a = ascii_table(self._tail_only)
-        self._tail_also_a = ascii_table(self._tail_also)
+        # NOTE: the word tables as read_words keys them (the str ones serve the pair keys)
+        self._head_k = {word_key(w): v for w, v in self._head.items()}
+        self._tail_only_k = {word_key(w): v for w, v in self._tail_only.items()}
+        self._tail_also_k = {word_key(w): v for w, v in self._tail_also.items()}
         half = 1 << (LANE_BITS - 1)
         # adding ``half`` to every lane makes each lane of a sum non-negative: plain digits
         self._lane_offset = sum(half << (LANE_BITS * i) for i in range(num_classes))
@@ -176,24 +181,18 @@ class TextScorer:
             return self._packed_sum_with_pairs(text)
         head_chars, tail_chars = c.head_chars, c.tail_chars
         zeros = repeat(0)
-        whole = len(text) <= head_chars + tail_chars
-        head = text.lower() if whole else text[:head_chars].lower()
-        tail = "" if whole or not tail_chars else text[-tail_chars:].lower()
-        # NOTE: isascii is O(1) (a str's kind); a window that is ASCII takes the bytes path
-        if head.isascii() and tail.isascii():
-            in_head: set[Any] = ascii_word_set(head.encode())
-            in_tail: set[Any] = ascii_word_set(tail.encode()) if tail else set()
-            head_rows, tail_only, tail_also = self._head_a, self._tail_only_a, self._tail_also_a
+        if len(text) <= head_chars + tail_chars:
+            in_head = read_words(text.lower())
+            in_tail: set[Any] = set()
         else:
-            in_head = word_set(head)
-            in_tail = word_set(tail) if tail else set()
-            head_rows, tail_only, tail_also = self._head, self._tail_only, self._tail_also
-        total = sum(map(head_rows.get, in_head, zeros))
+            in_head = read_words(text[:head_chars].lower())
+            in_tail = read_words(text[-tail_chars:].lower()) if tail_chars else set()
+        total = sum(map(self._head_k.get, in_head, zeros))
         num_keys = 2 * len(in_head) + 2
         if in_tail:
             both = in_tail & in_head
-            total += sum(map(tail_only.get, in_tail - both, zeros))
-            total += sum(map(tail_also.get, both, zeros))
+            total += sum(map(self._tail_only_k.get, in_tail - both, zeros))
+            total += sum(map(self._tail_also_k.get, both, zeros))
             num_keys += 2 * len(in_tail) - len(both)
         length, newlines = shape_buckets(text)
         shape = self._shape.get

@@ -4,7 +4,6 @@ and the shipped artefact."""
 from __future__ import annotations
 
 import random
-import re
 from pathlib import Path
 
 import numpy as np
@@ -137,46 +136,32 @@ def test_shipped_artefact_loads_and_classifies_obvious_prompts() -> None:
         assert clf.predict(text) == domain, text[:60]
 
 
-def test_word_set_is_the_regex_split_for_every_character() -> None:
-    """word_set's shortcut (a whitespace piece of alphanumerics is one regex word) holds for
-    every code point: ``\\w`` is ``isalnum`` or ``_``, ``\\s`` is what ``split`` cuts at."""
+def test_windows_read_as_bytes_give_the_regex_words() -> None:
+    """read_words (UTF-8 bytes, the regex only over pieces with non-ASCII bytes) gives the
+    regex's words for every ASCII character, a sample of every plane's code points and
+    random texts, and the scores of the spelled-out keys."""
     from router.features import _WORD_RE
-    from router.scorer import word_set
-
-    word, space = re.compile(r"\w"), re.compile(r"\s")
-    for code in range(0x110000):
-        ch = chr(code)
-        assert bool(word.fullmatch(ch)) == (ch.isalnum() or ch == "_"), hex(code)
-        assert bool(space.fullmatch(ch)) == (ch.split() == []), hex(code)
-    rng = random.Random(0)
-    pool = "aZ9_ \t\n.,:;-'\"()[]é日ß\u00a0\u2003\x1c\x00ǅ½²"
-    for _ in range(3000):
-        text = "".join(rng.choice(pool) for _ in range(rng.randrange(1, 40))).lower()
-        assert word_set(text) == set(_WORD_RE.findall(text)), repr(text)
-    for text in TEXTS:
-        assert word_set(text.lower()) == set(_WORD_RE.findall(text.lower()))
-
-
-def test_ascii_windows_split_as_the_regex() -> None:
-    """The bytes path of ASCII windows: the same words as the regex for every ASCII
-    character and random ASCII texts, and the same sums as the str path."""
-    from router.features import _WORD_RE
-    from router.scorer import ascii_key, ascii_word_set
+    from router.scorer import read_words, word_key
 
     def regex_words(text: str) -> set:
-        return {ascii_key(w) for w in _WORD_RE.findall(text)}
+        return {word_key(w) for w in _WORD_RE.findall(text)}
 
-    for code in range(128):
-        text = f"a{chr(code)}b {chr(code)}{chr(code)} _{chr(code)}9"
-        assert ascii_word_set(text.encode()) == regex_words(text), hex(code)
+    codes = [*range(0x300), *range(0x300, 0x110000, 97), 0x85, 0xA0, 0x2003, 0x2019, 0x201C,
+             0x3000, 0xD800, 0xDFFF, 0xFEFF]
+    for code in codes:
+        ch = chr(code)
+        text = f"a{ch}b {ch}{ch} _{ch}9 é{ch}x"
+        assert read_words(text) == regex_words(text), hex(code)
     rng = random.Random(1)
+    pool = "aZ9_ \t\n.,:;-'\"()[]é日ß\u00a0\u2003\u2019\x1c\x00\x85ǅ½²\U0001F600"
     for _ in range(3000):
-        text = "".join(chr(rng.randrange(128)) for _ in range(rng.randrange(60)))
-        assert ascii_word_set(text.encode()) == regex_words(text), repr(text)
+        text = "".join(rng.choice(pool) for _ in range(rng.randrange(60))).lower()
+        assert read_words(text) == regex_words(text), repr(text)
+        ascii_text = "".join(chr(rng.randrange(128)) for _ in range(rng.randrange(60)))
+        assert read_words(ascii_text) == regex_words(ascii_text), repr(ascii_text)
     clf = DomainClassifier.load()
-    scorer = clf.scorer
     for text in TEXTS + [t + "é" for t in TEXTS] + ["x" * 130 + " tail: what? é", "é" + "y " * 99]:
-        sums, num_keys = scorer.class_sums(text)
+        sums, num_keys = clf.scorer.class_sums(text)
         ref_rows, ref_num = clf.vocabulary.reference_rows(text)
         assert num_keys == ref_num, text[:40]
         assert np.allclose(sums, clf.weights[ref_rows].astype(np.float64).sum(axis=0),
