@@ -150,6 +150,7 @@ class Candidate:
     cached_tokens: float = 0.0  # the same x the worker's realised hit ratio: what TTFT counts
     saved_s: float = 0.0  # what the cached prefix takes off cost_s (0 without one)
     capacity: int = 1  # the worker's batch slots (with the proxy's cap)
+    penalty: float = 1.0  # the SLO cost multiplier at ttft_s / tpot_s (AdaptivePolicy._slo)
 
 
 def caches_prefixes(view: WorkerView) -> bool:
@@ -197,7 +198,8 @@ class AdaptivePolicy:
         pick, reason = self._pick(cands)
         if self.config.confidence is not None and reason not in ("only", "explore"):
             pick, reason = self._unless_indistinct(shape, workers, cands, pick, reason)
-        view = workers[cands.index(pick)]
+        # NOTE: by identity: list.index compares with ==, a dataclass's field by field
+        view = workers[next(i for i, c in enumerate(cands) if c is pick)]
         pick = self._commit_depth(shape, view, pick)
         self._remember(shape, pick, view)
         self.reasons[reason] += 1
@@ -265,7 +267,7 @@ class AdaptivePolicy:
         return Candidate(view.name, cost * penalty + harm,
                          self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
                          ttft_s, tpot_s, prefill_s, wait, model_cached, cached, saved_s * penalty,
-                         cap)
+                         cap, penalty)
 
     def _model_cached_tokens(self, shape: RequestShape, view: WorkerView) -> float:
         """Prompt tokens in the leading prefix blocks the worker's modelled cache holds."""
@@ -381,7 +383,8 @@ class AdaptivePolicy:
                            ) -> tuple[Candidate, str]:
         """The pick, if its predicted cost beats least-outstanding's pick's by more than
         their prediction errors (router.confidence); else LO's pick, reason ``balance``."""
-        other = cands[[w.name for w in workers].index(self._balance.choose(shape, workers).worker)]
+        lo = self._balance.choose(shape, workers).worker
+        other = next(c for c in cands if c.name == lo)
         if other is pick:
             return pick, reason
         bands = [self.errors.band(c.name, shape.domain, shape.prompt_tokens) for c in (pick, other)]
@@ -397,11 +400,10 @@ class AdaptivePolicy:
                                      self.cache_capacity_tokens(view))
         # NOTE: the proxy hands back the same RequestShape object in the outcome, so its
         # id() recovers the load this decision saw; entries are bounded and evicted FIFO.
-        penalty, _ = self._slo(shape, pick.ttft_s, pick.tpot_s)
         self._inflight.add(id(shape), Flight(
             pick.name, pick.queue, pick.batch, pick.depth or 0, self.clock(), pick.ttft_s,
             pick.tpot_s, max(shape.predicted_output_tokens, 1), pick.prefill_s,
-            shape.slo_ttft_s, shape.slo_tpot_s, penalty, wait_s=pick.wait_s,
+            shape.slo_ttft_s, shape.slo_tpot_s, pick.penalty, wait_s=pick.wait_s,
             model_cached_tokens=pick.model_cached_tokens))
 
     def _observe(self, outcome: RequestOutcome) -> None:
