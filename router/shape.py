@@ -199,8 +199,13 @@ class ShapeEstimator:
         return shape, rendered
 
     def _near_an_edge(self, num_tokens: int, max_tokens: int) -> bool:
-        return any(self.counter.near(num_tokens, edge - max_tokens)
-                   for edge in self.config.exact_edges_tokens)
+        """``counter.near(num_tokens, edge - max_tokens)`` for some edge (a loop, no
+        generator: it runs for every request)."""
+        near = self.counter.near
+        for edge in self.config.exact_edges_tokens:
+            if near(num_tokens, edge - max_tokens):
+                return True
+        return False
 
     def _with_tokens(self, shape: RequestShape, num_tokens: int) -> RequestShape:
         """``shape`` with an exact count (tokens per prefix block rescaled to it)."""
