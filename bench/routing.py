@@ -55,8 +55,8 @@ latency on the slowest worker; then the 90th percentile over the prompts,
 every placement meets 90% of them. NOTE: the rule, not seconds, is what
 stays fixed: one lent machine measured 2-2.5x slower per core than another, and SLOs
 fixed in seconds from a fast machine's calibration put every rate past every policy's
-knee. ``--fixed-slos`` uses such seconds (``DEFAULT_SLOS``), ``--slo-seconds`` any others (e.g. a
-previous call's, to split one sweep over several calls). Every proxy is
+knee. ``--slo-seconds`` gives seconds instead (e.g. a previous call's, to split one sweep
+over several calls). Every proxy is
 configured with them (routing.slo_ttft_s / slo_tpot_s); only the adaptive
 policy uses them. Every policy is scored by the trace's domain label. The
 ``prefix`` and ``trace`` classes' SLOs are set the same way (cold-cache probes spread
@@ -183,17 +183,6 @@ CHAT_TEMPLATE_TOKENS = 8  # what the chat template adds around one user message
 # tiny model's n-gram acceptance near zero (adaptive depth 0 for 83-97% of requests).
 TEMPERATURE = 0.0
 PROBE_MAX_CHARS = 5000  # ~1,300 tokens: a probe prompt + its output fits MAX_MODEL_LEN
-# NOTE: --fixed-slos, seconds, per class: (TTFT, TPOT). What an earlier form of the rule
-# (TTFT <= 10x / TPOT <= 2.5x the best unloaded latency of the class on any worker; long
-# prompts 5x / 5x) gave on one calibration run, kept so that runs can be judged by the
-# same seconds. By default the rule (SLO_RULE) is applied to each run's own probe.
-# Calibration run (device's 16 CPU cores, 2026-11-30 03:02 UTC) gave by the rule: repetitive
-# 0.297 s / 5.0 ms, conversational 0.236 s / 8.9 ms, long 0.994 s / 22.9 ms.
-DEFAULT_SLOS: dict[str, tuple[float, float]] = {
-    "repetitive": (0.30, 0.0050),
-    "conversational": (0.24, 0.0090),
-    "long": (1.0, 0.023),
-}
 SLO_RULE = {"repetitive": (10.0, 2.5), "conversational": (10.0, 2.5), "long": (5.0, 5.0),
             "prefix": (5.0, 5.0), "trace": (5.0, 2.5)}
 # NOTE: the rule's base (slos_from): per class, the latency its own probe prompts (a sample of
@@ -753,24 +742,21 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def slos_from(args: argparse.Namespace, samples: Samples | None) -> Slos:
-    """--slo-seconds, else DEFAULT_SLOS with --fixed-slos, else SLO_RULE on the unloaded
-    probe's samples (:func:`unloaded_base`)."""
+def slos_from(args: argparse.Namespace, samples: Samples) -> Slos:
+    """--slo-seconds, else SLO_RULE on the unloaded probe's samples (:func:`unloaded_base`)."""
     ttft, tpot = {}, {}
     for i, c in enumerate(CLASSES):
         if args.slo_seconds:
             ttft[c], tpot[c] = args.slo_seconds[2 * i], args.slo_seconds[2 * i + 1]
-        elif not args.fixed_slos and samples is not None:
+        else:
             (k_ttft, k_tpot), (b_ttft, b_tpot) = SLO_RULE[c], unloaded_base(samples, c)
             ttft[c], tpot[c] = k_ttft * b_ttft, k_tpot * b_tpot
-        else:
-            ttft[c], tpot[c] = DEFAULT_SLOS[c]
-    own = [c for c in (PREFIX, TRACE) if samples is not None and c in next(iter(samples.values()))]
+    own = [c for c in (PREFIX, TRACE) if c in next(iter(samples.values()))]
     for c in own:
         if c == PREFIX and args.prefix_slo:
             ttft[c], tpot[c] = args.prefix_slo
         else:  # the rule on this run's probe of the class's own prompt lengths
-            (k_ttft, k_tpot), (b_ttft, b_tpot) = SLO_RULE[c], unloaded_base(samples, c)  # type: ignore[arg-type]
+            (k_ttft, k_tpot), (b_ttft, b_tpot) = SLO_RULE[c], unloaded_base(samples, c)
             ttft[c], tpot[c] = k_ttft * b_ttft, k_tpot * b_tpot
     return Slos(ttft, tpot)
 
@@ -1032,7 +1018,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             schedules = Schedules(args)  # the trace must cover the rates now set
         slos = slos_from(args, samples)
         out["slos"] = {"ttft_s": slos.ttft_s, "tpot_s": slos.tpot_s}
-        rule = "given" if args.slo_seconds else "fixed" if args.fixed_slos else "rule"
+        rule = "given" if args.slo_seconds else "rule"
         print(f"SLOs ({rule}): {slos.describe()}",
               flush=True)
         if args.fit_only:
@@ -1362,10 +1348,6 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar=("R_TTFT", "R_TPOT", "C_TTFT", "C_TPOT", "L_TTFT", "L_TPOT"),
                     help="SLOs in seconds per class (repetitive, conversational, long) instead "
                          "of the rule")
-    ap.add_argument("--fixed-slos", action="store_true",
-                    help="fixed SLOs in seconds (DEFAULT_SLOS) instead of "
-                         "the rule (SLO_RULE x best unloaded latency of the class) on this "
-                         "run's probe")
     ap.add_argument("--fit-only", action="store_true",
                     help="measure the fleet's fit (unloaded and loaded) and the SLOs, then stop")
     ap.add_argument("--fit-concurrency", type=int, default=4,

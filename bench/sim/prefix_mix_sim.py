@@ -35,7 +35,8 @@ from router.baselines import LeastOutstandingPolicy, RoundRobinPolicy
 BLOCK = 64.0  # prompt tokens per prefix block
 REPETITIVE, CONVERSATIONAL, LONG = ("translation", "code", "extraction"), ("chat", "math", "qa"), \
     ("summarization", "rag")
-# (TTFT s, TPOT s) per class: the bench's DEFAULT_SLOS, and its probe-derived prefix SLO
+# (TTFT s, TPOT s) per class: what the bench's SLO rule gave on one calibration run (the
+# device's 16 CPU cores, 2026-11-30), and its probe-derived prefix SLO
 SLOS = {"repetitive": (0.30, 0.0050), "conversational": (0.24, 0.0090), "long": (1.0, 0.023),
         "prefix": (0.97, 0.0142)}
 # a tight repetitive SLO that only ``spec`` meets (its unloaded repetitive TPOT is

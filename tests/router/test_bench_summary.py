@@ -169,8 +169,7 @@ def test_slos_follow_the_rule_on_the_run_s_own_probe_unless_fixed_or_given() -> 
                          "prefix": two((0.30, 0.002), (0.30, 0.002))}}
 
     def args(**kw: Any) -> argparse.Namespace:
-        return argparse.Namespace(**{"slo_seconds": None, "fixed_slos": False,
-                                     "prefix_slo": None, **kw})
+        return argparse.Namespace(**{"slo_seconds": None, "prefix_slo": None, **kw})
 
     # repetitive: slowest per prompt 0.04, 0.02, 0.04 s -> q90 = 0.04; TPOT 0.002, 0.002,
     # 0.004 -> 0.002 + 0.8 x 0.002 = 0.0036; the others' third prompt is twice the second
@@ -180,9 +179,6 @@ def test_slos_follow_the_rule_on_the_run_s_own_probe_unless_fixed_or_given() -> 
     assert rule.tpot_s == pytest.approx({"repetitive": 2.5 * 0.0036,
                                          "conversational": 2.5 * 0.009,
                                          "long": 5 * 0.0108, "prefix": 5 * 0.0054})
-    fixed = BENCH.slos_from(args(fixed_slos=True), samples)
-    assert fixed.ttft_s["repetitive"] == 0.30 and fixed.tpot_s["long"] == 0.023
-    assert fixed.ttft_s["prefix"] == pytest.approx(2.7)  # the prefix class: always the rule
     given = BENCH.slos_from(args(slo_seconds=[1, 2, 3, 4, 5, 6], prefix_slo=[7, 8]), samples)
     assert given.ttft_s == {"repetitive": 1, "conversational": 3, "long": 5, "prefix": 7}
     assert given.tpot_s == {"repetitive": 2, "conversational": 4, "long": 6, "prefix": 8}
