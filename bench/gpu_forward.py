@@ -72,6 +72,10 @@ VARIANT_SETS = {"default": ForwardConfig(),
                 "split_attention": ForwardConfig(split_attention=True),
                 "all": FUSED_FORWARD, "all+skinny": GPU_FORWARD,
                 "all+skinny+split": dataclasses.replace(GPU_FORWARD, split_attention=True),
+                "all+skinny+down": dataclasses.replace(GPU_FORWARD, fused_down=True),
+                "all+skinny+pdl": dataclasses.replace(GPU_FORWARD, pdl=True),
+                "all+skinny+down+pdl": dataclasses.replace(GPU_FORWARD, fused_down=True,
+                                                           pdl=True),
                 # the same kernels with the norms and gate|up's SiLU kernels of their own
                 # (an A/B of SkinnyGemm.norm_linear and .gated, patched here only)
                 "all+skinny-unfused": GPU_FORWARD}
@@ -382,7 +386,12 @@ def run_engine(model_dir: Path, args: argparse.Namespace, roof: float) -> dict[s
         SkinnyGemm.norm_linear = _norm_apart if unfused else NORM_LINEAR  # type: ignore
         if sizes:
             name = f"{name}, graphs {list(sizes)}"
-        reload_s = core.reload(cfg)
+        try:
+            reload_s = core.reload(cfg)
+        except Exception as e:  # a variant refused (its check) or failing to capture
+            print(f"engine {name}: reload failed: {type(e).__name__}: {e}", flush=True)
+            out[name] = {"error": f"{type(e).__name__}: {e}"}  # the old config serves on
+            continue
         if core.model.skinny is not None:
             print(f"engine {name}: projections {core.model.skinny.configs}", flush=True)
         graphs = core.runner.graphs
@@ -410,7 +419,7 @@ def run_engine(model_dir: Path, args: argparse.Namespace, roof: float) -> dict[s
             print(f"engine {name:<14} reload {reload_s:5.2f} s  batch {b:>3}: {rate:9.0f} tok/s "
                   f"(graph replay {ms:.3f} ms/step = {b / ms * 1e3:9.0f} tok/s){frac}; "
                   f"{entry['ahead_used'][str(b)]} steps launched ahead", flush=True)
-            if args.profile is not None:
+            if args.profile is not None and b == 1:
                 top = profile_step(core, b, prompt + tokens // 2, args.profile,
                                    f"{name}, batch {b}")
                 entry.setdefault("profile", {})[str(b)] = top[:25]
@@ -449,6 +458,9 @@ def summarize(result: dict[str, Any], args: argparse.Namespace) -> None:
     print("\n| variant set | " + " | ".join(f"batch {b}" for b in args.batches) + " | reload s |")
     print("|---|" + "---|" * len(args.batches) + "---|")
     for name, entry in engine.items():
+        if "error" in entry:
+            print(f"| {name} | " + " | ".join("-" for _ in args.batches) + " | failed |")
+            continue
         cells, serial = [], []
         for b in args.batches:
             rate = entry["tok_s"][str(b)]

@@ -11,6 +11,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _wait_prior(USE_GDC: tl.constexpr):
+    """Under programmatic dependent launch (engine.launch): wait until the kernel before has
+    completed and its writes are visible, then let the next kernel's programs launch."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _round(x, dtype: tl.constexpr):
     """``x`` (float32) rounded to ``dtype`` and back, as a torch op in ``dtype`` stores it."""
     return x.to(dtype).to(tl.float32)
@@ -19,15 +28,29 @@ def _round(x, dtype: tl.constexpr):
 @triton.jit
 def add_rms_norm_kernel(h_ptr, delta_ptr, w_ptr, x_ptr, h_out_ptr,
                         stride_h, stride_delta, stride_x, stride_h_out, num_cols, eps,
-                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-    """One row: ``h_out = h + delta`` (when HAS_DELTA), ``x = rms_norm(h_out) * w``."""
+                        stride_split, HAS_DELTA: tl.constexpr, SPLIT: tl.constexpr,
+                        BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False):
+    """One row: ``h_out = h + delta`` (when HAS_DELTA), ``x = rms_norm(h_out) * w``.
+
+    SPLIT > 0: ``delta`` is a projection's SPLIT float32 split-K partial sums (slice ``s``
+    at ``delta + s * stride_split``), added in order and rounded as
+    :func:`split_sum_kernel` does before the residual add.
+    """
+    _wait_prior(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < num_cols
     dtype = x_ptr.dtype.element_ty
     h = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_DELTA:
-        delta = tl.load(delta_ptr + row * stride_delta + cols, mask=ok, other=0.0)
+        if SPLIT > 0:
+            acc = tl.zeros([BLOCK], tl.float32)
+            for s in tl.static_range(SPLIT):
+                acc += tl.load(delta_ptr + s * stride_split + row * stride_delta + cols,
+                               mask=ok, other=0.0)
+            delta = _round(acc, dtype)
+        else:
+            delta = tl.load(delta_ptr + row * stride_delta + cols, mask=ok, other=0.0)
         h = _round(h + delta.to(tl.float32), dtype)
         tl.store(h_out_ptr + row * stride_h_out + cols, h.to(dtype), mask=ok)
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / num_cols + eps)
@@ -39,9 +62,11 @@ def add_rms_norm_kernel(h_ptr, delta_ptr, w_ptr, x_ptr, h_out_ptr,
 def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr,
                    stride_t, stride_table, stride_kh, stride_kb, stride_ks,
                    NQ: tl.constexpr, NKV: tl.constexpr, HEADS_PAD: tl.constexpr,
-                   KV_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                   KV_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   USE_GDC: tl.constexpr = False):
     """One token: RoPE on its q and k heads (q in place in ``qkv``, k into the cache) and
     its v heads copied into the cache at its slot."""
+    _wait_prior(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D // 2
     dtype = qkv_ptr.dtype.element_ty
@@ -79,8 +104,9 @@ def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr,
 
 @triton.jit
 def silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, num_cols,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False):
     """One tile of one row: ``silu(gate) * up`` from ``[gate | up]``."""
+    _wait_prior(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < num_cols
@@ -97,8 +123,9 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, delta_ptr, nw_ptr, h_out_pt
                        stride_split, stride_delta, stride_h_out, eps,
                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr,
                        IEEE: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-                       HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       HAS_DELTA: tl.constexpr, SILU_IN: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       USE_GDC: tl.constexpr = False):
     """``out[:rows, cols] = x @ w[cols].T`` over one K slice (program axis 1).
 
     ``x`` ``[rows <= BLOCK_M, K]``, ``w`` ``[N, K]`` (a projection's weight, streamed once).
@@ -113,7 +140,11 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, delta_ptr, nw_ptr, h_out_pt
     the first column tile): the squares are summed in the same pass over K and the row's
     ``rsqrt`` scales the sums at the end, so the norm costs no kernel of its own
     (PARTIAL: each slice's sum of squares at column ``N`` (GATED: ``2 N``) of its rows).
+    SILU_IN: ``x`` is ``[gate | up]`` ``[rows, 2 K]`` and the product is of ``silu(gate) *
+    up``, computed on load and rounded where ``silu_mul_kernel`` rounds (the MLP's down
+    projection with its activation in front).
     """
+    _wait_prior(USE_GDC)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -143,6 +174,10 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, delta_ptr, nw_ptr, h_out_pt
             w = tl.load(w_at + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             if GATED:
                 w_up = tl.load(up_at + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if SILU_IN:
+            gate = x.to(tl.float32)
+            up = tl.load(x_at + K + k, mask=x_ok, other=0.0).to(tl.float32)
+            x = (_round(gate / (1.0 + tl.exp(-gate)), dtype) * up).to(dtype)
         if NORM:
             h = x.to(tl.float32)
             if HAS_DELTA:
@@ -195,10 +230,11 @@ def _silu_times(gate, up, dtype: tl.constexpr):
 @triton.jit
 def split_sum_kernel(part_ptr, b_ptr, out_ptr, N, K, stride_split, stride_part, stride_out,
                      eps, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                     NORM: tl.constexpr, BLOCK: tl.constexpr):
+                     NORM: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False):
     """One tile of one row: the SPLIT partial sums of :func:`skinny_gemm_kernel`, in order
     (GATED: gate's and up's, then ``silu(gate) * up``; NORM: scaled by the row's rsqrt of
     its summed squares)."""
+    _wait_prior(USE_GDC)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N

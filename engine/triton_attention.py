@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.launch import pdl_args
+
 TILE = 64  # context tokens per inner-loop iteration
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
 SPLIT_TOKENS = 256  # context tokens per program of decode_attention_split
@@ -73,7 +75,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), tables.stride(0), lens.stride(0), scale,
         BLOCK_SIZE=block_size, G=group, G_PAD=max(MIN_DOT_ROWS, 1 << (group - 1).bit_length()),
-        D=head_dim, TILE_T=TILE, IEEE=q.dtype == torch.float32)
+        D=head_dim, TILE_T=TILE, IEEE=q.dtype == torch.float32, **pdl_args(q.is_cuda))
     return out.view(num_seqs, num_heads * head_dim)
 
 
@@ -107,9 +109,9 @@ def decode_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         tables.stride(0), lens.stride(0), scale,
         BLOCK_SIZE=block_size, G=group, G_PAD=max(MIN_DOT_ROWS, 1 << (group - 1).bit_length()),
         D=head_dim, TILE_T=TILE, SPLIT_T=split_tokens, NUM_SPLITS=num_splits,
-        IEEE=q.dtype == torch.float32)
+        IEEE=q.dtype == torch.float32, **pdl_args(q.is_cuda))
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     decode_combine_kernel[(num_seqs, num_heads)](
         part, stats, out, out.stride(0), out.stride(1), D=head_dim, NUM_SPLITS=num_splits,
-        S_PAD=max(2, 1 << (num_splits - 1).bit_length()))
+        S_PAD=max(2, 1 << (num_splits - 1).bit_length()), **pdl_args(q.is_cuda))
     return out.view(num_seqs, num_heads * head_dim)

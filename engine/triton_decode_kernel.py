@@ -8,6 +8,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _wait_prior(USE_GDC: tl.constexpr):
+    """Under programmatic dependent launch (engine.launch): wait until the kernel before has
+    completed and its writes are visible, then let the next kernel's programs launch."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _attend_range(lo, hi, q, k_ptr, v_ptr, tables_ptr, b, kvh, stride_kh, stride_kb,
                   stride_ks, stride_tb, scale, BLOCK_SIZE: tl.constexpr,
                   G_PAD: tl.constexpr, D: tl.constexpr, TILE_T: tl.constexpr,
@@ -49,7 +58,9 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr,
                   stride_qb, stride_qh, stride_kh, stride_kb, stride_ks,
                   stride_ob, stride_oh, stride_tb, stride_lb, scale,
                   BLOCK_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                  D: tl.constexpr, TILE_T: tl.constexpr, IEEE: tl.constexpr):
+                  D: tl.constexpr, TILE_T: tl.constexpr, IEEE: tl.constexpr,
+                  USE_GDC: tl.constexpr = False):
+    _wait_prior(USE_GDC)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     ctx = tl.load(lens_ptr + b * stride_lb)
@@ -73,10 +84,12 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, stats_ptr, tables_ptr, le
                         stride_tb, stride_lb, scale,
                         BLOCK_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                         D: tl.constexpr, TILE_T: tl.constexpr, SPLIT_T: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                        NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+                        USE_GDC: tl.constexpr = False):
     """:func:`decode_kernel` over one ``SPLIT_T``-token slice of the context (axis 2):
     unnormalized ``acc`` to ``part [B, H, NUM_SPLITS, D]``, the running max and sum to
     ``stats [B, H, NUM_SPLITS, 2]`` (float32); a slice past the context writes max -inf."""
+    _wait_prior(USE_GDC)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -100,9 +113,11 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, stats_ptr, tables_ptr, le
 
 @triton.jit
 def decode_combine_kernel(part_ptr, stats_ptr, out_ptr, stride_ob, stride_oh,
-                          D: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+                          D: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+                          USE_GDC: tl.constexpr = False):
     """One (sequence, head): the slices of :func:`decode_split_kernel` merged by their maxima
     (slices past the context, max -inf, weigh nothing)."""
+    _wait_prior(USE_GDC)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)
