@@ -78,6 +78,12 @@ class ForwardConfig:
     # captured decode attention split over 256-token slices of the context, then merged
     # (flash-decoding): more programs for long contexts at small batch, one kernel more
     split_attention: bool = False
+    # (with skinny_gemm and fused_norm) the down projection takes silu(gate) * up on its
+    # input and leaves its split-K partial sums to the next residual add + RMSNorm
+    fused_down: bool = False
+    # the Triton kernels launched with programmatic dependent launch (Hopper and later):
+    # each one's programs start while the kernel before drains, and wait for its results
+    pdl: bool = False
 
     @property
     def enabled(self) -> tuple[str, ...]:
