@@ -489,11 +489,13 @@ def trace_lengths(records: list[TraceRequest], scale: float, max_output: int) ->
 
 
 def build_trace_workload(records: list[TraceRequest], synth: PromptSynthesizer, domain: str,
-                         scale: float, max_output: int, num: int, rate: float, seed: int
-                         ) -> list[TraceRequest]:
+                         scale: float, max_output: int, num: int, rate: float, seed: int,
+                         key_offset: int = 0) -> list[TraceRequest]:
     """``num`` consecutive requests of the trace from a start picked by ``seed``, arrival
     gaps scaled to ``rate`` req/s, prompts of their recorded lengths x ``scale`` in
-    ``domain``'s text (:func:`trace_synthesizer`), outputs as recorded (clipped at replay)."""
+    ``domain``'s text (:func:`trace_synthesizer`), outputs as recorded (clipped at replay).
+    A prompt's text is keyed by its line plus ``key_offset``: the same line gives the same
+    text under one offset, another under another."""
     rng = random.Random(seed)
     start = rng.randrange(max(len(records) - num, 1))
     rows = records[start:start + num]
@@ -505,7 +507,8 @@ def build_trace_workload(records: list[TraceRequest], synth: PromptSynthesizer, 
     return [TraceRequest(line=TRACE_LINE + start + i,
                          timestamp_s=((r.timestamp_s or 0.0) - t0) * gap,
                          messages=({"role": "user",
-                                    "content": synth.prompt(n, TRACE_LINE + start + i)},),
+                                    "content": synth.prompt(n, TRACE_LINE + start + i
+                                                            + key_offset)},),
                          output_tokens=r.output_tokens, domain=domain)
             for i, (r, n) in enumerate(zip(rows, lengths, strict=True))]
 
@@ -572,6 +575,7 @@ class Schedules:
         self.synth = trace_synthesizer(args.trace_domain, args.seed) if self.trace else None
         self.cursor = args.trace_start
         self.offset = 0  # block-id namespace of the current pass
+        self.rate_index = 0  # the sweep's current rate (begin_rate)
         self.window = (0, 0)  # the last round's Mooncake requests, trace indices [from, to)
         if self.prefix_mix and self.mooncake_needed() > len(self.mooncake):
             # NOTE: checked before any fleet starts: a trace that runs out mid-sweep used to
@@ -590,15 +594,22 @@ class Schedules:
     def _build(self, rate: float, num: int, seed: int, start: int) -> list[TraceRequest]:
         a = self.args
         if self.synth is not None:
+            # NOTE: a round's window is picked by its seed alone, so every rate replays the
+            # same lines; their prompts are the rate's own (a key namespace per rate), or a
+            # later rate re-sent the earlier rates' prompts and found them in the workers'
+            # prefix caches (call B in bench/RESULTS.md, Routing, ran before this)
             return build_trace_workload(self.records, self.synth, a.trace_domain,
-                                        a.trace_prompt_scale, a.max_output, num, rate, seed)
+                                        a.trace_prompt_scale, a.max_output, num, rate, seed,
+                                        (self.rate_index + 1) * NAMESPACE)
         if not self.prefix_mix:
             return build_workload(a.data, num, rate, seed)
         return build_prefix_workload(a.data, self.mooncake, num, rate, seed, start,
                                      a.prefix_share, a.output_scale, self.offset)
 
     def begin_rate(self, index: int) -> None:
-        """Called before rate number ``index`` of the sweep: ``per-rate`` starts its pass."""
+        """Called before rate number ``index`` of the sweep: ``per-rate`` starts its pass; a
+        trace's prompts take the rate's key namespace (:meth:`_build`)."""
+        self.rate_index = index
         if self.per_rate:
             self.cursor, self.offset = self.args.trace_start, (index + 1) * NAMESPACE
 

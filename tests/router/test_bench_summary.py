@@ -203,6 +203,15 @@ def test_a_trace_workload_is_its_own_class_with_its_slo_in_the_bodies() -> None:
     assert synth.counter.count(text) == n and "def" in text.split()  # code, as recorded x 0.25
     again = BENCH.build_trace_workload(records, synth, "code", 0.25, 48, 20, 4.0, seed=3)
     assert [r.line for r in again] == [r.line for r in sched]  # same window at every rate
+    texts = [r.messages[0]["content"] for r in sched]
+    assert [r.messages[0]["content"] for r in again] == texts  # and the same prompts ...
+    other = BENCH.build_trace_workload(records, synth, "code", 0.25, 48, 20, 4.0, seed=3,
+                                       key_offset=BENCH.NAMESPACE)
+    assert [r.line for r in other] == [r.line for r in sched]
+    # ... unless another key namespace (Schedules: one per rate), whose prompts are new
+    assert not set(r.messages[0]["content"] for r in other) & set(texts)
+    assert [synth.counter.count(r.messages[0]["content"]) for r in other] == \
+        [synth.counter.count(x) for x in texts]
 
 
 def test_capacities_per_round_give_an_interval_and_round_by_round_ratios() -> None:
@@ -262,3 +271,22 @@ def test_goal_rate_summary_prints_each_policy_s_rate_and_the_ratios() -> None:
     lines = BENCH.goal_rate_summary(low)
     assert lines[0] == "rate holding 90% of SLOs: least_outstanding <4.00 / adaptive >=8.00"
     assert lines[1] == "  adaptive/least_outstanding at 90%: 2.00x (bounds: >= / <)"
+
+
+def test_each_rate_of_a_trace_sweep_sends_its_own_prompts() -> None:
+    """The rounds' windows are picked by seed, the same lines at every rate; without a key
+    namespace per rate a later rate re-sent the earlier ones' prompts into warm caches."""
+    args = argparse.Namespace(workload=BENCH.TRACE, data=DATA, trace_start=3000,
+                              trace_windows="per-rate", rates=[2.0, 4.0], duration=5.0,
+                              rounds=1, prefix_share=0.5, output_scale=1.0,
+                              trace=DATA / "traces" / "azure_llm_2023_code.csv",
+                              trace_format="auto", trace_domain="code", seed=0,
+                              trace_prompt_scale=0.25, max_output=48)
+    schedules = BENCH.Schedules(args)
+    rounds = []
+    for i in range(2):
+        schedules.begin_rate(i)
+        rounds.append(schedules.round(4.0, 10, seed=0))
+    assert [r.line for r in rounds[0]] == [r.line for r in rounds[1]]
+    texts = [{r.messages[0]["content"] for r in rs} for rs in rounds]
+    assert not texts[0] & texts[1]
