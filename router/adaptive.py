@@ -242,8 +242,9 @@ class AdaptivePolicy:
         cached = model_cached * self.prefix_cache.hit_ratio(view.name)
         coef = prof.coefficients(shape.domain, shape.prompt_tokens)
         pred = prof.predict_at(coef, queue, batch, d, shape.prompt_tokens, cached)
+        # NOTE: an idle worker's loaded prediction is its idle one (queue 0, batch 1)
+        idle = pred if queue == 0 else prof.predict_at(coef, 0, 1, d, shape.prompt_tokens, cached)
         depth, pred = self._slo_depth(shape, view, batch, depth, pred)
-        idle = prof.predict_at(coef, 0, 1, d, shape.prompt_tokens, cached)
         prefill_s = idle.prefill_s
         saved_s = 0.0
         if cached > 0:

@@ -118,30 +118,32 @@ class PredictionErrors:
         and as measured, seconds (an unmeasured one, None, is skipped), and the tokens it
         produced (for its end-to-end time)."""
         key = (worker, domain, prompt_band(prompt_tokens))
-        self._observe(self._errors.setdefault(key, _Error()), predicted, observed, num_tokens)
-        self._observe(self._by_worker.setdefault(worker, _Error()), predicted, observed,
-                      num_tokens)
-
-    def _observe(self, err: _Error, predicted: tuple[float, float],
-                 observed: tuple[float | None, float | None], num_tokens: int) -> None:
-        x = _log_error(predicted[0], observed[0])
-        if x is not None:
-            err.num_ttft += 1
-            w = self._weight(err.num_ttft)
-            err.ttft_sq += w * (x * x - err.ttft_sq)
-            err.ttft_bias += w * (x - err.ttft_bias)
-        x = _log_error(predicted[1], observed[1])
-        if x is not None:
-            err.num_tpot += 1
-            w = self._weight(err.num_tpot)
-            err.tpot_sq += w * (x * x - err.tpot_sq)
-            err.tpot_bias += w * (x - err.tpot_bias)
+        # NOTE: the log errors once, for the key's and the worker's running errors alike
+        x_ttft = _log_error(predicted[0], observed[0])
+        x_tpot = _log_error(predicted[1], observed[1])
+        x_e2e = None
         if observed[0] is not None and observed[1] is not None:
             gaps = max(num_tokens - 1, 0)
-            x = _log_error(predicted[0] + gaps * predicted[1], observed[0] + gaps * observed[1])
-            if x is not None:
-                err.num_e2e += 1
-                err.e2e_sq += self._weight(err.num_e2e) * (x * x - err.e2e_sq)
+            x_e2e = _log_error(predicted[0] + gaps * predicted[1],
+                               observed[0] + gaps * observed[1])
+        self._observe(self._errors.setdefault(key, _Error()), x_ttft, x_tpot, x_e2e)
+        self._observe(self._by_worker.setdefault(worker, _Error()), x_ttft, x_tpot, x_e2e)
+
+    def _observe(self, err: _Error, x_ttft: float | None, x_tpot: float | None,
+                 x_e2e: float | None) -> None:
+        if x_ttft is not None:
+            err.num_ttft += 1
+            w = self._weight(err.num_ttft)
+            err.ttft_sq += w * (x_ttft * x_ttft - err.ttft_sq)
+            err.ttft_bias += w * (x_ttft - err.ttft_bias)
+        if x_tpot is not None:
+            err.num_tpot += 1
+            w = self._weight(err.num_tpot)
+            err.tpot_sq += w * (x_tpot * x_tpot - err.tpot_sq)
+            err.tpot_bias += w * (x_tpot - err.tpot_bias)
+        if x_e2e is not None:
+            err.num_e2e += 1
+            err.e2e_sq += self._weight(err.num_e2e) * (x_e2e * x_e2e - err.e2e_sq)
 
     def band(self, worker: str, domain: str, prompt_tokens: int) -> float:
         """The key's error band in log space: its end-to-end RMS log error. A key with fewer
