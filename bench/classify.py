@@ -11,6 +11,8 @@ and wall time, which is how long the call holds the proxy's event loop.
 ``git archive HEAD~1 | tar -x -C DIR``) loads that tree's estimator into the
 same process: they are timed alternately on the same prompts, so all see the
 same noise; give it twice for an A/A pair (the spread between the two copies).
+``--cold-mb 8`` adds the same timings with 8 MB of memory written before each call, as the
+rest of a request's work leaves the caches in the proxy.
 
 Quality (``--quality``), on the held-out split of router.dataset (half the
 Spec-Bench question ids, 20% of GSM8K rows, 25% of stdlib modules; never
@@ -149,16 +151,22 @@ def percentiles(xs: list[float]) -> tuple[float, float, float]:
 
 
 def time_rows(rows: list[tuple[str, Callable[[dict], object]]], texts: list[str],
-              repeat: int) -> None:
+              repeat: int, cold_mb: int = 0) -> None:
     """Each row called on every text made new for it, rows alternating per call (so that
-    co-tenants' load falls on all of them alike)."""
+    co-tenants' load falls on all of them alike). ``cold_mb``: every cache line of that many
+    MB written before each call (what the rest of a request's work does to the caches in the
+    proxy), outside the timed part."""
+    junk = bytearray(cold_mb << 20)
+    zeros = bytes(len(junk) // 64)
     wall: dict[str, list[float]] = {name: [] for name, _ in rows}
     cpu: dict[str, list[float]] = {name: [] for name, _ in rows}
     for k in range(repeat):
         for i, text in enumerate(texts):
             order = rows if (i + k) % 2 == 0 else rows[::-1]
             for name, fn in order:
-                body = chat(f"(call {k} {name}) {text}")
+                body = chat(f"(call {k} {name}{' cold' if cold_mb else ''}) {text}")
+                if cold_mb:
+                    junk[::64] = zeros
                 c, t = time.thread_time_ns(), time.perf_counter_ns()
                 fn(body)
                 wall[name].append((time.perf_counter_ns() - t) * 1e-3)
@@ -196,6 +204,11 @@ def cost(args: argparse.Namespace, ss: list[Side]) -> None:
     time_rows(rows, longs, 4 * args.repeat)
     print(f"# 1 MB prompts: {len(huge)}; x{args.repeat}")
     time_rows([r for r in rows if r[0].endswith("estimate")], huge, args.repeat)
+    if args.cold_mb:  # NOTE: last: freeing the sweep's buffer moves malloc's mmap threshold
+        print(f"# real prompts again, {args.cold_mb} MB swept before each call (cold caches)")
+        time_rows(rows, texts, args.repeat, args.cold_mb)
+        print(f"# ~2,000-token prompts again, {args.cold_mb} MB swept before each call")
+        time_rows(rows, longs, 4 * args.repeat, args.cold_mb)
 
 
 # -- quality ---------------------------------------------------------------------------------
@@ -223,6 +236,28 @@ def classifier_quality(ss: list[Side], test: list[Example], more: Sequence[str] 
         differ = sum(a != s.est.classifier.predict(t) for a, t in zip(ours, texts, strict=True))
         print(f"  {s.name} decides otherwise than {ss[0].name} on {differ} of {len(texts)} prompts "
               f"(every held-out prompt and the cost prompts)")
+
+
+def shape_agreement(ss: list[Side], texts: Sequence[str]) -> None:
+    """How many bodies each baseline shapes otherwise than this estimator (every field of the
+    RequestShape): each text as a one-message chat with a new head, as a four-message chat
+    and as a completions prompt of 1-9 copies."""
+    bodies: list[tuple[dict, str]] = []
+    for i, t in enumerate(texts):
+        bodies.append((chat(f"(request {i}) {t}"), CHAT))
+        bodies.append(({"model": "m", "max_tokens": 7, "messages": [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": t},
+            {"role": "assistant", "content": t[:50]},
+            {"content": [{"type": "text", "text": t[-80:]}]}]}, CHAT))
+        bodies.append(({"model": "m", "prompt": t * (1 + i % 9)}, "/v1/completions"))
+    ours = [ss[0].est.estimate_bounded(b, ep) for b, ep in bodies]
+    for s in ss[1:]:
+        if not s.new_api:
+            continue
+        differ = sum((vars(a[0]), a[1]) != (vars(s.est.estimate_bounded(b, ep)[0]),
+                                            s.est.estimate_bounded(b, ep)[1])
+                     for a, (b, ep) in zip(ours, bodies, strict=True))
+        print(f"  {s.name} shapes otherwise than {ss[0].name}: {differ} of {len(bodies)} bodies")
 
 
 def train_full_text(train: list[Example], test: list[Example]) -> None:
@@ -377,6 +412,8 @@ def main() -> None:
     ap.add_argument("--baseline-src", type=Path, action="append", default=[],
                     help="a source tree to time beside this one (repeatable)")
     ap.add_argument("--no-cost", action="store_true")
+    ap.add_argument("--cold-mb", type=int, default=0, metavar="MB",
+                    help="also time every call after sweeping MB of memory (cold caches)")
     ap.add_argument("--quality", action="store_true")
     ap.add_argument("--train-full", action="store_true")
     ap.add_argument("--prefix", action="store_true")
@@ -397,6 +434,8 @@ def main() -> None:
         train, test = held_out(args.data)
         print("# classifier, held out")
         classifier_quality(ss, test, [e.text for e in real_prompts(args.data)])
+        shape_agreement(ss, [e.text for e in test + train]
+                        + [e.text for e in real_prompts(args.data) if e.source == "spec_bench"])
         if args.train_full:
             train_full_text(train, test)
         print("# token count against the tokenizer's exact count of the rendered prompt")
