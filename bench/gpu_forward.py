@@ -76,6 +76,10 @@ VARIANT_SETS = {"default": ForwardConfig(),
                 "all+skinny+pdl": dataclasses.replace(GPU_FORWARD, pdl=True),
                 "all+skinny+down+pdl": dataclasses.replace(GPU_FORWARD, fused_down=True,
                                                            pdl=True),
+                "all+skinny+down+ropeattn": dataclasses.replace(
+                    GPU_FORWARD, fused_down=True, fused_rope_attention=True),
+                "all+skinny+down+ropeattn+pdl": dataclasses.replace(
+                    GPU_FORWARD, fused_down=True, fused_rope_attention=True, pdl=True),
                 # the same kernels with the norms and gate|up's SiLU kernels of their own
                 # (an A/B of SkinnyGemm.norm_linear and .gated, patched here only)
                 "all+skinny-unfused": GPU_FORWARD}
@@ -229,16 +233,16 @@ def profile_step(core: Any, batch: int, context: int, out: Path,
     graphs.run(rows)  # fills the inputs of the batch's bucket
     bucket = graphs._bucket_for[batch]
     for _ in range(3):
-        graphs._forward(bucket)
+        graphs._forward(bucket, graphs.one_row_each)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            graphs._forward(bucket)
+            graphs._forward(bucket, graphs.one_row_each)
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
     with out.open("a") as f:
         f.write(f"\n== {title}: 5 steps ==\n{table}\n")
-        f.write(replay_timeline(graphs._graphs[bucket]))
+        f.write(replay_timeline(graphs.decode_graph(bucket)))
     rows_out = []
     for e in prof.key_averages():
         total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)

@@ -256,6 +256,10 @@ class RowDecoder:
         self._out = torch.zeros(rows, model.spec.vocab_size, dtype=torch.float32,
                                 device=model.device)
         self._bucket_for = bucket_table(self.buckets)  # [rows + 1]: bucket per row count
+        # steps whose every row is its own sequence (plain decode) run a forward of their
+        # own when the model fuses RoPE and the K/V write into attention
+        self.one_row_each = "fused_rope_attention" in model.variants
+        self.num_one_row_each = 0  # steps run through those forwards
 
     @property
     def max_rows(self) -> int:
@@ -293,22 +297,24 @@ class RowDecoder:
             self._inputs[:n, COL_TOKEN].copy_(tokens)
             if bucket > n:  # padding rows repeat row 0, its token included
                 self._inputs[n:bucket, COL_TOKEN].copy_(tokens[:1].expand(bucket - n))
-        self._launch(bucket)
+        one_row_each = self.one_row_each and n == len(rows)
+        self.num_one_row_each += one_row_each
+        self._launch(bucket, one_row_each)
         return self._out[:n]
 
     def output(self, num_rows: int) -> torch.Tensor:
         """The logits of the last run's first ``num_rows`` rows (what :meth:`run` returned)."""
         return self._out[:num_rows]
 
-    def _launch(self, bucket: int) -> None:
-        self._forward(bucket)
+    def _launch(self, bucket: int, one_row_each: bool = False) -> None:
+        self._forward(bucket, one_row_each)
 
-    def _forward(self, bucket: int) -> None:
+    def _forward(self, bucket: int, one_row_each: bool = False) -> None:
         buf = self._inputs[:bucket]
         meta = DecodeMetadata(positions=buf[:, COL_POSITION].long(),
                               slot_mapping=buf[:, COL_SLOT].long(),
                               block_tables=buf[:, COL_TABLE:],
-                              context_lens=buf[:, COL_CONTEXT])
+                              context_lens=buf[:, COL_CONTEXT], one_row_each=one_row_each)
         logits = self.model.forward(buf[:, COL_TOKEN].long(), meta, self.kv)  # type: ignore[arg-type]
         self._out[:bucket].copy_(logits)
 
@@ -351,6 +357,8 @@ class CudaGraphDecoder(RowDecoder):
                                                   sizes), max_positions)
         self.max_batch = max_batch
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # one_row_each: the plain-decode forwards, for buckets of up to max_batch rows
+        self._single: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_s = 0.0
         self.graph_bytes = 0
         self._capture_all()
@@ -360,8 +368,13 @@ class CudaGraphDecoder(RowDecoder):
         logger.info("graph replay ms per bucket %s; buckets used %s",
                     {b: round(t, 3) for b, t in self.replay_ms.items()}, used)
 
-    def _launch(self, bucket: int) -> None:
-        self._graphs[bucket].replay()
+    def _launch(self, bucket: int, one_row_each: bool = False) -> None:
+        graph = self._single.get(bucket) if one_row_each else None
+        (graph or self._graphs[bucket]).replay()
+
+    def decode_graph(self, bucket: int) -> torch.cuda.CUDAGraph:
+        """The graph a plain decode step of ``bucket`` rows replays."""
+        return self._single.get(bucket) or self._graphs[bucket]
 
     def _time_replays(self, iters: int = REPLAY_TIMING_ITERS) -> dict[int, float]:
         """Device ms per replay of each bucket's graph on the capture's dummy inputs.
@@ -371,7 +384,7 @@ class CudaGraphDecoder(RowDecoder):
         """
         out: dict[int, float] = {}
         for bucket in self.buckets:
-            graph = self._graphs[bucket]
+            graph = self.decode_graph(bucket)
             graph.replay()
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
@@ -393,16 +406,24 @@ class CudaGraphDecoder(RowDecoder):
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(device=self.model.device)
         side.wait_stream(torch.cuda.current_stream())
+        single = [b for b in self.buckets if b <= self.max_batch] if self.one_row_each else []
         with torch.cuda.stream(side):
             for bucket in self.buckets:
                 for _ in range(NUM_WARMUP):
                     self._forward(bucket)
+                    if bucket in single:
+                        self._forward(bucket, True)
         torch.cuda.current_stream().wait_stream(side)
         for bucket in reversed(self.buckets):  # largest first: smaller ones reuse its pool
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._forward(bucket)
             self._graphs[bucket] = graph
+            if bucket in single:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(bucket, True)
+                self._single[bucket] = graph
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
         self.graph_bytes = torch.cuda.memory_reserved(self.model.device) - reserved

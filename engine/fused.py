@@ -17,6 +17,9 @@ variant here replaces a run of those by one Triton kernel:
   ``silu(gate) * up`` as it loads its input and leaves its split-K partial sums to the
   next residual add + RMSNorm (:func:`engine.skinny_gemm.skinny_down`): the SiLU and
   split-sum kernels of every layer go;
+- ``fused_rope_attention``: in decode steps whose every row is its own sequence (graphs
+  of their own), RoPE and the K/V-cache write inside the attention kernel
+  (:func:`engine.triton_attention.decode_attention_rope`): one kernel fewer a layer;
 - ``pdl``: every kernel here launched with programmatic dependent launch
   (:mod:`engine.launch`), checked by running the others' checks launched so.
 
@@ -63,7 +66,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 VARIANTS = ("fused_norm", "fused_rope_kv", "fused_silu", "skinny_gemm", "split_attention",
-            "fused_down")  # with kernels of their own; "pdl" changes how all of them launch
+            "fused_down", "fused_rope_attention")  # "pdl" changes how all of them launch
 NORM_BLOCK_MAX = 16384  # widest hidden size one program normalizes
 SILU_BLOCK = 1024  # columns per program of silu_mul
 
@@ -520,6 +523,61 @@ def _split_attention_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: to
     return [fused(q, k_cache, v_cache, meta, scale)], [want], [error_bound(want, size)]
 
 
+def _rope_attention_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: torch.Generator,
+                         device: str | torch.device, dtype: torch.dtype) -> Case:
+    """``min(n, 8)`` rows, each its own sequence, contexts of 1 to 600 tokens (the new token
+    last, its slot in the row's table): the attention output (two ulps of the largest |v|,
+    as ``split_attention``), and both caches after the write (two ulps of RoPE's terms)."""
+    from engine.model import rope_table_for
+    from engine.triton_attention import DecodeMetadata
+
+    rows, block_size, width = min(n, 8), 16, 40
+    num_blocks = rows * width
+    cos, sin = (t.to(device=device, dtype=dtype)
+                for t in rope_table_for(s.head_dim, s.rope_theta, width * block_size))
+    cache = _rand(g, device, dtype, 2, s.num_kv_heads, num_blocks, block_size, s.head_dim)
+    qkv = _rand(g, device, dtype, rows, s.num_heads + 2 * s.num_kv_heads, s.head_dim)
+    tables = torch.randperm(num_blocks, generator=g).view(rows, width).to(torch.int32)
+    lens = torch.randint(1, 601, (rows,), generator=g).to(torch.int32)
+    lens[0] = 600
+    pos = (lens - 1).long()
+    slots = tables[torch.arange(rows), pos // block_size].long() * block_size + pos % block_size
+    meta = DecodeMetadata(pos.to(device), slots.to(device), tables.to(device), lens.to(device),
+                          one_row_each=True)
+    scale = s.head_dim ** -0.5
+    outs = []
+    for impl in (fused, ref):
+        k, v = cache[0].clone(), cache[1].clone()
+        out = impl(qkv.clone(), cos, sin, k, v, meta, scale, s.num_heads, s.num_kv_heads)
+        outs.append([out, k, v])
+    want = outs[1][0]
+    size = torch.full_like(want, float(cache[1].float().abs().max()), dtype=torch.float32)
+    _, k_scale, v_scale = _rope_scales(qkv, cos, sin, meta.positions, meta.slot_mapping,
+                                       cache, s)
+    bounds: list[torch.Tensor | None] = [error_bound(want, size),
+                                         error_bound(outs[1][1], k_scale),
+                                         error_bound(outs[1][2], v_scale)]
+    return outs[0], outs[1], bounds
+
+
+def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any, scale: float,
+                   num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    from engine.triton_attention import decode_attention_rope
+
+    return decode_attention_rope(qkv, cos, sin, k_cache, v_cache, meta, scale, num_heads,
+                                 num_kv_heads)
+
+
+def rope_attention_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any,
+                             scale: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """RoPE + the K/V write (:func:`rope_kv_reference`), then float32 attention."""
+    q = rope_kv_reference(qkv, cos, sin, meta.positions, meta.slot_mapping, k_cache, v_cache,
+                          num_heads, num_kv_heads)
+    return decode_attention_reference(q, k_cache, v_cache, meta, scale)
+
+
 def _split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any,
                      scale: float) -> torch.Tensor:
     from engine.triton_attention import decode_attention_split
@@ -529,12 +587,14 @@ def _split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 _FUSED: dict[str, Impl] = {"fused_norm": add_rms_norm, "fused_rope_kv": rope_kv_write,
                            "fused_silu": silu_mul, "skinny_gemm": skinny_linear,
-                           "split_attention": _split_attention, "fused_down": down_add_norm}
+                           "split_attention": _split_attention, "fused_down": down_add_norm,
+                           "fused_rope_attention": rope_attention}
 _REFERENCE: dict[str, Impl] = {"fused_norm": add_rms_norm_reference,
                                "fused_rope_kv": rope_kv_reference,
                                "fused_silu": silu_mul_reference, "skinny_gemm": F.linear,
                                "split_attention": decode_attention_reference,
-                               "fused_down": down_add_norm_reference}
+                               "fused_down": down_add_norm_reference,
+                               "fused_rope_attention": rope_attention_reference}
 _CASES = {"fused_norm": _norm_case, "fused_rope_kv": _rope_case, "fused_silu": _silu_case,
           "skinny_gemm": _skinny_case, "split_attention": _split_attention_case,
-          "fused_down": _down_case}
+          "fused_down": _down_case, "fused_rope_attention": _rope_attention_case}

@@ -32,6 +32,7 @@ from engine.skinny_gemm import Partials, SkinnyGemm
 from engine.triton_attention import (
     DecodeMetadata,
     decode_attention,
+    decode_attention_rope,
     decode_attention_split,
     is_available,
 )
@@ -356,6 +357,11 @@ class LlamaModel:
         spec = self.spec
         nq, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         qkv = qkv.view(-1, nq + 2 * nkv, d)
+        if (isinstance(meta, DecodeMetadata) and meta.one_row_each
+                and "fused_rope_attention" in self.variants):  # RoPE + K/V write inside
+            out = decode_attention_rope(qkv, self.cos, self.sin, kv.k[i], kv.v[i], meta,
+                                        self.scale, nq, nkv)
+            return self._project(out, layer.o)
         if rope is None:  # q rotated in place in qkv; k, v written to the cache: [T, nq, D]
             q = fused.rope_kv_write(qkv, self.cos, self.sin, meta.positions, meta.slot_mapping,
                                     kv.k[i], kv.v[i], nq, nkv)

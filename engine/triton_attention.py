@@ -42,6 +42,9 @@ class DecodeMetadata:
     slot_mapping: torch.Tensor  # [B] long, flat KV slot the new token is written to
     block_tables: torch.Tensor  # [B, max_blocks] int32 (row stride may exceed max_blocks)
     context_lens: torch.Tensor  # [B] int32, tokens attended (new one included), >= 1
+    # every row its own sequence (a decode step without drafts or prompt chunks): RoPE and
+    # the K/V write may go inside attention (engine.forward.fused_rope_attention)
+    one_row_each: bool = False
 
 
 def is_available() -> bool:
@@ -114,4 +117,36 @@ def decode_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     decode_combine_kernel[(num_seqs, num_heads)](
         part, stats, out, out.stride(0), out.stride(1), D=head_dim, NUM_SPLITS=num_splits,
         S_PAD=max(2, 1 << (num_splits - 1).bit_length()), **pdl_args(q.is_cuda))
+    return out.view(num_seqs, num_heads * head_dim)
+
+
+def decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata,
+                          scale: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """RoPE, the K/V-cache write and :func:`decode_attention` in one kernel, for a step in
+    which every row is its own sequence (``meta.one_row_each``): ``qkv`` ``[B, nq + 2 nkv,
+    D]`` (q|k|v of each row's new token, unrotated), ``cos``/``sin`` the ``[positions, D]``
+    tables. Returns ``[B, nq * D]``; k and v land at ``meta.slot_mapping``.
+
+    NOTE: a row of a verify step or a prefill chunk attends over tokens that other rows of
+    the same step write, which no ordering inside one kernel provides; such steps keep
+    the RoPE kernel before attention (graphs of their own, :mod:`engine.cuda_graph`).
+    """
+    from engine.triton_decode_kernel import decode_rope_kernel
+
+    num_seqs, heads, head_dim = qkv.shape
+    num_kv, _, block_size, _ = k_cache.shape
+    assert heads == num_heads + 2 * num_kv_heads and num_kv == num_kv_heads
+    assert qkv.stride(2) == 1 and qkv.stride(1) == head_dim and cos.stride() == sin.stride()
+    assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    group = num_heads // num_kv
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    tables, lens = meta.block_tables, meta.context_lens
+    decode_rope_kernel[(num_seqs, num_kv)](
+        qkv, cos, sin, meta.positions, meta.slot_mapping, k_cache, v_cache, out, tables, lens,
+        qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), tables.stride(0), lens.stride(0), scale,
+        NQ=num_heads, NKV=num_kv_heads, BLOCK_SIZE=block_size, G=group,
+        G_PAD=max(MIN_DOT_ROWS, 1 << (group - 1).bit_length()), D=head_dim, TILE_T=TILE,
+        IEEE=qkv.dtype == torch.float32, **pdl_args(qkv.is_cuda))
     return out.view(num_seqs, num_heads * head_dim)

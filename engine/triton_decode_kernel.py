@@ -6,6 +6,8 @@ Kept apart so that importing the engine on a CPU never imports Triton.
 import triton
 import triton.language as tl
 
+from engine.fused_kernels import _round
+
 
 @triton.jit
 def _wait_prior(USE_GDC: tl.constexpr):
@@ -131,3 +133,55 @@ def decode_combine_kernel(part_ptr, stats_ptr, out_ptr, stride_ob, stride_oh,
     acc = tl.load(part_ptr + at[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(den * w, 0)  # [D]
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr,
+                       tables_ptr, lens_ptr, stride_t, stride_table, stride_kh, stride_kb,
+                       stride_ks, stride_ob, stride_oh, stride_tb, stride_lb, scale,
+                       NQ: tl.constexpr, NKV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                       TILE_T: tl.constexpr, IEEE: tl.constexpr,
+                       USE_GDC: tl.constexpr = False):
+    """:func:`decode_kernel` from the q|k|v projection ``[B, NQ + 2 NKV, D]`` of a step whose
+    every row is its own sequence: RoPE on the program's G q heads (kept in registers) and
+    its k head, the new k and v written to the caches at the row's slot, then attention
+    over the context, the new token included (a CTA barrier orders its own writes before
+    its reads; no other program writes a slot this row reads, since no row shares a
+    sequence with another, padding rows aside, which write row 0's very values).
+    Rounded as :func:`engine.fused_kernels.rope_kv_kernel`."""
+    _wait_prior(USE_GDC)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    HALF: tl.constexpr = D // 2
+    dtype = k_ptr.dtype.element_ty
+    ctx = tl.load(lens_ptr + b * stride_lb)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    partner = (d + HALF) % D  # rotate_half: cat(-x2, x1)
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    cos = tl.load(cos_ptr + pos * stride_table + d).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_table + d).to(tl.float32)
+    g_ok = g < G
+    heads = kvh * G + g
+    row = qkv_ptr + b.to(tl.int64) * stride_t
+    x = tl.load(row + heads[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0)
+    xp = tl.load(row + heads[:, None] * D + partner[None, :], mask=g_ok[:, None], other=0.0)
+    q = (_round(x.to(tl.float32) * cos[None, :], dtype)
+         + _round(sign[None, :] * xp.to(tl.float32) * sin[None, :], dtype)).to(dtype)
+    k_at = row + (NQ + kvh) * D
+    k_new = (_round(tl.load(k_at + d).to(tl.float32) * cos, dtype)
+             + _round(sign * tl.load(k_at + partner).to(tl.float32) * sin, dtype)).to(dtype)
+    v_new = tl.load(row + (NQ + NKV + kvh) * D + d)
+    cache = kvh * stride_kh + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks
+    tl.store(k_ptr + cache + d, k_new)
+    tl.store(v_ptr + cache + d, v_new)
+    tl.debug_barrier()
+    m, den, acc = _attend_range(0, ctx, q, k_ptr, v_ptr, tables_ptr, b, kvh,
+                                stride_kh, stride_kb, stride_ks, stride_tb, scale,
+                                BLOCK_SIZE, G_PAD, D, TILE_T, IEEE)
+    out = acc / den[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])

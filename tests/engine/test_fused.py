@@ -84,16 +84,17 @@ def check_kernels(dtype: str) -> None:
     shapes = [ForwardShape(256, 768, 4, 2, 64), ForwardShape(320, 600, 5, 1, 32, 1e-6),
               ForwardShape(2048, 1024, 32, 8, 64, rope_theta=500000.0)]
     # check_skinny: smaller shapes; split_attention (contexts up to 600) at the first only
-    variants = [v for v in VARIANTS if v not in ("skinny_gemm", "split_attention", "fused_down")]
+    apart = ("skinny_gemm", "split_attention", "fused_down", "fused_rope_attention")
+    variants = [v for v in VARIANTS if v not in apart]
     for shape in shapes:
         for num_rows in (1, 6):
             checks = check_forward(variants, shape, "cpu", getattr(torch, dtype), num_rows)
             assert [c.variant for c in checks] == variants
             assert all(c.ok for c in checks), checks
     for num_rows in (1, 3):
-        [check] = check_forward(["split_attention"], shapes[0], "cpu", getattr(torch, dtype),
-                                num_rows)
-        assert check.ok, check
+        checks = check_forward(["split_attention", "fused_rope_attention"], shapes[0], "cpu",
+                               getattr(torch, dtype), num_rows)
+        assert all(c.ok for c in checks), checks
 
 
 def check_skinny(dtype: str) -> None:
@@ -219,8 +220,16 @@ def check_planted_faults() -> None:
         assert isinstance(part, Partials)
         return fused.add_rms_norm(h, Partials(part.part[:3]), nw, eps)
 
+    def rope_attention_without_v(qkv, cos, sin, k, v, *rest):  # type: ignore[no-untyped-def]
+        return fused.rope_attention(qkv, cos, sin, k, v.clone(), *rest)
+
+    def rope_attention_a_position_late(qkv, cos, sin, k, v, meta, *rest):  # type: ignore[no-untyped-def]
+        late = dataclasses.replace(meta, positions=meta.positions + 1)
+        return fused.rope_attention(qkv, cos, sin, k, v, late, *rest)
+
     shape = ForwardShape(256, 768, 4, 2, 64)
-    planted = [("fused_down", down_gate_for_up), ("fused_down", down_last_partial_dropped),("split_attention", attention_without_the_new_token),("fused_norm", norm_without_residual_store), ("fused_norm", norm_eps_inside_mean),
+    planted = [("fused_rope_attention", rope_attention_without_v),
+               ("fused_rope_attention", rope_attention_a_position_late),("fused_down", down_gate_for_up), ("fused_down", down_last_partial_dropped),("split_attention", attention_without_the_new_token),("fused_norm", norm_without_residual_store), ("fused_norm", norm_eps_inside_mean),
                ("fused_rope_kv", rope_one_position_late), ("fused_rope_kv", rope_without_v),
                ("fused_silu", silu_of_up), ("skinny_gemm", skinny_without_bias),
                ("skinny_gemm", skinny_without_last_block),
@@ -345,7 +354,9 @@ def test_greedy_outputs_equal_with_every_variant_set_on_the_gpu(tiny_model_dir) 
                     ForwardConfig(fused_rope_kv=True), ForwardConfig(fused_silu=True),
                     ForwardConfig(skinny_gemm=True), GPU_FORWARD,
                     dataclasses.replace(GPU_FORWARD, fused_down=True),
-                    dataclasses.replace(GPU_FORWARD, fused_down=True, pdl=True)):
+                    dataclasses.replace(GPU_FORWARD, fused_down=True, pdl=True),
+                    dataclasses.replace(GPU_FORWARD, fused_down=True, pdl=True,
+                                        fused_rope_attention=True)):
         seconds = core.reload(core.config.with_engine(forward=forward))
         assert core.model.variants == forward.enabled and seconds < 30
         assert [generate(core, [p], [q])[0][0] for p, q in zip(prompts[:2], params[:2], strict=True)] == want

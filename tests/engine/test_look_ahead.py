@@ -130,14 +130,19 @@ def test_look_ahead_changes_no_output_with_graphs_on_the_gpu(tiny_model_dir: Pat
 
 def check_split_attention_keeps_greedy_outputs() -> None:
     """Run under Triton's interpreter: the decode steps with split_attention (one 256-token
-    slice here, the kernels' own checks split more) give the same greedy tokens."""
+    slice here, the kernels' own checks split more), and with RoPE and the K/V write inside
+    attention (fused_rope_attention: plain decode steps only, prompt chunks as before),
+    give the same greedy tokens."""
     from polyinfer.config import ForwardConfig
 
     plain, split = row_core(True), row_core(True, forward=ForwardConfig(split_attention=True))
+    rope = row_core(True, forward=ForwardConfig(fused_rope_attention=True))
     assert split.model.variants == ("split_attention",)
     for prompts, params, arrive in cases()[:2]:
-        assert generate(split, prompts, params, arrive) == generate(plain, prompts, params,
-                                                                    arrive)
+        want = generate(plain, prompts, params, arrive)
+        assert generate(split, prompts, params, arrive) == want
+        assert generate(rope, prompts, params, arrive) == want
+    assert rope.runner.graphs.num_one_row_each >= 20
 
 
 @pytest.mark.timeout(200)
