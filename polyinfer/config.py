@@ -81,6 +81,9 @@ class ForwardConfig:
     # (with skinny_gemm and fused_norm) the down projection takes silu(gate) * up on its
     # input and leaves its split-K partial sums to the next residual add + RMSNorm
     fused_down: bool = False
+    # in decode steps whose every row is its own sequence (CUDA graphs of their own), RoPE
+    # and the K/V-cache write inside the attention kernel: one kernel fewer a layer
+    fused_rope_attention: bool = False
     # the Triton kernels launched with programmatic dependent launch (Hopper and later):
     # each one's programs start while the kernel before drains, and wait for its results
     pdl: bool = False
