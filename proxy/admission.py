@@ -92,7 +92,10 @@ class InFlightLimit:
     what the loop serves within its lag target bounds both: the rest is refused at once
     with a 429 that costs a small fraction of a request (proxy.fastpath)."""
 
-    DECREASE = 0.9  # per saturated sample: of the number in flight (or the limit, if lower)
+    # per saturated sample: of the number in flight (or the limit, if lower), by how far the
+    # lag is over its target (target / lag), within these bounds
+    DECREASE = 0.9
+    MAX_DECREASE = 0.5
     INCREASE = 0.05  # per calm sample, at least one request more
     MINIMUM = 16  # never fewer: an idle worker round trip must not starve the proxy
 
@@ -101,10 +104,17 @@ class InFlightLimit:
         self.minimum = min(self.MINIMUM, maximum)
         self.value = maximum  # requests in flight admitted at most
 
-    def update(self, saturated: bool, num_in_flight: int) -> None:
-        """One loop-lag sample: ``saturated`` = its thread busy and late past its target."""
+    def update(self, saturated: bool, num_in_flight: int, overshoot: float = 1.0) -> None:
+        """One loop-lag sample: ``saturated`` = its thread busy and late past its target;
+        ``overshoot`` = its lag / the target.
+
+        NOTE: a cut by how far the lag overshoots: at 3x capacity the number in flight
+        climbs by thousands a second from the first sample, and cuts of 10% a sample
+        took a second or more to bring it back, the requests admitted meanwhile waiting
+        that long; no deeper than a half a sample (TCP's), the sample being late itself."""
         if saturated:
-            self.value = max(self.minimum, int(min(self.value, num_in_flight) * self.DECREASE))
+            factor = max(self.MAX_DECREASE, min(self.DECREASE, 1.0 / max(overshoot, 1e-9)))
+            self.value = max(self.minimum, int(min(self.value, num_in_flight) * factor))
         elif self.value < self.maximum:
             self.value = min(self.maximum, self.value + max(1, int(self.value * self.INCREASE)))
 

@@ -311,7 +311,8 @@ class Relay:
             max_lag = self.limits.max_loop_lag_s
             self.shedding = bool(max_lag) and lag > max_lag
             self.in_flight_limit.update(bool(max_lag) and self._saturated(),
-                                        self.stats.in_flight)
+                                        self.stats.in_flight,
+                                        lag / (self.limits.busy_loop_lag_s or 1.0))
 
     @staticmethod
     def _fail(rec: RequestRecord, e: ProxyError) -> None:

@@ -157,6 +157,10 @@ def test_the_in_flight_limit_falls_while_saturated_and_climbs_back() -> None:
         limit.update(False, 0)
         values.append(limit.value)
     assert values[-1] == 4096 and len(values) == 123  # ~5% a sample: ~6 s at 50 ms
+    limit.update(True, 1000, overshoot=1.25)  # lag 25 ms over a 20 ms target: x0.8
+    assert limit.value == 800
+    limit.update(True, 1000, overshoot=10)  # far over: no deeper than a half
+    assert limit.value == 400
 
 
 @pytest.mark.parametrize("fast_path", [True, False])
