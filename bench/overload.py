@@ -260,6 +260,54 @@ def door_cost(args: argparse.Namespace) -> None:
     print(json.dumps({"door_cost_us": out, "median_us": med, "r": round(r, 4)}))
 
 
+class StatsPoller:
+    """The proxy's door state every ``period_s`` while the load runs, from its /stats: how
+    much is in flight against the limit, and the loop's lag and busy share that set it."""
+
+    KEYS = ("in_flight", "in_flight_limit", "loop_lag_ms", "loop_busy", "shed_at_door")
+
+    def __init__(self, url: str, period_s: float = 0.5) -> None:
+        import threading
+        self.url = url.replace("/v1/chat/completions", "/stats")
+        self.period_s = period_s
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> StatsPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        while not self._stop.wait(self.period_s):
+            try:
+                with urllib.request.urlopen(self.url, timeout=2) as r:
+                    doc = json.loads(r.read())
+            except OSError:
+                self.samples.append({"t": round(time.perf_counter() - t0, 2), "error": True})
+                continue
+            row = {k: doc.get(k) for k in self.KEYS}
+            row["connections"] = (doc.get("connections") or {}).get("open")
+            for k in ("loop_lag_ms", "loop_busy"):
+                row[k] = round(row[k], 3) if isinstance(row[k], float) else row[k]
+            self.samples.append({"t": round(time.perf_counter() - t0, 2), **row})
+
+    def summary(self) -> dict:
+        """Median and max of each numeric key over the samples (and how many failed)."""
+        out: dict = {"samples": len(self.samples),
+                     "failed": sum(1 for s in self.samples if s.get("error"))}
+        for k in (*self.KEYS[:4], "connections"):
+            vals = [s[k] for s in self.samples if isinstance(s.get(k), int | float)]
+            if vals:
+                out[k] = {"median": round(float(np.median(vals)), 3), "max": max(vals)}
+        return out
+
+
 def main() -> None:
     if len(sys.argv) == 6 and sys.argv[1] == "--door-client":
         door_client_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1")
@@ -322,8 +370,11 @@ def main() -> None:
         rate = args.factor * capacity
         print(f"# capacity {capacity:.0f} req/s; holding {rate:.0f} req/s for "
               f"{args.overload_duration:.0f} s", flush=True)
-        over = summary(po.load_parts(target.url, rate, args.overload_duration, args.prompts,
-                            args.data, layout.loadgen), rate)
+        with StatsPoller(target.url) as poller:
+            parts = po.load_parts(target.url, rate, args.overload_duration, args.prompts,
+                                  args.data, layout.loadgen)
+        over = summary(parts, rate)
+        over["door"] = poller.summary()
         over["goodput_over_capacity"] = round(over["goodput_rps"] / max(capacity, 1e-9), 3)
         over["capacity_point"] = {k: best[k] for k in ("offered_rps", "goodput_rps",
                                                         "e2e_p50_ms", "e2e_p99_ms")}
@@ -331,7 +382,8 @@ def main() -> None:
             if over["e2e_p99_ms"] and best["e2e_p99_ms"] else None
         over["proxy"] = proxy_stats(target.url)
         print(json.dumps(over), flush=True)
-        (workdir / "overload.json").write_text(json.dumps({"sweep": rows, "overload": over}))
+        (workdir / "overload.json").write_text(json.dumps({"sweep": rows, "overload": over,
+                                                           "door_samples": poller.samples}))
         print(f"# raw: {workdir / 'overload.json'}; proxy log {workdir}/polyinfer-*.log")
     finally:
         if target is not None and target.proc is not None:
