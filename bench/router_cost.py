@@ -14,11 +14,14 @@ the policy's own CPU time, with realistic state behind it.
 Each tree runs in its own process (``--baseline REV``: the tree of a git revision, exported
 with ``git archive``, first on PYTHONPATH), repeats alternating ABBA; the table shows the
 median thread-CPU microseconds per request (choose + observe) and new / base, and whether
-the trees made the same decisions (worker, depth, reason) on every request.
+the trees made the same decisions (worker, depth, reason) on every request. ``--opcodes``
+adds the Python bytecode instructions executed per request (``sys.settrace``; one run per
+tree: the count is deterministic), a measure a co-tenant's load does not move.
 
     python bench/router_cost.py --baseline HEAD          # this work tree against HEAD
     python bench/router_cost.py --new HEAD --baseline HEAD~3   # two commits, no work tree
     python bench/router_cost.py --inflight 64 --repeats 3
+    python bench/router_cost.py --baseline HEAD~3 --opcodes
 """
 
 from __future__ import annotations
@@ -118,11 +121,14 @@ def _feed(policy: Any, views: list[Any]) -> None:
         policy.depth_policy.observe_step_sums(v.name, xtx, xty, 8, 256.0)
 
 
-def run_level(inflight: int, num: int, seed: int) -> tuple[float, list[tuple]]:
-    """(median seconds of choose + observe per request, the timed requests' decisions).
+def run_level(inflight: int, num: int, seed: int, opcodes: bool = False
+              ) -> tuple[float, list[tuple]]:
+    """(median seconds of choose + observe per request, the timed requests' decisions); with
+    ``opcodes``, instead of seconds the mean bytecode instructions per timed request.
 
     NOTE: thread CPU time, not wall time: on a shared box a wall median moves with the
-    co-tenants' load (an A/A pair differed by up to 37%); the CPU time is the call's own."""
+    co-tenants' load (an A/A pair differed by up to 37%); the CPU time is the call's own.
+    Even that moved 15-23% between identical trees at load 2-3, hence ``opcodes``."""
     from router.adaptive import AdaptiveConfig, AdaptivePolicy
     clock = [0.0]
     policy = AdaptivePolicy(AdaptiveConfig(explore_prob=0.0), seed=seed,
@@ -131,10 +137,20 @@ def run_level(inflight: int, num: int, seed: int) -> tuple[float, list[tuple]]:
     shapes = _shapes(WARMUP + num, seed)
     pending: deque[tuple[Any, Any, int]] = deque()
     times, decisions = [], []
+    count = [0]
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count[0] += 1
+        return tracer
     for i, shape in enumerate(shapes):
         clock[0] += 0.01
         if i % FEED_EVERY == 0:
             _feed(policy, views)
+        counting = opcodes and i >= WARMUP
+        if counting:
+            sys.settrace(tracer)
         t0 = time.thread_time()
         d = policy.choose(shape, views)
         view = next(v for v in views if v.name == d.worker)
@@ -145,9 +161,13 @@ def run_level(inflight: int, num: int, seed: int) -> tuple[float, list[tuple]]:
             policy.observe(_outcome(done_shape, done, batch))
             next(v for v in views if v.name == done.worker).outstanding_requests -= 1
         t1 = time.thread_time()
+        if counting:
+            sys.settrace(None)
         if i >= WARMUP:
             times.append(t1 - t0)
             decisions.append((d.worker, d.spec_depth, d.reason))
+    if opcodes:
+        return count[0] / num, decisions
     return statistics.median(times), decisions
 
 
@@ -157,12 +177,15 @@ def child(args: argparse.Namespace) -> None:
     for n in args.inflight:
         median_s, decisions = run_level(n, args.num, args.seed)
         out["levels"][str(n)] = {"median_s": median_s, "decisions": decisions}
+        if args.opcodes:
+            out["levels"][str(n)]["opcodes"] = run_level(n, args.num, args.seed, True)[0]
     print(json.dumps(out))
 
 
 def _run_tree(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--num", str(args.num),
-           "--seed", str(args.seed), "--inflight", *map(str, args.inflight)]
+           "--seed", str(args.seed), "--inflight", *map(str, args.inflight),
+           *(["--opcodes"] if args.opcodes else [])]
     env = dict(os.environ, PYTHONPATH=str(tree))
     res = subprocess.run(cmd, env=env, cwd=tree, check=True, capture_output=True, text=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -194,8 +217,12 @@ def _bench(args: argparse.Namespace, export_rev: Callable[[str], Path]) -> None:
     others = [name for name in trees if name != "new"]
     extra = "".join(f" | new / {name}" for name in others)
     extra += " | same decisions" if others else ""
+    if args.opcodes:
+        extra += " | opcodes " + " / ".join(trees) + "".join(f" | ops new / {o}" for o in others)
     print(f"| in flight | {head}{extra} |")
-    print("|---|" + "---|" * (len(trees) + len(others) + (1 if others else 0)))
+    cols = len(trees) + len(others) + (1 if others else 0)
+    cols += (1 + len(others)) if args.opcodes else 0
+    print("|---|" + "---|" * cols)
     for n in map(str, args.inflight):
         us = {name: 1e6 * statistics.median(r["levels"][n]["median_s"] for r in rs)
               for name, rs in runs.items()}
@@ -206,6 +233,10 @@ def _bench(args: argparse.Namespace, export_rev: Callable[[str], Path]) -> None:
             same = min(sum(x == y for x, y in zip(a, runs[name][0]["levels"][n]["decisions"],
                                                  strict=True)) for name in others)
             row += f" | {same} of {len(a)}"
+        if args.opcodes:  # deterministic: the first run's
+            ops = {name: rs[0]["levels"][n]["opcodes"] for name, rs in runs.items()}
+            row += " | " + " / ".join(f"{ops[name]:,.0f}" for name in trees)
+            row += "".join(f" | {ops['new'] / ops[name]:.3f}" for name in others)
         print(f"| {n} | {row} |")
 
 
@@ -222,6 +253,8 @@ def main() -> int:
     parser.add_argument("--num", type=int, default=300, help="timed requests per level")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--opcodes", action="store_true",
+                        help="also count the bytecode instructions per request (see above)")
     args = parser.parse_args()
     if args.child:
         child(args)

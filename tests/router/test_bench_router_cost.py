@@ -21,3 +21,10 @@ def test_shapes_mix_shared_prefix_and_single_requests() -> None:
     prefixed = [s for s in shapes if s.prefix_hashes]
     assert 60 < len(prefixed) < 140
     assert all(s.slo_ttft_s and s.slo_tpot_s for s in shapes)
+
+
+def test_opcode_counts_are_deterministic_and_grow_with_the_flights() -> None:
+    idle, decisions = BENCH.run_level(0, 20, seed=1, opcodes=True)
+    assert BENCH.run_level(0, 20, seed=1, opcodes=True) == (idle, decisions)
+    assert decisions == BENCH.run_level(0, 20, seed=1)[1]  # counting changes no decision
+    assert BENCH.run_level(32, 20, seed=1, opcodes=True)[0] > idle > 1000
