@@ -196,6 +196,10 @@ class StepTimeModel:
     # (cells are only ever added, so their count tells when the answers may change)
     _nearest: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
     _nearest_at: int = field(default=-1, repr=False, compare=False)
+    # bumped by every method that changes what the model predicts (the fit, the clients'
+    # wait, the calibration cells): a caller may keep what it derived from the model while
+    # this is unchanged (specdec.policy.DepthPolicy.peek)
+    version: int = field(default=0, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._solve()
@@ -276,6 +280,7 @@ class StepTimeModel:
             active.pop(int(np.argmin(sub)))
         coef[0] = max(coef[0], 1e-6)  # t must stay positive
         self._calibrated.clear()
+        self.version += 1
         self.coef = coef
         self._w = tuple(float(c) for c in self.coef)
 
@@ -296,6 +301,7 @@ class StepTimeModel:
         return min(part, 0.99 * step)
 
     def _observe_residual(self, batch: int, residual_s: float) -> None:
+        self.version += 1
         mean, n = self.residuals.setdefault(batch_bucket(batch), [0.0, 0.0])
         n = min(n + 1.0, RESIDUAL_WINDOW)
         self.residuals[batch_bucket(batch)] = [mean + (residual_s - mean) / n, n]
@@ -326,6 +332,7 @@ class StepTimeModel:
             return
         key = (batch_bucket(batch), int(k))
         self._calibrated.clear()
+        self.version += 1
         cell = self.token_costs.setdefault(key, [0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
         n = min(cell[4] + 1.0, RESIDUAL_WINDOW)
         # the weight behind the means, kept over the last RESIDUAL_WINDOW requests' worth
