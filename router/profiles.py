@@ -39,11 +39,12 @@ import numpy as np
 
 from polyinfer.config import CompiledConfig, DeclaredFit
 from router.calibration import Calibration
-from router.sym3 import Mat3, clip_eigenvalues
+from router.sym3 import _DEGENERATE, Mat3, clip_eigenvalues
 
 PROMPT_BANDS = (256, 1024, 4096)  # bucket upper edges, tokens; last band is open
 Vec = tuple[float, float, float]
 OUTLIER_FACTOR = 4.0  # one sample counts as at most this many times the current prediction
+_TWO_THIRDS_PI = 2.0 * math.pi / 3.0  # as router.sym3.eigvals computes it
 
 
 TPOT_KEY = "tpot"  # calibration keys (router.calibration): TPOT, and TTFT per prompt band
@@ -126,39 +127,115 @@ class BayesianRLS:
 
     def update(self, x: Vec, y: float) -> None:
         # NOTE: plain floats, not numpy: on 3-vectors numpy's per-call overhead was most of
-        # the cost of an update, which runs up to five times per finished request
-        # (the dot products written out, each summed left to right)
-        p, lam = self._p, self.forgetting
+        # the cost of an update, which runs four times per finished request. And one
+        # function: the downdate (_downdate), the eigenvalues (router.sym3.eigvals), the cap
+        # (router.sym3.clip_eigenvalues) and its eigenvector (router.sym3.eigvec) written out
+        # on locals, the same operations in the same order (each dot product summed left to
+        # right), so theta and P are theirs bit for bit (tests/router/test_same_decisions.py);
+        # the calls and tuples between them were ~40% of an update.
+        lam = self.forgetting
         x0, x1, x2 = x
-        (p00, p01, p02), (p10, p11, p12), (p20, p21, p22) = p
-        px = (p00 * x0 + p01 * x1 + p02 * x2, p10 * x0 + p11 * x1 + p12 * x2,
-              p20 * x0 + p21 * x1 + p22 * x2)
-        denom = lam + (x0 * px[0] + x1 * px[1] + x2 * px[2])
-        gain = (px[0] / denom, px[1] / denom, px[2] / denom)
-        t = self.theta
-        pred = x0 * t[0] + x1 * t[1] + x2 * t[2]
+        (p00, p01, p02), (p10, p11, p12), (p20, p21, p22) = self._p
+        px0 = p00 * x0 + p01 * x1 + p02 * x2
+        px1 = p10 * x0 + p11 * x1 + p12 * x2
+        px2 = p20 * x0 + p21 * x1 + p22 * x2
+        denom = lam + (x0 * px0 + x1 * px1 + x2 * px2)
+        g0, g1, g2 = px0 / denom, px1 / denom, px2 / denom
+        t0, t1, t2 = self.theta
+        pred = x0 * t0 + x1 * t1 + x2 * t2
         target = y / self.scale
         if pred > 0:
             # NOTE: latencies are heavy-tailed (a stall, a co-tenant); bound one sample's
             # pull to [pred / 4, 4 * pred] so a real shift is followed over a few samples
             # and a single outlier cannot swing the fit by orders of magnitude.
-            target = min(max(target, pred / OUTLIER_FACTOR), pred * OUTLIER_FACTOR)
+            bound = pred / OUTLIER_FACTOR  # min(max(target, pred / 4), pred * 4)
+            if bound > target:
+                target = bound
+            bound = pred * OUTLIER_FACTOR
+            if bound < target:
+                target = bound
         err = target - pred
-        self.theta = (t[0] + gain[0] * err, t[1] + gain[1] * err, t[2] + gain[2] * err)
-        sym = _downdate(p, gain, px, lam)
+        t0, t1, t2 = t0 + g0 * err, t1 + g1 * err, t2 + g2 * err
+        self.theta = (t0, t1, t2)
+        # (P - gain px^T) / lam, symmetrised (_downdate)
+        d01, d10 = (p01 - g0 * px1) / lam, (p10 - g1 * px0) / lam
+        d02, d20 = (p02 - g0 * px2) / lam, (p20 - g2 * px0) / lam
+        d12, d21 = (p12 - g1 * px2) / lam, (p21 - g2 * px1) / lam
+        a01, a02, a12 = 0.5 * (d01 + d10), 0.5 * (d02 + d20), 0.5 * (d12 + d21)
+        a00, a11, a22 = (p00 - g0 * px0) / lam, (p11 - g1 * px1) / lam, (p22 - g2 * px2) / lam
         # NOTE: forgetting inflates P along directions the data never excites; cap its
         # eigenvalues at the prior's variance so those slopes stay near the prior. The cap
         # must keep P positive semi-definite: an elementwise clip did not, and a TPOT fit
         # diverged to coefficients of +-2e10 in a routing bench run. Closed form
         # where it applies (router.sym3), eigh where it does not.
-        capped = clip_eigenvalues(sym, self._p_cap)
+        cap = self._p_cap
+        capped: Mat3 | None = None
+        p1 = a01 * a01 + a02 * a02 + a12 * a12
+        if p1 == 0.0:  # diagonal: rare, router.sym3 as is
+            capped = clip_eigenvalues(((a00, a01, a02), (a01, a11, a12), (a02, a12, a22)), cap)
+        else:
+            q = (a00 + a11 + a22) / 3.0
+            b00, b11, b22 = a00 - q, a11 - q, a22 - q
+            p = math.sqrt((b00 * b00 + b11 * b11 + b22 * b22 + 2.0 * p1) / 6.0)
+            det = (b00 * (b11 * b22 - a12 * a12) - a01 * (a01 * b22 - a12 * a02)
+                   + a02 * (a01 * a12 - b11 * a02))
+            r = det / (2.0 * p * p * p)  # min(max(r, -1), 1)
+            if -1.0 > r:
+                r = -1.0
+            if 1.0 < r:
+                r = 1.0
+            phi = math.acos(r) / 3.0
+            hi = q + 2.0 * p * math.cos(phi)
+            lo = q + 2.0 * p * math.cos(phi + _TWO_THIRDS_PI)
+            mid = 3.0 * q - hi - lo
+            if lo < 0.0:
+                pass  # eigh below
+            elif hi <= cap:
+                capped = ((a00, a01, a02), (a01, a11, a12), (a02, a12, a22))
+            elif lo >= cap:
+                capped = ((cap, 0.0, 0.0), (0.0, cap, 0.0), (0.0, 0.0, cap))
+            else:
+                one = mid <= cap  # one above the cap, else two
+                ev = hi if one else lo
+                # eigvec(A, ev): the rows' largest cross product
+                b00, b11, b22 = a00 - ev, a11 - ev, a22 - ev
+                c0, c1, c2 = a01 * a12 - a02 * b11, a02 * a01 - b00 * a12, b00 * b11 - a01 * a01
+                best_n = c0 * c0 + c1 * c1 + c2 * c2
+                if not best_n > 0.0:
+                    c0 = c1 = c2 = best_n = 0.0
+                d0, d1, d2 = a01 * b22 - a02 * a12, a02 * a02 - b00 * b22, b00 * a12 - a01 * a02
+                n = d0 * d0 + d1 * d1 + d2 * d2
+                if n > best_n:
+                    c0, c1, c2, best_n = d0, d1, d2, n
+                d0, d1, d2 = b11 * b22 - a12 * a12, a12 * a02 - a01 * b22, a01 * a12 - b11 * a02
+                n = d0 * d0 + d1 * d1 + d2 * d2
+                if n > best_n:
+                    c0, c1, c2, best_n = d0, d1, d2, n
+                scale = ((b00 * b00 + a01 * a01 + a02 * a02)
+                         + (a01 * a01 + b11 * b11 + a12 * a12)
+                         + (a02 * a02 + a12 * a12 + b22 * b22))
+                if not (best_n <= _DEGENERATE * scale * scale or best_n == 0.0):
+                    s = 1.0 / math.sqrt(best_n)
+                    v0, v1, v2 = c0 * s, c1 * s, c2 * s
+                    if one:  # A less its excess along v
+                        e = hi - cap
+                        m01, m02, m12 = a01 - e * v0 * v1, a02 - e * v0 * v2, a12 - e * v1 * v2
+                        capped = ((a00 - e * v0 * v0, m01, m02), (m01, a11 - e * v1 * v1, m12),
+                                  (m02, m12, a22 - e * v2 * v2))
+                    else:  # cap I but along the lowest one's v
+                        e = lo - cap
+                        m01, m02, m12 = e * v0 * v1, e * v0 * v2, e * v1 * v2
+                        capped = ((cap + e * v0 * v0, m01, m02), (m01, cap + e * v1 * v1, m12),
+                                  (m02, m12, cap + e * v2 * v2))
         if capped is None:
-            eig, vec = np.linalg.eigh(np.array(sym))
-            full = (vec * np.clip(eig, 0.0, self._p_cap)) @ vec.T
+            sym = np.array(((a00, a01, a02), (a01, a11, a12), (a02, a12, a22)))
+            eig, vec = np.linalg.eigh(sym)
+            full = (vec * np.clip(eig, 0.0, cap)) @ vec.T
             capped = tuple(tuple(float(v) for v in row) for row in full)  # type: ignore[assignment]
         self._p = capped  # type: ignore[assignment]
         self.num_samples += 1
-        self._w = self._weights()
+        s = self.scale
+        self._w = (t0 * s, t1 * s, t2 * s)
 
     def rescale(self, factor: float) -> None:
         """Multiply every coefficient (the fit's predictions) by ``factor``."""

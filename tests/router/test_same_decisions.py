@@ -35,6 +35,13 @@ from router.profiles import (
     uncached,
 )
 from router.sym3 import Mat3, clip_eigenvalues, eigvec
+from specdec.policy import (
+    NGRAM_DOMAIN_PRIORS,
+    DepthPolicy,
+    PolicyConfig,
+    batch_tokens_per_step,
+    depth_token_times,
+)
 
 
 def _random_flight(rng: random.Random, worker: str = "w", sent_s: float | None = None
@@ -290,3 +297,61 @@ def test_rls_update_is_the_plain_formula_bit_for_bit() -> None:
             want = _old_update(rls, x, y)
             rls.update(x, y)
             assert (rls.theta, rls._p) == want, (trial, step)
+
+
+def _old_peek_times(dp: DepthPolicy, worker: str, domain: str, batch: int, max_depth: int,
+                    calibrated: bool) -> list[float]:
+    """DepthPolicy.peek's times as the plain formulas: batch_tokens_per_step of the worker's
+    mix, then depth_token_times."""
+    c = dp.config
+    cap = min(max_depth, c.max_depth)
+    est = dp.acceptance(worker, domain)
+    steps = c.prior_steps_per_depth
+    expected = est.tokens_per_step(cap, steps)
+    drafted = est.drafts_per_step(cap, steps)
+    if batch > 1:
+        ests = [(w, dp.acceptance(worker, d)) for d, w in dp._mix.get(worker, {}).items()]
+        expected = batch_tokens_per_step(
+            expected, [(w, e.tokens_per_step(cap, steps)) for w, e in ests], batch)
+        drafted = batch_tokens_per_step(
+            drafted, [(w, e.drafts_per_step(cap, steps)) for w, e in ests], batch)
+    return depth_token_times(est.mean, max(batch, 1), dp.step_time(worker), cap, expected,
+                             drafted, calibrated)
+
+
+def test_depth_peek_is_the_plain_formulas_bit_for_bit() -> None:
+    """Its kept mix sums and step terms through commits, observed requests and engine step
+    feeds (each invalidates some of them), at batches below and past the worker's."""
+    rng = random.Random(7)
+    domains = ("code", "chat", "rag", "translation")
+    for trial in range(6):
+        dp = DepthPolicy(PolicyConfig(domain_priors=NGRAM_DOMAIN_PRIORS))
+        for step in range(150):
+            worker, domain = rng.choice("ab"), rng.choice(domains)
+            batch, cap = rng.choice((1, 1, 2, 4, 9, 33)), rng.choice((2, 4, 6))
+            k = 0
+            # a few fixed keys after every change (a kept term must follow each), and this one
+            for w, b, m, cal in [(w, b, 4, cal) for w in "ab" for b in (1, 4) for cal in (1, 0)] \
+                    + [(worker, batch, cap, rng.random() < 0.8)]:
+                want = _old_peek_times(dp, w, domain, b, m, bool(cal))
+                assert dp.peek_times(w, domain, b, m, bool(cal)) == want, (trial, step)
+                k = dp.peek(w, domain, b, m, bool(cal))
+                best_k, best = 0, dp.config.min_gain / want[0]  # choose_depth's argmax
+                for j in range(1, m + 1):
+                    if 1.0 / want[j] > best:
+                        best_k, best = j, 1.0 / want[j]
+                assert k == best_k, (trial, step)
+            r = rng.random()
+            if r < 0.4:
+                dp.commit(worker, domain, batch, k, cap)
+            elif r < 0.75:
+                depth = rng.choice((0, k, 2))
+                n = rng.randint(2, 120)
+                dp.observe_request(worker, domain, batch, depth, depth * n // 3, n // 4, n,
+                                   rng.uniform(0.01, 2.0))
+            elif r < 0.8:  # a client's step alone: once fed, the wait per step moves
+                dp.observe_step(worker, batch, rng.choice((0, 2)), rng.uniform(0.005, 0.05))
+            elif r < 0.85:
+                x = [[rng.uniform(0, 1) * (i == j) + 0.01 for j in range(7)] for i in range(7)]
+                dp.observe_step_sums(worker, x, [rng.uniform(0, 0.1) for _ in range(7)],
+                                     rng.randint(1, 50), rng.uniform(0, 300))
