@@ -5,8 +5,9 @@ collapsing: at 3x capacity goodput >= 0.9x of capacity, accepted requests keep a
 p99, and the proxy's own load never marks its healthy worker down.
 
 Capacity is measured first: offered rates rise by ``--step`` from ``--start`` until the
-proxy no longer keeps up (goodput under 95% of the offered rate, or any refusal), and the
-highest goodput seen is the capacity (streaming chat, bench/proxy_overhead.py's open-loop
+proxy no longer keeps up (goodput under 95% of the offered rate, or any refusal), and
+``--past-saturation`` points more (the door starts refusing a little before the loop's
+plateau); the highest goodput seen is the capacity (streaming chat, bench/proxy_overhead.py's open-loop
 load processes, FakeFastUpstream processes). Then the load is held at ``--factor`` x that
 for ``--overload-duration`` seconds and the run prints goodput / capacity, the p50 / p99 of
 the accepted (200) requests beside the capacity point's, the answers by status, the load
@@ -58,10 +59,13 @@ def summary(parts: list[dict], rate: float) -> dict:
     def pct(a: np.ndarray, q: float) -> float | None:
         return round(float(np.percentile(a, q)), 2) if len(a) else None
     lags = np.array([x for p in parts for x in p["lag_ms"]])
+    refused = np.array([e for _, e, st in samples if st in (429, 503) and e is not None])
     return {"offered_rps": rate, "goodput_rps": round(len(ok_e2e) / wall, 1),
             "by_status": by_status, "e2e_p50_ms": pct(ok_e2e, 50),
             "e2e_p99_ms": pct(ok_e2e, 99), "ttft_p99_ms": pct(ok_ttft, 99),
-            "e2e_max_ms": pct(ok_e2e, 100), "send_lag_p99_ms": pct(lags, 99)}
+            "e2e_max_ms": pct(ok_e2e, 100), "refused_p50_ms": pct(refused, 50),
+            "refused_p99_ms": pct(refused, 99), "refused_max_ms": pct(refused, 100),
+            "wall_s": round(wall, 2), "send_lag_p99_ms": pct(lags, 99)}
 
 
 def saturated(row: dict) -> bool:
@@ -260,6 +264,35 @@ def door_cost(args: argparse.Namespace) -> None:
     print(json.dumps({"door_cost_us": out, "median_us": med, "r": round(r, 4)}))
 
 
+def accept_queue(port: int) -> int | None:
+    """Connections waiting in the kernel for the listener on ``port`` to accept them (its
+    LISTEN socket's rx_queue in /proc/net/tcp); None where that is not readable."""
+    try:
+        lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return None
+    want = f":{port:04X}"
+    for line in lines:
+        fields = line.split()
+        if fields[1].endswith(want) and fields[3] == "0A":
+            return int(fields[4].split(":")[1], 16)
+    return None
+
+
+def listen_counters() -> dict[str, int]:
+    """The kernel's TcpExt ListenOverflows / ListenDrops (connections an accept queue had no
+    room for), from /proc/net/netstat."""
+    try:
+        rows = [line.split() for line in Path("/proc/net/netstat").read_text().splitlines()
+                if line.startswith("TcpExt:")]
+    except OSError:
+        return {}
+    if len(rows) < 2:
+        return {}
+    values = dict(zip(rows[0][1:], rows[1][1:], strict=False))
+    return {k: int(values[k]) for k in ("ListenOverflows", "ListenDrops") if k in values}
+
+
 class StatsPoller:
     """The proxy's door state every ``period_s`` while the load runs, from its /stats: how
     much is in flight against the limit, and the loop's lag and busy share that set it."""
@@ -284,24 +317,29 @@ class StatsPoller:
 
     def _run(self) -> None:
         t0 = time.perf_counter()
+        port = int(self.url.split(":")[2].split("/")[0])
         while not self._stop.wait(self.period_s):
+            start = time.perf_counter()
+            queued = accept_queue(port)
             try:
                 with urllib.request.urlopen(self.url, timeout=2) as r:
                     doc = json.loads(r.read())
             except OSError:
-                self.samples.append({"t": round(time.perf_counter() - t0, 2), "error": True})
+                self.samples.append({"t": round(start - t0, 2), "error": True,
+                                     "accept_queue": queued})
                 continue
-            row = {k: doc.get(k) for k in self.KEYS}
+            row = {"stats_ms": round((time.perf_counter() - start) * 1e3, 1),
+                   "accept_queue": queued, **{k: doc.get(k) for k in self.KEYS}}
             row["connections"] = (doc.get("connections") or {}).get("open")
             for k in ("loop_lag_ms", "loop_busy"):
                 row[k] = round(row[k], 3) if isinstance(row[k], float) else row[k]
-            self.samples.append({"t": round(time.perf_counter() - t0, 2), **row})
+            self.samples.append({"t": round(start - t0, 2), **row})
 
     def summary(self) -> dict:
         """Median and max of each numeric key over the samples (and how many failed)."""
         out: dict = {"samples": len(self.samples),
                      "failed": sum(1 for s in self.samples if s.get("error"))}
-        for k in (*self.KEYS[:4], "connections"):
+        for k in (*self.KEYS[:4], "connections", "stats_ms", "accept_queue"):
             vals = [s[k] for s in self.samples if isinstance(s.get(k), int | float)]
             if vals:
                 out[k] = {"median": round(float(np.median(vals)), 3), "max": max(vals)}
@@ -320,6 +358,9 @@ def main() -> None:
     p.add_argument("--start", type=float, default=2000.0)
     p.add_argument("--step", type=float, default=1.25)
     p.add_argument("--max-points", type=int, default=10)
+    p.add_argument("--past-saturation", type=int, default=2,
+                   help="sweep points past the first saturated one: the door refuses some "
+                        "load before the loop's plateau, which is the capacity taken")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per sweep point")
     p.add_argument("--overload-duration", type=float, default=20.0,
                    help="seconds at 3x capacity")
@@ -357,6 +398,7 @@ def main() -> None:
         target = po.start_polyinfer(up_url, workdir, layout.proxy, args.shape_estimator,
                                     (args.source or po.REPO).resolve())
         rates = args.sweep or [args.start * args.step ** i for i in range(args.max_points)]
+        num_past = 0
         for rate in rates:
             row = summary(po.load_parts(target.url, round(rate), args.duration, args.prompts,
                                         args.data, layout.loadgen), round(rate))
@@ -364,17 +406,21 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             time.sleep(1)
             if args.sweep is None and saturated(row):
-                break
+                num_past += 1
+                if num_past > args.past_saturation:
+                    break
         best = max(rows, key=lambda r: r["goodput_rps"])
         capacity = best["goodput_rps"]
         rate = args.factor * capacity
         print(f"# capacity {capacity:.0f} req/s; holding {rate:.0f} req/s for "
               f"{args.overload_duration:.0f} s", flush=True)
+        before = listen_counters()
         with StatsPoller(target.url) as poller:
             parts = po.load_parts(target.url, rate, args.overload_duration, args.prompts,
                                   args.data, layout.loadgen)
         over = summary(parts, rate)
         over["door"] = poller.summary()
+        over["kernel"] = {k: v - before.get(k, 0) for k, v in listen_counters().items()}
         over["goodput_over_capacity"] = round(over["goodput_rps"] / max(capacity, 1e-9), 3)
         over["capacity_point"] = {k: best[k] for k in ("offered_rps", "goodput_rps",
                                                         "e2e_p50_ms", "e2e_p99_ms")}
