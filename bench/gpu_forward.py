@@ -72,14 +72,10 @@ VARIANT_SETS = {"default": ForwardConfig(),
                 "split_attention": ForwardConfig(split_attention=True),
                 "all": FUSED_FORWARD, "all+skinny": GPU_FORWARD,
                 "all+skinny+split": dataclasses.replace(GPU_FORWARD, split_attention=True),
-                "all+skinny+down": dataclasses.replace(GPU_FORWARD, fused_down=True),
                 "all+skinny+pdl": dataclasses.replace(GPU_FORWARD, pdl=True),
-                "all+skinny+down+pdl": dataclasses.replace(GPU_FORWARD, fused_down=True,
-                                                           pdl=True),
-                "all+skinny+down+ropeattn": dataclasses.replace(
-                    GPU_FORWARD, fused_down=True, fused_rope_attention=True),
-                "all+skinny+down+ropeattn+pdl": dataclasses.replace(
-                    GPU_FORWARD, fused_down=True, fused_rope_attention=True, pdl=True),
+                "all+skinny+ropeattn": dataclasses.replace(GPU_FORWARD, fused_rope_attention=True),
+                "all+skinny+ropeattn+pdl": dataclasses.replace(
+                    GPU_FORWARD, fused_rope_attention=True, pdl=True),
                 # the same kernels with the norms and gate|up's SiLU kernels of their own
                 # (an A/B of SkinnyGemm.norm_linear and .gated, patched here only)
                 "all+skinny-unfused": GPU_FORWARD}

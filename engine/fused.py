@@ -13,10 +13,6 @@ variant here replaces a run of those by one Triton kernel:
   stream over its weight (:mod:`engine.skinny_gemm`), in place of cuBLAS;
 - ``split_attention``: captured decode attention over 256-token slices of the context
   then merged (:func:`engine.triton_attention.decode_attention_split`);
-- ``fused_down`` (with ``skinny_gemm`` and ``fused_norm``): the down projection computes
-  ``silu(gate) * up`` as it loads its input and leaves its split-K partial sums to the
-  next residual add + RMSNorm (:func:`engine.skinny_gemm.skinny_down`): the SiLU and
-  split-sum kernels of every layer go;
 - ``fused_rope_attention``: in decode steps whose every row is its own sequence (graphs
   of their own), RoPE and the K/V-cache write inside the attention kernel
   (:func:`engine.triton_attention.decode_attention_rope`): one kernel fewer a layer;
@@ -38,7 +34,6 @@ where torch rounds (:mod:`engine.fused_kernels`), so in practice they agree to a
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,9 +46,7 @@ from engine.errors import UnsupportedConfigError
 from engine.launch import dependent_launches, pdl_args
 from engine.skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS
 from engine.skinny_gemm import (
-    Partials,
     skinny_bound,
-    skinny_down,
     skinny_gated,
     skinny_gated_bound,
     skinny_linear,
@@ -66,18 +59,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 VARIANTS = ("fused_norm", "fused_rope_kv", "fused_silu", "skinny_gemm", "split_attention",
-            "fused_down", "fused_rope_attention")  # "pdl" changes how all of them launch
+            "fused_rope_attention")  # "pdl" changes how all of them launch
 NORM_BLOCK_MAX = 16384  # widest hidden size one program normalizes
 SILU_BLOCK = 1024  # columns per program of silu_mul
 
 
 # -- the fused kernels, called like their references ------------------------------------------
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | Partials | None, weight: torch.Tensor,
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(h + delta) * weight, h + delta)`` for ``h``, ``delta`` ``[T, hidden]``;
-    without ``delta``, ``(rms_norm(h) * weight, h)``. ``delta`` may be a projection's
-    split-K :class:`~engine.skinny_gemm.Partials`, summed here (``fused_down``)."""
+    without ``delta``, ``(rms_norm(h) * weight, h)``."""
     from engine.fused_kernels import add_rms_norm_kernel
 
     rows, cols = h.shape
@@ -86,38 +78,14 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | Partials | None, weight:
         raise ValueError(f"add_rms_norm: hidden {cols} (stride {h.stride(-1)}) unsupported")
     x = torch.empty_like(h)
     h_out = h if delta is None else torch.empty_like(h)
-    split, stride_split = 0, 0
-    if isinstance(delta, Partials):
-        src = delta.part
-        split, stride_split = src.shape[0], src.stride(0)
-        assert src.shape[1:] == h.shape and src.stride(-1) == 1
-        src = src[0]
-    else:
-        if delta is not None:
-            assert delta.shape == h.shape and delta.stride(-1) == 1
-        src = h if delta is None else delta
+    if delta is not None:
+        assert delta.shape == h.shape and delta.stride(-1) == 1
+    src = h if delta is None else delta
     add_rms_norm_kernel[(rows,)](
         h, src, weight, x, h_out, h.stride(0), src.stride(0), x.stride(0), h_out.stride(0),
-        cols, eps, stride_split, HAS_DELTA=delta is not None, SPLIT=split, BLOCK=block,
+        cols, eps, HAS_DELTA=delta is not None, BLOCK=block,
         num_warps=4 if block <= 2048 else 8, **pdl_args(h.is_cuda))
     return x, h_out
-
-
-def down_add_norm(h: torch.Tensor, gate_up: torch.Tensor, w_down: torch.Tensor,
-                  norm_weight: torch.Tensor, eps: float, gemm: Any = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``add_rms_norm(h, silu_mul(gate_up) @ w_down.T, norm_weight, eps)`` as ``fused_down``
-    runs it: the down projection (``gemm.down``, a tuned :class:`SkinnyGemm`; else the
-    default launch) with SiLU x up on its input, its split-K partials summed by the norm."""
-    delta = gemm.down(gate_up, w_down) if gemm is not None else skinny_down(gate_up, w_down)
-    return add_rms_norm(h, delta, norm_weight, eps)
-
-
-def down_add_norm_reference(h: torch.Tensor, gate_up: torch.Tensor, w_down: torch.Tensor,
-                            norm_weight: torch.Tensor, eps: float
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    return add_rms_norm_reference(h, F.linear(silu_mul_reference(gate_up), w_down),
-                                  norm_weight, eps)
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -289,8 +257,6 @@ def check_forward(variants: Sequence[str], shape: ForwardShape, device: str | to
     for name in variants:
         case = _CASES[name]
         fused = impls.get(name, _FUSED[name])
-        if name == "fused_down" and name not in impls and "skinny_gemm" in impls:
-            fused = functools.partial(down_add_norm, gemm=impls["skinny_gemm"])
         got, want, bounds = case(fused, _REFERENCE[name], shape, num_rows, g, device, dtype)
         out.append(_compare(name, num_rows, got, want, bounds))
     return out
@@ -460,30 +426,6 @@ def _norm_projection_case(fused: Impl, ref: Impl, h: torch.Tensor, w: torch.Tens
     return got, want, bounds
 
 
-def _down_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: torch.Generator,
-               device: str | torch.device, dtype: torch.dtype) -> Case:
-    """``min(n, 16)`` rows: the residual stream, gate|up's output, the down weight (0.02).
-    Bounds: the projection's (:func:`engine.skinny_gemm.skinny_bound` of its input, the
-    reference's SiLU x up, whose two ulps are inside it) carried through the residual add
-    and the norm: ``b_h = ulps(h) + b_d`` on ``h + delta``; on ``x``, ``ulps(x) +
-    1.25 (|w| rstd b_h + |x| |b_h| / |h|)`` (the row's rstd moves by at most the
-    relative change of its L2 norm)."""
-    rows = min(n, SKINNY_MAX_ROWS)
-    h = _rand(g, device, dtype, rows, s.hidden)
-    gate_up = _rand(g, device, dtype, rows, 2 * s.intermediate, scale=2.0)
-    w = _rand(g, device, dtype, s.hidden, s.intermediate, scale=0.02)
-    nw = _rand(g, device, dtype, s.hidden, scale=0.1) + 1
-    x, h_out = fused(h, gate_up, w, nw, s.eps)
-    x_ref, h_ref = ref(h, gate_up, w, nw, s.eps)
-    act = silu_mul_reference(gate_up)
-    b_h = error_bound(h_ref) + skinny_bound(F.linear(act, w), act, w)
-    hf = h_ref.float()
-    rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + s.eps)
-    rel = b_h.norm(dim=-1, keepdim=True) / hf.norm(dim=-1, keepdim=True)
-    b_x = error_bound(x_ref) + 1.25 * (nw.float().abs() * rstd * b_h + x_ref.float().abs() * rel)
-    return [x, h_out], [x_ref, h_ref], [b_x, b_h]
-
-
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                meta: Any, scale: float) -> torch.Tensor:
     """Softmax attention of each row over its gathered context, in float32: ``[B, H * D]``
@@ -587,14 +529,13 @@ def _split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 _FUSED: dict[str, Impl] = {"fused_norm": add_rms_norm, "fused_rope_kv": rope_kv_write,
                            "fused_silu": silu_mul, "skinny_gemm": skinny_linear,
-                           "split_attention": _split_attention, "fused_down": down_add_norm,
+                           "split_attention": _split_attention,
                            "fused_rope_attention": rope_attention}
 _REFERENCE: dict[str, Impl] = {"fused_norm": add_rms_norm_reference,
                                "fused_rope_kv": rope_kv_reference,
                                "fused_silu": silu_mul_reference, "skinny_gemm": F.linear,
                                "split_attention": decode_attention_reference,
-                               "fused_down": down_add_norm_reference,
                                "fused_rope_attention": rope_attention_reference}
 _CASES = {"fused_norm": _norm_case, "fused_rope_kv": _rope_case, "fused_silu": _silu_case,
           "skinny_gemm": _skinny_case, "split_attention": _split_attention_case,
-          "fused_down": _down_case, "fused_rope_attention": _rope_attention_case}
+          "fused_rope_attention": _rope_attention_case}

@@ -28,14 +28,9 @@ def _round(x, dtype: tl.constexpr):
 @triton.jit
 def add_rms_norm_kernel(h_ptr, delta_ptr, w_ptr, x_ptr, h_out_ptr,
                         stride_h, stride_delta, stride_x, stride_h_out, num_cols, eps,
-                        stride_split, HAS_DELTA: tl.constexpr, SPLIT: tl.constexpr,
-                        BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False):
-    """One row: ``h_out = h + delta`` (when HAS_DELTA), ``x = rms_norm(h_out) * w``.
-
-    SPLIT > 0: ``delta`` is a projection's SPLIT float32 split-K partial sums (slice ``s``
-    at ``delta + s * stride_split``), added in order and rounded as
-    :func:`split_sum_kernel` does before the residual add.
-    """
+                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+                        USE_GDC: tl.constexpr = False):
+    """One row: ``h_out = h + delta`` (when HAS_DELTA), ``x = rms_norm(h_out) * w``."""
     _wait_prior(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -43,14 +38,7 @@ def add_rms_norm_kernel(h_ptr, delta_ptr, w_ptr, x_ptr, h_out_ptr,
     dtype = x_ptr.dtype.element_ty
     h = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_DELTA:
-        if SPLIT > 0:
-            acc = tl.zeros([BLOCK], tl.float32)
-            for s in tl.static_range(SPLIT):
-                acc += tl.load(delta_ptr + s * stride_split + row * stride_delta + cols,
-                               mask=ok, other=0.0)
-            delta = _round(acc, dtype)
-        else:
-            delta = tl.load(delta_ptr + row * stride_delta + cols, mask=ok, other=0.0)
+        delta = tl.load(delta_ptr + row * stride_delta + cols, mask=ok, other=0.0)
         h = _round(h + delta.to(tl.float32), dtype)
         tl.store(h_out_ptr + row * stride_h_out + cols, h.to(dtype), mask=ok)
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / num_cols + eps)
@@ -123,8 +111,8 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, delta_ptr, nw_ptr, h_out_pt
                        stride_split, stride_delta, stride_h_out, eps,
                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr,
                        IEEE: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-                       HAS_DELTA: tl.constexpr, SILU_IN: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        USE_GDC: tl.constexpr = False):
     """``out[:rows, cols] = x @ w[cols].T`` over one K slice (program axis 1).
 
@@ -140,9 +128,6 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, delta_ptr, nw_ptr, h_out_pt
     the first column tile): the squares are summed in the same pass over K and the row's
     ``rsqrt`` scales the sums at the end, so the norm costs no kernel of its own
     (PARTIAL: each slice's sum of squares at column ``N`` (GATED: ``2 N``) of its rows).
-    SILU_IN: ``x`` is ``[gate | up]`` ``[rows, 2 K]`` and the product is of ``silu(gate) *
-    up``, computed on load and rounded where ``silu_mul_kernel`` rounds (the MLP's down
-    projection with its activation in front).
     """
     _wait_prior(USE_GDC)
     pid_n = tl.program_id(0)
@@ -174,10 +159,6 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, delta_ptr, nw_ptr, h_out_pt
             w = tl.load(w_at + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             if GATED:
                 w_up = tl.load(up_at + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if SILU_IN:
-            gate = x.to(tl.float32)
-            up = tl.load(x_at + K + k, mask=x_ok, other=0.0).to(tl.float32)
-            x = (_round(gate / (1.0 + tl.exp(-gate)), dtype) * up).to(dtype)
         if NORM:
             h = x.to(tl.float32)
             if HAS_DELTA:

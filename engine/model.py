@@ -28,7 +28,7 @@ from engine.cpu_gemm import CpuGemm, CpuProjection, load_cpu_gemm, project
 from engine.errors import CheckpointError, UnsupportedConfigError
 from engine.kv_cache import KVCache
 from engine.launch import dependent_launches, pdl_disabled_reason
-from engine.skinny_gemm import Partials, SkinnyGemm
+from engine.skinny_gemm import SkinnyGemm
 from engine.triton_attention import (
     DecodeMetadata,
     decode_attention,
@@ -186,9 +186,6 @@ class LlamaModel:
             raise UnsupportedConfigError(f"engine.forward {list(enabled)}: {reason}")
         if "pdl" in enabled and (why := pdl_disabled_reason(device)) is not None:
             raise UnsupportedConfigError(f"engine.forward.pdl: {why}")
-        if "fused_down" in enabled and not {"skinny_gemm", "fused_norm"} <= set(enabled):
-            raise UnsupportedConfigError("engine.forward.fused_down needs skinny_gemm (its "
-                                         "kernel) and fused_norm (which sums its partials)")
         self.execution = execution
         self.spec = spec
         self.naive_attention = attention == "naive"
@@ -196,8 +193,8 @@ class LlamaModel:
         self._dense = _dense_half
         if execution == "compiled":
             self._dense = torch.compile(_dense_half, dynamic=True)
-        self._add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = (
-            fused.add_rms_norm if "fused_norm" in enabled else fused.add_rms_norm_reference)
+        self._add_norm = (fused.add_rms_norm if "fused_norm" in enabled
+                          else fused.add_rms_norm_reference)
         self._silu_mul = (fused.silu_mul if "fused_silu" in enabled
                           else fused.silu_mul_reference)
         self.dtype = DTYPES[dtype]
@@ -264,7 +261,7 @@ class LlamaModel:
         weights = [layer.qkv, layer.o, layer.gate_up, layer.down, self.lm_head]
         shapes: list[tuple] = [(int(w.shape[0]), int(w.shape[1]))  # type: ignore[union-attr]
                                for w in weights]
-        silu = "fused_silu" in self.variants and "fused_down" not in self.variants
+        silu = "fused_silu" in self.variants
         if "fused_norm" in self.variants:  # see _norm_project
             shapes += [(*shapes[0], "norm"), (*shapes[2], "norm+gated" if silu else "norm")]
         elif silu:
@@ -293,16 +290,13 @@ class LlamaModel:
         rope = None  # cos, sin [T, 1, D] at the positions, for the unfused RoPE
         if "fused_rope_kv" not in self.variants:
             rope = self.cos[meta.positions].unsqueeze(1), self.sin[meta.positions].unsqueeze(1)
-        delta: torch.Tensor | Partials | None = None  # the last block's output, not added to h
+        delta: torch.Tensor | None = None  # the last block's output, not yet added to h
         for i, layer in enumerate(self.layers):
             qkv, h = self._norm_project(h, delta, layer.input_norm, layer.qkv, layer.qkv_bias)
             delta = self._attention(qkv, layer, i, meta, kv, rope)
             h, delta = self._dense_block(h, delta, layer)
         assert delta is not None
-        if isinstance(delta, Partials):  # fused_down: the last layer's sums, added here
-            h = self._add_norm(h, delta, self.norm, self.spec.rms_norm_eps)[1]
-        else:
-            h = h + delta
+        h = h + delta
         if logit_rows is not None:
             h = h.index_select(0, logit_rows)
         return h if hidden_only else self.logits(h)
@@ -315,21 +309,16 @@ class LlamaModel:
             return self._project(h, self.lm_head).float()
 
     def _dense_block(self, h: torch.Tensor, delta: torch.Tensor,
-                     layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor | Partials]:
-        """(h + delta, the MLP's output on it): the MLP's residual add is left to the caller
-        (``fused_down``: to the next norm, as the down projection's split-K partials)."""
+                     layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, the MLP's output on it): the MLP's residual add is left to the caller."""
         eps = self.spec.rms_norm_eps
         if not self.variants:  # the reference ops, compiled as one region when asked
             return self._dense(h, delta, layer.post_norm, layer.gate_up, layer.down, eps,
                                self.linear)
-        if "fused_down" in self.variants:  # SiLU x up in down's kernel, its sums left to h
-            gate_up, h = self._norm_project(h, delta, layer.post_norm, layer.gate_up)
-            return h, self.skinny.down(gate_up, layer.down)  # type: ignore[union-attr, arg-type]
         act, h = self._norm_project(h, delta, layer.post_norm, layer.gate_up, mlp=True)
         return h, self._project(act, layer.down)
 
-    def _norm_project(self, h: torch.Tensor, delta: torch.Tensor | Partials | None,
-                      norm: torch.Tensor,
+    def _norm_project(self, h: torch.Tensor, delta: torch.Tensor | None, norm: torch.Tensor,
                       weight: Weight, bias: torch.Tensor | None = None, mlp: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the projection of ``rms_norm(h + delta) * norm``, ``h + delta``); ``mlp``: of
@@ -340,8 +329,7 @@ class LlamaModel:
         """
         eps = self.spec.rms_norm_eps
         gated = mlp and self.skinny is not None and "fused_silu" in self.variants
-        if (self.skinny is not None and "fused_norm" in self.variants
-                and not isinstance(delta, Partials)):
+        if self.skinny is not None and "fused_norm" in self.variants:
             y, h = self.skinny.norm_linear(h, delta, norm, eps, weight, bias,  # type: ignore[arg-type]
                                            gated)
         else:

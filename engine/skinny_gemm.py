@@ -101,48 +101,11 @@ def skinny_norm_linear(h: torch.Tensor, delta: torch.Tensor | None, norm_weight:
     return _launch(h, w, bias, cfg, gated, NormInput(delta, norm_weight, h_out, eps)), h_out
 
 
-@dataclass(frozen=True)
-class Partials:
-    """A projection's float32 split-K partial sums ``part`` ``[split, rows, N]``, not yet
-    added: the next residual add sums them in order (:func:`engine.fused.add_rms_norm`),
-    rounding as :func:`engine.fused_kernels.split_sum_kernel` does."""
-
-    part: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.part.shape[1:]
-
-    def sum(self, dtype: torch.dtype) -> torch.Tensor:
-        """The projection's result ``[rows, N]`` in ``dtype`` (the slices in order)."""
-        acc = self.part[0].clone()
-        for s in range(1, self.part.shape[0]):
-            acc += self.part[s]
-        return acc.to(dtype)
-
-
-def skinny_down(gate_up: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = DEFAULT
-                ) -> torch.Tensor | Partials:
-    """``silu(gate) * up @ w.T`` for ``gate_up`` ``[rows, 2 K]`` = ``[gate | up]``, ``w``
-    ``[N, K]``: the MLP's down projection with its activation computed as the kernel loads
-    its input, and, when the launch splits K, its partial sums left to the next residual
-    add (:class:`Partials`): two kernels fewer a layer (the ``fused_down`` variant).
-    More than MAX_ROWS rows, or ``cfg`` cuBLAS: ``F.linear(silu_mul(gate_up), w)``."""
-    rows = gate_up.shape[0]
-    if cfg.block_n == 0 or rows > MAX_ROWS or rows == 0 or gate_up.stride(-1) != 1:
-        return F.linear(_silu_mul(gate_up), w)
-    return _launch(gate_up, w, None, cfg, False, silu_in=True)
-
-
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig,
-            gated: bool, norm: NormInput | None = None, silu_in: bool = False
-            ) -> torch.Tensor:
+            gated: bool, norm: NormInput | None = None) -> torch.Tensor:
     from engine.fused_kernels import skinny_gemm_kernel, split_sum_kernel
 
     rows, k = x.shape
-    if silu_in:  # x is [gate | up]; silu_in returns the partials when K is split
-        k //= 2
-        assert norm is None and not gated and bias is None
     n = w.shape[0] // 2 if gated else w.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -169,11 +132,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: Sk
         norm.h_out.stride(0) if norm is not None else 0, norm.eps if norm is not None else 0.0,
         HAS_BIAS=bias is not None and split == 1, PARTIAL=split > 1, EVEN=even,
         IEEE=x.dtype == torch.float32, GATED=gated, NORM=norm is not None,
-        HAS_DELTA=norm is not None and norm.delta is not None, SILU_IN=silu_in,
-        BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_stages=stages,
-        num_warps=cfg.num_warps, **pdl_args(x.is_cuda))
-    if split > 1 and silu_in:
-        return Partials(part)  # type: ignore[return-value]
+        HAS_DELTA=norm is not None and norm.delta is not None, BLOCK_M=MAX_ROWS,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_stages=stages, num_warps=cfg.num_warps,
+        **pdl_args(x.is_cuda))
     if split > 1:
         split_sum_kernel[(rows, -(-n // SUM_BLOCK))](
             part, bias if bias is not None else w, out, n, k, part.stride(0), part.stride(1),
@@ -317,13 +278,6 @@ class SkinnyGemm:
         kind = "norm+gated" if gated else "norm"
         cfg = self._config((w.shape[0], w.shape[1], kind))
         return skinny_norm_linear(h, delta, norm_weight, eps, w, bias, cfg, gated)
-
-    def down(self, gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor | Partials:
-        """:func:`skinny_down` with the launch tuned for ``w``'s plain projection (the
-        activation in front adds a read of ``[rows, 2 K]``, nothing of the weight's)."""
-        if gate_up.shape[0] > MAX_ROWS or gate_up.dim() != 2:
-            return F.linear(_silu_mul(gate_up), w)
-        return skinny_down(gate_up, w, self._config((w.shape[0], w.shape[1])))
 
     def _config(self, key: Key) -> SkinnyConfig:
         cfg = self.configs.get(key)

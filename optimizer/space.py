@@ -158,11 +158,13 @@ DEFAULT_KNOBS: tuple[Knob, ...] = (
 # A GPU engine (execution "cuda_graph") also searches its code: the forward-pass variants
 # (engine.forward, each checked against the torch reference before it serves), ordered
 # from the torch ops to every fused kernel and the skinny projections.
-# Then the down projection with SiLU x up on its input and its split-K sums left to the
-# next norm (two kernels fewer a layer); the last splits decode attention over the context
-# instead (for long contexts at small batch; one kernel more a layer at short ones).
+# Then the same kernels launched dependently with RoPE and the K/V write inside decode
+# attention (engine.forward.pdl, .fused_rope_attention); the last splits decode attention
+# over the context instead (for long contexts at small batch; one kernel more a layer at
+# short ones).
 FORWARD_KNOB = Knob("forward", (ForwardConfig(), FUSED_FORWARD, GPU_FORWARD,
-                                dataclasses.replace(GPU_FORWARD, fused_down=True),
+                                dataclasses.replace(GPU_FORWARD, pdl=True,
+                                                    fused_rope_attention=True),
                                 dataclasses.replace(GPU_FORWARD, split_attention=True)))
 
 

@@ -69,10 +69,6 @@ def test_a_model_refuses_fused_kernels_on_a_cpu_without_the_interpreter(
     with pytest.raises(UnsupportedConfigError, match="CUDA device"):
         LlamaModel(spec, load_weights(TINY_TARGET, 1), variants=ForwardConfig(fused_silu=True))
     assert LlamaModel(spec, load_weights(TINY_TARGET, 1), variants=ForwardConfig()).variants == ()
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(UnsupportedConfigError, match="fused_down needs skinny_gemm"):
-        LlamaModel(spec, load_weights(TINY_TARGET, 1),
-                   variants=ForwardConfig(fused_down=True, skinny_gemm=True))
 
 
 # -- the kernels against their references, in the interpreter -------------------------------
@@ -84,7 +80,7 @@ def check_kernels(dtype: str) -> None:
     shapes = [ForwardShape(256, 768, 4, 2, 64), ForwardShape(320, 600, 5, 1, 32, 1e-6),
               ForwardShape(2048, 1024, 32, 8, 64, rope_theta=500000.0)]
     # check_skinny: smaller shapes; split_attention (contexts up to 600) at the first only
-    apart = ("skinny_gemm", "split_attention", "fused_down", "fused_rope_attention")
+    apart = ("skinny_gemm", "split_attention", "fused_rope_attention")
     variants = [v for v in VARIANTS if v not in apart]
     for shape in shapes:
         for num_rows in (1, 6):
@@ -111,10 +107,6 @@ def check_skinny(dtype: str) -> None:
             [check] = check_forward(["skinny_gemm"], shape, "cpu", getattr(torch, dtype),
                                     num_rows, impls={"skinny_gemm": Tuned(cfg)})
             assert check.ok, (shape, num_rows, cfg, check)
-            # fused_down: the partials summed by the norm (wide, K split) or not (odd)
-            [check] = check_forward(["fused_down"], shape, "cpu", getattr(torch, dtype),
-                                    num_rows, impls={"skinny_gemm": Tuned(cfg)})
-            assert check.ok, (shape, num_rows, cfg, check)
 
 
 class Tuned:
@@ -133,11 +125,6 @@ class Tuned:
             y, _ = skinny_norm_linear(h, None, nw, eps, w, bias, self.cfg, gated)
             return y, h + delta
         return skinny_norm_linear(h, delta, nw, eps, w, bias, self.cfg, gated)
-
-    def down(self, gate_up: torch.Tensor, w: torch.Tensor):  # type: ignore[no-untyped-def]
-        from engine.skinny_gemm import skinny_down
-
-        return skinny_down(gate_up, w, self.cfg)  # type: ignore[arg-type]
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         from engine.skinny_gemm import skinny_linear
@@ -210,16 +197,6 @@ def check_planted_faults() -> None:
         fewer = dataclasses.replace(meta, context_lens=(meta.context_lens - 1).clamp(min=1))
         return decode_attention_split(q, k, v, fewer, scale)
 
-    def down_gate_for_up(h, gate_up, w, nw, eps):  # type: ignore[no-untyped-def]
-        return fused.down_add_norm(h, gate_up.flip(-1), w, nw, eps)
-
-    def down_last_partial_dropped(h, gate_up, w, nw, eps):  # type: ignore[no-untyped-def]
-        from engine.skinny_gemm import Partials, skinny_down
-
-        part = skinny_down(gate_up, w, SkinnyConfig(16, 64, 4))
-        assert isinstance(part, Partials)
-        return fused.add_rms_norm(h, Partials(part.part[:3]), nw, eps)
-
     def rope_attention_without_v(qkv, cos, sin, k, v, *rest):  # type: ignore[no-untyped-def]
         return fused.rope_attention(qkv, cos, sin, k, v.clone(), *rest)
 
@@ -229,7 +206,9 @@ def check_planted_faults() -> None:
 
     shape = ForwardShape(256, 768, 4, 2, 64)
     planted = [("fused_rope_attention", rope_attention_without_v),
-               ("fused_rope_attention", rope_attention_a_position_late),("fused_down", down_gate_for_up), ("fused_down", down_last_partial_dropped),("split_attention", attention_without_the_new_token),("fused_norm", norm_without_residual_store), ("fused_norm", norm_eps_inside_mean),
+               ("fused_rope_attention", rope_attention_a_position_late),
+               ("split_attention", attention_without_the_new_token),
+               ("fused_norm", norm_without_residual_store), ("fused_norm", norm_eps_inside_mean),
                ("fused_rope_kv", rope_one_position_late), ("fused_rope_kv", rope_without_v),
                ("fused_silu", silu_of_up), ("skinny_gemm", skinny_without_bias),
                ("skinny_gemm", skinny_without_last_block),
@@ -289,11 +268,12 @@ def check_model_and_reload() -> None:
     core.reload(base.with_engine(forward=GPU_FORWARD))  # the projections too
     assert core.model.skinny is not None and core.model.variants == GPU_FORWARD.enabled
     assert generate(core, prompts, params)[0] == want
-    # SiLU + split sums in other kernels; pdl (a no-op in the interpreter) its plumbing
-    down = dataclasses.replace(GPU_FORWARD, fused_down=True, pdl=True)
+    # pdl (a no-op in the interpreter): its plumbing; fused_rope_attention: prompts here
+    # run eager, its decode path is tests/engine/test_look_ahead.py's
+    best = dataclasses.replace(GPU_FORWARD, pdl=True, fused_rope_attention=True)
     embed = core.model.embed
-    core.reload(base.with_engine(forward=down))
-    assert core.model.variants == down.enabled and core.model.embed is embed
+    core.reload(base.with_engine(forward=best))
+    assert core.model.variants == best.enabled and core.model.embed is embed
     assert generate(core, prompts, params)[0] == want
     core.reload(dataclasses.replace(base))
     assert core.model.variants == () and generate(core, prompts, params)[0] == want
@@ -353,10 +333,8 @@ def test_greedy_outputs_equal_with_every_variant_set_on_the_gpu(tiny_model_dir) 
     for forward in (FUSED_FORWARD, ForwardConfig(fused_norm=True),
                     ForwardConfig(fused_rope_kv=True), ForwardConfig(fused_silu=True),
                     ForwardConfig(skinny_gemm=True), GPU_FORWARD,
-                    dataclasses.replace(GPU_FORWARD, fused_down=True),
-                    dataclasses.replace(GPU_FORWARD, fused_down=True, pdl=True),
-                    dataclasses.replace(GPU_FORWARD, fused_down=True, pdl=True,
-                                        fused_rope_attention=True)):
+                    dataclasses.replace(GPU_FORWARD, pdl=True),
+                    dataclasses.replace(GPU_FORWARD, pdl=True, fused_rope_attention=True)):
         seconds = core.reload(core.config.with_engine(forward=forward))
         assert core.model.variants == forward.enabled and seconds < 30
         assert [generate(core, [p], [q])[0][0] for p, q in zip(prompts[:2], params[:2], strict=True)] == want
