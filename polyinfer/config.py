@@ -78,9 +78,6 @@ class ForwardConfig:
     # captured decode attention split over 256-token slices of the context, then merged
     # (flash-decoding): more programs for long contexts at small batch, one kernel more
     split_attention: bool = False
-    # (with skinny_gemm and fused_norm) the down projection takes silu(gate) * up on its
-    # input and leaves its split-K partial sums to the next residual add + RMSNorm
-    fused_down: bool = False
     # in decode steps whose every row is its own sequence (CUDA graphs of their own), RoPE
     # and the K/V-cache write inside the attention kernel: one kernel fewer a layer
     fused_rope_attention: bool = False
