@@ -47,7 +47,7 @@ from bench.gpu_forward import (  # noqa: E402
 from engine.loader import load_core  # noqa: E402
 from engine.sequence import GenerationParams  # noqa: E402
 from optimizer.space import FORWARD_KNOB, Knob, ModelShape, SearchSpace  # noqa: E402
-from polyinfer.config import FUSED_FORWARD, CompiledConfig, EngineConfig  # noqa: E402
+from polyinfer.config import GPU_FORWARD, CompiledConfig, EngineConfig  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "azure_llm_2023_conv.csv"
 GPU_KNOBS = (FORWARD_KNOB, Knob("max_num_seqs", (8, 16, 32, 64)),
@@ -155,11 +155,13 @@ def describe(cfg: CompiledConfig) -> str:
 
 
 def hand_set(model_dir: Path) -> CompiledConfig:
-    """The best config chosen by hand before this search existed (bench/RESULTS.md)."""
+    """The best config chosen by hand (bench/RESULTS.md, GPU decode): the engine's
+    ``GPU_FORWARD`` (fused kernels and skinny projections, the fastest set that is a
+    default), 64 sequences, a 1,024-token budget."""
     return CompiledConfig(model=str(model_dir), engine=EngineConfig(
         device="cuda", dtype="bfloat16", execution="cuda_graph", max_num_seqs=64,
         max_num_batched_tokens=1024, kv_cache_tokens=65536, max_model_len=2048,
-        enable_prefix_caching=False, forward=FUSED_FORWARD))
+        enable_prefix_caching=False, forward=GPU_FORWARD))
 
 
 def main() -> int:
