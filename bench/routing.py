@@ -895,7 +895,7 @@ def score(name: str, results: list[RequestResult], records: list[TraceRequest], 
         cls = record_class(rec)
         rows.append({"ok": r.ok, "good": meets_slo(r, slos.for_class(cls)),
                      "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "tokens": r.completion_tokens,
-                     "worker": r.worker, "domain": rec.domain, "class": cls,
+                     "prompt_tokens": r.prompt_tokens, "worker": r.worker, "domain": rec.domain, "class": cls,
                      "routed_domain": r.domain, "spec_depth": r.spec_depth, "error": r.error})
     num_good = sum(1 for row in rows if row["good"])
     return {"policy": name, "num_requests": len(rows), "num_ok": sum(1 for r in results if r.ok),
