@@ -840,32 +840,43 @@ async def run_policy(name: str, policy: Any, urls: dict[str, str],
                 max_model_len=MAX_MODEL_LEN),
             slo=SloConfig(ttft_s=None, tpot_s=None),  # scored per class below
             output=OutputConfig(quiet=True, label=name), tokenizer=str(TINY_TARGET))
-        before = await cache_counters(urls)
+        before = await fleet_counters(urls)
         result = await replay_greedy(cfg, records, extra)
-        after = await cache_counters(urls)
+        after = await fleet_counters(urls)
     finally:
         await runner.cleanup()
     out = score(name, result, records, slos)
-    out["cache_queries"], out["cache_hits"] = (a - b for a, b in zip(after, before, strict=True))
+    out["cache_queries"], out["cache_hits"], out["preemptions"] = (
+        a - b for a, b in zip(after, before, strict=True))
     return out
 
 
-CACHE_METRICS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")  # counters, tokens
+# counters: prefix-cache queries and hits (tokens), sequences preempted. NOTE: a preempted
+# sequence re-prefills its prompt and finds its own blocks cached, so hits without shared
+# prefixes can be preemptions (read the two together).
+FLEET_METRICS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")
 
 
-async def cache_counters(urls: dict[str, str]) -> tuple[float, float]:
-    """(prefix-cache queries, hits) in tokens, summed over the fleet's workers' /metrics."""
-    totals = [0.0, 0.0]
+async def fleet_counters(urls: dict[str, str]) -> tuple[float, float, float]:
+    """:data:`FLEET_METRICS` summed over the fleet's workers' /metrics."""
+    texts = []
     async with aiohttp.ClientSession() as s:
         for url in urls.values():
             async with s.get(f"{url}/metrics") as r:
-                text = await r.text()
-            for line in text.splitlines():
-                name, _, value = line.partition(" ")
-                base = name.split("{", 1)[0].removesuffix("_total")
-                if base in CACHE_METRICS:
-                    totals[CACHE_METRICS.index(base)] += float(value.split()[0])
-    return totals[0], totals[1]
+                texts.append(await r.text())
+    return counter_totals(texts)
+
+
+def counter_totals(texts: list[str]) -> tuple[float, float, float]:
+    """:data:`FLEET_METRICS` summed over Prometheus texts (any labels, ``_total`` or not)."""
+    totals = [0.0, 0.0, 0.0]
+    for text in texts:
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            base = name.split("{", 1)[0].removesuffix("_total")
+            if base in FLEET_METRICS:
+                totals[FLEET_METRICS.index(base)] += float(value.split()[0])
+    return totals[0], totals[1], totals[2]
 
 
 async def replay_greedy(cfg: ReplayConfig, records: list[TraceRequest],
@@ -1090,6 +1101,10 @@ async def run_rate(rate: float, policies: dict[str, Any], urls: dict[str, dict[s
         n: hit_rate(runs) for n, runs in rounds.items()}
     print(f"prefix-cache hit rate at rate {rate:g} (all rounds): " + ", ".join(
         f"{n} {h:.1%}" for n, h in hits.items()), flush=True)
+    out.setdefault("preemptions", {})[str(rate)] = preempted = {
+        n: sum(r.get("preemptions", 0.0) for r in runs) for n, runs in rounds.items()}
+    print(f"sequences preempted at rate {rate:g} (all rounds): " + ", ".join(
+        f"{n} {p:g}" for n, p in preempted.items()), flush=True)
     if adaptive is not None:
         depths = {k: v - depths_before.get(k, 0) for k, v in sorted(adaptive.depths.items())}
         out["depths"][str(rate)] = {str(k): v for k, v in depths.items() if v}

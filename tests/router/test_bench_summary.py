@@ -290,3 +290,13 @@ def test_each_rate_of_a_trace_sweep_sends_its_own_prompts() -> None:
     assert [r.line for r in rounds[0]] == [r.line for r in rounds[1]]
     texts = [{r.messages[0]["content"] for r in rs} for rs in rounds]
     assert not texts[0] & texts[1]
+
+
+def test_fleet_counters_sum_prefix_cache_and_preemption_counters_over_workers() -> None:
+    a = ('# TYPE vllm:prefix_cache_queries counter\n'
+         'vllm:prefix_cache_queries_total{model_name="m",engine="0"} 100.0\n'
+         'vllm:prefix_cache_hits_total{model_name="m",engine="0"} 30.0\n'
+         'vllm:prefix_cache_hits_created{model_name="m"} 1.7e9\n'
+         'vllm:num_preemptions_total{model_name="m",engine="0"} 2.0\n')
+    b = 'vllm:prefix_cache_queries{engine="1"} 50\nvllm:num_preemptions_total 1\n'
+    assert BENCH.counter_totals([a, b]) == (150.0, 30.0, 3.0)
