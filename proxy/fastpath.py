@@ -59,7 +59,7 @@ _PREFIX = b"POST /v1/"
 _HEADER = re.compile(rb"^([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[\t ]*([\t \x21-\x7e\x80-\xff]*)\r\n",
                      re.MULTILINE)
 _OWS = b" \t"
-_HANDED_OVER = (b"transfer-encoding", b"expect", b"upgrade")
+_HANDED_OVER = frozenset((b"transfer-encoding", b"expect", b"upgrade"))
 _STATUS_TEXT = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden",
                 404: b"Not Found", 409: b"Conflict", 413: b"Payload Too Large",
                 422: b"Unprocessable Entity", 429: b"Too Many Requests",
@@ -103,7 +103,7 @@ def parse_head(head: bytes) -> RequestHead | None:
     if len(pairs) != block.count(b"\n"):
         return None
     headers = {name.lower(): value.rstrip(_OWS) for name, value in pairs}
-    if len(headers) != len(pairs) or any(h in headers for h in _HANDED_OVER):
+    if len(headers) != len(pairs) or not headers.keys().isdisjoint(_HANDED_OVER):
         return None  # repeated fields and body/protocol negotiation: aiohttp's rules
     length = headers.get(b"content-length", b"")
     if not length.isdigit() or len(length) > 15:
@@ -209,23 +209,28 @@ class FastExchange:
         self.started = True
         self._pending = self._conn.response_head(200, headers, None)
 
+    # NOTE: the pending head and the chunk framed in one bytes formatting, and the drain
+    # awaited only while the transport is paused: these run for every write of every stream.
+
     async def write(self, data: bytes) -> None:
         if not data:
             return  # an empty chunk would end the chunked body
-        self._conn.write(self._take_head() + b"%x\r\n%s\r\n" % (len(data), data))
-        await self._conn.drain()
+        conn = self._conn
+        head, self._pending = self._pending, b""
+        conn.write(b"%s%x\r\n%s\r\n" % (head, len(data), data))
+        if conn.write_paused:
+            await conn.drain()
 
     async def write_eof(self, data: bytes = b"") -> None:
         if self.finished:
             return
         self.finished = True
-        frame = b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
-        self._conn.write(self._take_head() + frame)
-        await self._conn.drain()
-
-    def _take_head(self) -> bytes:
+        conn = self._conn
         head, self._pending = self._pending, b""
-        return head
+        conn.write(b"%s%x\r\n%s\r\n0\r\n\r\n" % (head, len(data), data) if data
+                   else head + b"0\r\n\r\n")
+        if conn.write_paused:
+            await conn.drain()
 
 
 class FastConnection(asyncio.Protocol):
@@ -241,7 +246,7 @@ class FastConnection(asyncio.Protocol):
         self._need = 0  # bytes of buffer the request above spans
         self._task: asyncio.Task[None] | None = None
         self._reading_paused = False
-        self._write_paused = False
+        self.write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
 
     # -- asyncio.Protocol ---------------------------------------------------------------
@@ -281,10 +286,10 @@ class FastConnection(asyncio.Protocol):
         self._wake_drain(ConnectionResetError("the client closed the connection"))
 
     def pause_writing(self) -> None:
-        self._write_paused = True
+        self.write_paused = True
 
     def resume_writing(self) -> None:
-        self._write_paused = False
+        self.write_paused = False
         self._wake_drain(None)
 
     # -- writing ------------------------------------------------------------------------
@@ -296,7 +301,7 @@ class FastConnection(asyncio.Protocol):
         transport.write(data)
 
     async def drain(self) -> None:
-        if not self._write_paused:
+        if not self.write_paused:
             return
         if self.transport is None or self.transport.is_closing():
             raise ConnectionResetError("the client closed the connection")

@@ -64,15 +64,15 @@ class RequestRecord:
             return None
         # NOTE: what the worker did: the wait in the proxy before it was sent is not its
         queue_s = self.queue_s
-        return RequestOutcome(
-            worker=self.worker, shape=self.shape, status=self.status,
-            completion_tokens=self.completion_tokens or 0,
-            ttft_s=None if self.ttft_s is None else self.ttft_s - queue_s,
-            tpot_s=self.tpot_s, e2e_s=None if self.e2e_s is None else self.e2e_s - queue_s,
-            spec_depth=self.spec_depth,
-            spec_draft_tokens=self.spec_draft_tokens,
-            spec_accepted_tokens=self.spec_accepted_tokens, batch_size=self.batch_size,
-            extra={} if self.cached_tokens is None else {"cached_tokens": self.cached_tokens})
+        return _new_outcome({
+            "worker": self.worker, "shape": self.shape, "status": self.status,
+            "completion_tokens": self.completion_tokens or 0,
+            "ttft_s": None if self.ttft_s is None else self.ttft_s - queue_s,
+            "tpot_s": self.tpot_s, "e2e_s": None if self.e2e_s is None else self.e2e_s - queue_s,
+            "spec_depth": self.spec_depth,
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens, "batch_size": self.batch_size,
+            "extra": {} if self.cached_tokens is None else {"cached_tokens": self.cached_tokens}})
 
     def trace_record(self) -> TraceRecord:
         shape = self.shape
@@ -114,6 +114,24 @@ class RequestRecord:
         if self.prompt_text is not None:
             out["prompt_text"] = self.prompt_text
         return out
+
+
+def _new_outcome(fields: dict[str, Any]) -> RequestOutcome:
+    """``RequestOutcome(**fields)`` (every field given).
+
+    NOTE: a frozen dataclass's ``__init__`` sets each of its 12 fields with
+    ``object.__setattr__``; setting the instance's ``__dict__`` at once is the same object at
+    a fraction of the cost, for every request. Only while the class has no ``__post_init__``
+    or slots: else its constructor (router.shape builds its shapes the same way)."""
+    if _OUTCOME_BY_DICT:
+        outcome = object.__new__(RequestOutcome)
+        object.__setattr__(outcome, "__dict__", fields)
+        return outcome
+    return RequestOutcome(**fields)
+
+
+_OUTCOME_BY_DICT = (not hasattr(RequestOutcome, "__post_init__")
+                    and not hasattr(RequestOutcome, "__slots__"))
 
 
 def _block_tokens(shape: RequestShape | None) -> float | None:

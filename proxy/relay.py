@@ -73,7 +73,6 @@ CUT_WRITE_TIMEOUT_S = 1.0
 # A client's own x-request-id is kept when it is an id: else the proxy makes one
 _REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 _JSON_HEADERS = {"Content-Type": "application/json"}
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 class _Retryable(Exception):
@@ -391,7 +390,12 @@ class Relay:
         not_served: _NotServed | None = None
         refused: list[Worker] = []  # the workers that answered it with a server error
         for _ in range(self.limits.max_attempts):
-            views = await self._views_with_room(rec, tried, needs)
+            # NOTE: the workers with room found without a coroutine (most requests); the
+            # wait for room only when every routable worker is at its cap
+            views = self.pool.routable(rec.model, tried, needs)
+            room = [v for v in views
+                    if not v.max_outstanding or v.outstanding_requests < v.max_outstanding]
+            views = room if room or not views else await self._views_with_room(rec, tried, needs)
             if not views:
                 break
             decision = self._choose(rec.shape, views)
@@ -495,20 +499,24 @@ class Relay:
         except Exception:
             logger.exception("routing policy %s failed in choose", self.policy.name)
             return RouteDecision(worker=views[0].name, reason="policy_error")
-        if not any(v.name == decision.worker for v in views):
-            logger.error("routing policy %s chose %r, not a routable worker", self.policy.name,
-                         decision.worker)
-            return RouteDecision(worker=views[0].name, spec_depth=decision.spec_depth,
-                                 reason="policy_error")
-        return decision
+        for v in views:  # NOTE: a loop, not any() over a generator: every request
+            if v.name == decision.worker:
+                return decision
+        logger.error("routing policy %s chose %r, not a routable worker", self.policy.name,
+                     decision.worker)
+        return RouteDecision(worker=views[0].name, spec_depth=decision.spec_depth,
+                             reason="policy_error")
 
     def _slos(self, worker: Worker, rec: RequestRecord, body: dict[str, Any]) -> None:
         """The request's SLOs (its own, else its domain's) for an engine worker, which paces
         prompt chunks by them (engine.pacing); stripped for other backends, as other
         polyinfer-only fields are, and with ``routing.forward_slos`` off."""
-        forward = self.config.routing.forward_slos and worker.backend == "engine"
+        if not (self.config.routing.forward_slos and worker.backend == "engine"):
+            body.pop("slo_ttft_s", None)
+            body.pop("slo_tpot_s", None)
+            return
         for key in ("slo_ttft_s", "slo_tpot_s"):
-            value = self._slo_of(rec, key) if forward else None
+            value = self._slo_of(rec, key)
             if value is not None:
                 body[key] = value
             else:
@@ -656,7 +664,12 @@ class Relay:
             worker.breaker.record_failure()
             raise _Retryable(f"{worker.name}: a stream request answered with a JSON body, "
                              f"not SSE events")
-        await ex.start_stream({**_SSE_HEADERS, **proxy_headers(rec)})
+        spec_depth = rec.spec_depth
+        await ex.start_stream({  # the SSE headers + proxy_headers(rec), built as one dict
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "x-request-id": rec.request_id, "x-polyinfer-worker": rec.worker or "none",
+            "x-polyinfer-domain": rec.domain or "none",
+            "x-polyinfer-spec-depth": "default" if spec_depth is None else str(spec_depth)})
         self._streaming.add(id(rec))
         try:
             last = await self._pump(content, first, ex, rec, strip_usage)
@@ -740,10 +753,16 @@ class Relay:
                 if not tail and out.endswith(_DONE_EVENTS):
                     # NOTE: the stream's last event: send it with the chunked-encoding
                     # terminator (and, for a one-read stream, the headers) in one write.
-                    await _write_client(ex, out, eof=True)
+                    # (Written here, not through _write_client: one coroutine less.)
+                    try:
+                        await ex.write_eof(out)
+                    except (ConnectionError, RuntimeError) as e:
+                        raise _ClientGone() from e
                     rec.responded = True
                     rec.e2e_s = time.perf_counter() - rec.t0
-                    await _drain_upstream(content)
+                    # the worker's response read to its end so the connection can be reused
+                    while await content.read_chunk():
+                        pass
                     return None
                 if out:
                     await _write_client(ex, out)
@@ -807,12 +826,6 @@ async def _write_client(ex: ClientExchange, data: bytes, eof: bool = False) -> N
             await ex.write(data)
     except (ConnectionError, RuntimeError) as e:
         raise _ClientGone() from e
-
-
-async def _drain_upstream(content: UpstreamResponse) -> None:
-    """Read the worker's response to its end so the connection can be reused."""
-    while await content.read_chunk():
-        pass
 
 
 async def _write_quietly(ex: ClientExchange, data: bytes) -> None:
@@ -890,7 +903,16 @@ def _find_usage(out: bytes, start: int) -> int:
 
 
 def _event_json(event: bytes) -> dict[str, Any] | None:
-    for line in event.splitlines():
+    """The JSON object of the event's first ``data:`` line; None if it is not one."""
+    if event.startswith(b"data:"):
+        # NOTE: the usual event, one data line, cut without splitting the event into lines
+        end = event.find(b"\n")
+        line = event if end == -1 else event[:end]
+        cr = line.find(b"\r")
+        lines = [line if cr == -1 else line[:cr]]
+    else:
+        lines = event.splitlines()
+    for line in lines:
         if line.startswith(b"data:"):
             try:
                 obj = orjson.loads(line[5:].strip())

@@ -205,10 +205,14 @@ class UpstreamResponse:
         goes on in one client write instead of one write per upstream chunk.
         """
         conn = self._conn
-        if len(conn.chunks) < 2:
-            return await self.read_chunk()
-        data = b"".join(conn.chunks)
-        conn.chunks.clear()
+        chunks = conn.chunks
+        if len(chunks) < 2:
+            if not chunks:
+                return await self.read_chunk()
+            data = chunks.popleft()  # read_chunk's work, without its coroutine
+        else:
+            data = b"".join(chunks)
+            chunks.clear()
         conn.buffered = 0
         if conn.paused and conn.transport:
             conn.paused = False
@@ -243,12 +247,19 @@ class _HostPool:
         self.host_header = f"{host}:{port}".encode()
         self.path_prefix = b""  # a worker URL's own path, e.g. http://gw/tenant-a
 
-    async def get(self) -> _Connection:
+    def take_idle(self) -> _Connection | None:
+        """The warmest idle connection still open, or None (then :meth:`get` connects)."""
         while self.idle:
             conn = self.idle.pop()
             if not conn.closed:
                 conn.reused = True
                 return conn
+        return None
+
+    async def get(self) -> _Connection:
+        conn = self.take_idle()
+        if conn is not None:
+            return conn
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(loop.create_connection(
@@ -291,11 +302,17 @@ class UpstreamClient:
     async def post(self, base_url: str, path: str, body: bytes,
                    request_id: str) -> UpstreamResponse:
         """Send a JSON POST and wait for the response headers."""
-        pool = self._pool(base_url)
+        pool = self._pools.get(base_url) or self._pool(base_url)
+        # NOTE: the request head formatted once, for a retry too
+        data = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n" \
+               b"Content-Length: %d\r\nx-request-id: %s\r\n\r\n%s" % (
+                   pool.path_prefix + path.encode(), pool.host_header, len(body),
+                   request_id.encode(), body)
         for _ in range(2):
-            conn = await pool.get()
+            # NOTE: an idle connection taken without a coroutine (most requests)
+            conn = pool.take_idle() or await pool.get()
             try:
-                return await self._exchange(conn, pool, path, body, request_id)
+                return await self._exchange(conn, data)
             except UpstreamConnectionError:
                 conn.close()
                 # NOTE: a reused keep-alive connection the worker had already closed: the
@@ -307,13 +324,9 @@ class UpstreamClient:
                 raise
         raise AssertionError("unreachable")
 
-    async def _exchange(self, conn: _Connection, pool: _HostPool, path: str, body: bytes,
-                        request_id: str) -> UpstreamResponse:
+    async def _exchange(self, conn: _Connection, data: bytes) -> UpstreamResponse:
         assert conn.transport is not None
-        conn.transport.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\nx-request-id: %s\r\n\r\n%s" % (
-                                 pool.path_prefix + path.encode(), pool.host_header, len(body),
-                                 request_id.encode(), body))
+        conn.transport.write(data)
         while not conn.headers_done:
             if conn.error is not None:
                 raise conn.error
