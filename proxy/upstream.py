@@ -257,9 +257,9 @@ class _HostPool:
         return None
 
     async def get(self) -> _Connection:
-        conn = self.take_idle()
-        if conn is not None:
-            return conn
+        idle = self.take_idle()
+        if idle is not None:
+            return idle
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(loop.create_connection(
