@@ -28,6 +28,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "skip_special_tokens": (True,), "response_format": ({"type": "text"},),
     "structured_outputs": (),
 }
+_NEUTRAL_KEYS = frozenset(_NEUTRAL)
 # vLLM's guided-decoding fields, removed from its API (vLLM 0.32 ignores them with a
 # warning and answers free text with a 200): refused by the proxy, naming the replacement
 REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -54,8 +55,10 @@ _DECLARED_UNSUPPORTED = {"engine": OPTIONS - ENGINE_SERVES}
 
 def requested_options(body: Mapping[str, Any], chat: bool) -> frozenset[str]:
     """The options of :data:`OPTIONS` that ``body`` uses."""
-    used = {k for k, neutral in _NEUTRAL.items()
-            if (v := body.get(k)) is not None and not any(_same(v, n) for n in neutral)}
+    # NOTE: only the keys the body has are looked at (a set intersection; most bodies use
+    # none of these options): this runs for every request
+    used = {k for k in body.keys() & _NEUTRAL_KEYS
+            if (v := body[k]) is not None and not any(_same(v, n) for n in _NEUTRAL[k])}
     logprobs = body.get("logprobs")
     # chat's logprobs is a flag; completions' a count, where 0 still asks for the
     # chosen token's logprob
