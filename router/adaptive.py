@@ -88,7 +88,7 @@ from router.baselines import LeastOutstandingPolicy
 from router.calibration import Calibration
 from router.confidence import ConfidenceConfig, PredictionErrors
 from router.inflight import Flight, InFlight
-from router.profiles import LatencyPrior, Prediction, PriorConfig, WorkerProfile, batch_capacity
+from router.profiles import LatencyPrior, PriorConfig, WorkerProfile, batch_capacity
 from specdec.policy import DepthPolicy
 
 logger = logging.getLogger(__name__)
@@ -153,6 +153,20 @@ class Candidate:
     penalty: float = 1.0  # the SLO cost multiplier at ttft_s / tpot_s (AdaptivePolicy._slo)
 
 
+@dataclass(slots=True)
+class _Worker:
+    """What :meth:`AdaptivePolicy.candidate` reads of a worker's config, and its profile."""
+
+    config: Any  # the CompiledConfig these were read from (compared by identity)
+    backend: str
+    prof: WorkerProfile
+    capacity: int  # batch_capacity(config), before the proxy's cap
+    engine: bool  # the built-in engine: the policy picks its speculative depth
+    spec_none: bool  # an engine that does not speculate
+    spec_max_depth: int
+    caches_prefixes: bool
+
+
 def caches_prefixes(view: WorkerView) -> bool:
     """Whether the worker keeps prompt prefixes cached across requests: the built-in engine
     when its config turns automatic prefix caching on (the default), vLLM always (automatic
@@ -160,11 +174,6 @@ def caches_prefixes(view: WorkerView) -> bool:
     if view.backend == "engine":
         return view.config.engine.enable_prefix_caching
     return view.backend == "vllm"
-
-
-def load_of(view: WorkerView) -> int:
-    """Requests ahead of a new one: this proxy's outstanding, or the scraped queue if larger."""
-    return max(view.outstanding_requests, view.running + view.waiting)
 
 
 class AdaptivePolicy:
@@ -180,6 +189,7 @@ class AdaptivePolicy:
         self.prefix_cache = PrefixCacheModel(self.config.hit_alpha)
         self._rng = random.Random(seed)
         self._profiles: dict[str, WorkerProfile] = {}
+        self._workers: dict[str, _Worker] = {}  # see _worker
         # NOTE: one calibration for the whole fleet: what one worker measured against its
         # prior tells the others how fast this machine is (router.calibration).
         self.calibration = Calibration()
@@ -229,29 +239,71 @@ class AdaptivePolicy:
             self._profiles[view.name] = prof
         return prof
 
-    def candidate(self, shape: RequestShape, view: WorkerView) -> Candidate:
+    def _worker(self, view: WorkerView) -> _Worker:
+        """The worker's profile and what the policy reads of its config at every decision,
+        kept while the view carries the same config object and backend."""
+        w = self._workers.get(view.name)
+        if w is not None and w.config is view.config and w.backend == view.backend \
+                and self._profiles.get(view.name) is w.prof:
+            return w
         prof = self.profile(view)
-        cap = batch_capacity(view.config)
-        if view.max_outstanding:  # the proxy sends no more than this (proxy.admission)
-            cap = min(cap, view.max_outstanding)
-        queue = load_of(view)
-        batch = min(queue + 1, cap)
-        depth = self._depth(shape, view, batch)
+        e = view.config.engine
+        engine = view.backend == "engine"
+        w = self._workers[view.name] = _Worker(
+            view.config, view.backend, prof, batch_capacity(view.config), engine,
+            engine and e.spec_method == "none", e.spec_max_depth, caches_prefixes(view))
+        return w
+
+    def candidate(self, shape: RequestShape, view: WorkerView) -> Candidate:
+        # NOTE: this runs for every worker of every decision: the worker's config terms are
+        # kept (_worker), the loaded and idle predictions come from one call
+        # (WorkerProfile.predict_pair), and _depth's, _slo_depth's, _cost's and _slo's
+        # plain formulas are written out, min / max as comparisons that pick the same operand
+        # (tests/router/test_same_decisions.py, bench/router_cost.py: the same decisions).
+        w = self._worker(view)
+        prof = w.prof
+        cap = w.capacity
+        if view.max_outstanding and view.max_outstanding < cap:  # the proxy's cap
+            cap = view.max_outstanding  # (proxy.admission)
+        queue = view.outstanding_requests  # load_of
+        scraped = view.running + view.waiting
+        if scraped > queue:
+            queue = scraped
+        batch = queue + 1 if queue + 1 < cap else cap
+        if not w.engine:  # _depth
+            depth = None
+        elif w.spec_none:
+            depth = 0
+        elif shape.speculative_depth is not None:
+            depth = min(shape.speculative_depth, w.spec_max_depth)
+        else:
+            # NOTE: every candidate is priced at its depth; only the pick's is recorded
+            # (_commit_depth), so a worker's domain mix and k=0 probe count its own requests.
+            depth = self.depth_policy.peek(view.name, shape.domain, batch, w.spec_max_depth)
         d = depth or 0
-        model_cached = self._model_cached_tokens(shape, view)
+        prompt_tokens = shape.prompt_tokens
+        model_cached = 0.0  # _model_cached_tokens
+        if shape.prefix_hashes and w.caches_prefixes:
+            model_cached = self._model_cached_tokens(shape, view)
         cached = model_cached * self.prefix_cache.hit_ratio(view.name)
-        coef = prof.coefficients(shape.domain, shape.prompt_tokens)
-        pred = prof.predict_at(coef, queue, batch, d, shape.prompt_tokens, cached)
+        coef = prof.coefficients(shape.domain, prompt_tokens)
         # NOTE: an idle worker's loaded prediction is its idle one (queue 0, batch 1)
-        idle = pred if queue == 0 else prof.predict_at(coef, 0, 1, d, shape.prompt_tokens, cached)
-        depth, pred = self._slo_depth(shape, view, batch, depth, pred)
-        prefill_s = idle.prefill_s
+        ttft_p, tpot_p, prefill_s, idle_ttft, idle_tpot = prof.predict_pair(
+            coef, queue, batch, d, prompt_tokens, cached)
+        slo_tpot = shape.slo_tpot_s
+        if depth is not None and slo_tpot and not tpot_p <= slo_tpot \
+                and shape.speculative_depth is None and not w.spec_none:
+            depth, tpot_p = self._slo_depth_tpot(shape, view, batch, depth, tpot_p)
         saved_s = 0.0
         if cached > 0:
-            full = prof.predict_at(coef, queue, batch, d, shape.prompt_tokens)
-            saved_s = max(full.ttft_s - pred.ttft_s, 0.0)
+            full = prof.predict_at(coef, queue, batch, d, prompt_tokens)
+            saved_s = full.ttft_s - ttft_p
+            if 0.0 > saved_s:
+                saved_s = 0.0
         now = self.clock()
-        pred_cost_s = self._cost(shape, pred)
+        n_out = shape.predicted_output_tokens
+        gaps = n_out - 1 if n_out > 1 else 0  # max(n - 1, 0)
+        pred_cost_s = ttft_p + gaps * tpot_p  # _cost
         # NOTE: below capacity it joins the batch and slows every request running there
         # (crowding); at capacity it waits instead and slows no one.
         crowd_s = prof.tpot_per_seq_s() if queue < cap else 0.0
@@ -261,14 +313,23 @@ class AdaptivePolicy:
         wait, ahead, harm = self._inflight.load_terms(
             view.name, now, queue + 1 - cap, cap, pred_cost_s, prefill_s, crowd_s, pred_cost_s,
             self.config.slo_penalty)
-        ttft_s = pred.ttft_s + wait
-        tpot_s = pred.tpot_s + ahead / max(shape.predicted_output_tokens - 1, 1)
-        cost = ttft_s + max(shape.predicted_output_tokens - 1, 0) * tpot_s
-        penalty, meets = self._slo(shape, ttft_s, tpot_s)
-        return Candidate(view.name, cost * penalty + harm,
-                         self._cost(shape, idle), depth, queue, batch, queue >= cap, meets,
-                         ttft_s, tpot_s, prefill_s, wait, model_cached, cached, saved_s * penalty,
-                         cap, penalty)
+        ttft_s = ttft_p + wait
+        tpot_s = tpot_p + ahead / (gaps if gaps > 1 else 1)  # max(n - 1, 1)
+        cost = ttft_s + gaps * tpot_s
+        miss = 0.0  # _slo
+        slo_ttft = shape.slo_ttft_s
+        if slo_ttft:
+            x = ttft_s / slo_ttft - 1.0
+            if x > 0.0:
+                miss += x
+        if slo_tpot:
+            x = tpot_s / slo_tpot - 1.0
+            if x > 0.0:
+                miss += x
+        penalty = 1.0 + self.config.slo_penalty * miss
+        return Candidate(view.name, cost * penalty + harm, idle_ttft + gaps * idle_tpot, depth,
+                         queue, batch, queue >= cap, miss == 0.0, ttft_s, tpot_s, prefill_s,
+                         wait, model_cached, cached, saved_s * penalty, cap, penalty)
 
     def _model_cached_tokens(self, shape: RequestShape, view: WorkerView) -> float:
         """Prompt tokens in the leading prefix blocks the worker's modelled cache holds."""
@@ -303,13 +364,6 @@ class AdaptivePolicy:
         return self._inflight.load_terms(worker, now, 0, 1, 0.0, prefill_s, crowd_s, cost_s,
                                          self.config.slo_penalty)[2]
 
-    @staticmethod
-    def _cost(shape: RequestShape, pred: Prediction) -> float:
-        return pred.ttft_s + max(shape.predicted_output_tokens - 1, 0) * pred.tpot_s
-
-    def _slo(self, shape: RequestShape, ttft_s: float, tpot_s: float) -> tuple[float, bool]:
-        return self._slo_of(shape.slo_ttft_s, shape.slo_tpot_s, ttft_s, tpot_s)
-
     def _slo_of(self, slo_ttft_s: float | None, slo_tpot_s: float | None, ttft_s: float,
                 tpot_s: float) -> tuple[float, bool]:
         """(cost multiplier, meets): 1 + slo_penalty x the summed relative misses."""
@@ -320,24 +374,12 @@ class AdaptivePolicy:
             miss += max(0.0, tpot_s / slo_tpot_s - 1.0)
         return 1.0 + self.config.slo_penalty * miss, miss == 0.0
 
-    def _depth(self, shape: RequestShape, view: WorkerView, batch: int) -> int | None:
-        if view.backend != "engine":
-            return None
-        e = view.config.engine
-        if e.spec_method == "none":
-            return 0
-        if shape.speculative_depth is not None:
-            return min(shape.speculative_depth, e.spec_max_depth)
-        # NOTE: every candidate is priced at its depth; only the pick's is recorded
-        # (_commit_depth), so a worker's domain mix and k=0 probe count its own requests.
-        return self.depth_policy.peek(view.name, shape.domain, batch, e.spec_max_depth)
-
-    def _slo_depth(self, shape: RequestShape, view: WorkerView, batch: int, depth: int | None,
-                   pred: Prediction) -> tuple[int | None, Prediction]:
-        """(depth, prediction) for the request on the worker: where the TPOT predicted at the
-        depth policy's ``depth`` misses the request's TPOT SLO, the depth fastest for the
-        request itself and the TPOT scaled by the depth policy's token times
-        (DepthPolicy.token_times); else both unchanged.
+    def _slo_depth_tpot(self, shape: RequestShape, view: WorkerView, batch: int, depth: int,
+                        tpot_s: float) -> tuple[int, float]:
+        """(depth, TPOT) for the request on the worker where the TPOT predicted at the depth
+        policy's ``depth`` misses the request's TPOT SLO (:meth:`candidate` checks that, and
+        that the depth is the policy's): the depth fastest for the request itself and the
+        TPOT scaled by the depth policy's token times (DepthPolicy.token_times).
 
         NOTE: the depth policy picks one depth for the worker's domain mix under load (its
         tokens per second), which can leave a request of a well-accepted domain short of a
@@ -345,16 +387,12 @@ class AdaptivePolicy:
         k=0 in one call and its repetitive requests met 2 of 55, at k=3 in another and they
         met 37 of 80. Routing by the request's own depth met 1.04x the SLOs of routing at
         the mix depth (826 / 797, two calls pooled)."""
-        if depth is None or shape.speculative_depth is not None or not shape.slo_tpot_s \
-                or pred.tpot_s <= shape.slo_tpot_s \
-                or view.config.engine.spec_method == "none":
-            return depth, pred
         times = self.depth_policy.token_times(view.name, shape.domain, batch,
                                               view.config.engine.spec_max_depth)
         own = min(range(len(times)), key=times.__getitem__)
         if own == depth or depth >= len(times):
-            return depth, pred
-        return own, replace(pred, tpot_s=pred.tpot_s * times[own] / times[depth])
+            return depth, tpot_s
+        return own, tpot_s * times[own] / times[depth]
 
     def _commit_depth(self, shape: RequestShape, view: WorkerView, pick: Candidate) -> Candidate:
         """The pick with the depth the depth policy records for it (another when it probes)."""

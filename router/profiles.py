@@ -433,6 +433,52 @@ class WorkerProfile:
             tpot *= self.calibration.factor(TPOT_KEY)
         return Prediction(ttft, tpot, n, prefill)
 
+    def predict_pair(self, coef: tuple[Vec, Vec, int], queue: float, batch: float, depth: int,
+                     prompt_tokens: int, cached_tokens: float = 0.0
+                     ) -> tuple[float, float, float, float, float]:
+        """(TTFT, TPOT, prefill) of :meth:`predict_at` at ``queue`` and ``batch``, then TTFT
+        and TPOT at queue 0 and batch 1 (the worker idle; the prefill is the same): what a
+        router's candidate needs, in one call. The same operations as two calls of
+        :meth:`predict_at`, so the same values bit for bit (tests/router/test_same_decisions.py)."""
+        ct, cp, _ = coef
+        cap = self._cap
+        new_tokens = max(prompt_tokens - int(cached_tokens), 1) if cached_tokens > 0 \
+            else prompt_tokens  # uncached()
+        q = cap if cap < queue else queue
+        b = cap if cap < batch else batch
+        b1 = cap if cap < 1 else 1
+        c0, c1, c2 = ct
+        prefill = c1 * (new_tokens / 1000.0)
+        head = c0 + prefill
+        ttft = head + c2 * (q / 8.0)
+        idle_ttft = head + c2 * (0 / 8.0)
+        floor_ttft = 0.1 * c0 if c0 > 0 else 1e-4
+        if floor_ttft > ttft:
+            ttft = floor_ttft
+        if 1e-4 > ttft:
+            ttft = 1e-4
+        if floor_ttft > idle_ttft:
+            idle_ttft = floor_ttft
+        if 1e-4 > idle_ttft:
+            idle_ttft = 1e-4
+        p0, p1, p2 = cp
+        spec = p2 * (depth / 4.0)
+        tpot = p0 + p1 * (b / 8.0) + spec
+        idle_tpot = p0 + p1 * (b1 / 8.0) + spec
+        if 1e-5 > tpot:
+            tpot = 1e-5
+        if 1e-5 > idle_tpot:
+            idle_tpot = 1e-5
+        if 0.0 > prefill:
+            prefill = 0.0
+        if self._all.ttft.num_samples == 0:
+            c = self.calibration.factor(ttft_key(new_tokens))
+            ttft, idle_ttft, prefill = ttft * c, idle_ttft * c, prefill * c
+        if self._all.tpot.num_samples == 0:
+            c = self.calibration.factor(TPOT_KEY)
+            tpot, idle_tpot = tpot * c, idle_tpot * c
+        return ttft, tpot, prefill, idle_ttft, idle_tpot
+
     def observe(self, domain: str, prompt_tokens: int, queue: float, batch: float, depth: int,
                 ttft_s: float | None, tpot_s: float | None, cached_tokens: float = 0.0
                 ) -> None:

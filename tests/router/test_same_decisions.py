@@ -220,6 +220,12 @@ def test_predict_is_the_plain_formula_bit_for_bit() -> None:
             coef = prof.coefficients(req[0], req[1])
             assert prof.predict_at(coef, req[2], req[3], req[4], req[1], req[5]) \
                 == _old_predict(prof, *req)
+            # a candidate's loaded and idle predictions in one call
+            loaded, idle = _old_predict(prof, *req), _old_predict(prof, req[0], req[1], 0, 1,
+                                                                  req[4], req[5])
+            assert loaded.prefill_s == idle.prefill_s
+            assert prof.predict_pair(coef, req[2], req[3], req[4], req[1], req[5]) == (
+                loaded.ttft_s, loaded.tpot_s, loaded.prefill_s, idle.ttft_s, idle.tpot_s)
             if rng.random() < 0.3:
                 obs = _random_request(rng)
                 prof.observe(*obs[:5], rng.choice((None, rng.uniform(0.001, 2.0))),
