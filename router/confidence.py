@@ -95,7 +95,9 @@ def _log_error(predicted_s: float | None, observed_s: float | None) -> float | N
     x = math.log(observed_s / predicted_s)
     if not math.isfinite(x):
         return None
-    return min(max(x, -MAX_LOG_ERROR), MAX_LOG_ERROR)
+    if -MAX_LOG_ERROR > x:  # min(max(x, -MAX), MAX)
+        return -MAX_LOG_ERROR
+    return MAX_LOG_ERROR if MAX_LOG_ERROR < x else x
 
 
 class PredictionErrors:
@@ -107,9 +109,6 @@ class PredictionErrors:
         # every outcome of a worker, whatever its shape: the band of a shape class the
         # worker has not yet served min_samples times (see band)
         self._by_worker: dict[str, _Error] = {}
-
-    def _weight(self, n: int) -> float:
-        return max(1.0 / n, self.config.weight)
 
     def observe(self, worker: str, domain: str, prompt_tokens: int,
                 predicted: tuple[float, float], observed: tuple[float | None, float | None],
@@ -126,24 +125,38 @@ class PredictionErrors:
             gaps = max(num_tokens - 1, 0)
             x_e2e = _log_error(predicted[0] + gaps * predicted[1],
                                observed[0] + gaps * observed[1])
-        self._observe(self._errors.setdefault(key, _Error()), x_ttft, x_tpot, x_e2e)
-        self._observe(self._by_worker.setdefault(worker, _Error()), x_ttft, x_tpot, x_e2e)
+        err = self._errors.get(key)
+        if err is None:
+            err = self._errors[key] = _Error()
+        self._observe(err, x_ttft, x_tpot, x_e2e)
+        err = self._by_worker.get(worker)
+        if err is None:
+            err = self._by_worker[worker] = _Error()
+        self._observe(err, x_ttft, x_tpot, x_e2e)
 
     def _observe(self, err: _Error, x_ttft: float | None, x_tpot: float | None,
                  x_e2e: float | None) -> None:
+        weight = self.config.weight  # _weight, written out: max(1 / n, weight)
         if x_ttft is not None:
-            err.num_ttft += 1
-            w = self._weight(err.num_ttft)
+            n = err.num_ttft = err.num_ttft + 1
+            w = 1.0 / n
+            if weight > w:
+                w = weight
             err.ttft_sq += w * (x_ttft * x_ttft - err.ttft_sq)
             err.ttft_bias += w * (x_ttft - err.ttft_bias)
         if x_tpot is not None:
-            err.num_tpot += 1
-            w = self._weight(err.num_tpot)
+            n = err.num_tpot = err.num_tpot + 1
+            w = 1.0 / n
+            if weight > w:
+                w = weight
             err.tpot_sq += w * (x_tpot * x_tpot - err.tpot_sq)
             err.tpot_bias += w * (x_tpot - err.tpot_bias)
         if x_e2e is not None:
-            err.num_e2e += 1
-            err.e2e_sq += self._weight(err.num_e2e) * (x_e2e * x_e2e - err.e2e_sq)
+            n = err.num_e2e = err.num_e2e + 1
+            w = 1.0 / n
+            if weight > w:
+                w = weight
+            err.e2e_sq += w * (x_e2e * x_e2e - err.e2e_sq)
 
     def band(self, worker: str, domain: str, prompt_tokens: int) -> float:
         """The key's error band in log space: its end-to-end RMS log error. A key with fewer

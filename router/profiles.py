@@ -498,20 +498,26 @@ class WorkerProfile:
         new_tokens = uncached(prompt_tokens, cached_tokens)
         xt = ttft_features(new_tokens, min(queue, cap))
         xp = tpot_features(min(batch, cap), depth)
-        f = self.prior.factor(domain, prompt_tokens)
-        spec = self._spec_ratio(domain)
+        prior = self.prior
+        f = prior.factor(domain, prompt_tokens)
         if has_ttft:
             assert ttft_s is not None
             bucket.ttft.update(xt, ttft_s)
             self._all.ttft.update(xt, ttft_s / f)
+            # LatencyPrior.ttft_s(domain, new_tokens, min(queue, cap)), on its features xt
+            c = prior.ttft_coef()
             self.calibration.observe(ttft_key(new_tokens), ttft_s,
-                                     self.prior.ttft_s(domain, new_tokens, min(queue, cap)))
+                                     (c[0] + c[1] * xt[1] + c[2] * xt[2])
+                                     * prior.factor(domain, new_tokens))
         if has_tpot:
             assert tpot_s is not None
             bucket.tpot.update(xp, tpot_s)
-            self._all.tpot.update(xp, tpot_s / (f * spec))
+            self._all.tpot.update(xp, tpot_s / (f * self._spec_ratio(domain)))
+            # LatencyPrior.tpot_s(domain, prompt_tokens, batch, depth), on its features xp
+            # (the prior's capacity is the profile's)
+            c = prior.tpot_coef(domain)
             self.calibration.observe(TPOT_KEY, tpot_s,
-                                     self.prior.tpot_s(domain, prompt_tokens, batch, depth))
+                                     (c[0] + c[1] * xp[1] + c[2] * xp[2]) * f)
 
     def tpot_per_seq_s(self) -> float:
         """What one more sequence in the batch adds to every running request's TPOT,

@@ -18,6 +18,7 @@ from bench.sim import prefix_mix_sim as pm
 from polyinfer.config import CompiledConfig, DeclaredFit
 from router.adaptive import AdaptiveConfig, AdaptivePolicy
 from router.calibration import Calibration
+from router.confidence import MAX_LOG_ERROR, PredictionErrors
 from router.inflight import STALE_FACTOR, Flight, InFlight
 from router.profiles import (
     OUTLIER_FACTOR,
@@ -361,3 +362,91 @@ def test_depth_peek_is_the_plain_formulas_bit_for_bit() -> None:
                 x = [[rng.uniform(0, 1) * (i == j) + 0.01 for j in range(7)] for i in range(7)]
                 dp.observe_step_sums(worker, x, [rng.uniform(0, 0.1) for _ in range(7)],
                                      rng.randint(1, 50), rng.uniform(0, 300))
+
+
+def _old_profile_observe(prof: WorkerProfile, domain: str, prompt_tokens: int, queue: float,
+                         batch: float, depth: int, ttft_s: float | None, tpot_s: float | None,
+                         cached_tokens: float = 0.0) -> None:
+    """WorkerProfile.observe as the plain formula: the prior's ttft_s / tpot_s called."""
+    has_ttft = ttft_s is not None and ttft_s >= 0 and math.isfinite(ttft_s)
+    has_tpot = tpot_s is not None and tpot_s > 0 and math.isfinite(tpot_s)
+    if has_tpot and prof._all.tpot.num_samples == 0:
+        prof._all.tpot.rescale(prof.calibration.factor(TPOT_KEY))
+    key = (domain, prompt_band(prompt_tokens))
+    if key not in prof._buckets:
+        prof._buckets[key] = prof._bucket_init(domain, prompt_tokens)
+    bucket, cap = prof._buckets[key], prof._cap
+    new_tokens = uncached(prompt_tokens, cached_tokens)
+    xt = ttft_features(new_tokens, min(queue, cap))
+    xp = tpot_features(min(batch, cap), depth)
+    f = prof.prior.factor(domain, prompt_tokens)
+    spec = prof.prior.tpot_coef(domain)[0] / prof.prior.tpot_coef("chat")[0]
+    if has_ttft:
+        bucket.ttft.update(xt, ttft_s)
+        prof._all.ttft.update(xt, ttft_s / f)
+        prof.calibration.observe(f"ttft/{prompt_band(new_tokens)}", ttft_s,
+                                 prof.prior.ttft_s(domain, new_tokens, min(queue, cap)))
+    if has_tpot:
+        bucket.tpot.update(xp, tpot_s)
+        prof._all.tpot.update(xp, tpot_s / (f * spec))
+        prof.calibration.observe(TPOT_KEY, tpot_s,
+                                 prof.prior.tpot_s(domain, prompt_tokens, batch, depth))
+
+
+def _profile_state(prof: WorkerProfile) -> tuple:
+    models = [prof._all.ttft, prof._all.tpot] + [
+        m for b in prof._buckets.values() for m in (b.ttft, b.tpot)]
+    return ([(m.theta, m._p, m.num_samples) for m in models], prof.calibration._log,
+            prof.calibration._num, sorted(prof._buckets))
+
+
+def test_profile_observe_is_the_plain_formula_bit_for_bit() -> None:
+    rng = random.Random(8)
+    for trial in range(30):
+        a = _random_profile(rng)
+        b = WorkerProfile(LatencyPrior(a.prior.config, PriorConfig()), 0.98, Calibration())
+        for step in range(40):
+            req = _random_request(rng)
+            ttft = rng.choice((None, -1.0, rng.uniform(0.001, 2.0)))
+            tpot = rng.choice((None, 0.0, rng.uniform(1e-4, 0.1)))
+            a.observe(*req[:5], ttft, tpot, req[5])
+            _old_profile_observe(b, *req[:5], ttft, tpot, req[5])
+            assert _profile_state(a) == _profile_state(b), (trial, step)
+
+
+def test_prediction_errors_are_the_plain_formula_bit_for_bit() -> None:
+    """PredictionErrors.observe against its running means as the plain formulas (max, min)."""
+    rng = random.Random(9)
+    errors, want = PredictionErrors(), {}
+    for _ in range(3000):
+        worker, domain = rng.choice("ab"), rng.choice(("code", "chat"))
+        tokens = rng.choice((10, 300, 5000))
+        predicted = (rng.uniform(1e-3, 1.0), rng.uniform(1e-4, 0.05))
+        observed = (rng.choice((None, 0.0, rng.uniform(1e-3, 1.0), 1e9)),
+                    rng.choice((None, rng.uniform(1e-4, 0.05))))
+        n_tok = rng.randint(0, 300)
+        errors.observe(worker, domain, tokens, predicted, observed, n_tok)
+        def log_error(p: float, o: float | None) -> float | None:
+            if o is None or not (p > 0 and o > 0) or not math.isfinite(math.log(o / p)):
+                return None
+            return min(max(math.log(o / p), -MAX_LOG_ERROR), MAX_LOG_ERROR)
+        xs = [log_error(p, o) for p, o in zip(predicted, observed, strict=True)]
+        gaps = max(n_tok - 1, 0)
+        xs.append(None if observed[0] is None or observed[1] is None else log_error(
+            predicted[0] + gaps * predicted[1], observed[0] + gaps * observed[1]))
+        for key in ((worker, domain, prompt_band(tokens)), worker):
+            e = want.setdefault(key, [0, 0.0, 0.0, 0, 0.0, 0.0, 0, 0.0])
+            for i, x in zip((0, 3), xs[:2], strict=True):
+                if x is not None:
+                    e[i] += 1
+                    w = max(1.0 / e[i], 0.05)
+                    e[i + 1] += w * (x * x - e[i + 1])
+                    e[i + 2] += w * (x - e[i + 2])
+            if xs[2] is not None:
+                e[6] += 1
+                e[7] += max(1.0 / e[6], 0.05) * (xs[2] * xs[2] - e[7])
+    got = {**{k: v for k, v in errors._errors.items()}, **errors._by_worker}
+    assert set(got) == set(want)
+    for key, e in got.items():
+        assert [e.num_ttft, e.ttft_sq, e.ttft_bias, e.num_tpot, e.tpot_sq, e.tpot_bias,
+                e.num_e2e, e.e2e_sq] == want[key], key
