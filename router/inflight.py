@@ -163,6 +163,28 @@ class InFlight:
                 wait = num_ahead / capacity * fallback_s
             return wait, ahead, harm
         priced = prefill_s > 0 or crowd_s > 0
+        if priced and num_ahead <= 0:
+            # NOTE: a candidate below its capacity (most of them): the loop below without
+            # the slot wait's list and the pricing's test, the same operations otherwise
+            for (until, end, late, f_cost, first, f_prefill, tpot_div, tpot_s, ttft_miss,
+                 slo_tpot, gaps, base) in terms.values():
+                if not now_s < until:  # active
+                    continue
+                if now_s < first:
+                    x = first - now_s
+                    ahead += x if x < f_prefill else f_prefill
+                left = end - now_s
+                if late > left:
+                    left = late
+                delay = prefill_s + crowd_s * (cost_s if cost_s < left else left) / tpot_div
+                if slo_tpot:
+                    tpot_miss = (tpot_s + delay / gaps) / slo_tpot - 1.0
+                    if tpot_miss > 0.0:
+                        harm += (f_cost + delay) * (1.0 + slo_penalty * (ttft_miss + tpot_miss)) \
+                            - base
+                        continue
+                harm += (f_cost + delay) * (1.0 + slo_penalty * ttft_miss) - base
+            return wait, ahead, harm
         lefts: list[float] | None = [] if num_ahead > 0 else None
         costs: list[float] = []
         for (until, end, late, f_cost, first, f_prefill, tpot_div, tpot_s, ttft_miss,

@@ -302,9 +302,10 @@ class StepTimeModel:
 
     def _observe_residual(self, batch: int, residual_s: float) -> None:
         self.version += 1
-        mean, n = self.residuals.setdefault(batch_bucket(batch), [0.0, 0.0])
+        bucket = batch_bucket(batch)
+        mean, n = self.residuals.get(bucket) or (0.0, 0.0)
         n = min(n + 1.0, RESIDUAL_WINDOW)
-        self.residuals[batch_bucket(batch)] = [mean + (residual_s - mean) / n, n]
+        self.residuals[bucket] = [mean + (residual_s - mean) / n, n]
 
     def overhead(self, batch: float) -> float:
         """Seconds a client waits per step beyond the engine's step, at ``batch`` (the nearest
@@ -339,10 +340,11 @@ class StepTimeModel:
         weight = (cell[5] * (n - 1.0) / cell[4] if cell[4] else 0.0) + tokens
         # NOTE: 1 / E, whose mean prices the cell exactly where a token costs t / E (a cell
         # mixes domains: code at E = 3 and rag at 1.2 average to more than t / mean E)
-        sample = (seconds, float(batch), 1.0 / expected, drafted if drafted is not None else 0.0)
-        share = tokens / weight
-        for i, x in enumerate(sample):
-            cell[i] += (x - cell[i]) * share
+        share = tokens / weight  # each mean moves toward the sample by its share, written out
+        cell[0] += (seconds - cell[0]) * share
+        cell[1] += (float(batch) - cell[1]) * share
+        cell[2] += (1.0 / expected - cell[2]) * share
+        cell[3] += ((drafted if drafted is not None else 0.0) - cell[3]) * share
         cell[4], cell[5] = n, weight
 
     def _log_ratio(self, k: int, cell: Sequence[float]) -> float:
