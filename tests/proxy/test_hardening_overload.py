@@ -101,5 +101,6 @@ def test_a_saturated_proxy_sheds_at_the_door(engines: list[EngineProcess],
     assert set(statuses) <= {200, 429}, statuses
     assert shed and num_shed > 0, (statuses.count(200), statuses.count(429))
     r = shed[0]
-    assert r.headers["Retry-After"] == "1" and r.headers["x-request-id"]
+    # no request id: it would name a record, and a request refused at the door has none
+    assert r.headers["Retry-After"] == "1" and "x-request-id" not in r.headers
     assert r.json()["error"]["code"] == "overloaded"
