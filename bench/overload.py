@@ -24,8 +24,11 @@ core serves S requests and refuses the rest, S x cost + refused x cost_refused <
 r <= 0.048). It runs the proxy in this process (uvloop) in front of one FakeFastUpstream
 process, and a raw-socket client process keeps ``--conns`` keep-alive connections busy, one
 request at a time each; blocks of ``--block`` requests alternate served (the in-flight limit
-out of reach) and refused (limit 0: every request a door 429), and each block's cost is the
-loop thread's CPU time (user + system, ``time.thread_time``) over its requests.
+out of reach), refused (limit 0: every request a door 429), a bare protocol answering the
+same 429 with no proxy logic (the floor: one read, one write), and refused on a new
+connection each (``--block`` / 4 of them, 8 at a time, closed after the answer: what a
+client whose pool has no idle connection costs); each block's cost is the loop thread's
+CPU time (user + system) over its requests.
 """
 
 from __future__ import annotations
@@ -131,6 +134,10 @@ def door_client_main(port: int, num_conns: int, path: str, stream: bool) -> None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conns.append(sock)
     for line in sys.stdin:
+        if line.startswith("fresh"):
+            print(json.dumps(_fresh_connections(port, int(line.split()[1]), request)),
+                  flush=True)
+            continue
         todo = int(line)
         counts: dict[int, int] = {}
         bufs = {s: b"" for s in conns}
@@ -176,6 +183,40 @@ def door_client_main(port: int, num_conns: int, path: str, stream: bool) -> None
         print(json.dumps(counts), flush=True)
 
 
+def _fresh_connections(port: int, n: int, request: bytes, num_threads: int = 8
+                       ) -> dict[int, int]:
+    """``n`` requests, each on a new connection that asks to be closed after its answer
+    (``num_threads`` at a time): what a client that opens a connection per request (or
+    whose pool has none idle) costs the proxy."""
+    import socket
+    import threading
+    request = request.replace(b"\r\nContent-Length", b"\r\nConnection: close\r\nContent-Length", 1)
+    counts: dict[int, int] = {}
+    lock = threading.Lock()
+    todo = [n]
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not todo[0]:
+                    return
+                todo[0] -= 1
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(request)
+                buf = b""
+                while chunk := sock.recv(1 << 16):
+                    buf += chunk
+            status = int(buf[9:12]) if len(buf) >= 12 else 0
+            with lock:
+                counts[status] = counts.get(status, 0) + 1
+    threads = [threading.Thread(target=work) for _ in range(num_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return counts
+
+
 def door_cost(args: argparse.Namespace) -> None:
     """Loop CPU per served and per refused request, blocks alternating (see the doc)."""
     import subprocess
@@ -214,28 +255,32 @@ def door_cost(args: argparse.Namespace) -> None:
                 "/v1/chat/completions", "1" if args.stream else "0",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
 
-        async def block(client: asyncio.subprocess.Process, n: int
+        async def block(client: asyncio.subprocess.Process, n: int, fresh: bool = False
                         ) -> tuple[float, float, float, dict]:
             assert client.stdin is not None and client.stdout is not None
-            client.stdin.write(b"%d\n" % n)
+            client.stdin.write(b"fresh %d\n" % n if fresh else b"%d\n" % n)
             t, use = time.perf_counter(), resource.getrusage(resource.RUSAGE_THREAD)
             line = await client.stdout.readline()
             end = resource.getrusage(resource.RUSAGE_THREAD)
             user, system = end.ru_utime - use.ru_utime, end.ru_stime - use.ru_stime
             return user / n * 1e6, system / n * 1e6, n / (time.perf_counter() - t), \
                 json.loads(line)
-        out: dict[str, list[tuple[float, float]]] = {"served": [], "refused": [], "bare": []}
+        kinds = ("served", "refused", "bare", "refused, new connection")
+        out: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
         try:
             for client in clients.values():
                 await block(client, 500)  # warm-up: connections, caches
-            for i in range(3 * args.blocks):
-                kind = ("served", "refused", "bare")[i % 3]
+            for i in range(len(kinds) * args.blocks):
+                kind = kinds[i % len(kinds)]
                 relay.in_flight_limit = served_limit if kind == "served" else InFlightLimit(0)
                 relay.in_flight_limit.update(False, 0)
+                fresh = kind.endswith("connection")
                 user, system, rps, counts = await block(
-                    clients["bare" if kind == "bare" else "proxy"], args.block)
+                    clients["bare" if kind == "bare" else "proxy"],
+                    args.block // 4 if fresh else args.block, fresh)
+                n = args.block // 4 if fresh else args.block
                 want = "200" if kind == "served" else "429"
-                if counts.get(want) != args.block:
+                if counts.get(want) != n:
                     raise SystemExit(f"{kind} block answered {counts}")
                 out[kind].append((user, system))
                 print(f"{kind:<8} {user + system:7.1f} us loop CPU / request (user {user:.1f}, "
