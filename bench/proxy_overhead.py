@@ -63,8 +63,9 @@ DATA = REPO / "data"  # --data: prompts/spec_bench_questions.jsonl
 PROMPT_MODES = ("fixed", "real", "shared", "unique")
 
 
-def payloads(mode: str, n: int, data: Path = DATA) -> list[bytes]:
-    """``n`` request bodies (serialised before the timed schedule starts)."""
+def payloads(mode: str, n: int, data: Path = DATA, start: int = 0) -> list[bytes]:
+    """The bodies of requests ``start`` .. ``start + n - 1`` (serialised before the timed
+    schedule starts)."""
     if mode == "fixed":
         return [json.dumps(BODY).encode()] * n
     spec_bench = data / "prompts" / "spec_bench_questions.jsonl"
@@ -73,7 +74,7 @@ def payloads(mode: str, n: int, data: Path = DATA) -> list[bytes]:
     with open(spec_bench) as f:
         texts = [json.loads(line)["turns"][0] for line in f if line.strip()]
     out = []
-    for i in range(n):
+    for i in range(start, start + n):
         text = texts[i % len(texts)]
         if mode == "shared":
             text = f"{text}\n(request {i})"
@@ -109,7 +110,7 @@ async def _load(url: str, rate: float, seconds: float, prompts: str, data: Path,
     n = int(rate * seconds)
     out: list = []
     lags = []
-    bodies = payloads(prompts, offset + n + NUM_WARMUP, data)[offset:]
+    bodies = payloads(prompts, n + NUM_WARMUP, data, offset)
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=conn,
                                      timeout=aiohttp.ClientTimeout(total=30)) as s:
@@ -345,13 +346,22 @@ def run_load(url: str, rate: float, seconds: float, prompts: str, data: Path,
     return summarize(load_parts(url, rate, seconds, prompts, data, cores))
 
 
+_first_request = [0]  # the next request number: no two points send the same prompt
+
+
 def load_parts(url: str, rate: float, seconds: float, prompts: str, data: Path,
                cores: tuple[int | None, ...]) -> list[dict]:
-    """Each load process's raw samples (:func:`run_load` without the summary)."""
+    """Each load process's raw samples (:func:`run_load` without the summary).
+
+    NOTE: the request numbers go on from point to point (and round to round): with
+    ``--prompts unique`` a proxy never sees a prompt twice, so its shape cache (4,096
+    entries) never hits, in a second round either."""
     n = len(cores)
+    per_proc = int(rate * seconds / n + NUM_WARMUP)
+    first, _first_request[0] = _first_request[0], _first_request[0] + n * per_proc
     procs = [subprocess.Popen(pinned([PY, __file__, "--loadgen", url, str(rate / n),
                                       str(seconds), prompts, str(data),
-                                      str(i * int(rate * seconds / n + NUM_WARMUP))], core),
+                                      str(first + i * per_proc)], core),
                               stdout=subprocess.PIPE, text=True)
              for i, core in enumerate(cores)]
     parts = []
