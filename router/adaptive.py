@@ -256,8 +256,8 @@ class AdaptivePolicy:
 
     def candidate(self, shape: RequestShape, view: WorkerView) -> Candidate:
         # NOTE: this runs for every worker of every decision: the worker's config terms are
-        # kept (_worker), the loaded and idle predictions come from one call
-        # (WorkerProfile.predict_pair), and _depth's, _slo_depth's, _cost's and _slo's
+        # kept (_worker), the loaded, idle and uncached predictions come from one call
+        # (WorkerProfile.predict_candidate), and _depth's, _slo_depth's, _cost's and _slo's
         # plain formulas are written out, min / max as comparisons that pick the same operand
         # (tests/router/test_same_decisions.py, bench/router_cost.py: the same decisions).
         w = self._worker(view)
@@ -286,18 +286,15 @@ class AdaptivePolicy:
         if shape.prefix_hashes and w.caches_prefixes:
             model_cached = self._model_cached_tokens(shape, view)
         cached = model_cached * self.prefix_cache.hit_ratio(view.name)
-        coef = prof.coefficients(shape.domain, prompt_tokens)
-        # NOTE: an idle worker's loaded prediction is its idle one (queue 0, batch 1)
-        ttft_p, tpot_p, prefill_s, idle_ttft, idle_tpot = prof.predict_pair(
-            coef, queue, batch, d, prompt_tokens, cached)
+        ttft_p, tpot_p, prefill_s, idle_ttft, idle_tpot, full_ttft = prof.predict_candidate(
+            shape.domain, prompt_tokens, queue, batch, d, cached)
         slo_tpot = shape.slo_tpot_s
         if depth is not None and slo_tpot and not tpot_p <= slo_tpot \
                 and shape.speculative_depth is None and not w.spec_none:
             depth, tpot_p = self._slo_depth_tpot(shape, view, batch, depth, tpot_p)
         saved_s = 0.0
-        if cached > 0:
-            full = prof.predict_at(coef, queue, batch, d, prompt_tokens)
-            saved_s = full.ttft_s - ttft_p
+        if cached > 0:  # what the cached prefix takes off TTFT
+            saved_s = full_ttft - ttft_p
             if 0.0 > saved_s:
                 saved_s = 0.0
         now = self.clock()

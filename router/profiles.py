@@ -33,6 +33,7 @@ update ~6 us on the 2-core dev box (plain floats, the eigenvalue cap in closed f
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,10 +81,9 @@ def _downdate(p: Mat3, gain: Vec, px: Vec, lam: float) -> Mat3:
 
 
 def prompt_band(prompt_tokens: int) -> int:
-    for i, edge in enumerate(PROMPT_BANDS):
-        if prompt_tokens < edge:
-            return i
-    return len(PROMPT_BANDS)
+    """The index of the first band edge above ``prompt_tokens`` (len(PROMPT_BANDS) past the
+    last): the edges at or below it, counted in C (this runs ~7 times per request)."""
+    return bisect_right(PROMPT_BANDS, prompt_tokens)
 
 
 _TTFT_KEYS = tuple(f"ttft/{band}" for band in range(len(PROMPT_BANDS) + 1))
@@ -433,14 +433,19 @@ class WorkerProfile:
             tpot *= self.calibration.factor(TPOT_KEY)
         return Prediction(ttft, tpot, n, prefill)
 
-    def predict_pair(self, coef: tuple[Vec, Vec, int], queue: float, batch: float, depth: int,
-                     prompt_tokens: int, cached_tokens: float = 0.0
-                     ) -> tuple[float, float, float, float, float]:
-        """(TTFT, TPOT, prefill) of :meth:`predict_at` at ``queue`` and ``batch``, then TTFT
-        and TPOT at queue 0 and batch 1 (the worker idle; the prefill is the same): what a
-        router's candidate needs, in one call. The same operations as two calls of
-        :meth:`predict_at`, so the same values bit for bit (tests/router/test_same_decisions.py)."""
-        ct, cp, _ = coef
+    def predict_candidate(self, domain: str, prompt_tokens: int, queue: float, batch: float,
+                          depth: int, cached_tokens: float = 0.0
+                          ) -> tuple[float, float, float, float, float, float]:
+        """What a router's candidate needs of the profile, in one call: (TTFT, TPOT, prefill)
+        of :meth:`predict` at ``queue`` and ``batch``; TTFT and TPOT at queue 0 and batch 1
+        (the worker idle; the prefill is the same); and the TTFT with nothing cached (the
+        loaded TTFT when ``cached_tokens`` is 0). The same operations as those calls of
+        :meth:`predict`, so the same values bit for bit (tests/router/test_same_decisions.py)."""
+        bucket = self._buckets.get((domain, prompt_band(prompt_tokens)))
+        if bucket is None:  # coefficients()
+            ct, cp = self._bucket_coef(domain, prompt_tokens)
+        else:
+            ct, cp = bucket.ttft._w, bucket.tpot._w
         cap = self._cap
         new_tokens = max(prompt_tokens - int(cached_tokens), 1) if cached_tokens > 0 \
             else prompt_tokens  # uncached()
@@ -450,7 +455,8 @@ class WorkerProfile:
         c0, c1, c2 = ct
         prefill = c1 * (new_tokens / 1000.0)
         head = c0 + prefill
-        ttft = head + c2 * (q / 8.0)
+        load = c2 * (q / 8.0)
+        ttft = head + load
         idle_ttft = head + c2 * (0 / 8.0)
         floor_ttft = 0.1 * c0 if c0 > 0 else 1e-4
         if floor_ttft > ttft:
@@ -461,6 +467,13 @@ class WorkerProfile:
             idle_ttft = floor_ttft
         if 1e-4 > idle_ttft:
             idle_ttft = 1e-4
+        full_ttft = ttft
+        if cached_tokens > 0:  # predict() with nothing cached: the whole prompt to prefill
+            full_ttft = c0 + c1 * (prompt_tokens / 1000.0) + load
+            if floor_ttft > full_ttft:
+                full_ttft = floor_ttft
+            if 1e-4 > full_ttft:
+                full_ttft = 1e-4
         p0, p1, p2 = cp
         spec = p2 * (depth / 4.0)
         tpot = p0 + p1 * (b / 8.0) + spec
@@ -474,10 +487,14 @@ class WorkerProfile:
         if self._all.ttft.num_samples == 0:
             c = self.calibration.factor(ttft_key(new_tokens))
             ttft, idle_ttft, prefill = ttft * c, idle_ttft * c, prefill * c
+            if cached_tokens > 0:
+                full_ttft *= self.calibration.factor(ttft_key(prompt_tokens))
+            else:
+                full_ttft = ttft
         if self._all.tpot.num_samples == 0:
             c = self.calibration.factor(TPOT_KEY)
             tpot, idle_tpot = tpot * c, idle_tpot * c
-        return ttft, tpot, prefill, idle_ttft, idle_tpot
+        return ttft, tpot, prefill, idle_ttft, idle_tpot, full_ttft
 
     def observe(self, domain: str, prompt_tokens: int, queue: float, batch: float, depth: int,
                 ttft_s: float | None, tpot_s: float | None, cached_tokens: float = 0.0

@@ -22,6 +22,7 @@ from router.confidence import MAX_LOG_ERROR, PredictionErrors
 from router.inflight import STALE_FACTOR, Flight, InFlight
 from router.profiles import (
     OUTLIER_FACTOR,
+    PROMPT_BANDS,
     TPOT_KEY,
     BayesianRLS,
     LatencyPrior,
@@ -221,12 +222,14 @@ def test_predict_is_the_plain_formula_bit_for_bit() -> None:
             coef = prof.coefficients(req[0], req[1])
             assert prof.predict_at(coef, req[2], req[3], req[4], req[1], req[5]) \
                 == _old_predict(prof, *req)
-            # a candidate's loaded and idle predictions in one call
+            # a candidate's loaded, idle and uncached predictions in one call
             loaded, idle = _old_predict(prof, *req), _old_predict(prof, req[0], req[1], 0, 1,
                                                                   req[4], req[5])
+            full = _old_predict(prof, *req[:5])
             assert loaded.prefill_s == idle.prefill_s
-            assert prof.predict_pair(coef, req[2], req[3], req[4], req[1], req[5]) == (
-                loaded.ttft_s, loaded.tpot_s, loaded.prefill_s, idle.ttft_s, idle.tpot_s)
+            assert prof.predict_candidate(*req) == (
+                loaded.ttft_s, loaded.tpot_s, loaded.prefill_s, idle.ttft_s, idle.tpot_s,
+                full.ttft_s)
             if rng.random() < 0.3:
                 obs = _random_request(rng)
                 prof.observe(*obs[:5], rng.choice((None, rng.uniform(0.001, 2.0))),
@@ -450,3 +453,13 @@ def test_prediction_errors_are_the_plain_formula_bit_for_bit() -> None:
     for key, e in got.items():
         assert [e.num_ttft, e.ttft_sq, e.ttft_bias, e.num_tpot, e.tpot_sq, e.tpot_bias,
                 e.num_e2e, e.e2e_sq] == want[key], key
+
+
+def test_prompt_band_is_the_plain_loop() -> None:
+    def old(tokens: float) -> int:
+        for i, edge in enumerate(PROMPT_BANDS):
+            if tokens < edge:
+                return i
+        return len(PROMPT_BANDS)
+    for tokens in [*range(0, 5000), 255.5, 256.0, 1e9, -3, math.nan, math.inf]:
+        assert prompt_band(tokens) == old(tokens), tokens  # type: ignore[arg-type]
