@@ -79,6 +79,7 @@ class Stats:
         self.latency: dict[str, dict[str, LatencySeries]] = {
             m: {ALL: LatencySeries()} for m in ("ttft", "tpot", "e2e")}
         self.history = History()  # the dashboard's per-second rings
+        self._by_worker: dict[str, tuple[LatencySeries, ...]] = {}  # record()'s series
 
     def refused_at_door(self, http_status: int) -> None:
         """A request refused before it was parsed: counted as a refusal, with no record."""
@@ -101,7 +102,9 @@ class Stats:
         prompt = rec.usage_prompt_tokens
         if prompt is None and rec.shape is not None:
             prompt = rec.shape.prompt_tokens
-        pair = self.tokens.setdefault((rec.model, worker), [0, 0])
+        pair = self.tokens.get((rec.model, worker))
+        if pair is None:  # NOTE: not setdefault: its default list is made on every call
+            pair = self.tokens[(rec.model, worker)] = [0, 0]
         pair[0] += prompt or 0
         pair[1] += rec.completion_tokens or 0
         self.spec_depths["default" if rec.spec_depth is None else str(rec.spec_depth)] += 1
@@ -110,19 +113,35 @@ class Stats:
             pair[0] += rec.spec_draft_tokens
             pair[1] += rec.spec_accepted_tokens
         if rec.status == STATUS_OK:
-            self._add_latency("ttft", worker, rec.ttft_s)
-            self._add_latency("tpot", worker, rec.tpot_s)
-            self._add_latency("e2e", worker, rec.e2e_s)
+            # NOTE: each latency added to the "all" series and the worker's (found once per
+            # request, not per metric): this runs for every request
+            both = self._by_worker.get(worker)
+            if both is None:
+                both = self._by_worker[worker] = self._worker_series(worker)
+            ttft_all, ttft_worker, tpot_all, tpot_worker, e2e_all, e2e_worker = both
+            value_s = rec.ttft_s
+            if value_s is not None:
+                ttft_all.add(value_s)
+                ttft_worker.add(value_s)
+            value_s = rec.tpot_s
+            if value_s is not None:
+                tpot_all.add(value_s)
+                tpot_worker.add(value_s)
+            value_s = rec.e2e_s
+            if value_s is not None:
+                e2e_all.add(value_s)
+                e2e_worker.add(value_s)
 
-    def _add_latency(self, metric: str, worker: str, value_s: float | None) -> None:
-        if value_s is None:
-            return
-        series = self.latency[metric]
-        series[ALL].add(value_s)
-        per_worker = series.get(worker)
-        if per_worker is None:
-            per_worker = series[worker] = LatencySeries()
-        per_worker.add(value_s)
+    def _worker_series(self, worker: str) -> tuple[LatencySeries, ...]:
+        """(ttft all, ttft worker, tpot all, tpot worker, e2e all, e2e worker)."""
+        out: list[LatencySeries] = []
+        for metric in ("ttft", "tpot", "e2e"):
+            series = self.latency[metric]
+            per_worker = series.get(worker)
+            if per_worker is None:
+                per_worker = series[worker] = LatencySeries()
+            out += (series[ALL], per_worker)
+        return tuple(out)
 
     def snapshot(self, pool: WorkerPool, policy_name: str) -> dict[str, Any]:
         """The /stats JSON document."""
