@@ -403,13 +403,20 @@ class AdaptivePolicy:
     def _pick(self, cands: list[Candidate]) -> tuple[Candidate, str]:
         if len(cands) == 1:
             return cands[0], "only"
-        best = min(cands, key=lambda c: c.cost_s)
-        open_ = [c for c in cands if not c.saturated]
-        if open_ and self._rng.random() < self.config.explore_prob:
-            return self._rng.choice(open_), "explore"
+        # NOTE: min(key=...) written out (the first of the least, as min), one pass
+        best = favourite = cands[0]
+        any_open = False
+        for c in cands:
+            if c.cost_s < best.cost_s:
+                best = c
+            if c.unloaded_cost_s < favourite.unloaded_cost_s:
+                favourite = c
+            if not c.saturated:
+                any_open = True
+        if any_open and self._rng.random() < self.config.explore_prob:
+            return self._rng.choice([c for c in cands if not c.saturated]), "explore"
         if best.saved_s > 0 and min(cands, key=lambda c: c.cost_s + c.saved_s) is not best:
             return best, "affinity"
-        favourite = min(cands, key=lambda c: c.unloaded_cost_s)
         if best.name == favourite.name:
             return best, "fit"
         return best, ("slo" if not favourite.meets_slo and best.meets_slo else "load")

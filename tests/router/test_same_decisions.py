@@ -16,7 +16,7 @@ import numpy as np
 
 from bench.sim import prefix_mix_sim as pm
 from polyinfer.config import CompiledConfig, DeclaredFit
-from router.adaptive import AdaptiveConfig, AdaptivePolicy
+from router.adaptive import AdaptiveConfig, AdaptivePolicy, Candidate
 from router.calibration import Calibration
 from router.confidence import MAX_LOG_ERROR, PredictionErrors
 from router.inflight import STALE_FACTOR, Flight, InFlight
@@ -463,3 +463,33 @@ def test_prompt_band_is_the_plain_loop() -> None:
         return len(PROMPT_BANDS)
     for tokens in [*range(0, 5000), 255.5, 256.0, 1e9, -3, math.nan, math.inf]:
         assert prompt_band(tokens) == old(tokens), tokens  # type: ignore[arg-type]
+
+
+def _old_pick(p: AdaptivePolicy, cands: list[Candidate]) -> tuple[Candidate, str]:
+    if len(cands) == 1:
+        return cands[0], "only"
+    best = min(cands, key=lambda c: c.cost_s)
+    open_ = [c for c in cands if not c.saturated]
+    if open_ and p._rng.random() < p.config.explore_prob:
+        return p._rng.choice(open_), "explore"
+    if best.saved_s > 0 and min(cands, key=lambda c: c.cost_s + c.saved_s) is not best:
+        return best, "affinity"
+    favourite = min(cands, key=lambda c: c.unloaded_cost_s)
+    if best.name == favourite.name:
+        return best, "fit"
+    return best, ("slo" if not favourite.meets_slo and best.meets_slo else "load")
+
+
+def test_pick_is_the_plain_formula() -> None:
+    """Ties (the first of the least wins), saturated workers, exploration's draws."""
+    rng = random.Random(10)
+    new, old = AdaptivePolicy(AdaptiveConfig(explore_prob=0.2), seed=3), \
+        AdaptivePolicy(AdaptiveConfig(explore_prob=0.2), seed=3)
+    for _ in range(3000):
+        cands = [Candidate(f"w{i}", rng.choice((1.0, 2.0, rng.uniform(0, 3))),
+                           rng.choice((1.0, rng.uniform(0, 3))), None, 0, 1,
+                           rng.random() < 0.4, rng.random() < 0.5,
+                           saved_s=rng.choice((0.0, rng.uniform(0, 2))))
+                 for i in range(rng.randint(1, 4))]
+        got, want = new._pick(cands), _old_pick(old, cands)
+        assert got[0] is want[0] and got[1] == want[1]
