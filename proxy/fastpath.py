@@ -30,6 +30,7 @@ so that a client trickling bytes cannot hold it open.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 import socket
@@ -59,6 +60,7 @@ _PREFIX = b"POST /v1/"
 _HEADER = re.compile(rb"^([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[\t ]*([\t \x21-\x7e\x80-\xff]*)\r\n",
                      re.MULTILINE)
 _OWS = b" \t"
+_REPEAT_OWS = itertools.repeat(_OWS)  # endless: map stops at the values' end
 _HANDED_OVER = frozenset((b"transfer-encoding", b"expect", b"upgrade"))
 _STATUS_TEXT = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden",
                 404: b"Not Found", 409: b"Conflict", 413: b"Payload Too Large",
@@ -102,7 +104,10 @@ def parse_head(head: bytes) -> RequestHead | None:
     # match per LF means every line matched: no bare LF or CR, obs-fold, or bad name.
     if len(pairs) != block.count(b"\n"):
         return None
-    headers = {name.lower(): value.rstrip(_OWS) for name, value in pairs}
+    # NOTE: names lowered and values stripped by map (C), not a comprehension: every request
+    names, values = zip(*pairs, strict=True) if pairs else ((), ())
+    headers = dict(zip(map(bytes.lower, names), map(bytes.rstrip, values, _REPEAT_OWS),
+                       strict=True))
     if len(headers) != len(pairs) or not headers.keys().isdisjoint(_HANDED_OVER):
         return None  # repeated fields and body/protocol negotiation: aiohttp's rules
     length = headers.get(b"content-length", b"")
@@ -114,10 +119,13 @@ def parse_head(head: bytes) -> RequestHead | None:
     return RequestHead(route[0], route[1], headers, int(length), connection != b"close")
 
 
+_FIELD_LINE = "%s: %s\r\n"
+
+
 def response_head(status: int, headers: dict[str, str], content_length: int | None,
                   date: bytes) -> bytes:
     """An HTTP/1.1 response head; ``content_length`` None = a chunked body."""
-    fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    fields = "".join(map(_FIELD_LINE.__mod__, headers.items()))  # NOTE: no comprehension
     if fields.count("\n") != len(headers) or fields.count("\r") != len(headers):
         raise ValueError(f"a newline in a response header: {headers!r}")
     length = (b"Transfer-Encoding: chunked\r\n\r\n" if content_length is None

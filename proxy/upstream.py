@@ -98,10 +98,15 @@ class _Connection(asyncio.Protocol):
         if name.lower() == b"content-type":
             self.content_type = value
 
+    # NOTE: the waiter woken inline (what _wake does), not through a call: these run for
+    # every response (on_body for every HTTP chunk)
+
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
         self.headers_done = True
-        self._wake()
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(bytes(body))
@@ -109,12 +114,16 @@ class _Connection(asyncio.Protocol):
         if self.buffered > _MAX_BUFFERED and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
-        self._wake()
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()  # only valid inside this callback
         self.complete = True
-        self._wake()
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     # -- used by UpstreamResponse -------------------------------------------------------
 
