@@ -49,6 +49,29 @@ class LatencySeries:
             self._ring[self._next] = value_s
             self._next = (self._next + 1) % WINDOW
 
+    def add_pair(self, other: LatencySeries, value_s: float) -> None:
+        """``self.add(value_s); other.add(value_s)`` in one call and one bucket search (the
+        "all" series and a worker's, for every request)."""
+        bucket = bisect.bisect_left(LATENCY_BUCKETS_S, value_s)
+        self.count += 1
+        self.sum += value_s
+        self.buckets[bucket] += 1
+        ring = self._ring
+        if len(ring) < WINDOW:
+            ring.append(value_s)
+        else:
+            ring[self._next] = value_s
+            self._next = (self._next + 1) % WINDOW
+        other.count += 1
+        other.sum += value_s
+        other.buckets[bucket] += 1
+        ring = other._ring
+        if len(ring) < WINDOW:
+            ring.append(value_s)
+        else:
+            ring[other._next] = value_s
+            other._next = (other._next + 1) % WINDOW
+
     def percentiles(self) -> dict[str, float | None]:
         if not self._ring:
             return {"p50": None, "p90": None, "p99": None, "mean": None, "count": 0}
@@ -118,19 +141,15 @@ class Stats:
             both = self._by_worker.get(worker)
             if both is None:
                 both = self._by_worker[worker] = self._worker_series(worker)
-            ttft_all, ttft_worker, tpot_all, tpot_worker, e2e_all, e2e_worker = both
             value_s = rec.ttft_s
             if value_s is not None:
-                ttft_all.add(value_s)
-                ttft_worker.add(value_s)
+                both[0].add_pair(both[1], value_s)
             value_s = rec.tpot_s
             if value_s is not None:
-                tpot_all.add(value_s)
-                tpot_worker.add(value_s)
+                both[2].add_pair(both[3], value_s)
             value_s = rec.e2e_s
             if value_s is not None:
-                e2e_all.add(value_s)
-                e2e_worker.add(value_s)
+                both[4].add_pair(both[5], value_s)
 
     def _worker_series(self, worker: str) -> tuple[LatencySeries, ...]:
         """(ttft all, ttft worker, tpot all, tpot worker, e2e all, e2e worker)."""

@@ -102,9 +102,9 @@ def check_body(body: dict[str, Any], endpoint: str) -> None:
             raise InvalidRequest(f"'{name}' was removed from vLLM's API (its output would not "
                                  f"be constrained); use 'structured_outputs' or "
                                  f"'response_format'", param=name)
-    checks = _CHAT_CHECKS if endpoint == CHAT else _COMPLETION_CHECKS
+    checks = _CHAT_FIELD_CHECKS if endpoint == CHAT else _COMPLETION_FIELD_CHECKS
     for name, value in body.items():
-        check = _FIELD_CHECKS.get(name) or checks.get(name)
+        check = checks.get(name)
         if check is not None and value is not None and not check[0](value):
             raise InvalidRequest(f"'{name}' must be {check[1]}, got {describe(value)}",
                                  param=name)
@@ -276,3 +276,8 @@ _COMPLETION_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 def wants_usage(body: dict[str, Any]) -> bool:
     opts = body.get("stream_options")
     return isinstance(opts, dict) and opts.get("include_usage") is True
+
+
+# the checks of an endpoint's fields in one table (a field's own check first): one lookup a field
+_CHAT_FIELD_CHECKS = {**_CHAT_CHECKS, **_FIELD_CHECKS}
+_COMPLETION_FIELD_CHECKS = {**_COMPLETION_CHECKS, **_FIELD_CHECKS}

@@ -334,3 +334,17 @@ def test_worker_urls_that_work_are_accepted() -> None:
     env = {"OMP_NUM_THREADS": "1"}
     config = ProxyConfig.from_dict({"workers": [{"name": "a", "launch": {"env": env}}]})
     assert config.workers[0].launch is not None and config.workers[0].launch.env == env
+
+
+def test_latency_add_pair_equals_two_adds() -> None:
+    from proxy.stats import WINDOW, LatencySeries
+    pair, single = (LatencySeries(), LatencySeries()), (LatencySeries(), LatencySeries())
+    values = [1e-5 * (i % 997) ** 1.5 for i in range(WINDOW + 300)]  # past a full ring
+    for v in values:
+        pair[0].add_pair(pair[1], v)
+        single[0].add(v)
+        single[1].add(v)
+    for a, b in zip(pair, single, strict=True):
+        assert (a.count, a.sum, a.buckets, a._ring, a._next) == (
+            b.count, b.sum, b.buckets, b._ring, b._next)
+    assert pair[0]._next == 300
