@@ -903,16 +903,7 @@ def _find_usage(out: bytes, start: int) -> int:
 
 
 def _event_json(event: bytes) -> dict[str, Any] | None:
-    """The JSON object of the event's first ``data:`` line; None if it is not one."""
-    if event.startswith(b"data:"):
-        # NOTE: the usual event, one data line, cut without splitting the event into lines
-        end = event.find(b"\n")
-        line = event if end == -1 else event[:end]
-        cr = line.find(b"\r")
-        lines = [line if cr == -1 else line[:cr]]
-    else:
-        lines = event.splitlines()
-    for line in lines:
+    for line in event.splitlines():
         if line.startswith(b"data:"):
             try:
                 obj = orjson.loads(line[5:].strip())
