@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -133,7 +134,7 @@ run(main)
 
 
 def count_bytecodes(tree: Path, up_url: str, workdir: Path, args: argparse.Namespace,
-                    label: str) -> dict[str, float]:
+                    label: str) -> dict[str, Any]:
     """Bytecodes and calls per request of one tree's proxy (keys ``ops``, ``calls``)."""
     port = po.free_port()
     cfg = workdir / f"count-{port}.yaml"
@@ -174,7 +175,7 @@ traces: {{dir: "{workdir / 'traces'}"}}
     if res["ok"] != n - po.NUM_WARMUP or res["errors"]:
         raise RuntimeError(f"{label}: {res['ok']} ok of {n}, {res['errors']} errors")
     data = json.loads(out.read_text())
-    per_request = {}
+    per_request: dict[str, Any] = {}
     for kind in ("ops", "calls"):
         counts = data[kind]
         path = {k: v for k, v in counts.items() if data["calls"].get(k, 0) >= n / 2}
