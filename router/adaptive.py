@@ -426,8 +426,8 @@ class AdaptivePolicy:
                            ) -> tuple[Candidate, str]:
         """The pick, if its predicted cost beats least-outstanding's pick's by more than
         their prediction errors (router.confidence); else LO's pick, reason ``balance``."""
-        lo = self._balance.choose(shape, workers).worker
-        other = next(c for c in cands if c.name == lo)
+        # NOTE: cands are in the workers' order, one each
+        other = cands[self._balance.pick(workers)]
         if other is pick:
             return pick, reason
         bands = [self.errors.band(c.name, shape.domain, shape.prompt_tokens) for c in (pick, other)]

@@ -49,12 +49,16 @@ class LeastOutstandingPolicy:
         self._tie = 0
 
     def choose(self, shape: RequestShape, workers: Sequence[WorkerView]) -> RouteDecision:
+        return RouteDecision(worker=workers[self.pick(workers)].name, reason="least_outstanding")
+
+    def pick(self, workers: Sequence[WorkerView]) -> int:
+        """The index :meth:`choose` picks (and advances the tie rotation as it does): for
+        a policy that falls back to this one's pick (router.adaptive)."""
         self._tie += 1
         n = len(workers)
-        best = min(range(n), key=lambda i: (workers[i].outstanding_requests,
+        return min(range(n), key=lambda i: (workers[i].outstanding_requests,
                                             workers[i].running + workers[i].waiting,
                                             (i - self._tie) % n))
-        return RouteDecision(worker=workers[best].name, reason="least_outstanding")
 
     def observe(self, outcome: RequestOutcome) -> None:
         return None
