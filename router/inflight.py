@@ -185,6 +185,32 @@ class InFlight:
                         continue
                 harm += (f_cost + delay) * (1.0 + slo_penalty * ttft_miss) - base
             return wait, ahead, harm
+        if priced:
+            # NOTE: a candidate past its capacity: the same loop, keeping every active
+            # flight's time left and cost for the slot wait
+            lefts_: list[float] = []
+            costs_: list[float] = []
+            for (until, end, late, f_cost, first, f_prefill, tpot_div, tpot_s, ttft_miss,
+                 slo_tpot, gaps, base) in terms.values():
+                if not now_s < until:  # active
+                    continue
+                if now_s < first:
+                    x = first - now_s
+                    ahead += x if x < f_prefill else f_prefill
+                left = end - now_s
+                if late > left:
+                    left = late
+                lefts_.append(left)
+                costs_.append(f_cost)
+                delay = prefill_s + crowd_s * (cost_s if cost_s < left else left) / tpot_div
+                if slo_tpot:
+                    tpot_miss = (tpot_s + delay / gaps) / slo_tpot - 1.0
+                    if tpot_miss > 0.0:
+                        harm += (f_cost + delay) * (1.0 + slo_penalty * (ttft_miss + tpot_miss)) \
+                            - base
+                        continue
+                harm += (f_cost + delay) * (1.0 + slo_penalty * ttft_miss) - base
+            return self._slot_wait(lefts_, costs_, num_ahead, capacity, fallback_s), ahead, harm
         lefts: list[float] | None = [] if num_ahead > 0 else None
         costs: list[float] = []
         for (until, end, late, f_cost, first, f_prefill, tpot_div, tpot_s, ttft_miss,
@@ -210,10 +236,15 @@ class InFlight:
                         miss += tpot_miss
                 harm += (f_cost + delay) * (1.0 + slo_penalty * miss) - base
         if lefts is not None:
-            lefts.sort()
-            if num_ahead <= len(lefts):
-                wait = lefts[num_ahead - 1]
-            else:
-                mean_s = sum(costs) / len(costs) if costs else fallback_s
-                wait = (lefts[-1] if lefts else 0.0) + (num_ahead - len(lefts)) / capacity * mean_s
+            wait = self._slot_wait(lefts, costs, num_ahead, capacity, fallback_s)
         return wait, ahead, harm
+
+    @staticmethod
+    def _slot_wait(lefts: list[float], costs: list[float], num_ahead: int, capacity: int,
+                   fallback_s: float) -> float:
+        """:meth:`slot_wait_s` from the active flights' times left and costs."""
+        lefts.sort()
+        if num_ahead <= len(lefts):
+            return lefts[num_ahead - 1]
+        mean_s = sum(costs) / len(costs) if costs else fallback_s
+        return (lefts[-1] if lefts else 0.0) + (num_ahead - len(lefts)) / capacity * mean_s
