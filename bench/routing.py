@@ -575,7 +575,7 @@ class Schedules:
         self.synth = trace_synthesizer(args.trace_domain, args.seed) if self.trace else None
         self.cursor = args.trace_start
         self.offset = 0  # block-id namespace of the current pass
-        self.rate_index = 0  # the sweep's current rate (begin_rate)
+        self.passes = 0  # trace schedules built so far: each its own prompt-key namespace
         self.window = (0, 0)  # the last round's Mooncake requests, trace indices [from, to)
         if self.prefix_mix and self.mooncake_needed() > len(self.mooncake):
             # NOTE: checked before any fleet starts: a trace that runs out mid-sweep used to
@@ -595,21 +595,21 @@ class Schedules:
         a = self.args
         if self.synth is not None:
             # NOTE: a round's window is picked by its seed alone, so every rate replays the
-            # same lines; their prompts are the rate's own (a key namespace per rate), or a
-            # later rate re-sent the earlier rates' prompts and found them in the workers'
-            # prefix caches (call B in bench/RESULTS.md, Routing, ran before this)
+            # same lines, and two rounds' windows can overlap; every schedule built takes
+            # its own key namespace, or a later round re-sent an earlier one's prompts and
+            # found them in the workers' prefix caches (the code-trace calls in
+            # bench/RESULTS.md, Routing, before this)
+            self.passes += 1
             return build_trace_workload(self.records, self.synth, a.trace_domain,
                                         a.trace_prompt_scale, a.max_output, num, rate, seed,
-                                        (self.rate_index + 1) * NAMESPACE)
+                                        self.passes * NAMESPACE)
         if not self.prefix_mix:
             return build_workload(a.data, num, rate, seed)
         return build_prefix_workload(a.data, self.mooncake, num, rate, seed, start,
                                      a.prefix_share, a.output_scale, self.offset)
 
     def begin_rate(self, index: int) -> None:
-        """Called before rate number ``index`` of the sweep: ``per-rate`` starts its pass; a
-        trace's prompts take the rate's key namespace (:meth:`_build`)."""
-        self.rate_index = index
+        """Called before rate number ``index`` of the sweep: ``per-rate`` starts its pass."""
         if self.per_rate:
             self.cursor, self.offset = self.args.trace_start, (index + 1) * NAMESPACE
 

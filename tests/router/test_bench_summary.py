@@ -275,7 +275,7 @@ def test_goal_rate_summary_prints_each_policy_s_rate_and_the_ratios() -> None:
 
 def test_each_rate_of_a_trace_sweep_sends_its_own_prompts() -> None:
     """The rounds' windows are picked by seed, the same lines at every rate; without a key
-    namespace per rate a later rate re-sent the earlier ones' prompts into warm caches."""
+    namespace per schedule a later round re-sent an earlier one's prompts into warm caches."""
     args = argparse.Namespace(workload=BENCH.TRACE, data=DATA, trace_start=3000,
                               trace_windows="per-rate", rates=[2.0, 4.0], duration=5.0,
                               rounds=1, prefix_share=0.5, output_scale=1.0,
@@ -290,6 +290,10 @@ def test_each_rate_of_a_trace_sweep_sends_its_own_prompts() -> None:
     assert [r.line for r in rounds[0]] == [r.line for r in rounds[1]]
     texts = [{r.messages[0]["content"] for r in rs} for rs in rounds]
     assert not texts[0] & texts[1]
+    # ... and two rounds of one rate whose windows overlap (seeds pick the starts) too
+    again = schedules.round(4.0, 10, seed=0)
+    assert [r.line for r in again] == [r.line for r in rounds[1]]
+    assert not {r.messages[0]["content"] for r in again} & texts[1]
 
 
 def test_fleet_counters_sum_prefix_cache_and_preemption_counters_over_workers() -> None:
