@@ -80,8 +80,16 @@ def priority(deadline: float, arrival: float, now: float) -> tuple[bool, float]:
 
 
 class InFlightLimit:
-    """How many requests the proxy takes on at once: ``limits.max_in_flight``, lowered while
-    its own event loop is saturated, and raised back while it is not (AIMD, as TCP's window).
+    """How many requests the proxy takes on at once: at most ``limits.max_in_flight``, above
+    a burst floor only as far as what is in flight has used, and lowered while the proxy's
+    own event loop is saturated (AIMD, as TCP's window).
+
+    One rule per loop sample (every 50 ms, ``Relay.measure_loop_lag``)::
+
+        saturated (loop busy and late)  -> cut to in_flight x target/lag  (x0.9 .. x0.5)
+        calm, under the floor            -> +5% (at least one), up to the floor
+        calm, in use (in_flight >= 1/2)  -> +5%, up to limits.max_in_flight
+        calm, unused (in_flight < 1/2)   -> -1%, down to max(floor, 2 x in_flight)
 
     NOTE: past capacity the loop still runs every ready callback each iteration, so the
     excess does not pile up where a queue could be watched: every admitted request is one
@@ -90,19 +98,36 @@ class InFlightLimit:
     alone switched on and off: off, it let in everything that had queued meanwhile (p50
     0.8 s, p99 20 s at 3x capacity, bench/overload.py). Holding the number in flight to
     what the loop serves within its lag target bounds both: the rest is refused at once
-    with a 429 that costs a small fraction of a request (proxy.fastpath)."""
+    with a 429 that costs a small fraction of a request (proxy.fastpath).
+
+    NOTE: why the floor, and growth only while in use: the number in flight is the
+    queueing delay a new request would see, counted at the door per request (each admitted
+    request is ~0.2-0.3 ms of the loop's CPU, bench/overload.py --door-cost), and the cut
+    needs a sample or two (~0.1 s) to see a saturated loop. A limit that had climbed back
+    to limits.max_in_flight while the proxy was idle or lightly loaded let in ~1,500
+    requests at the onset of 3x load (H200 host): answers slowed to seconds, the clients
+    opened a connection per request, each costing the loop ~5x a 429 on an open one, and
+    the proxy never recovered (goodput 0.45x of capacity, accepted p99 17 s). Held to a
+    floor of BURST (~70 ms of loop work) plus twice what has lately been in use, a step
+    of any size is refused at the door from the request that fills it, within the loop
+    iteration it arrives in; a real rise in concurrency (a slower worker, longer streams)
+    raises the limit 5% a calm sample (256 -> 4096 in ~3 s), and a burst from idle past
+    BURST gets 429s with Retry-After meanwhile (adaptive concurrency limiters' trade)."""
 
     # per saturated sample: of the number in flight (or the limit, if lower), by how far the
     # lag is over its target (target / lag), within these bounds
     DECREASE = 0.9
     MAX_DECREASE = 0.5
-    INCREASE = 0.05  # per calm sample, at least one request more
+    INCREASE = 0.05  # per calm sample in use (or under the floor), at least one request more
+    DECAY = 0.01  # per calm sample unused: ~3.5 s to halve
+    BURST = 256  # the floor: admitted at once from idle (see the class NOTE)
     MINIMUM = 16  # never fewer: an idle worker round trip must not starve the proxy
 
     def __init__(self, maximum: int) -> None:
         self.maximum = maximum
         self.minimum = min(self.MINIMUM, maximum)
-        self.value = maximum  # requests in flight admitted at most
+        self.floor = min(self.BURST, maximum)
+        self.value = self.floor  # requests in flight admitted at most
 
     def update(self, saturated: bool, num_in_flight: int, overshoot: float = 1.0) -> None:
         """One loop-lag sample: ``saturated`` = its thread busy and late past its target;
@@ -112,11 +137,15 @@ class InFlightLimit:
         climbs by thousands a second from the first sample, and cuts of 10% a sample
         took a second or more to bring it back, the requests admitted meanwhile waiting
         that long; no deeper than a half a sample (TCP's), the sample being late itself."""
+        value = self.value
         if saturated:
             factor = max(self.MAX_DECREASE, min(self.DECREASE, 1.0 / max(overshoot, 1e-9)))
-            self.value = max(self.minimum, int(min(self.value, num_in_flight) * factor))
-        elif self.value < self.maximum:
-            self.value = min(self.maximum, self.value + max(1, int(self.value * self.INCREASE)))
+            self.value = max(self.minimum, int(min(value, num_in_flight) * factor))
+        elif value < self.floor or (2 * num_in_flight >= value and value < self.maximum):
+            cap = self.maximum if 2 * num_in_flight >= value else self.floor
+            self.value = min(cap, value + max(1, int(value * self.INCREASE)))
+        elif 2 * num_in_flight < value and value > self.floor:  # unused
+            self.value = max(self.floor, 2 * num_in_flight, int(value * (1.0 - self.DECAY)))
 
 
 def cpu_share(proc_cgroup: str | None = None, root: Path = Path("/sys/fs/cgroup")) -> float:

@@ -121,7 +121,7 @@ def test_limits_itself_when_its_own_work_saturates_the_loop_not_when_only_late( 
 
     with ProxyThread(config) as p, httpx.Client(base_url=p.url, timeout=30) as h:
         relay = p.app[keys.RELAY]
-        maximum = config.limits.max_in_flight
+        maximum = relay.in_flight_limit.floor  # the idle limit (proxy.admission.InFlightLimit)
         assert eventually(lambda: relay.in_flight_limit.value == maximum, 20)  # start-up's work
         p.loop.call_soon_threadsafe(block_loop, False)
         assert eventually(lambda: relay.loop_lag_s > 0.01)

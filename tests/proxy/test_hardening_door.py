@@ -7,11 +7,14 @@ every request until the test lets it go, which no real engine does on demand).""
 from __future__ import annotations
 
 import asyncio
+import resource
+import selectors
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import httpx
 import orjson
@@ -143,24 +146,41 @@ def _answer(sock: socket.socket) -> bytes:
 
 def test_the_in_flight_limit_falls_while_saturated_and_climbs_back() -> None:
     limit = InFlightLimit(4096)
-    limit.update(True, 1000)  # of what is in flight, not of the old limit
-    assert limit.value == 900
+    assert limit.value == InFlightLimit.BURST == 256  # idle: the burst floor, not 4096
+    for _ in range(100):
+        limit.update(False, 0)  # idle: never climbs past the floor
+    assert limit.value == 256
+    limit.update(True, 200)  # of what is in flight, not of the limit
+    assert limit.value == 180
     limit.update(True, 1000)  # the limit when it is lower
-    assert limit.value == 810
+    assert limit.value == 162
     for _ in range(100):
         limit.update(True, 5)
     assert limit.value == InFlightLimit.MINIMUM
-    limit.update(False, 5)
-    assert limit.value == 17  # at least one more
+    limit.update(False, 0)
+    assert limit.value == 17  # back toward the floor, at least one more
     values = []
-    while limit.value < 4096:
+    while limit.value < 256:
         limit.update(False, 0)
         values.append(limit.value)
-    assert values[-1] == 4096 and len(values) == 123  # ~5% a sample: ~6 s at 50 ms
+    assert values[-1] == 256 and len(values) == 66  # ~5% a sample: ~3 s at 50 ms
+    values = []
+    while limit.value < 4096:  # in use (half of it or more in flight): up to the maximum
+        limit.update(False, (limit.value + 1) // 2)
+        values.append(limit.value)
+    assert values[-1] == 4096 and len(values) == 58
+    limit.update(False, 4096)  # full: held at the maximum
+    assert limit.value == 4096
+    limit.update(False, 100)  # unused: 1% a sample, down to twice what is in flight
+    assert limit.value == 4055
+    for _ in range(1000):
+        limit.update(False, 300)
+    assert limit.value == 600
     limit.update(True, 1000, overshoot=1.25)  # lag 25 ms over a 20 ms target: x0.8
-    assert limit.value == 800
-    limit.update(True, 1000, overshoot=10)  # far over: no deeper than a half
-    assert limit.value == 400
+    assert limit.value == 480
+    limit.update(True, 400, overshoot=10)  # far over: no deeper than a half
+    assert limit.value == 200
+    assert InFlightLimit(100).value == 100  # a maximum under the floor is the floor
 
 
 @pytest.mark.parametrize("fast_path", [True, False])
@@ -198,7 +218,7 @@ def test_connections_past_the_limit_are_refused_at_accept(upstream: FakeHeldUpst
                        if m.name.startswith(("polyinfer_connections", "polyinfer_in_flight_"))}
         assert doc["connections"]["refused"] == 3
         assert metrics == {"polyinfer_connections_open": 1, "polyinfer_connections_refused": 3,
-                           "polyinfer_in_flight_limit": 4096}, metrics
+                           "polyinfer_in_flight_limit": 256}, metrics
 
 
 @pytest.mark.parametrize("fast_path", [True, False])
@@ -228,6 +248,82 @@ def test_requests_past_the_in_flight_limit_are_refused_not_queued(upstream: Fake
             t.join(30)
     assert held == [200] * 8 and upstream.max_held == 8
     assert refused_s < 10, refused_s
+
+
+def test_a_step_to_four_times_the_burst_floor_is_refused_at_once(upstream: FakeHeldUpstream,
+                                                                 tmp_path: Path) -> None:
+    """1,024 requests at once on open connections to an idle proxy (limits.max_in_flight
+    4096, far over the step): about the burst floor is taken on, every other request is
+    answered 429 + Retry-After while those are still held (within seconds, none queued
+    behind them), /stats answers meanwhile, and the ones taken are served once the worker
+    lets them go. With the limit back at max_in_flight while idle, all 1,024 were taken.
+
+    NOTE: the onset of 3x load on the H200 host: a limit that had climbed back while the
+    proxy was lightly loaded let in ~1,500 before the loop-lag cut came, answers slowed to
+    seconds and the clients' new connections never let the proxy recover."""
+    num = 4 * InFlightLimit.BURST
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 3 * num + 256:
+        pytest.skip(f"needs {3 * num + 256} open files (hard limit {hard})")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 3 * num + 256)), hard))
+    with ProxyThread(_config(upstream, tmp_path)) as p, \
+            httpx.Client(base_url=p.url, timeout=10) as http:
+        relay = p.app[keys.RELAY]
+        assert relay.in_flight_limit.value == InFlightLimit.BURST  # idle, after start-up
+        port = p.server.port  # type: ignore[union-attr]
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(num)]
+        try:
+            assert eventually(lambda: p.app[keys.GATE].num_open == num, 10)
+            request = _request()
+            t0 = time.monotonic()
+            for s in socks:
+                s.sendall(request)
+            # NOTE: the limit climbs 5% a 50 ms sample while it is full and the loop calm
+            # (in use), so a send loop slower than a sample lets in a few more than the floor
+            most = InFlightLimit.BURST * 5 // 4
+            refused = _answers_429(socks, lambda n: n + upstream.num_held == num, 10)
+            refused_s = time.monotonic() - t0
+            assert len(refused) + upstream.num_held == num, (len(refused), upstream.num_held)
+            assert len(refused) >= num - most, (len(refused), upstream.num_held)
+            t1 = time.monotonic()
+            doc = http.get("/stats").json()  # answered while the step is held
+            stats_s = time.monotonic() - t1
+            assert doc["in_flight"] == upstream.num_held and doc["shed_at_door"] >= len(refused)
+            upstream.set_release(True)
+            served = [s for i, s in enumerate(socks) if i not in refused]
+            for s in served:
+                s.settimeout(10)
+                assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        finally:
+            for s in socks:
+                s.close()
+    assert refused_s < 5 and stats_s < 1, (refused_s, stats_s)
+
+
+def _answers_429(socks: list[socket.socket], done: Callable[[int], bool],
+                 timeout_s: float) -> set[int]:
+    """The indexes of ``socks`` answered 429 + Retry-After, once ``done(how many)`` (or
+    timeout_s passes); each answer is read whole (its head and Content-Length body)."""
+    index = {s.fileno(): i for i, s in enumerate(socks)}
+    got: dict[int, bytes] = {}
+    refused: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        for s in socks:
+            sel.register(s, selectors.EVENT_READ)
+        while not done(len(refused)) and time.monotonic() < deadline:
+            for key, _ in sel.select(0.1):
+                i = index[key.fd]
+                got[i] = got.get(i, b"") + cast(socket.socket, key.fileobj).recv(65536)
+                head, sep, body = got[i].partition(b"\r\n\r\n")
+                if not sep:
+                    continue
+                assert head.startswith(b"HTTP/1.1 429") and b"Retry-After: 1" in head, head
+                length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                if len(body) >= length:
+                    refused.add(i)
+                    sel.unregister(key.fileobj)
+    return refused
 
 
 def test_a_saturated_loop_lowers_the_limit_and_sheds_what_it_would_queue(
