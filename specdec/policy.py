@@ -434,7 +434,8 @@ class DepthPolicy:
         to the worker, an observation of an estimate in its mix, a change of its step
         model), and the rest is :func:`token_costs`' loop with the same operations in the
         same order, so the depth is the plain formulas' bit for bit
-        (tests/router/test_same_decisions.py): 2.5x cheaper per call on the router bench.
+        (tests/router/test_same_decisions.py). With its terms kept a call took ~4-6 us on the
+        2-core dev box, ~20 us before (bench/router_cost.py's state at 64 in flight).
         """
         times = self.peek_times(worker, domain, batch, max_depth, calibrated)
         best_k, best = 0, self.config.min_gain / times[0]  # choose_depth
