@@ -514,8 +514,17 @@ class DepthPolicy:
         model = self.step_time(worker)
         key = (worker, batch, cap, calibrated)
         kept = self._step_terms.get(key)
-        if kept is not None and kept[0] is model and kept[1] == model.version:
-            return kept[2]
+        if kept is not None and kept[0] is model:
+            if kept[1] == model.version:
+                return kept[2]
+            calibrated = calibrated and bool(model.token_costs)
+            if calibrated and kept[3] and kept[4] == model.fit_version:
+                # only calibration cells changed: the factors, and t0 with them
+                factors = model.calibrations(batch, cap)
+                terms = (kept[5] * factors[0], factors, *kept[2][2:])
+                self._step_terms[key] = (model, model.version, terms, True,
+                                         model.fit_version, kept[5])
+                return terms
         calibrated = calibrated and bool(model.token_costs)
         factors = model.calibrations(batch, cap) if calibrated else [1.0] * (cap + 1)
         overhead = not calibrated  # once calibrated, the factors carry the client's wait
@@ -527,9 +536,12 @@ class DepthPolicy:
         seqs = 1.0 if 1.0 > batch else batch
         verify = w_spec + w_ver * batch
         pre = w_pre * model.mean_prefill
-        t0 = token_costs(model, batch, [1.0], [None], overhead, prefill)[0] * factors[0]
-        terms = (t0, factors, prefill, head, per_row, wk, seqs, verify, pre, overhead, wait)
-        self._step_terms[key] = (model, model.version, terms)
+        cost0 = token_costs(model, batch, [1.0], [None], overhead, prefill)[0]
+        terms = (cost0 * factors[0], factors, prefill, head, per_row, wk, seqs, verify, pre,
+                 overhead, wait)
+        # NOTE: calibrated, the terms but the factors are the fit's alone (no client wait)
+        self._step_terms[key] = (model, model.version, terms, calibrated, model.fit_version,
+                                 cost0)
         return terms
 
     def token_times(self, worker: str, domain: str, batch: int, max_depth: int | None = None

@@ -200,6 +200,13 @@ class StepTimeModel:
     # wait, the calibration cells): a caller may keep what it derived from the model while
     # this is unchanged (specdec.policy.DepthPolicy.peek)
     version: int = field(default=0, repr=False, compare=False)
+    # bumped by the fit alone (_solve: the coefficients and the mean prefill), and by the
+    # clients' wait alone (_observe_residual); what a calibration cell's ratio to the model
+    # depends on besides the cell (_cell_ratio keeps each while these are unchanged)
+    fit_version: int = field(default=0, repr=False, compare=False)
+    wait_version: int = field(default=0, repr=False, compare=False)
+    _ratios: dict[tuple[int, int], tuple] = field(default_factory=dict, repr=False,
+                                                  compare=False)
 
     def __post_init__(self) -> None:
         self._solve()
@@ -281,6 +288,7 @@ class StepTimeModel:
         coef[0] = max(coef[0], 1e-6)  # t must stay positive
         self._calibrated.clear()
         self.version += 1
+        self.fit_version += 1
         self.coef = coef
         self._w = tuple(float(c) for c in self.coef)
 
@@ -302,6 +310,7 @@ class StepTimeModel:
 
     def _observe_residual(self, batch: int, residual_s: float) -> None:
         self.version += 1
+        self.wait_version += 1
         bucket = batch_bucket(batch)
         mean, n = self.residuals.get(bucket) or (0.0, 0.0)
         n = min(n + 1.0, RESIDUAL_WINDOW)
@@ -357,6 +366,17 @@ class StepTimeModel:
         model = token_cost(self, batch, k, 1.0 / inverse_expected, drafted if k > 0 else None,
                            overhead=False)
         return math.log(min(max(seconds / model, 0.25), 4.0))
+
+    def _cell_ratio(self, bucket: int, k: int, cell: Sequence[float]) -> float:
+        """:meth:`_log_ratio` of a cell, kept while the fit and the cell's means are unchanged
+        (an outcome moves one cell; the calibration reads every cell of its bucket)."""
+        kept = self._ratios.get((bucket, k))
+        if kept is not None and kept[0] == self.fit_version and kept[1] == cell[0] \
+                and kept[2] == cell[1] and kept[3] == cell[2] and kept[4] == cell[3]:
+            return kept[5]
+        ratio = self._log_ratio(k, cell)
+        self._ratios[(bucket, k)] = (self.fit_version, cell[0], cell[1], cell[2], cell[3], ratio)
+        return ratio
 
     def calibration(self, batch: float, k: int) -> float:
         """The factor :func:`token_cost` of the engine's step alone (no client wait) at depth
@@ -425,7 +445,7 @@ class StepTimeModel:
     def _calibrate(self, nearest: int, max_depth: int) -> list[float]:
         bucket = {k: v for (b, k), v in self.token_costs.items() if b == nearest}
         # evidence in tokens (observe_token_cost); the prior in its requests' worth of them
-        cells = {k: (self._log_ratio(k, v), v[5]) for k, v in bucket.items()}
+        cells = {k: (self._cell_ratio(nearest, k, v), v[5]) for k, v in bucket.items()}
         prior = self.calibration_prior * sum(v[5] for v in bucket.values()) \
             / sum(v[4] for v in bucket.values())
         common = _weighted_mean(cells.values())

@@ -8,6 +8,7 @@ trees (``--baseline REV``).
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from collections import Counter
@@ -351,6 +352,12 @@ def test_depth_peek_is_the_plain_formulas_bit_for_bit() -> None:
                     if 1.0 / want[j] > best:
                         best_k, best = j, 1.0 / want[j]
                 assert k == best_k, (trial, step)
+            for w in "ab":  # the kept calibration ratios against a model without them
+                fresh = copy.deepcopy(dp.step_time(w))
+                fresh._ratios.clear()
+                fresh._calibrated.clear()
+                for b in (1, 4, 33):
+                    assert dp.step_time(w).calibrations(b, 4) == fresh.calibrations(b, 4)
             r = rng.random()
             if r < 0.4:
                 dp.commit(worker, domain, batch, k, cap)
