@@ -17,6 +17,16 @@ about shedding, its in-flight limit, connections and its worker (probe, breaker,
     python bench/overload.py                          # 2000 req/s x1.25 until saturated, then 3x
     python bench/overload.py --sweep 2000 2500 3000 --duration 10 --prompts unique
     python bench/overload.py --door-cost             # loop CPU per served / refused request
+    python bench/overload.py --step-load --step-source /tmp/a /tmp/b /tmp/a /tmp/b
+
+``--step-load`` answers what the onset of overload does: the proxy (from each
+``--step-source`` tree in turn, one fresh proxy each) sits idle with ``--step-conns``
+keep-alive connections open from a raw-socket client process (cheaper per request than the
+load processes, so the load side is not what saturates first); then every connection sends
+at once and goes on for ``--step-duration`` seconds, the next request as soon as a 200
+ends, or Retry-After seconds after a refusal. It prints goodput, the 200s' p50 / p99 / max
+and the p99 of those sent in the first second, the answers by status, and /stats every
+0.2 s (in flight, the limit, lag, busy, /stats' own latency).
 
 ``--door-cost`` answers what the goodput past capacity rests on: past capacity the proxy's
 core serves S requests and refuses the rest, S x cost + refused x cost_refused <= 1 s, so at
@@ -217,6 +227,136 @@ def _fresh_connections(port: int, n: int, request: bytes, num_threads: int = 8
     return counts
 
 
+def step_client_main(port: int, num_conns: int, seconds: float, stream: bool) -> None:
+    """The ``--step-load`` client (its own process): ``num_conns`` keep-alive connections opened
+    idle, then one request sent on every one at once, and for ``seconds`` each connection
+    sends its next request as soon as it is answered 200, or Retry-After seconds after a
+    429/503 (a client that honours it). One line on stdout: the answers by status, and the
+    200s' latencies (ms, send to last byte) with their send times (s after the step)."""
+    import heapq
+    import selectors
+    import socket
+    body = json.dumps({**po.BODY, "stream": stream}).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+               % (len(body), body))
+    sel = selectors.DefaultSelector()
+    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(num_conns)]
+    time.sleep(1.0)  # every connection accepted and idle before the step
+    bufs = {s: b"" for s in conns}
+    index = {s: i for i, s in enumerate(conns)}
+    sent = {s: 0.0 for s in conns}
+    counts: dict[int, int] = {}
+    served: list[tuple[float, float]] = []
+    later: list[tuple[float, int]] = []  # (when, index) of connections waiting out Retry-After
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    for sock in conns:
+        sent[sock] = time.perf_counter()
+        sock.sendall(request)
+        sel.register(sock, selectors.EVENT_READ, sock)
+    while True:
+        now = time.perf_counter()
+        while later and later[0][0] <= now:
+            sock = conns[heapq.heappop(later)[1]]
+            if now < end:
+                sent[sock] = now
+                sock.sendall(request)
+            else:
+                sel.unregister(sock)
+        if now >= end and not sel.get_map():
+            break
+        if now >= end + 30:
+            break  # an answer never came: counted as missing
+        for key, _ in sel.select(0.01):
+            sock = key.data
+            data = sock.recv(1 << 16)
+            if not data:
+                counts[-1] = counts.get(-1, 0) + 1  # closed by the proxy
+                sel.unregister(sock)
+                continue
+            buf = bufs[sock] + data
+            h_end = buf.find(b"\r\n\r\n")
+            if h_end == -1:
+                bufs[sock] = buf
+                continue
+            head = buf[:h_end].lower()
+            at = head.find(b"content-length:")
+            if at != -1:
+                size = h_end + 4 + int(head[at + 15:head.index(b"\r\n", at)
+                                            if b"\r\n" in head[at:] else None])
+            else:
+                size = buf.find(b"\r\n0\r\n\r\n", h_end) + 7
+                size = size if size >= 7 else len(buf) + 1
+            if len(buf) < size:
+                bufs[sock] = buf
+                continue
+            bufs[sock] = buf[size:]
+            status = int(buf[9:12])
+            counts[status] = counts.get(status, 0) + 1
+            done = time.perf_counter()
+            if status == 200:
+                served.append((round(sent[sock] - t0, 4), round((done - sent[sock]) * 1e3, 2)))
+            if done >= end:
+                sel.unregister(sock)
+            elif status == 200:
+                sent[sock] = done
+                sock.sendall(request)
+            else:
+                at = head.find(b"retry-after:")
+                wait = float(head[at + 12:head.find(b"\r\n", at)]) if at != -1 else 1.0
+                heapq.heappush(later, (done + wait, index[sock]))
+    print(json.dumps({"by_status": counts, "served": served}), flush=True)
+
+
+def step(args: argparse.Namespace) -> None:
+    """A step from idle to ``--step-conns`` connections each sending at once (see main's
+    ``--step-load``), against the proxy of each ``--source`` in turn (and again, ``--rounds``);
+    goodput, the 200s' p50 / p99 / max, refusals, and /stats while it runs."""
+    import subprocess
+    layout = po.Layout.plan(os.cpu_count() or 1, 1, 1, True)
+    workdir = Path(tempfile.mkdtemp(prefix="overload-step-"))
+    up_url, upstreams = po.start_upstreams(args, layout)
+    rows = []
+    try:
+        po.wait_http(f"{up_url}/health")
+        sources = args.step_source or [po.REPO]
+        for rnd in range(args.rounds):
+            for src, label in zip(sources, po.source_labels(sources), strict=True):
+                target = po.start_polyinfer(up_url, workdir, layout.proxy, args.shape_estimator,
+                                            src.resolve(), label)
+                port = int(target.url.split(":")[2].split("/")[0])
+                try:
+                    with StatsPoller(target.url, period_s=0.2) as poller:
+                        client = subprocess.run(po.pinned(
+                            [po.PY, __file__, "--step-client", str(port), str(args.step_conns),
+                             str(args.step_duration), "1"], layout.loadgen[0]),
+                            capture_output=True, text=True, timeout=args.step_duration + 120)
+                    out = json.loads(client.stdout.strip().splitlines()[-1])
+                finally:
+                    target.proc.terminate()
+                    target.proc.wait(timeout=30)
+                lat = np.array([ms for _, ms in out["served"]])
+                first = np.array([ms for t, ms in out["served"] if t < 1.0])
+                row = {"round": rnd, "source": label or "@" + src.name,
+                       "goodput_rps": round(len(lat) / args.step_duration, 1),
+                       "by_status": out["by_status"],
+                       "e2e_p50_ms": round(float(np.percentile(lat, 50)), 1),
+                       "e2e_p99_ms": round(float(np.percentile(lat, 99)), 1),
+                       "e2e_max_ms": round(float(lat.max()), 1),
+                       "first_s_p99_ms": round(float(np.percentile(first, 99)), 1)
+                       if len(first) else None,
+                       "door": poller.summary()}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        for up in upstreams:
+            up.terminate()
+            up.wait(timeout=10)
+    (workdir / "step.json").write_text(json.dumps(rows))
+    print(f"# raw: {workdir / 'step.json'}")
+
+
 def door_cost(args: argparse.Namespace) -> None:
     """Loop CPU per served and per refused request, blocks alternating (see the doc)."""
     import subprocess
@@ -392,6 +532,10 @@ class StatsPoller:
 
 
 def main() -> None:
+    if len(sys.argv) == 6 and sys.argv[1] == "--step-client":
+        step_client_main(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]),
+                         sys.argv[5] == "1")
+        return
     if len(sys.argv) == 6 and sys.argv[1] == "--door-client":
         door_client_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1")
         return
@@ -425,7 +569,17 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=5, help="--door-cost: blocks of each kind")
     p.add_argument("--no-stream", dest="stream", action="store_false",
                    help="--door-cost: non-streamed requests")
+    p.add_argument("--step-load", dest="step_load", action="store_true",
+                   help="a step from idle to --step-conns connections sending at once")
+    p.add_argument("--step-conns", type=int, default=2048)
+    p.add_argument("--step-duration", type=float, default=8.0)
+    p.add_argument("--step-source", type=Path, nargs="+", default=None,
+                   help="--step: the source trees to run the proxy from, in turn")
+    p.add_argument("--rounds", type=int, default=1, help="--step: times through the sources")
     args = p.parse_args()
+    if args.step_load:
+        step(args)
+        return
     if args.door_cost:
         door_cost(args)
         return
