@@ -263,8 +263,9 @@ class AdminConfig:
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    # Past this many requests in flight, 429 + Retry-After; the proxy lowers its own limit
-    # below it while its event loop is saturated (proxy.admission.InFlightLimit).
+    # Past this many requests in flight, 429 + Retry-After; the proxy's own limit starts at a
+    # burst floor under it, climbs only while in use, and is lowered while its event loop is
+    # saturated (proxy.admission.InFlightLimit).
     max_in_flight: int = 4096
     # Client connections open at once; one more is answered 503 + Retry-After and closed.
     max_connections: int = 8192
