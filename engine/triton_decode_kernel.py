@@ -6,16 +6,7 @@ Kept apart so that importing the engine on a CPU never imports Triton.
 import triton
 import triton.language as tl
 
-from engine.fused_kernels import _round
-
-
-@triton.jit
-def _wait_prior(USE_GDC: tl.constexpr):
-    """Under programmatic dependent launch (engine.launch): wait until the kernel before has
-    completed and its writes are visible, then let the next kernel's programs launch."""
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+from engine.fused_kernels import _round, _wait_prior
 
 
 @triton.jit
