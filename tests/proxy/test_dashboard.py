@@ -177,6 +177,11 @@ def send_traffic(url: str, headers: dict[str, str], seconds: float) -> dict[str,
             endpoint, text = PROMPTS[num_ok % len(PROMPTS)]
             body: dict[str, Any] = {"model": "tiny-target", "max_tokens": 12, "temperature": 0,
                                     "stream": num_ok % 2 == 0}
+            if num_ok % 3 == 0:
+                # NOTE: the depth policy may find that speculation does not pay on this CPU
+                # (its step-time model is fed by the shared engines' earlier steps), and the
+                # acceptance chart needs drafted tokens: a client's depth always wins
+                body["speculative_depth"] = 4
             if endpoint == "chat":
                 body["messages"] = [{"role": "user", "content": text}]
             else:
