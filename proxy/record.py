@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polyinfer.trace import STATUS_OK, TraceRecord
-from router.base import RequestOutcome, RequestShape
+from router.base import RequestOutcome, RequestShape, fast_constructor
 
 BLOCK_TOKENS_DECIMALS = 1  # the shape's per-prompt estimate; more digits are noise
 
@@ -116,22 +116,7 @@ class RequestRecord:
         return out
 
 
-def _new_outcome(fields: dict[str, Any]) -> RequestOutcome:
-    """``RequestOutcome(**fields)`` (every field given).
-
-    NOTE: a frozen dataclass's ``__init__`` sets each of its 12 fields with
-    ``object.__setattr__``; setting the instance's ``__dict__`` at once is the same object at
-    a fraction of the cost, for every request. Only while the class has no ``__post_init__``
-    or slots: else its constructor (router.shape builds its shapes the same way)."""
-    if _OUTCOME_BY_DICT:
-        outcome = object.__new__(RequestOutcome)
-        object.__setattr__(outcome, "__dict__", fields)
-        return outcome
-    return RequestOutcome(**fields)
-
-
-_OUTCOME_BY_DICT = (not hasattr(RequestOutcome, "__post_init__")
-                    and not hasattr(RequestOutcome, "__slots__"))
+_new_outcome = fast_constructor(RequestOutcome)  # RequestOutcome(**fields), every field
 
 
 def _block_tokens(shape: RequestShape | None) -> float | None:

@@ -10,9 +10,9 @@ request to ``observe``. Policies never see request bodies or prompt text.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     from polyinfer.config import CompiledConfig
@@ -102,3 +102,25 @@ class RoutingPolicy(Protocol):
     def observe(self, outcome: RequestOutcome) -> None:
         """Learn from a finished request. Must be cheap and never raise."""
         ...
+
+
+_T = TypeVar("_T")
+
+
+def fast_constructor(cls: type[_T]) -> Callable[[dict[str, Any]], _T]:
+    """``fields -> cls(**fields)`` for a frozen dataclass built on a hot path (every field
+    given).
+
+    NOTE: a frozen dataclass's ``__init__`` sets each field with ``object.__setattr__``;
+    setting the instance's ``__dict__`` at once is the same object at a fraction of the
+    cost (~1 us a request for :class:`RequestShape` and :class:`RequestOutcome`). Only
+    while the class has no ``__post_init__`` or slots: else its constructor."""
+    if hasattr(cls, "__post_init__") or hasattr(cls, "__slots__"):
+        return lambda fields: cls(**fields)
+    new, set_attr = object.__new__, object.__setattr__
+
+    def build(fields: dict[str, Any]) -> _T:
+        obj = new(cls)
+        set_attr(obj, "__dict__", fields)
+        return obj
+    return build

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from polyinfer.config import DOMAINS
-from router.base import RequestOutcome, RequestShape
+from router.base import RequestOutcome, RequestShape, fast_constructor
 from router.classifier import DomainClassifier
 from router.tokens import (
     GENERATION_PROMPT,
@@ -312,22 +312,7 @@ def _num_bytes(text: str, head: str, num_head_bytes: int) -> int:
     return round(len(sample.encode("utf-8", "surrogatepass")) * len(text) / len(sample))
 
 
-def _new_shape(fields: dict[str, Any]) -> RequestShape:
-    """``RequestShape(**fields)`` (every field given).
-
-    NOTE: a frozen dataclass's ``__init__`` sets each field with ``object.__setattr__``;
-    setting the instance's ``__dict__`` at once is the same object at ~half the cost
-    (~1 us). Only while the class has no ``__post_init__`` or slots: else its constructor.
-    """
-    if _SHAPE_BY_DICT:
-        shape = object.__new__(RequestShape)
-        object.__setattr__(shape, "__dict__", fields)
-        return shape
-    return RequestShape(**fields)
-
-
-_SHAPE_BY_DICT = (not hasattr(RequestShape, "__post_init__")
-                  and not hasattr(RequestShape, "__slots__"))
+_new_shape = fast_constructor(RequestShape)  # RequestShape(**fields), every field given
 
 
 def _token_ids_len(body: Mapping[str, Any]) -> int:
