@@ -40,19 +40,16 @@ class LatencySeries:
         self._next = 0
 
     def add(self, value_s: float) -> None:
-        self.count += 1
-        self.sum += value_s
-        self.buckets[bisect.bisect_left(LATENCY_BUCKETS_S, value_s)] += 1
-        if len(self._ring) < WINDOW:
-            self._ring.append(value_s)
-        else:
-            self._ring[self._next] = value_s
-            self._next = (self._next + 1) % WINDOW
+        self._put(bisect.bisect_left(LATENCY_BUCKETS_S, value_s), value_s)
 
     def add_pair(self, other: LatencySeries, value_s: float) -> None:
-        """``self.add(value_s); other.add(value_s)`` in one call and one bucket search (the
-        "all" series and a worker's, for every request)."""
+        """``self.add(value_s); other.add(value_s)`` with one bucket search (the "all"
+        series and a worker's, for every request)."""
         bucket = bisect.bisect_left(LATENCY_BUCKETS_S, value_s)
+        self._put(bucket, value_s)
+        other._put(bucket, value_s)
+
+    def _put(self, bucket: int, value_s: float) -> None:
         self.count += 1
         self.sum += value_s
         self.buckets[bucket] += 1
@@ -62,15 +59,6 @@ class LatencySeries:
         else:
             ring[self._next] = value_s
             self._next = (self._next + 1) % WINDOW
-        other.count += 1
-        other.sum += value_s
-        other.buckets[bucket] += 1
-        ring = other._ring
-        if len(ring) < WINDOW:
-            ring.append(value_s)
-        else:
-            ring[other._next] = value_s
-            other._next = (other._next + 1) % WINDOW
 
     def percentiles(self) -> dict[str, float | None]:
         if not self._ring:
