@@ -182,7 +182,8 @@ async def test_campaign_promotion_planted_regression_and_rollback(tmp_path: Path
     seconds = time.monotonic() - t0
 
     (entry,) = doc["history"]
-    assert entry["significant"] and entry["gain"] > 0.3, entry
+    # NOTE: on a failure the campaign's recent log says what each fast-tier run measured
+    assert entry.get("significant") and entry["gain"] > 0.3, (entry, doc.get("campaign"))
     assert entry["status"] == "rolled_back", entry
     # the reason names the long prompts' shape and their TTFT, with numbers
     assert "prompt 256-1024" in entry["reason"] and "TTFT" in entry["reason"], entry["reason"]
