@@ -18,6 +18,11 @@ about shedding, its in-flight limit, connections and its worker (probe, breaker,
     python bench/overload.py --sweep 2000 2500 3000 --duration 10 --prompts unique
     python bench/overload.py --door-cost             # loop CPU per served / refused request
     python bench/overload.py --step-load --step-source /tmp/a /tmp/b /tmp/a /tmp/b
+    python bench/overload.py --cpu-quota 0.25 --start 300   # the proxy in a 1/4-core cgroup
+
+``--cpu-quota F`` runs the proxy in a cgroup of its own whose CPU quota is F of one core
+(cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``; needs root): a container's CPU limit, and
+on a 2-core machine the way to offer 3x the proxy's capacity from the other core.
 
 ``--step-load`` answers what the onset of overload does: the proxy (from each
 ``--step-source`` tree in turn, one fresh proxy each) sits idle with ``--step-conns``
@@ -449,6 +454,24 @@ def door_cost(args: argparse.Namespace) -> None:
     print(json.dumps({"door_cost_us": out, "median_us": med, "r": round(r, 4)}))
 
 
+def quota_cgroup(cores: float, root: Path = Path("/sys/fs/cgroup")) -> Path:
+    """A new cgroup whose CPU quota is ``cores`` (v2 when the unified hierarchy is mounted
+    at ``root``, else v1's cpu controller); the caller removes it once it is empty."""
+    period = 100_000
+    quota = max(1000, round(cores * period))
+    name = f"polyinfer-overload-{os.getpid()}"
+    if (root / "cgroup.controllers").is_file():
+        folder = root / name
+        folder.mkdir()
+        (folder / "cpu.max").write_text(f"{quota} {period}")
+    else:
+        folder = root / "cpu" / name
+        folder.mkdir()
+        (folder / "cpu.cfs_period_us").write_text(str(period))
+        (folder / "cpu.cfs_quota_us").write_text(str(quota))
+    return folder
+
+
 def accept_queue(port: int) -> int | None:
     """Connections waiting in the kernel for the listener on ``port`` to accept them (its
     LISTEN socket's rx_queue in /proc/net/tcp); None where that is not readable."""
@@ -576,7 +599,11 @@ def main() -> None:
     p.add_argument("--step-source", type=Path, nargs="+", default=None,
                    help="--step: the source trees to run the proxy from, in turn")
     p.add_argument("--rounds", type=int, default=1, help="--step: times through the sources")
+    p.add_argument("--cpu-quota", type=float, default=None,
+                   help="the proxy's CPU quota in cores, in a cgroup of its own (root)")
     args = p.parse_args()
+    if args.cpu_quota is not None and not 0.01 <= args.cpu_quota <= 64:
+        p.error(f"--cpu-quota: expected 0.01-64 cores, got {args.cpu_quota}")
     if args.step_load:
         step(args)
         return
@@ -588,14 +615,15 @@ def main() -> None:
           f"load {list(layout.loadgen)} (of {os.cpu_count()})", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="overload-"))
     up_url, upstreams = po.start_upstreams(args, layout)
-    target = None
+    target = cgroup = None
     rows = []
     try:
+        cgroup = quota_cgroup(args.cpu_quota) if args.cpu_quota else None
         po.wait_http(f"{up_url}/health")
         # NOTE: the tree always named: the proxy runs in workdir, where a relative
         # PYTHONPATH entry (".") no longer finds it unless the project is installed
         target = po.start_polyinfer(up_url, workdir, layout.proxy, args.shape_estimator,
-                                    (args.source or po.REPO).resolve())
+                                    (args.source or po.REPO).resolve(), cgroup=cgroup)
         rates = args.sweep or [args.start * args.step ** i for i in range(args.max_points)]
         num_past = 0
         for rate in rates:
@@ -637,6 +665,8 @@ def main() -> None:
         for up in upstreams:
             up.terminate()
             up.wait(timeout=10)
+        if cgroup is not None:
+            cgroup.rmdir()
 
 
 if __name__ == "__main__":

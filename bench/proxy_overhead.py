@@ -237,9 +237,10 @@ class Target:
 
 def start_polyinfer(upstream: str, workdir: Path, core: int | None,
                     shape_estimator: str, source: Path | None = None, label: str = "",
-                    policy: str = "round_robin") -> Target:
+                    policy: str = "round_robin", cgroup: Path | None = None) -> Target:
     """``source``: run the proxy from another source tree (e.g. an earlier commit), as
-    target ``polyinfer<label>``; a ``policy`` other than round_robin adds ``/<policy>``."""
+    target ``polyinfer<label>``; a ``policy`` other than round_robin adds ``/<policy>``;
+    ``cgroup``: a cgroup folder the proxy starts in (its CPU quota, bench/overload.py)."""
     port = free_port()
     tag = f"{shape_estimator}-{port}"
     cfg = workdir / f"polyinfer-{tag}.yaml"
@@ -254,8 +255,11 @@ traces: {{dir: "{workdir / 'traces'}"}}
     # wheels a machine lacks) stays reachable after it
     path = os.pathsep.join(p for p in (str(source), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path} if source else None
-    proc = subprocess.Popen(pinned([PY, "-m", "proxy.cli", "--log-level", "WARNING", "serve",
-                                    "--config", str(cfg)], core),
+    cmd = pinned([PY, "-m", "proxy.cli", "--log-level", "WARNING", "serve",
+                  "--config", str(cfg)], core)
+    if cgroup is not None:  # the shell joins the cgroup, then becomes the proxy
+        cmd = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *cmd]
+    proc = subprocess.Popen(cmd,
                             cwd=workdir, env=env, stdout=subprocess.DEVNULL,
                             stderr=open(workdir / f"polyinfer-{tag}.log", "w"))
     wait_up(proc, f"http://127.0.0.1:{port}/health")

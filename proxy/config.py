@@ -280,7 +280,7 @@ class LimitsConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: wait this long for in-flight requests
     # A request head must arrive whole within header_timeout_s of its first byte, and its
     # body within body_timeout_s of the head; else the connection is closed (slow clients
-    # would hold connections open for ever).
+    # would hold connections open for ever), on aiohttp's path after a 408.
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     # A request waiting for room under the workers' max_outstanding caps goes anyway this

@@ -78,6 +78,13 @@ class BodyTooLarge(ClientRequestError):
     status = 413
 
 
+class BodyTimeout(ClientRequestError):
+    """The request's body did not arrive whole in ``limits.body_timeout_s``."""
+
+    status = 408
+    code = "request_timeout"
+
+
 class Unauthorized(ClientRequestError):
     status = 401
     code = "invalid_api_key"

@@ -14,11 +14,12 @@ POSTs to the two OpenAI routes). A response is either one body
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Protocol
 
 from aiohttp import web
 
-from proxy.errors import BodyTooLarge
+from proxy.errors import BodyTimeout, BodyTooLarge
 from proxy.record import RequestRecord
 
 # NOTE: web.RequestKey exists from aiohttp 3.13; older versions take a plain string key.
@@ -43,8 +44,10 @@ class ClientExchange(Protocol):
     def bind(self, rec: RequestRecord) -> None:
         """The request's record: its facts go into the headers of any response."""
 
-    async def read_body(self, max_bytes: int) -> bytes:
-        """The whole request body; :class:`BodyTooLarge` past ``max_bytes``."""
+    async def read_body(self, max_bytes: int, timeout_s: float) -> bytes:
+        """The whole request body; :class:`BodyTooLarge` past ``max_bytes``,
+        :class:`BodyTimeout` (and the connection closed once answered) when it has not
+        arrived ``timeout_s`` after the head."""
 
     def send(self, status: int, headers: dict[str, str], body: bytes) -> None:
         """The whole response at once."""
@@ -61,11 +64,12 @@ class ClientExchange(Protocol):
 class AiohttpExchange:
     """A :class:`ClientExchange` over an aiohttp request; the handler returns ``response``."""
 
-    __slots__ = ("request", "_response")
+    __slots__ = ("request", "_response", "_close")
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
         self._response: web.StreamResponse | None = None
+        self._close = False  # the body never came whole: the connection ends with the answer
 
     @property
     def response(self) -> web.StreamResponse:
@@ -86,14 +90,23 @@ class AiohttpExchange:
     def bind(self, rec: RequestRecord) -> None:
         self.request[REC_KEY] = rec
 
-    async def read_body(self, max_bytes: int) -> bytes:
+    async def read_body(self, max_bytes: int, timeout_s: float) -> bytes:
+        # NOTE: aiohttp's server has no body timeout of its own (the fast path's connection
+        # times its bodies itself): a client that trickles a body would hold its handler
         try:
-            return await self.request.read()
+            async with asyncio.timeout(timeout_s):
+                return await self.request.read()
         except web.HTTPRequestEntityTooLarge as e:
             raise BodyTooLarge(f"request body over {max_bytes} bytes") from e
+        except TimeoutError as e:
+            self._close = True
+            raise BodyTimeout(f"the request body did not arrive whole in {timeout_s:g} s "
+                              "(limits.body_timeout_s)") from e
 
     def send(self, status: int, headers: dict[str, str], body: bytes) -> None:
         self._response = web.Response(status=status, body=body, headers=headers)
+        if self._close:
+            self._response.force_close()
 
     async def start_stream(self, headers: dict[str, str]) -> None:
         self._response = web.StreamResponse(status=200, headers=headers)

@@ -206,8 +206,9 @@ class FastExchange:
     def bind(self, rec: RequestRecord) -> None:
         self.rec = rec
 
-    async def read_body(self, max_bytes: int) -> bytes:
-        return self._body  # read whole before the request started; length checked then
+    async def read_body(self, max_bytes: int, timeout_s: float) -> bytes:
+        # read whole before the request started (length checked then, timed by close_if_idle)
+        return self._body
 
     def send(self, status: int, headers: dict[str, str], body: bytes) -> None:
         self.started = self.finished = True

@@ -337,7 +337,7 @@ class Relay:
         limit = self.limits.max_body_bytes
         if (ex.content_length or 0) > limit:
             raise BodyTooLarge(f"request body over {limit} bytes")
-        return await ex.read_body(limit)
+        return await ex.read_body(limit, self.limits.body_timeout_s)
 
     async def _handle(self, ex: ClientExchange, rec: RequestRecord) -> None:
         check_content_type(ex.header("content-type"))

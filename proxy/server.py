@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 # NOTE: aiohttp's default (3,630 s) would let an idle or trickling client hold a
 # connection it was handed for an hour
 KEEPALIVE_TIMEOUT_S = 75.0
+# NOTE: after an answer given before the body was read whole (a 408 at limits.body_timeout_s,
+# a 413), aiohttp reads and drops what the client still sends for this long before closing,
+# so the client sees the answer; its default of 10 s let a trickling client hold on
+LINGERING_S = 2.0
 
 
 class ProxyServer:
@@ -55,7 +59,7 @@ class ProxyServer:
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=self.config.limits.drain_timeout_s,
                                      keepalive_timeout=KEEPALIVE_TIMEOUT_S,
-                                     logger=server_logger())
+                                     lingering_time=LINGERING_S, logger=server_logger())
         await self._runner.setup()
         site = ProxySite(self._runner, self.config.server.host, self.config.server.port,
                          backlog=self.config.server.backlog, reuse_address=True)

@@ -258,6 +258,41 @@ def test_a_trickling_client_is_cut_off(engines: list[EngineProcess], tmp_path: P
             assert http.get("/health").status_code == 200
 
 
+def test_a_trickled_body_on_aiohttps_path_gets_a_408_and_the_connection_ends(
+        engines: list[EngineProcess], tmp_path: Path) -> None:
+    """``server.fast_path: false``: aiohttp times no body itself; the relay answers 408
+    ``request_timeout`` at ``limits.body_timeout_s`` and closes the connection, the head
+    having arrived at once; a whole body on the next connection is served."""
+    config = external_config(engines, tmp_path, server={"fast_path": False},
+                             limits={"body_timeout_s": 1.0})
+    with ProxyThread(config) as p:
+        host, port = p.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 90\r\n\r\n{")
+            t0, got = time.monotonic(), b""
+            s.settimeout(0.3)
+            while time.monotonic() - t0 < 8:
+                try:
+                    s.sendall(b" ")
+                except OSError:
+                    break
+                try:
+                    data = s.recv(4096)
+                except TimeoutError:
+                    continue
+                if data == b"":
+                    break
+                got += data
+            seconds = time.monotonic() - t0
+        assert got.startswith(b"HTTP/1.1 408"), got[:200]
+        assert b"request_timeout" in got and 0.8 < seconds < 5, (seconds, got[:300])
+        with httpx.Client(base_url=p.url, timeout=30) as http:
+            r = http.post("/v1/completions", json={"model": MODEL,
+                                                 "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+
+
 def test_infinite_timeouts_are_refused() -> None:
     from polyinfer.config import ConfigError
     from proxy.config import ProxyConfig
