@@ -12,6 +12,7 @@ window (window 0 warms up and is not counted). Name a tree twice for an A/A pair
     python bench/proxy_cpu.py --tree /tmp/base --tree /tmp/new --tree /tmp/base --tree /tmp/new
     python bench/proxy_cpu.py --tree /tmp/base --tree /tmp/new --rate 800 --windows 10
     python bench/proxy_cpu.py --bytecodes --tree /tmp/base --tree /tmp/new   # counted, not timed
+    python bench/proxy_cpu.py --bytecodes --functions 30 --tree .             # where they go
 
 ``--bytecodes`` instead runs each proxy under a ``sys.settrace`` counter (bytecodes and
 Python calls of the event loop's thread; its C work and system calls are not counted) at
@@ -181,9 +182,11 @@ traces: {{dir: "{workdir / 'traces'}"}}
         path = {k: v for k, v in counts.items() if data["calls"].get(k, 0) >= n / 2}
         per_request[kind] = sum(path.values()) / n
         per_request[f"{kind}_by_file"] = collections.Counter()
+        per_request[f"{kind}_by_function"] = collections.Counter()
         for k, v in path.items():
-            name = k.split(":")[0].replace(str(tree) + "/", "")
-            per_request[f"{kind}_by_file"][name] += v / n
+            name = k.replace(str(tree) + "/", "")
+            per_request[f"{kind}_by_file"][name.split(":")[0]] += v / n
+            per_request[f"{kind}_by_function"][name] += v / n
     return per_request
 
 
@@ -200,6 +203,8 @@ def main() -> None:
     p.add_argument("--bytecodes", action="store_true", help="count, one tree at a time")
     p.add_argument("--count-rate", type=float, default=15)
     p.add_argument("--count-seconds", type=float, default=10)
+    p.add_argument("--functions", type=int, default=0,
+                   help="--bytecodes: also the N functions with the most bytecodes a request")
     args = p.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="proxy-cpu-"))
     port = po.free_port()
@@ -222,6 +227,14 @@ def main() -> None:
             print("bytecodes/req by file: " + "  ".join(labels))
             for f in files:
                 print(f"  {f:<34}" + "".join(f"{c['ops_by_file'].get(f, 0):9.0f}" for c in counts))
+            if args.functions:
+                by_fn = base["ops_by_function"]
+                print("bytecodes/req by function (own, not callees'; calls/req of the first): "
+                      + "  ".join(labels))
+                for f in sorted(by_fn, key=lambda f: -by_fn[f])[:args.functions]:
+                    print(f"  {f[-60:]:<60}" + "".join(
+                        f"{c['ops_by_function'].get(f, 0):8.0f}" for c in counts)
+                        + f"  ({base['calls_by_function'].get(f, 0):.1f})")
             return
         for t, label in zip(args.tree, labels, strict=True):
             targets.append(po.start_polyinfer(up_url, workdir, None, "classifier", t.resolve(),
