@@ -578,6 +578,8 @@ def main() -> None:
                    help="seconds at 3x capacity")
     p.add_argument("--factor", type=float, default=3.0)
     p.add_argument("--chunks", type=int, default=16)
+    p.add_argument("--token-interval-ms", type=float, default=0.0,
+                   help="the upstream paces each stream a chunk this often (0: written whole)")
     p.add_argument("--upstream-procs", type=int, default=4)
     p.add_argument("--loadgen-procs", type=int, default=6)
     p.add_argument("--prompts", choices=po.PROMPT_MODES, default="fixed")

@@ -459,7 +459,9 @@ def start_upstreams(args: argparse.Namespace, layout: Layout) -> tuple[str, list
     """FakeFastUpstream processes sharing one port (SO_REUSEPORT when more than one)."""
     port = free_port()
     cmd = [PY, str(REPO / "bench" / "fake_upstream.py"), "--port", str(port),
-           "--chunks", str(args.chunks)] + (["--reuse-port"] if len(layout.upstream) > 1 else [])
+           "--chunks", str(args.chunks),
+           "--token-interval-ms", str(getattr(args, "token_interval_ms", 0.0))] \
+        + (["--reuse-port"] if len(layout.upstream) > 1 else [])
     procs = [subprocess.Popen(pinned(cmd, core), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL) for core in layout.upstream]
     return f"http://127.0.0.1:{port}", procs
