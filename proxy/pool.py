@@ -205,8 +205,8 @@ class WorkerPool:
         workers = [w for w in self.workers.values() if model in w.models]
         if not needs or not workers or any(not (w.unsupported & needs) for w in workers):
             return []
-        return sorted(needs & set.intersection(*(w.unsupported for w in workers))) or \
-            sorted(needs & set.union(*(w.unsupported for w in workers)))
+        refused = [w.unsupported for w in workers]
+        return sorted(needs.intersection(*refused)) or sorted(needs & set().union(*refused))
 
     def num_routable(self) -> int:
         now = time.monotonic()

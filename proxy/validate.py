@@ -235,8 +235,9 @@ def prompt_chars(body: dict[str, Any], endpoint: str) -> int:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             return len(prompt)
-        return sum(len(p) for p in prompt) if prompt and isinstance(prompt[0], (str, list)) \
-            else len(prompt)
+        if not prompt:
+            return 0
+        return sum(len(p) for p in prompt) if isinstance(prompt[0], (str, list)) else len(prompt)
     total = MAX_CHARS_PER_TOKEN * len(body["messages"])
     for m in body["messages"]:
         content = m.get("content")
