@@ -151,11 +151,12 @@ def run_level(inflight: int, num: int, seed: int, opcodes: bool = False
             _feed(policy, views)
         counting = opcodes and i >= WARMUP
         if counting:
-            # NOTE: a collection inside the window runs whatever __del__ the garbage of
-            # earlier code holds (another test's unclosed session, in one process) and the
-            # tracer counts it; with the collector off the count is the policy's alone.
-            gc.collect()
-            gc.disable()
+            if i == WARMUP:
+                # NOTE: a collection inside the window runs whatever __del__ the garbage of
+                # earlier code holds (another test's unclosed session, in one process) and
+                # the tracer counts it; with the collector off the count is the policy's
+                gc.collect()
+                gc.disable()
             sys.settrace(tracer)
         t0 = time.thread_time()
         d = policy.choose(shape, views)
@@ -169,11 +170,11 @@ def run_level(inflight: int, num: int, seed: int, opcodes: bool = False
         t1 = time.thread_time()
         if counting:
             sys.settrace(None)
-            gc.enable()
         if i >= WARMUP:
             times.append(t1 - t0)
             decisions.append((d.worker, d.spec_depth, d.reason))
     if opcodes:
+        gc.enable()
         return count[0] / num, decisions
     return statistics.median(times), decisions
 
