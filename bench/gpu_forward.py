@@ -73,6 +73,8 @@ VARIANT_SETS = {"default": ForwardConfig(),
                 "all": FUSED_FORWARD, "all+skinny": GPU_FORWARD,
                 "all+skinny+split": dataclasses.replace(GPU_FORWARD, split_attention=True),
                 "all+skinny+pdl": dataclasses.replace(GPU_FORWARD, pdl=True),
+                "all+skinny+split+pdl": dataclasses.replace(GPU_FORWARD, split_attention=True,
+                                                            pdl=True),
                 "all+skinny+ropeattn": dataclasses.replace(GPU_FORWARD, fused_rope_attention=True),
                 "all+skinny+ropeattn+pdl": dataclasses.replace(
                     GPU_FORWARD, fused_rope_attention=True, pdl=True),

@@ -11,8 +11,9 @@ variant here replaces a run of those by one Triton kernel:
 - ``fused_silu``: ``silu(gate) * up`` from the ``[gate | up]`` projection;
 - ``skinny_gemm``: every projection of at most 16 rows (decode at small batch) as one
   stream over its weight (:mod:`engine.skinny_gemm`), in place of cuBLAS;
-- ``split_attention``: captured decode attention over 256-token slices of the context
-  then merged (:func:`engine.triton_attention.decode_attention_split`);
+- ``split_attention``: captured decode attention over slices of each row's context (as
+  many as fill the device, up to 16), then merged
+  (:func:`engine.triton_attention.decode_attention_split`);
 - ``fused_rope_attention``: in decode steps whose every row is its own sequence (graphs
   of their own), RoPE and the K/V-cache write inside the attention kernel
   (:func:`engine.triton_attention.decode_attention_rope`): one kernel fewer a layer;

@@ -223,7 +223,8 @@ class LlamaModel:
         self.skinny_tuned: SkinnyGemm | None = share.skinny_tuned if share else None
         if "skinny_gemm" in enabled:
             self.skinny = SkinnyGemm.for_shapes(self._projection_shapes(), device, self.dtype,
-                                                share=self.skinny_tuned)
+                                                share=self.skinny_tuned,
+                                                pdl="pdl" in self.variants)
             self._project = self.skinny_tuned = self.skinny
         cos, sin = rope_table(spec, max(max_positions or 0, spec.max_position_embeddings))
         self.cos = cos.to(**cast)  # type: ignore[call-overload]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.launch import pdl_args
+from engine.launch import dependent_launches, pdl_args
 
 logger = logging.getLogger(__name__)
 
@@ -235,20 +235,30 @@ class SkinnyGemm:
     """
 
     def __init__(self, device: str | torch.device, dtype: torch.dtype,
-                 configs: dict[Key, SkinnyConfig] | None = None) -> None:
+                 configs: dict[Key, SkinnyConfig] | None = None, pdl: bool = False,
+                 tuned: dict[bool, dict[Key, SkinnyConfig]] | None = None) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
-        self.configs = dict(configs or {})
+        self.pdl = pdl
+        # the choices with and without PDL (engine.launch): a Triton launch that overlaps
+        # its neighbour's tail can beat cuBLAS where a plain one does not, so each is timed
+        # as the model's graph will run it; kept side by side, so a reload that turns PDL
+        # on or off tunes only what it has not seen
+        self.tuned = {flag: dict(known) for flag, known in (tuned or {}).items()}
+        self.configs = self.tuned.setdefault(pdl, {})
+        self.configs.update(configs or {})
 
     @classmethod
     def for_shapes(cls, shapes: Iterable[Key], device: str | torch.device,
-                   dtype: torch.dtype, share: SkinnyGemm | None = None) -> SkinnyGemm:
-        """Tuned for weight ``shapes``; a ``share`` on the same device and dtype lends its
-        choices (a hot reload tunes nothing it already knows)."""
-        known = {}
+                   dtype: torch.dtype, share: SkinnyGemm | None = None,
+                   pdl: bool = False) -> SkinnyGemm:
+        """Tuned for weight ``shapes`` (launched with PDL when ``pdl``); a ``share`` on the
+        same device and dtype lends its choices (a hot reload tunes nothing it already
+        knows)."""
+        known = None
         if share is not None and share.device == torch.device(device) and share.dtype == dtype:
-            known = share.configs
-        gemm = cls(device, dtype, known)
+            known = share.tuned
+        gemm = cls(device, dtype, pdl=pdl, tuned=known)
         gemm.tune(shapes)
         return gemm
 
@@ -290,8 +300,9 @@ class SkinnyGemm:
         t0 = time.perf_counter()
         for key in todo:
             self._tune_one(key)
-        logger.info("skinny_gemm tuned %d shapes in %.1f s: %s", len(todo),
-                    time.perf_counter() - t0, {s: self.configs[s] for s in todo})
+        logger.info("skinny_gemm tuned %d shapes in %.1f s%s: %s", len(todo),
+                    time.perf_counter() - t0, " (PDL)" if self.pdl else "",
+                    {s: self.configs[s] for s in todo})
 
     def _tune_one(self, key: Key) -> SkinnyConfig:
         """The fastest launch for ``key``: weight ``[n, k]``, its kind if any."""
@@ -316,7 +327,8 @@ class SkinnyGemm:
         timed = {}
         for c in [CUBLAS, *candidates(n // 2 if gated else n, k)]:
             try:
-                timed[c] = graph_time_ms(lambda w, c=c: call(w, c), weights)
+                with dependent_launches(self.pdl):
+                    timed[c] = graph_time_ms(lambda w, c=c: call(w, c), weights)
             except Exception as e:  # a launch this device cannot hold (Triton OutOfResources)
                 logger.debug("skinny_gemm %s %s: %s", key, c, e)
         best = min(timed, key=timed.__getitem__)

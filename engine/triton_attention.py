@@ -27,7 +27,8 @@ from engine.launch import pdl_args
 
 TILE = 64  # context tokens per inner-loop iteration
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
-SPLIT_TOKENS = 256  # context tokens per program of decode_attention_split
+MAX_SPLITS = 16  # slices of a row's context in decode_attention_split (the merge reads all)
+SPLIT_PROGRAMS = 256  # programs decode_attention_split aims for (the H200 has 132 SMs)
 
 
 @dataclass(frozen=True)
@@ -82,26 +83,37 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out.view(num_seqs, num_heads * head_dim)
 
 
+def split_count(num_seqs: int, num_kv: int, max_context: int) -> int:
+    """Slices per (sequence, KV head) for :func:`decode_attention_split`: enough programs to
+    occupy the device (:data:`SPLIT_PROGRAMS`), at most :data:`MAX_SPLITS` and at most one
+    slice per ``TILE`` tokens of the longest context a launch can see."""
+    want = -(-SPLIT_PROGRAMS // max(1, num_seqs * num_kv))
+    return max(1, min(MAX_SPLITS, want, -(-max_context // TILE)))
+
+
 def decode_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: DecodeMetadata, scale: float,
-                           split_tokens: int = SPLIT_TOKENS) -> torch.Tensor:
-    """:func:`decode_attention` with each sequence's context split over programs of
-    ``split_tokens`` tokens, then merged by a second kernel (flash-decoding).
+                           num_splits: int | None = None) -> torch.Tensor:
+    """:func:`decode_attention` with each row's context split over ``num_splits`` programs
+    (default :func:`split_count`), then merged by a second kernel (flash-decoding).
 
     NOTE: one (sequence, KV head) program walks its whole context in ``decode_attention``,
-    so at batch 1 a 2,000-token context is 8 programs of 32 dependent tiles each. The
-    slices are fixed by the block table's width (every position a graph can hold), so a
-    captured graph serves any context; slices past a row's context return at once.
+    so at batch 1 a 2,000-token context is 8 programs of 32 dependent tiles each, and even
+    a 300-token one 8 programs of 5. The slices are cut from each row's own context length
+    on the device (whole tiles each; slices past the context return at once), so a
+    captured graph serves any context and the programs follow the real lengths, not the
+    longest a graph can hold.
     """
     from engine.triton_decode_kernel import decode_combine_kernel, decode_split_kernel
 
     num_seqs, num_heads, head_dim = q.shape
     num_kv, _, block_size, _ = k_cache.shape
     assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
-    assert split_tokens % TILE == 0
     group = num_heads // num_kv
     tables, lens = meta.block_tables, meta.context_lens
-    num_splits = -(-tables.shape[1] * block_size // split_tokens)
+    if num_splits is None:
+        num_splits = split_count(num_seqs, num_kv, tables.shape[1] * block_size)
+    assert num_splits >= 1
     part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
                        device=q.device)
     stats = torch.empty(num_seqs, num_heads, num_splits, 2, dtype=torch.float32,
@@ -111,7 +123,7 @@ def decode_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tables.stride(0), lens.stride(0), scale,
         BLOCK_SIZE=block_size, G=group, G_PAD=max(MIN_DOT_ROWS, 1 << (group - 1).bit_length()),
-        D=head_dim, TILE_T=TILE, SPLIT_T=split_tokens, NUM_SPLITS=num_splits,
+        D=head_dim, TILE_T=TILE, NUM_SPLITS=num_splits,
         IEEE=q.dtype == torch.float32, **pdl_args(q.is_cuda))
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     decode_combine_kernel[(num_seqs, num_heads)](

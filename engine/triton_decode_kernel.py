@@ -76,12 +76,13 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, stats_ptr, tables_ptr, le
                         stride_qb, stride_qh, stride_kh, stride_kb, stride_ks,
                         stride_tb, stride_lb, scale,
                         BLOCK_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                        D: tl.constexpr, TILE_T: tl.constexpr, SPLIT_T: tl.constexpr,
+                        D: tl.constexpr, TILE_T: tl.constexpr,
                         NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
                         USE_GDC: tl.constexpr = False):
-    """:func:`decode_kernel` over one ``SPLIT_T``-token slice of the context (axis 2):
-    unnormalized ``acc`` to ``part [B, H, NUM_SPLITS, D]``, the running max and sum to
-    ``stats [B, H, NUM_SPLITS, 2]`` (float32); a slice past the context writes max -inf."""
+    """:func:`decode_kernel` over one of ``NUM_SPLITS`` slices of the row's context (axis
+    2), each a whole number of ``TILE_T`` tiles: unnormalized ``acc`` to ``part [B, H,
+    NUM_SPLITS, D]``, the running max and sum to ``stats [B, H, NUM_SPLITS, 2]`` (float32);
+    a slice past the context writes max -inf."""
     _wait_prior(USE_GDC)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -93,8 +94,9 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, part_ptr, stats_ptr, tables_ptr, le
     heads = kvh * G + g
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None], other=0.0)  # [G_PAD, D]
-    lo = split * SPLIT_T
-    hi = tl.minimum(lo + SPLIT_T, ctx)
+    span = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), TILE_T) * TILE_T  # the slices follow ctx
+    lo = split * span
+    hi = tl.minimum(lo + span, ctx)
     m, den, acc = _attend_range(lo, hi, q, k_ptr, v_ptr, tables_ptr, b, kvh,
                                 stride_kh, stride_kb, stride_ks, stride_tb, scale,
                                 BLOCK_SIZE, G_PAD, D, TILE_T, IEEE)

@@ -145,14 +145,15 @@ def attention_case(num_heads: int, num_kv: int, lens: list[int], dtype: torch.dt
 
 
 def check_attention(num_heads: int, num_kv: int, lens: list[int], dtype: torch.dtype,
-                    device: str, tol: float, split_tokens: int = 0) -> None:
-    """The decode kernel (``split_tokens``: the split-K one, slices of that many tokens)
-    against plain softmax attention."""
+                    device: str, tol: float, splits: int = 0) -> None:
+    """The decode kernel (``splits``: the split-K one with that many slices a row, -1 its
+    default count) against plain softmax attention."""
     q, k_cache, v_cache, tables, lens_t = attention_case(num_heads, num_kv, lens, dtype, device)
     positions = (lens_t - 1).long()
     meta = DecodeMetadata(positions, positions, tables, lens_t)
-    if split_tokens:
-        got = decode_attention_split(q, k_cache, v_cache, meta, 64 ** -0.5, split_tokens)
+    if splits:
+        got = decode_attention_split(q, k_cache, v_cache, meta, 64 ** -0.5,
+                                     None if splits < 0 else splits)
     else:
         got = decode_attention(q, k_cache, v_cache, meta, 64 ** -0.5)
     want = reference_attention(q, k_cache, v_cache, tables, lens, 64 ** -0.5)
@@ -170,8 +171,10 @@ def test_decode_kernel_matches_reference_in_the_interpreter() -> None:
     code = ("import torch; from tests.engine.test_cuda_graph import check_attention; "
             "check_attention(4, 2, [1, 16, 17, 70, 130], torch.float32, 'cpu', 1e-5); "
             "check_attention(8, 1, [3, 64, 65], torch.float32, 'cpu', 1e-5); "
-            "check_attention(4, 2, [1, 64, 65, 200], torch.float32, 'cpu', 1e-5, 64); "
-            "check_attention(8, 1, [130, 3], torch.float32, 'cpu', 1e-5, 128)")
+            "check_attention(4, 2, [1, 64, 65, 200], torch.float32, 'cpu', 1e-5, 4); "
+            "check_attention(8, 1, [130, 3], torch.float32, 'cpu', 1e-5, 2); "
+            "check_attention(4, 2, [1, 129, 300], torch.float32, 'cpu', 1e-5, 16); "
+            "check_attention(4, 2, [70, 3], torch.float32, 'cpu', 1e-5, -1)")
     done = run_interpreted(code, timeout_s=110)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -185,9 +188,9 @@ def test_decode_kernel_matches_reference_in_the_interpreter() -> None:
 @pytest.mark.parametrize("lens", [[1], [5, 64, 65, 300], [1000, 3, 129]])
 def test_decode_kernel_matches_reference_on_cuda(num_heads: int, num_kv: int,
                                                  dtype: torch.dtype, lens: list[int]) -> None:
-    for split_tokens in (0, 64, 256):
+    for splits in (0, 1, 3, 16, -1):
         check_attention(num_heads, num_kv, lens, dtype, "cuda",
-                        1e-4 if dtype == torch.float32 else 3e-2, split_tokens)
+                        1e-4 if dtype == torch.float32 else 3e-2, splits)
 
 
 

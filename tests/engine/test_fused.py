@@ -354,3 +354,19 @@ def test_bf16_step_logits_within_bound_of_the_reference_on_the_gpu(tiny_model_di
     got = fused_core.runner.graphs.run(rows)
     assert (got - want).abs().max().item() < 0.1 * want.abs().max().item()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_skinny_choices_are_kept_apart_with_and_without_pdl() -> None:
+    """A launch is chosen as the model's graph runs it, with PDL or without; a reload that
+    turns PDL on keeps the choices made without it (and tunes only the new flag's)."""
+    from engine.skinny_gemm import CUBLAS, DEFAULT, SkinnyGemm
+
+    plain = SkinnyGemm.for_shapes([(32, 64)], "cpu", torch.float32)
+    plain.configs[(32, 64)] = CUBLAS  # as a device's timing might choose
+    on = SkinnyGemm.for_shapes([(32, 64)], "cpu", torch.float32, share=plain, pdl=True)
+    assert on.pdl and on.configs == {(32, 64): DEFAULT}  # tuned afresh (the interpreter's)
+    assert on.tuned[False] == {(32, 64): CUBLAS}
+    back = SkinnyGemm.for_shapes([(32, 64)], "cpu", torch.float32, share=on)
+    assert back.configs == {(32, 64): CUBLAS}  # nothing tuned again
+    other = SkinnyGemm.for_shapes([(32, 64)], "cpu", torch.float16, share=on, pdl=True)
+    assert other.tuned == {True: {(32, 64): DEFAULT}}  # another dtype lends nothing
