@@ -78,6 +78,8 @@ VARIANT_SETS = {"default": ForwardConfig(),
                 "all+skinny+ropeattn": dataclasses.replace(GPU_FORWARD, fused_rope_attention=True),
                 "all+skinny+ropeattn+pdl": dataclasses.replace(
                     GPU_FORWARD, fused_rope_attention=True, pdl=True),
+                "all+skinny+split+ropeattn+pdl": dataclasses.replace(
+                    GPU_FORWARD, split_attention=True, fused_rope_attention=True, pdl=True),
                 # the same kernels with the norms and gate|up's SiLU kernels of their own
                 # (an A/B of SkinnyGemm.norm_linear and .gated, patched here only)
                 "all+skinny-unfused": GPU_FORWARD}

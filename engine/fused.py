@@ -16,7 +16,8 @@ variant here replaces a run of those by one Triton kernel:
   (:func:`engine.triton_attention.decode_attention_split`);
 - ``fused_rope_attention``: in decode steps whose every row is its own sequence (graphs
   of their own), RoPE and the K/V-cache write inside the attention kernel
-  (:func:`engine.triton_attention.decode_attention_rope`): one kernel fewer a layer;
+  (:func:`engine.triton_attention.decode_attention_rope`): one kernel fewer a layer; with
+  ``split_attention`` too, over slices of the context as that one;
 - ``pdl``: every kernel here launched with programmatic dependent launch
   (:mod:`engine.launch`), checked by running the others' checks launched so.
 
@@ -470,7 +471,8 @@ def _rope_attention_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: tor
                          device: str | torch.device, dtype: torch.dtype) -> Case:
     """``min(n, 8)`` rows, each its own sequence, contexts of 1 to 600 tokens (the new token
     last, its slot in the row's table): the attention output (two ulps of the largest |v|,
-    as ``split_attention``), and both caches after the write (two ulps of RoPE's terms)."""
+    as ``split_attention``), and both caches after the write (two ulps of RoPE's terms);
+    the context in one slice and in three (with ``split_attention`` too)."""
     from engine.model import rope_table_for
     from engine.triton_attention import DecodeMetadata
 
@@ -489,33 +491,36 @@ def _rope_attention_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: tor
                           one_row_each=True)
     scale = s.head_dim ** -0.5
     outs = []
-    for impl in (fused, ref):
+    for impl, splits in ((ref, 1), (fused, 1), (fused, 3)):
         k, v = cache[0].clone(), cache[1].clone()
-        out = impl(qkv.clone(), cos, sin, k, v, meta, scale, s.num_heads, s.num_kv_heads)
+        out = impl(qkv.clone(), cos, sin, k, v, meta, scale, s.num_heads, s.num_kv_heads,
+                   splits)
         outs.append([out, k, v])
-    want = outs[1][0]
+    want = outs[0][0]
     size = torch.full_like(want, float(cache[1].float().abs().max()), dtype=torch.float32)
     _, k_scale, v_scale = _rope_scales(qkv, cos, sin, meta.positions, meta.slot_mapping,
                                        cache, s)
     bounds: list[torch.Tensor | None] = [error_bound(want, size),
-                                         error_bound(outs[1][1], k_scale),
-                                         error_bound(outs[1][2], v_scale)]
-    return outs[0], outs[1], bounds
+                                         error_bound(outs[0][1], k_scale),
+                                         error_bound(outs[0][2], v_scale)]
+    return outs[1] + outs[2], outs[0] * 2, bounds * 2
 
 
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any, scale: float,
-                   num_heads: int, num_kv_heads: int) -> torch.Tensor:
+                   num_heads: int, num_kv_heads: int, num_splits: int = 1) -> torch.Tensor:
     from engine.triton_attention import decode_attention_rope
 
     return decode_attention_rope(qkv, cos, sin, k_cache, v_cache, meta, scale, num_heads,
-                                 num_kv_heads)
+                                 num_kv_heads, num_splits)
 
 
 def rope_attention_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                              k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any,
-                             scale: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """RoPE + the K/V write (:func:`rope_kv_reference`), then float32 attention."""
+                             scale: float, num_heads: int, num_kv_heads: int,
+                             num_splits: int = 1) -> torch.Tensor:
+    """RoPE + the K/V write (:func:`rope_kv_reference`), then float32 attention (any
+    ``num_splits``: the reference has no slices)."""
     q = rope_kv_reference(qkv, cos, sin, meta.positions, meta.slot_mapping, k_cache, v_cache,
                           num_heads, num_kv_heads)
     return decode_attention_reference(q, k_cache, v_cache, meta, scale)

@@ -349,7 +349,8 @@ class LlamaModel:
         if (isinstance(meta, DecodeMetadata) and meta.one_row_each
                 and "fused_rope_attention" in self.variants):  # RoPE + K/V write inside
             out = decode_attention_rope(qkv, self.cos, self.sin, kv.k[i], kv.v[i], meta,
-                                        self.scale, nq, nkv)
+                                        self.scale, nq, nkv,
+                                        0 if "split_attention" in self.variants else 1)
             return self._project(out, layer.o)
         if rope is None:  # q rotated in place in qkv; k, v written to the cache: [T, nq, D]
             q = fused.rope_kv_write(qkv, self.cos, self.sin, meta.positions, meta.slot_mapping,

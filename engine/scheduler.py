@@ -168,14 +168,24 @@ class Scheduler:
         return budget
 
     def _reserve(self, seq: Sequence, q_len: int, out: SchedulerOutput) -> bool:
-        """Blocks for ``q_len`` more tokens, preempting from the back if needed."""
-        need = blocks_needed(seq.num_computed + q_len, self.config.block_size)
-        need -= len(seq.block_table)
+        """Blocks for ``q_len`` more tokens, preempting from the back if needed.
+
+        A decode also takes the block its next token will need when one is free and no
+        request waits for it: the runner launches a decode step ahead only into blocks a
+        sequence holds (engine.runner, look-ahead), so without it every ``block_size``-th
+        step of a batch ran in series with the host. That block is never taken by
+        preempting, and the sequence keeps it (``trim_blocks`` keeps ``num_tokens``'s).
+        """
+        bs = self.config.block_size
+        need = blocks_needed(seq.num_computed + q_len, bs) - len(seq.block_table)
         while not self.allocator.can_allocate(need):
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is seq:
                 return False
+        if (q_len == 1 and not self.waiting and (seq.num_computed + 1) % bs == 0
+                and self.allocator.can_allocate(need + 1)):
+            need += 1
         if need > 0:
             seq.block_table.extend(self.allocator.allocate(need))
         return True

@@ -113,6 +113,8 @@ def decode_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tables, lens = meta.block_tables, meta.context_lens
     if num_splits is None:
         num_splits = split_count(num_seqs, num_kv, tables.shape[1] * block_size)
+        if num_splits == 1:  # enough rows to occupy the device: no merge to pay for
+            return decode_attention(q, k_cache, v_cache, meta, scale)
     assert num_splits >= 1
     part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
                        device=q.device)
@@ -134,7 +136,8 @@ def decode_attention_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeMetadata,
-                          scale: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+                          scale: float, num_heads: int, num_kv_heads: int,
+                          num_splits: int = 1) -> torch.Tensor:
     """RoPE, the K/V-cache write and :func:`decode_attention` in one kernel, for a step in
     which every row is its own sequence (``meta.one_row_each``): ``qkv`` ``[B, nq + 2 nkv,
     D]`` (q|k|v of each row's new token, unrotated), ``cos``/``sin`` the ``[positions, D]``
@@ -143,8 +146,11 @@ def decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     NOTE: a row of a verify step or a prefill chunk attends over tokens that other rows of
     the same step write, which no ordering inside one kernel provides; such steps keep
     the RoPE kernel before attention (graphs of their own, :mod:`engine.cuda_graph`).
+
+    ``num_splits`` > 1: each row's context in that many slices, merged after, as
+    :func:`decode_attention_split` does (0: its :func:`split_count`).
     """
-    from engine.triton_decode_kernel import decode_rope_kernel
+    from engine.triton_decode_kernel import decode_combine_kernel, decode_rope_kernel
 
     num_seqs, heads, head_dim = qkv.shape
     num_kv, _, block_size, _ = k_cache.shape
@@ -154,11 +160,24 @@ def decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     group = num_heads // num_kv
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     tables, lens = meta.block_tables, meta.context_lens
-    decode_rope_kernel[(num_seqs, num_kv)](
-        qkv, cos, sin, meta.positions, meta.slot_mapping, k_cache, v_cache, out, tables, lens,
+    if num_splits == 0:
+        num_splits = split_count(num_seqs, num_kv, tables.shape[1] * block_size)
+    part = stats = out  # unused with one slice
+    if num_splits > 1:
+        part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
+                           device=qkv.device)
+        stats = torch.empty(num_seqs, num_heads, num_splits, 2, dtype=torch.float32,
+                            device=qkv.device)
+    decode_rope_kernel[(num_seqs, num_kv, num_splits)](
+        qkv, cos, sin, meta.positions, meta.slot_mapping, k_cache, v_cache, out, part, stats,
+        tables, lens,
         qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), tables.stride(0), lens.stride(0), scale,
         NQ=num_heads, NKV=num_kv_heads, BLOCK_SIZE=block_size, G=group,
         G_PAD=max(MIN_DOT_ROWS, 1 << (group - 1).bit_length()), D=head_dim, TILE_T=TILE,
-        IEEE=qkv.dtype == torch.float32, **pdl_args(qkv.is_cuda))
+        IEEE=qkv.dtype == torch.float32, NUM_SPLITS=num_splits, **pdl_args(qkv.is_cuda))
+    if num_splits > 1:
+        decode_combine_kernel[(num_seqs, num_heads)](
+            part, stats, out, out.stride(0), out.stride(1), D=head_dim, NUM_SPLITS=num_splits,
+            S_PAD=max(2, 1 << (num_splits - 1).bit_length()), **pdl_args(qkv.is_cuda))
     return out.view(num_seqs, num_heads * head_dim)

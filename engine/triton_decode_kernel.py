@@ -130,11 +130,12 @@ def decode_combine_kernel(part_ptr, stats_ptr, out_ptr, stride_ob, stride_oh,
 
 @triton.jit
 def decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, out_ptr,
+                       part_ptr, stats_ptr,
                        tables_ptr, lens_ptr, stride_t, stride_table, stride_kh, stride_kb,
                        stride_ks, stride_ob, stride_oh, stride_tb, stride_lb, scale,
                        NQ: tl.constexpr, NKV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                       TILE_T: tl.constexpr, IEEE: tl.constexpr,
+                       TILE_T: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr = 1,
                        USE_GDC: tl.constexpr = False):
     """:func:`decode_kernel` from the q|k|v projection ``[B, NQ + 2 NKV, D]`` of a step whose
     every row is its own sequence: RoPE on the program's G q heads (kept in registers) and
@@ -142,7 +143,12 @@ def decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_pt
     over the context, the new token included (a CTA barrier orders its own writes before
     its reads; no other program writes a slot this row reads, since no row shares a
     sequence with another, padding rows aside, which write row 0's very values).
-    Rounded as :func:`engine.fused_kernels.rope_kv_kernel`."""
+    Rounded as :func:`engine.fused_kernels.rope_kv_kernel`.
+
+    ``NUM_SPLITS`` > 1: the context cut as :func:`decode_split_kernel` cuts it (axis 2),
+    partials to ``part``/``stats`` for :func:`decode_combine_kernel`; only the program
+    whose slice holds the new token writes it to the caches (and reads it back), every
+    other slice lies before it."""
     _wait_prior(USE_GDC)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -169,12 +175,23 @@ def decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_pt
              + _round(sign * tl.load(k_at + partner).to(tl.float32) * sin, dtype)).to(dtype)
     v_new = tl.load(row + (NQ + NKV + kvh) * D + d)
     cache = kvh * stride_kh + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks
-    tl.store(k_ptr + cache + d, k_new)
-    tl.store(v_ptr + cache + d, v_new)
+    split = tl.program_id(2)
+    span = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), TILE_T) * TILE_T  # as decode_split_kernel
+    lo = split * span
+    hi = tl.minimum(lo + span, ctx)
+    own = d < tl.where((ctx - 1) // span == split, D, 0)  # in the new token's slice: all d
+    tl.store(k_ptr + cache + d, k_new, mask=own)
+    tl.store(v_ptr + cache + d, v_new, mask=own)
     tl.debug_barrier()
-    m, den, acc = _attend_range(0, ctx, q, k_ptr, v_ptr, tables_ptr, b, kvh,
+    m, den, acc = _attend_range(lo, hi, q, k_ptr, v_ptr, tables_ptr, b, kvh,
                                 stride_kh, stride_kb, stride_ks, stride_tb, scale,
                                 BLOCK_SIZE, G_PAD, D, TILE_T, IEEE)
-    out = acc / den[:, None]
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    if NUM_SPLITS == 1:
+        out = acc / den[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    else:
+        at = (b * (G * NKV) + heads) * NUM_SPLITS + split  # [G_PAD]
+        tl.store(part_ptr + at[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
+        tl.store(stats_ptr + at * 2, m, mask=g_ok)
+        tl.store(stats_ptr + at * 2 + 1, den, mask=g_ok)

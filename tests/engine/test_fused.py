@@ -334,7 +334,10 @@ def test_greedy_outputs_equal_with_every_variant_set_on_the_gpu(tiny_model_dir) 
                     ForwardConfig(fused_rope_kv=True), ForwardConfig(fused_silu=True),
                     ForwardConfig(skinny_gemm=True), GPU_FORWARD,
                     dataclasses.replace(GPU_FORWARD, pdl=True),
-                    dataclasses.replace(GPU_FORWARD, pdl=True, fused_rope_attention=True)):
+                    dataclasses.replace(GPU_FORWARD, pdl=True, fused_rope_attention=True),
+                    dataclasses.replace(GPU_FORWARD, pdl=True, split_attention=True),
+                    dataclasses.replace(GPU_FORWARD, pdl=True, split_attention=True,
+                                        fused_rope_attention=True)):
         seconds = core.reload(core.config.with_engine(forward=forward))
         assert core.model.variants == forward.enabled and seconds < 30
         assert [generate(core, [p], [q])[0][0] for p, q in zip(prompts[:2], params[:2], strict=True)] == want

@@ -95,6 +95,13 @@ def check_look_ahead_changes_no_output() -> None:
         used, missed = ahead.runner.num_ahead_used, ahead.runner.num_ahead_missed
         print(f"kv {kv_tokens}: {used} steps used a launch ahead, {missed} discarded")
         assert used >= (40 if kv_tokens > 64 else 4), used
+    # a lone decode crosses a block boundary (its 32nd token) and keeps running ahead: the
+    # scheduler gives it the next block a step early (engine.scheduler, _reserve)
+    ahead = row_core(True)
+    [prompts, params, _] = cases()[0]
+    generate(ahead, prompts, params, 0)
+    print(f"batch 1: {ahead.runner.num_ahead_used} of {params[0].max_tokens} steps ahead")
+    assert ahead.runner.num_ahead_used == params[0].max_tokens - 2  # not the first nor last
 
 
 @pytest.mark.timeout(300)
@@ -129,8 +136,8 @@ def test_look_ahead_changes_no_output_with_graphs_on_the_gpu(tiny_model_dir: Pat
 
 
 def check_split_attention_keeps_greedy_outputs() -> None:
-    """Run under Triton's interpreter: the decode steps with split_attention (one 256-token
-    slice here, the kernels' own checks split more), and with RoPE and the K/V write inside
+    """Run under Triton's interpreter: the decode steps with split_attention (the
+    contexts cut into slices, up to 16), and with RoPE and the K/V write inside
     attention (fused_rope_attention: plain decode steps only, prompt chunks as before),
     give the same greedy tokens."""
     from polyinfer.config import ForwardConfig
