@@ -158,14 +158,19 @@ DEFAULT_KNOBS: tuple[Knob, ...] = (
 # A GPU engine (execution "cuda_graph") also searches its code: the forward-pass variants
 # (engine.forward, each checked against the torch reference before it serves), ordered
 # from the torch ops to every fused kernel and the skinny projections.
-# Then the same kernels launched dependently with RoPE and the K/V write inside decode
-# attention (engine.forward.pdl, .fused_rope_attention); the last splits decode attention
-# over the context instead (for long contexts at small batch; one kernel more a layer at
-# short ones).
+# Then the same kernels launched dependently (engine.forward.pdl) with RoPE and the K/V
+# write inside decode attention (.fused_rope_attention), then also with decode attention
+# split over each row's context (.split_attention: 1.49x at batch 1 over a 1,500-token
+# context on the H200, a merge kernel more at short ones), then split without the RoPE
+# inside.
 FORWARD_KNOB = Knob("forward", (ForwardConfig(), FUSED_FORWARD, GPU_FORWARD,
                                 dataclasses.replace(GPU_FORWARD, pdl=True,
                                                     fused_rope_attention=True),
-                                dataclasses.replace(GPU_FORWARD, split_attention=True)))
+                                dataclasses.replace(GPU_FORWARD, pdl=True,
+                                                    fused_rope_attention=True,
+                                                    split_attention=True),
+                                dataclasses.replace(GPU_FORWARD, pdl=True,
+                                                    split_attention=True)))
 
 
 def decode_rows_share(records: Sequence[TraceRecord], max_num_seqs: int) -> dict[int, float]:

@@ -314,7 +314,7 @@ def _gpu_core(model_dir, dtype: str, forward: ForwardConfig):  # type: ignore[no
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 def test_greedy_outputs_equal_with_every_variant_set_on_the_gpu(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     """float32, cuda_graph, batches 1..8 and prompts longer than a chunk: the fused engine
     answers token for token as the reference one; a hot reload swaps the variants in."""
@@ -330,6 +330,7 @@ def test_greedy_outputs_equal_with_every_variant_set_on_the_gpu(tiny_model_dir) 
     core = _gpu_core(tiny_model_dir, "float32", ForwardConfig())
     want = [generate(core, [p], [q])[0][0] for p, q in zip(prompts[:2], params[:2], strict=True)]
     want_batch = generate(core, prompts, params)[0]
+    embed = core.model.embed
     for forward in (FUSED_FORWARD, ForwardConfig(fused_norm=True),
                     ForwardConfig(fused_rope_kv=True), ForwardConfig(fused_silu=True),
                     ForwardConfig(skinny_gemm=True), GPU_FORWARD,
@@ -338,8 +339,11 @@ def test_greedy_outputs_equal_with_every_variant_set_on_the_gpu(tiny_model_dir) 
                     dataclasses.replace(GPU_FORWARD, pdl=True, split_attention=True),
                     dataclasses.replace(GPU_FORWARD, pdl=True, split_attention=True,
                                         fused_rope_attention=True)):
-        seconds = core.reload(core.config.with_engine(forward=forward))
-        assert core.model.variants == forward.enabled and seconds < 30
+        # the first reload onto skinny_gemm tunes its launches (~30 s of Triton compiles
+        # on a fresh machine); the weights stay: the same embedding tensor serves
+        core.reload(core.config.with_engine(forward=forward))
+        assert core.model.variants == forward.enabled, (core.model.variants, forward)
+        assert core.model.embed is embed
         assert [generate(core, [p], [q])[0][0] for p, q in zip(prompts[:2], params[:2], strict=True)] == want
         assert generate(core, prompts, params)[0] == want_batch
 
