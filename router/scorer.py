@@ -48,6 +48,7 @@ import math
 import re
 import struct
 from itertools import filterfalse, repeat
+from operator import add, mul, sub
 from typing import Any
 
 import numpy as np
@@ -166,8 +167,11 @@ class TextScorer:
         classifier's scores in one pass, on Python floats, in the same order of operations."""
         total, num_keys = self._packed_sum(text)
         lanes = self._unpack((total + self._lane_offset).to_bytes(self._num_bytes, "little"))
-        half, unit, scale = self._half, self._unit, 1.0 / math.sqrt(num_keys)
-        scores = [(v - half) * unit * scale + b for v, b in zip(lanes, bias, strict=True)]
+        # NOTE: ``(v - half) * unit * scale + b`` per class, as operator maps (C loops, the
+        # same operations in the same order as a comprehension, ~8x fewer bytecodes)
+        scale = 1.0 / math.sqrt(num_keys)
+        scores = list(map(add, map(mul, map(mul, map(sub, lanes, repeat(self._half)),
+                                            repeat(self._unit)), repeat(scale)), bias))
         return scores.index(max(scores))
 
     def summed_rows(self, text: str) -> tuple[np.ndarray, int]:
