@@ -272,10 +272,12 @@ class FastConnection(asyncio.Protocol):
         self.server.gate.opened()
 
     def data_received(self, data: bytes) -> None:
+        door_open = False  # checked just now: the door cannot close before _next_request
         if not self._buf and self._head is None:
             if self._task is None:
-                relay = self.server.relay
-                if self.server.door_closed(relay) and self._refuse_whole(data):
+                if not self.server.door_closed(self.server.relay):
+                    door_open = True
+                elif self._refuse_whole(data):
                     return
             self.reading_since = self.server.loop.time()
         self._buf += data
@@ -284,7 +286,7 @@ class FastConnection(asyncio.Protocol):
             if len(self._buf) > self.server.max_body_bytes + MAX_HEAD_BYTES:
                 self._pause_reading()
             return
-        self._next_request()
+        self._next_request(door_open)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.transport is not None:  # not handed over
@@ -335,8 +337,11 @@ class FastConnection(asyncio.Protocol):
 
     # -- requests -----------------------------------------------------------------------
 
-    def _next_request(self) -> None:
-        """Start the request at the front of the buffer, wait for more bytes, or hand over."""
+    def _next_request(self, door_open: bool = False) -> None:
+        """Start the request at the front of the buffer, wait for more bytes, or hand over.
+
+        ``door_open``: the caller found the door open (:meth:`FastServer.door_closed`) in this
+        same callback, so it is not asked again (a request that arrives whole: most)."""
         buf = self._buf
         head = self._head
         if self._task is not None or self.transport is None:
@@ -357,8 +362,7 @@ class FastConnection(asyncio.Protocol):
                 if len(buf) > MAX_HEAD_BYTES or b"\n\n" in buf or b"\n\r\n" in buf:
                     self._hand_over()
                 return
-            relay = self.server.relay
-            if self.server.door_closed(relay):
+            if not door_open and self.server.door_closed(self.server.relay):
                 framing = door_framing(bytes(buf[:end]), self.server.max_body_bytes)
                 if framing is not None and len(buf) >= end + 4 + framing[0]:
                     del buf[:end + 4 + framing[0]]
@@ -376,8 +380,7 @@ class FastConnection(asyncio.Protocol):
         del buf[:self._need]
         self._head = None
         server = self.server
-        relay = server.relay
-        if server.door_closed(relay):
+        if not door_open and server.door_closed(server.relay):
             self._shed(head.keep_alive)
             return
         self._starting = True  # counted at the door until relay.handle counts it

@@ -209,7 +209,11 @@ class AdaptivePolicy:
         if self.config.confidence is not None and reason not in ("only", "explore"):
             pick, reason = self._unless_indistinct(shape, workers, cands, pick, reason)
         # NOTE: by identity: list.index compares with ==, a dataclass's field by field
-        view = workers[next(i for i, c in enumerate(cands) if c is pick)]
+        view = workers[0]
+        for i, c in enumerate(cands):  # a loop, not next() over a generator: every request
+            if c is pick:
+                view = workers[i]
+                break
         pick = self._commit_depth(shape, view, pick)
         self._remember(shape, pick, view)
         self.reasons[reason] += 1
@@ -487,7 +491,9 @@ class AdaptivePolicy:
             tpot_s = decode_s / (outcome.completion_tokens - 1)
         prof.observe(shape.domain, shape.prompt_tokens, queue, batch, depth, ttft_s, tpot_s,
                      cached)
-        self._observe_depth(outcome, batch, depth)
+        worker = self._workers.get(outcome.worker)
+        if worker is None or worker.engine:
+            self._observe_depth(outcome, batch, depth)
 
     def _observe_cached(self, outcome: RequestOutcome, pending: Flight | None) -> float:
         """Prompt tokens the request found cached: as the worker reported them (then the
@@ -500,7 +506,13 @@ class AdaptivePolicy:
         return realised
 
     def _observe_depth(self, outcome: RequestOutcome, batch: int, depth: int) -> None:
-        """Hand the request to the depth policy, at depth 0 too.
+        """Hand the request to the depth policy, at depth 0 too: a request of the built-in
+        engine (:meth:`_observe` hands only those), the only backend whose depth the policy
+        picks and prices (:meth:`candidate`).
+
+        NOTE: a vLLM or external worker's requests are not the engine's decode steps, and
+        their step-time model was read by no decision; fitting it (the depth policy's
+        least squares, in numpy) was most of an outcome's cost on such a fleet.
 
         NOTE: requests that drafted nothing used to be skipped; then the policy never saw
         what a token costs at k=0, and its calibration (``StepTimeModel.calibration``) could
