@@ -21,6 +21,7 @@ Printed: the ratio, experiments per hour, the swap-in times, and the winner's ba
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import dataclasses
 import json
@@ -46,7 +47,13 @@ from bench.gpu_forward import (  # noqa: E402
 )
 from engine.loader import load_core  # noqa: E402
 from engine.sequence import GenerationParams  # noqa: E402
-from optimizer.space import FORWARD_KNOB, Knob, ModelShape, SearchSpace  # noqa: E402
+from optimizer.space import (  # noqa: E402
+    FORWARD_KNOB,
+    Knob,
+    ModelShape,
+    SearchSpace,
+    graph_sizes_for,
+)
 from polyinfer.config import GPU_FORWARD, CompiledConfig, EngineConfig  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "azure_llm_2023_conv.csv"
@@ -79,8 +86,9 @@ def read_trace(path: Path, num: int, rate: float, max_prompt: int,
                     max(1, min(o, max_output))) for ts, p, o in rows]
 
 
-def replay(core: Any, trace: list[Request], run: str) -> float:
-    """Output tokens per second over the replay (open loop: arrivals on the trace's clock)."""
+def replay(core: Any, trace: list[Request], run: str, rows: list[int] | None = None) -> float:
+    """Output tokens per second over the replay (open loop: arrivals on the trace's clock);
+    ``rows`` gets the sequences that decoded at each step that decoded any."""
     params = [GenerationParams(max_tokens=r.output_tokens, ignore_eos=True) for r in trace]
     produced, nxt = 0, 0
     torch.cuda.synchronize()
@@ -95,8 +103,10 @@ def replay(core: Any, trace: list[Request], run: str) -> float:
         if not core.has_work:
             time.sleep(min(0.002, max(0.0, trace[nxt].arrival_s - now)))
             continue
-        outputs, _ = core.step()
+        outputs, stats = core.step()
         produced += sum(len(o.new_token_ids) for o in outputs)
+        if rows is not None and stats.decode_step is not None:
+            rows.append(stats.decode_step.num_seqs)
     torch.cuda.synchronize()
     return produced / (time.perf_counter() - t0)
 
@@ -151,17 +161,21 @@ class Search:
 def describe(cfg: CompiledConfig) -> str:
     e = cfg.engine
     return (f"forward={','.join(e.forward.enabled) or 'torch'} max_num_seqs={e.max_num_seqs} "
-            f"max_num_batched_tokens={e.max_num_batched_tokens}")
+            f"max_num_batched_tokens={e.max_num_batched_tokens} "
+            f"graph_sizes={','.join(map(str, e.graph_sizes)) or 'ladder'}")
 
 
 def hand_set(model_dir: Path) -> CompiledConfig:
-    """The best config chosen by hand (bench/RESULTS.md, GPU decode): the engine's
-    ``GPU_FORWARD`` (fused kernels and skinny projections, the fastest set that is a
-    default), 64 sequences, a 1,024-token budget."""
+    """The best config chosen by hand (bench/RESULTS.md, GPU decode): the fastest forward
+    of ``bench/gpu_forward.py`` at batch 1, 8 and long contexts (``GPU_FORWARD``, its
+    kernels launched dependently, RoPE and the K/V write inside split decode attention),
+    64 sequences, a 1,024-token budget."""
+    forward = dataclasses.replace(GPU_FORWARD, pdl=True, fused_rope_attention=True,
+                                  split_attention=True)
     return CompiledConfig(model=str(model_dir), engine=EngineConfig(
         device="cuda", dtype="bfloat16", execution="cuda_graph", max_num_seqs=64,
         max_num_batched_tokens=1024, kv_cache_tokens=65536, max_model_len=2048,
-        enable_prefix_caching=False, forward=GPU_FORWARD))
+        enable_prefix_caching=False, forward=forward))
 
 
 def main() -> int:
@@ -201,7 +215,19 @@ def main() -> int:
         core = load_core(base)
         out["cold_start_s"] = time.perf_counter() - t0
         replay(core, trace[:8], "warm")
-        space = SearchSpace(base, GPU_KNOBS, ModelShape.from_model_dir(model_dir), 40 << 30)
+        # the graphs to capture, from the replayed traffic's decode batch sizes (the share
+        # of decode steps with n rows running, as the hand-set config serves it)
+        rows: list[int] = []
+        replay(core, trace, "rows", rows)
+        share = {n: c / len(rows) for n, c in sorted(collections.Counter(rows).items())}
+        sizes = Knob("graph_sizes", (*dict.fromkeys(
+            v for v in (graph_sizes_for(share, base.engine.max_num_seqs, m)
+                        for m in (0.05, 0.01)) if v), ()))
+        out["decode_rows_share"] = share
+        print(f"decode rows: {len(rows)} steps; graph_sizes candidates {sizes.values}",
+              flush=True)
+        space = SearchSpace(base, (*GPU_KNOBS, sizes), ModelShape.from_model_dir(model_dir),
+                            40 << 30)
         search = Search(core, space, trace)
         t0 = time.perf_counter()
         best = search.run(args.budget_s, random.Random(args.seed))
