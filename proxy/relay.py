@@ -31,7 +31,7 @@ import orjson
 from polyinfer.capabilities import OPTIONS, requested_options
 from polyinfer.errors import error_body, error_codes, error_field, sse_error_event
 from polyinfer.trace import STATUS_CANCELLED, STATUS_ERROR
-from proxy.admission import RECHECK_S, AdmissionQueue, InFlightLimit, cpu_share
+from proxy.admission import RECHECK_S, AdmissionQueue, InFlightLimit, cpu_quota, quota_lag_s
 from proxy.config import ProxyConfig
 from proxy.errors import (
     BodyTooLarge,
@@ -295,7 +295,9 @@ class Relay:
         """Track how late the event loop wakes a sleeper and how busy its thread is: the
         proxy's own saturation signals."""
         lag = busy = 0.0
-        share, num_samples = cpu_share(), 0  # busy is of what a CPU quota lets the thread use
+        # busy is of what a CPU quota lets the thread use; its lag, over what the quota
+        # alone causes (proxy.admission.quota_lag_s)
+        (share, quota_period), num_samples = cpu_quota(), 0
         while True:
             t, cpu = time.perf_counter(), time.thread_time()
             await asyncio.sleep(period_s)
@@ -305,13 +307,14 @@ class Relay:
             busy = 0.5 * busy + 0.5 * min(1.0, (time.thread_time() - cpu) / elapsed / share)
             num_samples += 1
             if num_samples % 100 == 0:  # a container's quota may be changed while it runs
-                share = cpu_share()
+                share, quota_period = cpu_quota()
             self.loop_lag_s, self.loop_busy = lag, busy
             max_lag = self.limits.max_loop_lag_s
             self.shedding = bool(max_lag) and lag > max_lag
             self.in_flight_limit.update(bool(max_lag) and self._saturated(),
                                         self.stats.in_flight,
-                                        lag / (self.limits.busy_loop_lag_s or 1.0))
+                                        lag / ((self.limits.busy_loop_lag_s or 1.0)
+                                               + quota_lag_s(share, quota_period)))
 
     @staticmethod
     def _fail(rec: RequestRecord, e: ProxyError) -> None:

@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import keys
-from proxy.admission import InFlightLimit, cpu_share
+from proxy.admission import InFlightLimit, cpu_quota, cpu_share, quota_lag_s
 from proxy.config import ProxyConfig
 from tests.proxy.servers import ProxyThread, answer_get, eventually, read_raw_request, read_traces
 
@@ -495,3 +495,6 @@ def test_the_busy_share_is_of_what_a_cpu_quota_allows(tmp_path: Path) -> None:
     text = "4:memory:/docker/abc\n2:cpu,cpuacct:/docker/abc\n0::/\n"
     assert cpu_share(text, v1) == 0.2
     assert cpu_share("2:cpu,cpuacct:/\n", v1) == 1.0  # -1 = no quota
+    # the lag a quota alone causes: the rest of its period, not counted as the loop's own
+    assert cpu_quota(text, v1) == (0.2, 0.1) and cpu_quota("0::/elsewhere\n", v2) == (1.0, 0.0)
+    assert quota_lag_s(0.2, 0.1) == pytest.approx(0.08) and quota_lag_s(1.0, 0.0) == 0.0
