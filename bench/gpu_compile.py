@@ -52,7 +52,7 @@ from optimizer.space import (  # noqa: E402
     Knob,
     ModelShape,
     SearchSpace,
-    graph_sizes_for,
+    graph_sizes_knob_for,
 )
 from polyinfer.config import GPU_FORWARD, CompiledConfig, EngineConfig  # noqa: E402
 
@@ -220,9 +220,7 @@ def main() -> int:
         rows: list[int] = []
         replay(core, trace, "rows", rows)
         share = {n: c / len(rows) for n, c in sorted(collections.Counter(rows).items())}
-        sizes = Knob("graph_sizes", (*dict.fromkeys(
-            v for v in (graph_sizes_for(share, base.engine.max_num_seqs, m)
-                        for m in (0.05, 0.01)) if v), ()))
+        sizes = graph_sizes_knob_for(share, base.engine.max_num_seqs)
         out["decode_rows_share"] = share
         print(f"decode rows: {len(rows)} steps; graph_sizes candidates {sizes.values}",
               flush=True)

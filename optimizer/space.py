@@ -229,7 +229,14 @@ def graph_sizes_knob(records: Sequence[TraceRecord], max_num_seqs: int,
                      min_shares: Sequence[float] = (0.05, 0.01)) -> Knob:
     """``engine.graph_sizes`` values for the search, from the traces' decode batch sizes:
     the fewest graphs first (sizes for ``min_shares`` in turn), then the default ladder."""
-    share = decode_rows_share(records, max_num_seqs)
+    return graph_sizes_knob_for(decode_rows_share(records, max_num_seqs), max_num_seqs,
+                                min_shares)
+
+
+def graph_sizes_knob_for(share: Mapping[int, float], max_num_seqs: int,
+                         min_shares: Sequence[float] = (0.05, 0.01)) -> Knob:
+    """:func:`graph_sizes_knob` from a share of decode steps per row count (measured, e.g.,
+    on an engine's own steps rather than read from traces)."""
     values = [graph_sizes_for(share, max_num_seqs, m) for m in min_shares]
     return Knob("graph_sizes", (*dict.fromkeys(v for v in values if v), ()))
 

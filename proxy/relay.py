@@ -297,7 +297,8 @@ class Relay:
         lag = busy = 0.0
         # busy is of what a CPU quota lets the thread use; its lag, over what the quota
         # alone causes (proxy.admission.quota_lag_s)
-        (share, quota_period), num_samples = cpu_quota(), 0
+        share, quota_period = cpu_quota()
+        quota_lag, num_samples = quota_lag_s(share, quota_period), 0
         while True:
             t, cpu = time.perf_counter(), time.thread_time()
             await asyncio.sleep(period_s)
@@ -308,13 +309,14 @@ class Relay:
             num_samples += 1
             if num_samples % 100 == 0:  # a container's quota may be changed while it runs
                 share, quota_period = cpu_quota()
+                quota_lag = quota_lag_s(share, quota_period)
             self.loop_lag_s, self.loop_busy = lag, busy
             max_lag = self.limits.max_loop_lag_s
             self.shedding = bool(max_lag) and lag > max_lag
             self.in_flight_limit.update(bool(max_lag) and self._saturated(),
                                         self.stats.in_flight,
                                         lag / ((self.limits.busy_loop_lag_s or 1.0)
-                                               + quota_lag_s(share, quota_period)))
+                                               + quota_lag))
 
     @staticmethod
     def _fail(rec: RequestRecord, e: ProxyError) -> None:
