@@ -7,6 +7,7 @@ small request's latency beside them."""
 from __future__ import annotations
 
 import asyncio
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -20,6 +21,8 @@ from tests.proxy.servers import ProxyThread
 from tests.proxy.test_hardening_door import BODY, MODEL, FakeHeldUpstream
 
 NUM_MESSAGES = 100_000
+ROUNDS = 3
+HELD_S = 0.02  # a wake later than this: the loop held
 
 
 def _config(up: FakeHeldUpstream, tmp: Path, offload_body_bytes: int) -> ProxyConfig:
@@ -33,14 +36,14 @@ def _config(up: FakeHeldUpstream, tmp: Path, offload_body_bytes: int) -> ProxyCo
         "run_dir": str(tmp / "run")})
 
 
-async def _probe(stop: threading.Event, period_s: float = 0.005) -> float:
-    """The event loop's worst lateness waking a 5 ms sleeper, until ``stop``."""
-    worst = 0.0
+async def _probe(stop: threading.Event, period_s: float = 0.005) -> list[float]:
+    """The event loop's lateness at each wake of a 5 ms sleeper, until ``stop``."""
+    lags = []
     while not stop.is_set():
         t = time.perf_counter()
         await asyncio.sleep(period_s)
-        worst = max(worst, time.perf_counter() - t - period_s)
-    return worst
+        lags.append(time.perf_counter() - t - period_s)
+    return lags
 
 
 def _serve_large_bodies(p: ProxyThread, big: bytes) -> dict[str, Any]:
@@ -66,31 +69,38 @@ def _serve_large_bodies(p: ProxyThread, big: bytes) -> dict[str, Any]:
     for t in threads:
         t.join()
     stop.set()
-    return {"worst_lag_s": probe.result(30), "statuses": statuses,
-            "small_max_s": max(small_s)}
+    lags = probe.result(30)
+    # the time the loop was held in stretches of more than HELD_S: a body's work done at
+    # once; the interpreter's 5 ms switches and the machine's scheduling stay under it
+    return {"held_s": sum(lag for lag in lags if lag > HELD_S), "worst_lag_s": max(lags),
+            "statuses": statuses, "small_max_s": max(small_s)}
 
 
 def test_four_bodies_of_100k_messages_do_not_stall_the_loop(tmp_path: Path) -> None:
     big = orjson.dumps({"model": MODEL, "max_tokens": 1, "messages": [
         {"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}"}
         for i in range(NUM_MESSAGES)]})
-    results = {}
+    results: dict[str, list[dict[str, Any]]] = {"on_loop": [], "offloaded": []}
     with FakeHeldUpstream() as up:
         up.set_release(True)
-        for name, threshold in (("on_loop", 0), ("offloaded", 64 << 10)):
-            with ProxyThread(_config(up, tmp_path / name, threshold)) as p:
-                results[name] = _serve_large_bodies(p, big)
+        # NOTE: interleaved rounds, so a burst of the machine's other work lands on both
+        for i in range(ROUNDS):
+            for name, threshold in (("on_loop", 0), ("offloaded", 64 << 10)):
+                with ProxyThread(_config(up, tmp_path / f"{name}{i}", threshold)) as p:
+                    results[name].append(_serve_large_bodies(p, big))
     on_loop, offloaded = results["on_loop"], results["offloaded"]
-    assert on_loop["statuses"] == offloaded["statuses"] == [200] * 4, results
+    assert all(r["statuses"] == [200] * 4 for r in on_loop + offloaded), results
     # The work is the same; only where it runs differs. NOTE: not to zero: orjson's parse
-    # in the lane's thread and the re-encoding on the loop hold the GIL for a whole body
-    # (~30-160 ms each here, bounded by limits.max_body_bytes); the Python work of
-    # checking, counting and rendering 100k messages no longer holds the loop. The lag
-    # fell 2.6x in one CI run and 1.93x in another (0.107 s against 0.207 s), so the
-    # bound is a third less: the GIL-held parses leave the rest to the machine.
-    assert offloaded["worst_lag_s"] < 0.67 * on_loop["worst_lag_s"], results
-    # NOTE: the small request waits out the GIL-held parses either way, so its gain moves
-    # with the machine: on a 2-core box it waited 1.11 s on the loop against 0.41 s
-    # offloaded (2.7x), 3.8 s against 0.35 s under load, and in one CI run 0.55 s against
-    # 0.33 s (1.7x, the lag there 2.6x): a fifth less at the least
-    assert offloaded["small_max_s"] < 0.8 * on_loop["small_max_s"], results
+    # in the lane's thread holds the GIL for a whole body (~25 ms each on a 2-core box,
+    # bounded by limits.max_body_bytes); the Python work of checking, counting and
+    # rendering 100k messages (~110 ms a body) no longer holds the loop. Over three rounds
+    # on a 2-core box the loop was held 1.2-1.9 s on the loop against 0.26-0.74 s offloaded
+    # (0.21-0.39x, a core kept busy beside it included); a worst single lag alone moved
+    # too much to tell them apart (1.35x to 2.6x in CI runs).
+    held = {name: sum(r["held_s"] for r in rs) for name, rs in results.items()}
+    assert held["offloaded"] < 0.75 * held["on_loop"], results
+    # the small request waits out the GIL-held parses either way; its slowest answer a
+    # round, the median round: 0.12-0.27x of the on-loop one there
+    small = {name: statistics.median(r["small_max_s"] for r in rs)
+             for name, rs in results.items()}
+    assert small["offloaded"] < 0.8 * small["on_loop"], results
