@@ -179,6 +179,7 @@ class Relay:
         self._running: dict[int, asyncio.Task[Any]] = {}
         self._streaming: set[int] = set()
         self._cut: set[int] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once known
 
     def new_request_id(self) -> str:
         return f"pi-{self._id_prefix}-{next(self._ids)}"
@@ -210,7 +211,12 @@ class Relay:
             raise
         self.stats.in_flight += 1
         key = id(rec)
-        task = asyncio.current_task()
+        # NOTE: the loop named: looking it up (asyncio.current_task() without one) costs a
+        # getpid() system call per request
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
         if task is not None:
             self._running[key] = task
         try:
