@@ -80,6 +80,13 @@ class FakeBrokenUpstream:
         async def close() -> None:
             assert self._server is not None
             self._server.close()
+            # NOTE: its connections' tasks ended here: left pending on a stopped loop, they
+            # are destroyed whenever the collector finds them, and asyncio logs an ERROR
+            # into whatever test runs then (one that asserts on its log fails)
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         asyncio.run_coroutine_threadsafe(close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
