@@ -586,6 +586,11 @@ def main() -> None:
     p.add_argument("--upstream-procs", type=int, default=4)
     p.add_argument("--loadgen-procs", type=int, default=6)
     p.add_argument("--prompts", choices=po.PROMPT_MODES, default="fixed")
+    p.add_argument("--client-connections", type=int, default=0, metavar="N",
+                   help="each load process's connection pool: N connections, a request "
+                        "waiting (its wait counted) when all are busy, as pooled clients do "
+                        "(the OpenAI client's default pool is 1,000); 0 = a new connection "
+                        "whenever none is idle")
     p.add_argument("--shape-estimator", default="classifier")
     p.add_argument("--data", type=Path, default=po.DATA)
     p.add_argument("--source", type=Path, default=None,
@@ -607,6 +612,8 @@ def main() -> None:
     p.add_argument("--cpu-quota", type=float, default=None,
                    help="the proxy's CPU quota in cores, in a cgroup of its own (root)")
     args = p.parse_args()
+    if args.client_connections < 0:
+        p.error(f"--client-connections: expected >= 0, got {args.client_connections}")
     if args.cpu_quota is not None and not 0.01 <= args.cpu_quota <= 64:
         p.error(f"--cpu-quota: expected 0.01-64 cores, got {args.cpu_quota}")
     if args.step_load:
@@ -633,7 +640,8 @@ def main() -> None:
         num_past = 0
         for rate in rates:
             row = summary(po.load_parts(target.url, round(rate), args.duration, args.prompts,
-                                        args.data, layout.loadgen), round(rate),
+                                        args.data, layout.loadgen, args.client_connections),
+                          round(rate),
                           args.duration)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -650,7 +658,7 @@ def main() -> None:
         before = listen_counters()
         with StatsPoller(target.url) as poller:
             parts = po.load_parts(target.url, rate, args.overload_duration, args.prompts,
-                                  args.data, layout.loadgen)
+                                  args.data, layout.loadgen, args.client_connections)
         over = summary(parts, rate, args.overload_duration)
         over["door"] = poller.summary()
         over["kernel"] = {k: v - before.get(k, 0) for k, v in listen_counters().items()}

@@ -163,7 +163,7 @@ traces: {{dir: "{workdir / 'traces'}"}}
         n = po.NUM_WARMUP + int(args.count_rate * args.count_seconds)
         res = po.summarize([json.loads(subprocess.run(
             [po.PY, po.__file__, "--loadgen", url, str(args.count_rate), str(args.count_seconds),
-             "unique", str(args.data), str(FIRST_REQUEST)], capture_output=True, text=True,
+             "unique", str(args.data), str(FIRST_REQUEST), "0"], capture_output=True, text=True,
             check=True).stdout.strip().splitlines()[-1])])
         proc.send_signal(signal.SIGUSR2)
         for _ in range(100):

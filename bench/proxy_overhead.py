@@ -103,15 +103,17 @@ async def _one(session, url: str, payload: bytes, out: list) -> None:  # type: i
 
 
 async def _load(url: str, rate: float, seconds: float, prompts: str, data: Path,
-                offset: int = 0) -> dict:
+                offset: int = 0, connections: int = 0) -> dict:
     """One load process's raw samples (``offset``: its first request number, so that
-    parallel load processes send different prompts)."""
+    parallel load processes send different prompts; ``connections``: its pool's size, a
+    request waiting for one of them when all are busy, its wait counted; 0 = a new
+    connection whenever none is idle)."""
     import aiohttp
     n = int(rate * seconds)
     out: list = []
     lags = []
     bodies = payloads(prompts, n + NUM_WARMUP, data, offset)
-    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    conn = aiohttp.TCPConnector(limit=connections, force_close=False)
     async with aiohttp.ClientSession(connector=conn,
                                      timeout=aiohttp.ClientTimeout(total=30)) as s:
         # warm-up: open connections, JIT-less but caches warm
@@ -156,7 +158,7 @@ def summarize(parts: list[dict]) -> dict:
 
 
 def loadgen_main(url: str, rate: float, seconds: float, prompts: str, data: str,
-                 offset: int) -> None:
+                 offset: int, connections: int = 0) -> None:
     loop: asyncio.AbstractEventLoop
     try:
         import uvloop
@@ -164,7 +166,7 @@ def loadgen_main(url: str, rate: float, seconds: float, prompts: str, data: str,
     except ImportError:
         loop = asyncio.new_event_loop()
     print(json.dumps(loop.run_until_complete(
-        _load(url, rate, seconds, prompts, Path(data), offset))))
+        _load(url, rate, seconds, prompts, Path(data), offset, connections))))
 
 
 # -- orchestration ---------------------------------------------------------------------------
@@ -354,8 +356,9 @@ _first_request = [0]  # the next request number: no two points send the same pro
 
 
 def load_parts(url: str, rate: float, seconds: float, prompts: str, data: Path,
-               cores: tuple[int | None, ...]) -> list[dict]:
-    """Each load process's raw samples (:func:`run_load` without the summary).
+               cores: tuple[int | None, ...], connections: int = 0) -> list[dict]:
+    """Each load process's raw samples (:func:`run_load` without the summary);
+    ``connections``: each process's connection pool (0 = unbounded, see :func:`_load`).
 
     NOTE: the request numbers go on from point to point (and round to round): with
     ``--prompts unique`` a proxy never sees a prompt twice, so its shape cache (4,096
@@ -365,7 +368,7 @@ def load_parts(url: str, rate: float, seconds: float, prompts: str, data: Path,
     first, _first_request[0] = _first_request[0], _first_request[0] + n * per_proc
     procs = [subprocess.Popen(pinned([PY, __file__, "--loadgen", url, str(rate / n),
                                       str(seconds), prompts, str(data),
-                                      str(first + i * per_proc)], core),
+                                      str(first + i * per_proc), str(connections)], core),
                               stdout=subprocess.PIPE, text=True)
              for i, core in enumerate(cores)]
     parts = []
@@ -541,9 +544,9 @@ def orchestrate(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) == 8 and sys.argv[1] == "--loadgen":
+    if len(sys.argv) == 9 and sys.argv[1] == "--loadgen":
         loadgen_main(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), sys.argv[5],
-                     sys.argv[6], int(sys.argv[7]))
+                     sys.argv[6], int(sys.argv[7]), int(sys.argv[8]))
         return
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
