@@ -223,7 +223,9 @@ def wait_for_history(url: str, headers: dict[str, str], counts: dict[str, int],
                 and _total(series["refused_per_s"], step) >= counts["shed"] - 0.5
                 and len(doc["optimizer"].get("events", ())) >= num_events):
             return doc
-        assert time.monotonic() < deadline, doc
+        assert time.monotonic() < deadline, (
+            _total(series["requests_per_s"], step), _total(series["refused_per_s"], step),
+            doc["optimizer"].get("events"), counts, doc)
         time.sleep(0.5)
 
 
