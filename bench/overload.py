@@ -20,6 +20,11 @@ about shedding, its in-flight limit, connections and its worker (probe, breaker,
     python bench/overload.py --step-load --step-source /tmp/a /tmp/b /tmp/a /tmp/b
     python bench/overload.py --cpu-quota 0.25 --start 300   # the proxy in a 1/4-core cgroup
 
+``--client-connections N`` gives each load process a pool of N connections, a request
+waiting for one when all are busy (its wait counted), as pooled clients do; by default a
+process opens a connection whenever none is idle, so past capacity the clients' connection
+storm, the kernel's listen drops and their connect retries are part of what is measured.
+
 ``--cpu-quota F`` runs the proxy in a cgroup of its own whose CPU quota is F of one core
 (cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``; needs root): a container's CPU limit, and
 on a 2-core machine the way to offer 3x the proxy's capacity from the other core.
