@@ -175,6 +175,17 @@ def eventually(predicate: Any, timeout_s: float = 10.0) -> bool:
     return bool(predicate())
 
 
+async def end_other_tasks() -> None:
+    """Cancel and await every task of the running loop but the caller: a fake server's
+    connection tasks, before its loop stops. NOTE: left pending on a stopped loop, they are
+    destroyed whenever the collector finds them, and asyncio logs an ERROR into whatever
+    test runs then (one that asserts on its log fails)."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def read_raw_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     """One request read by a raw-socket fake upstream: its head and its body (by
     Content-Length; none without)."""

@@ -24,6 +24,7 @@ from tests.proxy.servers import (
     EngineProcess,
     ProxyThread,
     answer_get,
+    end_other_tasks,
     eventually,
     read_raw_request,
     read_traces,
@@ -80,13 +81,7 @@ class FakeBrokenUpstream:
         async def close() -> None:
             assert self._server is not None
             self._server.close()
-            # NOTE: its connections' tasks ended here: left pending on a stopped loop, they
-            # are destroyed whenever the collector finds them, and asyncio logs an ERROR
-            # into whatever test runs then (one that asserts on its log fails)
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await end_other_tasks()
         asyncio.run_coroutine_threadsafe(close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)

@@ -24,7 +24,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy import keys
 from proxy.admission import InFlightLimit, cpu_quota, cpu_share, quota_lag_s
 from proxy.config import ProxyConfig
-from tests.proxy.servers import ProxyThread, answer_get, eventually, read_raw_request, read_traces
+from tests.proxy.servers import (
+    ProxyThread,
+    answer_get,
+    end_other_tasks,
+    eventually,
+    read_raw_request,
+    read_traces,
+)
 
 MODEL = "fake-held"
 BODY = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
@@ -70,10 +77,7 @@ class FakeHeldUpstream:
         async def close() -> None:
             assert self._server is not None
             self._server.close()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await end_other_tasks()
         asyncio.run_coroutine_threadsafe(close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
