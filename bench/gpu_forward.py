@@ -80,6 +80,9 @@ VARIANT_SETS = {"default": ForwardConfig(),
                     GPU_FORWARD, fused_rope_attention=True, pdl=True),
                 "all+skinny+split+ropeattn+pdl": dataclasses.replace(
                     GPU_FORWARD, split_attention=True, fused_rope_attention=True, pdl=True),
+                "all+skinny+split+ropeattn+pdl+l2": dataclasses.replace(
+                    GPU_FORWARD, split_attention=True, fused_rope_attention=True, pdl=True,
+                    l2_prefetch=True),
                 # the same kernels with the norms and gate|up's SiLU kernels of their own
                 # (an A/B of SkinnyGemm.norm_linear and .gated, patched here only)
                 "all+skinny-unfused": GPU_FORWARD}
@@ -251,6 +254,43 @@ def profile_step(core: Any, batch: int, context: int, out: Path,
     return sorted(rows_out, key=lambda r: -r[2])
 
 
+def profile_loop(core: Any, prompt_tokens: int, out: Path, title: str) -> None:
+    """The device timeline of 4 batch-1 steps of the engine's loop: the work between two
+    replays (sampling, copies, launch gaps) and the step's period."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = GenerationParams(max_tokens=64, ignore_eos=True)
+    core.add_request(f"{title}-loop", [(5 + j) % 5000 + 5 for j in range(prompt_tokens)], params)
+    for _ in range(24):
+        core.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(4):
+            core.step()
+        torch.cuda.synchronize()
+    while core.has_work:
+        core.step()
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"
+                     and e.time_range.elapsed_us() > 0), key=lambda e: e.time_range.start)
+    lines, end = [], None
+    for e in events:
+        gap = 0.0 if end is None else e.time_range.start - end
+        end = max(end or 0, e.time_range.end)
+        lines.append((e.time_range.start, e.time_range.end - e.time_range.start, gap, e.name))
+    embeds = [t for t, _, _, n in lines if "embedding" in n.lower() or "indexSelect" in n]
+    period = (embeds[-1] - embeds[0]) / max(1, len(embeds) - 1) if len(embeds) > 1 else 0.0
+    gaps = sorted(lines, key=lambda r: -r[2])[:12]
+    text = [f"== loop {title}: {len(lines)} device events over 4 steps, period {period:.1f} us"]
+    text += [f"  gap {g:7.2f} us before {n[:80]} ({d:.2f} us)" for _, d, g, n in gaps]
+    small = [r for r in lines if "Memcpy" in r[3] or "argmax" in r[3].lower()
+             or "reduce" in r[3].lower() or "copy" in r[3].lower()]
+    text += [f"  {d:7.2f} us  gap {g:6.2f}  {n[:90]}" for _, d, g, n in small[:24]]
+    print("\n".join(text[:14]), flush=True)
+    with out.open("a") as f:
+        f.write("\n".join(text) + "\n" + "\n".join(
+            f"{t:12.1f} {d:8.2f} gap {g:6.2f} {n[:100]}" for t, d, g, n in lines) + "\n")
+
+
 def replay_timeline(graph: torch.cuda.CUDAGraph) -> str:
     """The kernels of one replay of ``graph`` in launch order: each one's us and the gap
     before it (the device idle between kernels), then per kernel name calls, us and gaps."""
@@ -327,6 +367,7 @@ def main() -> int:
                    help="no kernel checks nor projection timings (the engine checks at build)")
     p.add_argument("--json", type=Path)
     p.add_argument("--profile", type=Path, help="file the per-kernel profiles go to")
+    p.add_argument("--profile-loop", type=Path, help="file the batch-1 loop timelines go to")
     p.add_argument("--profile-host", type=Path, help="file the host (cProfile) profiles go to")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -431,6 +472,8 @@ def run_engine(model_dir: Path, args: argparse.Namespace, roof: float) -> dict[s
                 calls = sum(c for _, c, _ in top)
                 print(f"  profile: {calls} kernels, {total:.0f} us of kernel time per step; top: "
                       + "; ".join(f"{k[:40]} x{c} {t:.0f}us" for k, c, t in top[:6]), flush=True)
+            if args.profile_loop is not None and b == 1:
+                profile_loop(core, prompt, args.profile_loop, name)
             if args.profile_host is not None and b in (1, max(args.batches)):
                 host_profile(core, b, 64, f"{name}-host-{b}", args.profile_host)
         out[name] = entry

@@ -19,7 +19,9 @@ variant here replaces a run of those by one Triton kernel:
   (:func:`engine.triton_attention.decode_attention_rope`): one kernel fewer a layer; with
   ``split_attention`` too, over slices of the context as that one;
 - ``pdl``: every kernel here launched with programmatic dependent launch
-  (:mod:`engine.launch`), checked by running the others' checks launched so.
+  (:mod:`engine.launch`), checked by running the others' checks launched so;
+- ``l2_prefetch``: each layer's o weight asked into L2 beside decode attention
+  (:mod:`engine.prefetch`): it changes no value, so it has no check of its own.
 
 Which ones a model uses is :class:`polyinfer.config.ForwardConfig`, part of the
 compiled config, so a hot reload swaps them without reloading weights. Every variant
@@ -272,7 +274,8 @@ def verify_variants(variants: Sequence[str], spec: ModelSpec, device: str | torc
     :class:`UnsupportedConfigError` naming any kernel outside its bound. ``impls``: the
     kernels as the model will call them (its tuned projections)."""
     shape = ForwardShape.of(spec)
-    kernels = [v for v in variants if v != "pdl"]  # pdl: the others, launched dependently
+    # pdl: the others, launched dependently; l2_prefetch changes no value (engine.prefetch)
+    kernels = [v for v in variants if v not in ("pdl", "l2_prefetch")]
     with dependent_launches("pdl" in variants):
         checks = [c for n in (1, 37)
                   for c in check_forward(kernels, shape, device, dtype, n, impls=impls)]

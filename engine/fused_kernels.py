@@ -239,3 +239,40 @@ def split_sum_kernel(part_ptr, b_ptr, out_ptr, N, K, stride_split, stride_part, 
     if GATED:
         acc = _silu_times(acc, acc_up, dtype)
     tl.store(out_ptr + row * stride_out + cols, acc.to(dtype), mask=ok)
+
+
+@triton.jit
+def l2_prefetch_kernel(ptr, num_bytes, CHUNK: tl.constexpr, LANES: tl.constexpr):
+    """Ask the L2 cache for ``num_bytes`` from ``ptr`` (16-byte aligned, a multiple of 16):
+    each lane one ``CHUNK``-byte bulk prefetch (Hopper's ``cp.async.bulk.prefetch.L2``),
+    which moves no data into the SM and returns at once."""
+    at = (tl.program_id(0) * LANES + tl.arange(0, LANES)).to(tl.int64) * CHUNK
+    size = tl.minimum(num_bytes - at, CHUNK).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr.to(tl.pointer_type(tl.int8)) + at, size], dtype=tl.int32,
+        is_pure=False, pack=1)
+
+
+@triton.jit
+def argmax_part_kernel(x_ptr, val_ptr, idx_ptr, num_cols, stride_x, num_parts,
+                       BLOCK: tl.constexpr):
+    """One ``BLOCK`` of one row: its largest value and the first column holding it."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    cols = part * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < num_cols, other=float("-inf"))
+    best, at = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(val_ptr + row * num_parts + part, best)
+    tl.store(idx_ptr + row * num_parts + part, part * BLOCK + at)
+
+
+@triton.jit
+def argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, num_parts, PARTS: tl.constexpr):
+    """One row: the first column of its largest value, from its blocks' in column order."""
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.arange(0, PARTS)
+    v = tl.load(val_ptr + row * num_parts + p, mask=p < num_parts, other=float("-inf"))
+    _, j = tl.max(v, 0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(out_ptr + row, tl.load(idx_ptr + row * num_parts + j).to(tl.int64))

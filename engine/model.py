@@ -28,6 +28,7 @@ from engine.cpu_gemm import CpuGemm, CpuProjection, load_cpu_gemm, project
 from engine.errors import CheckpointError, UnsupportedConfigError
 from engine.kv_cache import KVCache
 from engine.launch import dependent_launches, pdl_disabled_reason
+from engine.prefetch import L2Prefetcher, prefetch_disabled_reason
 from engine.skinny_gemm import SkinnyGemm
 from engine.triton_attention import (
     DecodeMetadata,
@@ -186,10 +187,13 @@ class LlamaModel:
             raise UnsupportedConfigError(f"engine.forward {list(enabled)}: {reason}")
         if "pdl" in enabled and (why := pdl_disabled_reason(device)) is not None:
             raise UnsupportedConfigError(f"engine.forward.pdl: {why}")
+        if "l2_prefetch" in enabled and (why := prefetch_disabled_reason(device)) is not None:
+            raise UnsupportedConfigError(f"engine.forward.l2_prefetch: {why}")
         self.execution = execution
         self.spec = spec
         self.naive_attention = attention == "naive"
         self.variants = enabled
+        self.prefetch = L2Prefetcher(device) if "l2_prefetch" in enabled else None
         self._dense = _dense_half
         if execution == "compiled":
             self._dense = torch.compile(_dense_half, dynamic=True)
@@ -263,8 +267,9 @@ class LlamaModel:
         shapes: list[tuple] = [(int(w.shape[0]), int(w.shape[1]))  # type: ignore[union-attr]
                                for w in weights]
         silu = "fused_silu" in self.variants
-        if "fused_norm" in self.variants:  # see _norm_project
-            shapes += [(*shapes[0], "norm"), (*shapes[2], "norm+gated" if silu else "norm")]
+        if "fused_norm" in self.variants:  # see _norm_project and _forward's LM head
+            shapes += [(*shapes[0], "norm"), (*shapes[2], "norm+gated" if silu else "norm"),
+                       (*shapes[4], "norm")]
         elif silu:
             shapes.append((*shapes[2], "gated"))
         return shapes
@@ -275,32 +280,49 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttnMetadata | DecodeMetadata, kv: KVCache,
-                logit_rows: torch.Tensor | None = None, hidden_only: bool = False) -> torch.Tensor:
+                logit_rows: torch.Tensor | None = None, hidden_only: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids ``[T]`` -> float32 logits ``[N, vocab]`` for rows ``logit_rows`` (all if None).
 
         ``hidden_only``: the last layer's hidden states ``[N, hidden]`` instead, for a caller
         that computes :meth:`logits` only for the rows it turns out to need (verification).
+        ``out``: a float32 ``[T, vocab]`` buffer the logits of every row are written to (a
+        captured step's output), directly by the LM head where its kernel can.
         """
         with dependent_launches("pdl" in self.variants):
-            return self._forward(input_ids, meta, kv, logit_rows, hidden_only)
+            return self._forward(input_ids, meta, kv, logit_rows, hidden_only, out)
 
     def _forward(self, input_ids: torch.Tensor, meta: AttnMetadata | DecodeMetadata,
                  kv: KVCache, logit_rows: torch.Tensor | None,
-                 hidden_only: bool) -> torch.Tensor:
+                 hidden_only: bool, out: torch.Tensor | None = None) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         rope = None  # cos, sin [T, 1, D] at the positions, for the unfused RoPE
         if "fused_rope_kv" not in self.variants:
             rope = self.cos[meta.positions].unsqueeze(1), self.sin[meta.positions].unsqueeze(1)
         delta: torch.Tensor | None = None  # the last block's output, not yet added to h
+        pf = self.prefetch
         for i, layer in enumerate(self.layers):
             qkv, h = self._norm_project(h, delta, layer.input_norm, layer.qkv, layer.qkv_bias)
+            if pf is not None:  # o's weight into L2 while attention reads only the cache
+                pf.fetch(layer.o)  # type: ignore[arg-type]
             delta = self._attention(qkv, layer, i, meta, kv, rope)
             h, delta = self._dense_block(h, delta, layer)
+        if pf is not None:
+            pf.join()
         assert delta is not None
+        if (logit_rows is None and not hidden_only and self.skinny is not None
+                and "fused_norm" in self.variants):
+            # the last residual add and the final norm in the LM head's kernel
+            logits, _ = self.skinny.norm_linear(h, delta, self.norm, self.spec.rms_norm_eps,
+                                                self.lm_head, out=out)  # type: ignore[arg-type]
+            return logits.float()
         h = h + delta
         if logit_rows is not None:
             h = h.index_select(0, logit_rows)
-        return h if hidden_only else self.logits(h)
+        if hidden_only:
+            return h
+        logits = self.logits(h)
+        return logits if out is None else out.copy_(logits)
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -80,8 +80,8 @@ class NormInput:
 
 def skinny_norm_linear(h: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
                        eps: float, w: torch.Tensor, bias: torch.Tensor | None = None,
-                       cfg: SkinnyConfig = DEFAULT, gated: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       cfg: SkinnyConfig = DEFAULT, gated: bool = False,
+                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(skinny_linear(rms_norm(h + delta) * norm_weight, w, bias), h + delta)`` with the
     residual add and the norm in the projection's own kernel (``cfg`` cuBLAS: the fused
     norm kernel, then ``F.linear``).
@@ -90,19 +90,26 @@ def skinny_norm_linear(h: torch.Tensor, delta: torch.Tensor | None, norm_weight:
     and scales by the row's ``rsqrt`` at the end, so its input is rounded before the
     scaling where the reference rounds after it: one more rounding of each input, far
     inside :func:`skinny_bound`'s four ulps of the summed terms.
+
+    ``out``: a ``[rows, N]`` buffer (float32, say) the result goes to, each value rounded
+    to ``h``'s dtype first, as ``y.float()`` would give it (the LM head into a step's
+    logits: no cast kernel, no copy).
     """
     rows = h.shape[0]
     if cfg.block_n == 0 or rows > MAX_ROWS or rows == 0 or h.stride(-1) != 1:
         x, h_out = _add_rms_norm(h, delta, norm_weight, eps)
-        return skinny_linear(x, w, bias, cfg, gated), h_out
+        y = skinny_linear(x, w, bias, cfg, gated)
+        return (y if out is None else out.copy_(y)), h_out
     if delta is not None:
         assert delta.shape == h.shape and delta.stride(-1) == 1
     h_out = h if delta is None else torch.empty_like(h)
-    return _launch(h, w, bias, cfg, gated, NormInput(delta, norm_weight, h_out, eps)), h_out
+    return _launch(h, w, bias, cfg, gated, NormInput(delta, norm_weight, h_out, eps),
+                   out), h_out
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig,
-            gated: bool, norm: NormInput | None = None) -> torch.Tensor:
+            gated: bool, norm: NormInput | None = None,
+            into: torch.Tensor | None = None) -> torch.Tensor:
     from engine.fused_kernels import skinny_gemm_kernel, split_sum_kernel
 
     rows, k = x.shape
@@ -113,7 +120,10 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: Sk
     k_per_split = -(-k // (cfg.split * cfg.block_k)) * cfg.block_k
     split = -(-k // k_per_split)
     even = n % cfg.block_n == 0 and k % k_per_split == 0
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    # the split-K sum rounds to its output's dtype: a buffer of another dtype gets a copy
+    direct = into is not None and split == 1 and into.stride(-1) == 1
+    out = into if direct else torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    assert out is not None
     width = (2 * n if gated else n) + (1 if norm is not None else 0)  # partials, squares
     part = out if split == 1 else torch.empty(split, rows, width, dtype=torch.float32,
                                               device=x.device)
@@ -141,7 +151,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: Sk
             out.stride(0), norm.eps if norm is not None else 0.0, SPLIT=split,
             HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, BLOCK=SUM_BLOCK,
             num_warps=4, **pdl_args(x.is_cuda))
-    return out
+    return out if into is None or direct else into.copy_(out)
 
 
 def skinny_gated(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = DEFAULT) -> torch.Tensor:
@@ -278,16 +288,17 @@ class SkinnyGemm:
 
     def norm_linear(self, h: torch.Tensor, delta: torch.Tensor | None,
                     norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
-                    bias: torch.Tensor | None = None, gated: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    bias: torch.Tensor | None = None, gated: bool = False,
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`skinny_norm_linear` with the launch tuned for it (cuBLAS: the fused norm
-        kernel, then the projection, as without it)."""
+        kernel, then the projection, as without it); ``out`` as there."""
         if h.shape[0] > MAX_ROWS or h.dim() != 2:
             x, h_out = _add_rms_norm(h, delta, norm_weight, eps)
-            return (_silu_mul(F.linear(x, w)) if gated else F.linear(x, w, bias)), h_out
+            y = _silu_mul(F.linear(x, w)) if gated else F.linear(x, w, bias)
+            return (y if out is None else out.copy_(y)), h_out
         kind = "norm+gated" if gated else "norm"
         cfg = self._config((w.shape[0], w.shape[1], kind))
-        return skinny_norm_linear(h, delta, norm_weight, eps, w, bias, cfg, gated)
+        return skinny_norm_linear(h, delta, norm_weight, eps, w, bias, cfg, gated, out)
 
     def _config(self, key: Key) -> SkinnyConfig:
         cfg = self.configs.get(key)

@@ -162,7 +162,8 @@ DEFAULT_KNOBS: tuple[Knob, ...] = (
 # write inside decode attention (.fused_rope_attention), then also with decode attention
 # split over each row's context (.split_attention: 1.49x at batch 1 over a 1,500-token
 # context on the H200, a merge kernel more at short ones), then split without the RoPE
-# inside.
+# inside; last, that set with each layer's o weight asked into L2 while attention runs
+# (.l2_prefetch: ~1% of a batch-1 step on the H200).
 FORWARD_KNOB = Knob("forward", (ForwardConfig(), FUSED_FORWARD, GPU_FORWARD,
                                 dataclasses.replace(GPU_FORWARD, pdl=True,
                                                     fused_rope_attention=True),
@@ -170,7 +171,10 @@ FORWARD_KNOB = Knob("forward", (ForwardConfig(), FUSED_FORWARD, GPU_FORWARD,
                                                     fused_rope_attention=True,
                                                     split_attention=True),
                                 dataclasses.replace(GPU_FORWARD, pdl=True,
-                                                    split_attention=True)))
+                                                    split_attention=True),
+                                dataclasses.replace(GPU_FORWARD, pdl=True,
+                                                    fused_rope_attention=True,
+                                                    split_attention=True, l2_prefetch=True)))
 
 
 def decode_rows_share(records: Sequence[TraceRecord], max_num_seqs: int) -> dict[int, float]:

@@ -84,6 +84,9 @@ class ForwardConfig:
     # the Triton kernels launched with programmatic dependent launch (Hopper and later):
     # each one's programs start while the kernel before drains, and wait for its results
     pdl: bool = False
+    # each layer's projection weights asked into L2 on a side stream while the kernels
+    # before them (attention, the norms) leave the memory idle (Hopper and later)
+    l2_prefetch: bool = False
 
     @property
     def enabled(self) -> tuple[str, ...]:

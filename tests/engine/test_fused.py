@@ -268,9 +268,10 @@ def check_model_and_reload() -> None:
     core.reload(base.with_engine(forward=GPU_FORWARD))  # the projections too
     assert core.model.skinny is not None and core.model.variants == GPU_FORWARD.enabled
     assert generate(core, prompts, params)[0] == want
-    # pdl (a no-op in the interpreter): its plumbing; fused_rope_attention: prompts here
-    # run eager, its decode path is tests/engine/test_look_ahead.py's
-    best = dataclasses.replace(GPU_FORWARD, pdl=True, fused_rope_attention=True)
+    # pdl and l2_prefetch (no-ops in the interpreter): their plumbing; fused_rope_attention:
+    # prompts here run eager, its decode path is tests/engine/test_look_ahead.py's
+    best = dataclasses.replace(GPU_FORWARD, pdl=True, fused_rope_attention=True,
+                               l2_prefetch=True)
     embed = core.model.embed
     core.reload(base.with_engine(forward=best))
     assert core.model.variants == best.enabled and core.model.embed is embed
@@ -285,7 +286,35 @@ def test_variants_hot_reload_and_keep_greedy_outputs_in_the_interpreter() -> Non
                  "check_model_and_reload()", timeout_s=190)
 
 
+def check_argmax(device: str = "cpu") -> None:
+    """The two-pass argmax equals torch's on vocabularies cut unevenly into blocks, with
+    ties inside a block and across blocks (the first column wins) and rows of -inf."""
+    from engine.gpu_sampling import ARGMAX_BLOCK, argmax_rows
+
+    g = torch.Generator(device="cpu").manual_seed(7)
+    for rows, cols in ((1, 20000), (5, 3 * ARGMAX_BLOCK), (3, 128256)):
+        x = torch.randn(rows, cols, generator=g)
+        x[1 % rows, [17, ARGMAX_BLOCK + 3]] = 50.0  # a tie across blocks
+        x[2 % rows, [cols - 1, cols - 2]] = 60.0  # a tie inside the last, partial block
+        if rows > 3:
+            x[3] = float("-inf")
+        x = x.to(device)
+        got = argmax_rows(x, interpret=device == "cpu")
+        assert got.dtype == torch.int64 and got.tolist() == x.argmax(dim=1).tolist(), (
+            rows, cols, got.tolist(), x.argmax(dim=1).tolist())
+
+
+def test_two_pass_argmax_matches_torch_in_the_interpreter() -> None:
+    _interpreted("from tests.engine.test_fused import check_argmax; check_argmax()")
+
+
 # -- on a GPU --------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@needs_cuda
+def test_two_pass_argmax_matches_torch_on_the_gpu() -> None:
+    check_argmax("cuda")
+
 
 @pytest.mark.gpu
 @needs_cuda
@@ -338,7 +367,9 @@ def test_greedy_outputs_equal_with_every_variant_set_on_the_gpu(tiny_model_dir) 
                     dataclasses.replace(GPU_FORWARD, pdl=True, fused_rope_attention=True),
                     dataclasses.replace(GPU_FORWARD, pdl=True, split_attention=True),
                     dataclasses.replace(GPU_FORWARD, pdl=True, split_attention=True,
-                                        fused_rope_attention=True)):
+                                        fused_rope_attention=True),
+                    dataclasses.replace(GPU_FORWARD, pdl=True, split_attention=True,
+                                        fused_rope_attention=True, l2_prefetch=True)):
         # the first reload onto skinny_gemm tunes its launches (~30 s of Triton compiles
         # on a fresh machine); the weights stay: the same embedding tensor serves
         core.reload(core.config.with_engine(forward=forward))
