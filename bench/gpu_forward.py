@@ -442,7 +442,7 @@ def run_engine(model_dir: Path, args: argparse.Namespace, roof: float) -> dict[s
         graphs = core.runner.graphs
         print(f"engine {name}: reload {reload_s:.2f} s, {len(graphs.buckets)} graphs "
               f"(rows {graphs.buckets[0]}..{graphs.buckets[-1]}) captured in "
-              f"{graphs.capture_s:.2f} s", flush=True)
+              f"{graphs.capture_s:.2f} s, replays timed in {graphs.timing_s:.2f} s", flush=True)
         entry: dict[str, Any] = {"reload_s": reload_s, "tok_s": {}, "replay_ms": {},
                                  "serial_tok_s": {}, "ahead_used": {}}
         for b in args.batches:
