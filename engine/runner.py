@@ -38,7 +38,7 @@ import torch
 from engine.attention import SeqSlice, build_metadata, order_short_first
 from engine.cpu_attention import cpu_attention_for
 from engine.cuda_graph import DecodeRow, IdsReadback, RowDecoder, read_rows
-from engine.gpu_sampling import sample_ids
+from engine.gpu_sampling import argmax_rows, sample_ids
 from engine.grammar import mask_rows
 from engine.kv_cache import KVCache
 from engine.lanes import LaneChooser, Lanes, split_lanes
@@ -190,7 +190,8 @@ class ModelRunner:
         """Accept a prefix of each proposal from ``[sum(k_i + 1), vocab]`` logits (any device)."""
         params = [it.seq.params.sampling for it in sampled]
         proposals = [Proposal(it.seq.seq_id, it.drafts, it.draft_probs) for it in sampled]
-        results = verify(_constrained(sampled, logits), proposals, params, _rows_of(sampled))
+        results = verify(_constrained(sampled, logits), proposals, params, _rows_of(sampled),
+                         argmax_rows)
         return with_logprobs(logits, [StepResult(it, r.tokens, r.num_accepted)
                                       for it, r in zip(sampled, results, strict=True)])
 

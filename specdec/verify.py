@@ -73,15 +73,18 @@ class _Layout:
 
 def verify(target_logits: torch.Tensor, proposals: Sequence[Proposal],
            sampling: Sequence[SamplingParams],
-           rows: Sequence[Row] | None = None) -> list[VerifyResult]:
+           rows: Sequence[Row] | None = None,
+           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[VerifyResult]:
     """Accept or reject every proposal; one result per proposal, in order.
 
     ``rows``: per proposal, the :class:`~polyinfer.sampling.Row` of its first position
-    (its history and position), needed by seeded and penalised requests.
+    (its history and position), needed by seeded and penalised requests. ``argmax``: the
+    rows' ``argmax(dim=1)`` as the caller computes it fastest on its device (the engine's
+    two-pass kernel on a GPU); torch's by default.
     """
     _check_inputs(target_logits, proposals, sampling)
     if all(s.greedy and not s.adjusts for s in sampling):
-        return _verify_greedy(target_logits, proposals)
+        return _verify_greedy(target_logits, proposals, argmax)
     layout = _layout(target_logits, proposals)
     counts = [len(p.tokens) + 1 for p in proposals]
     flat_params = [s for s, c in zip(sampling, counts, strict=True) for _ in range(c)]
@@ -153,13 +156,16 @@ def _check_proposal(prop: Proposal, vocab: int) -> None:
             f"got {tuple(prop.probs.shape)}")
 
 
-def _verify_greedy(logits: torch.Tensor, proposals: Sequence[Proposal]) -> list[VerifyResult]:
+def _verify_greedy(logits: torch.Tensor, proposals: Sequence[Proposal],
+                   argmax_of: Callable[[torch.Tensor], torch.Tensor] | None = None
+                   ) -> list[VerifyResult]:
     """p is a point mass on each row's argmax: accept the longest prefix equal to the argmax.
 
     NOTE: one argmax over all rows, then plain Python over at most sum(k_i) ints: at batch 1
     building index tensors for the vectorised path cost more than the rows it checks.
     """
-    argmax: list[int] = logits.argmax(dim=1).tolist()  # [T]
+    ids = logits.argmax(dim=1) if argmax_of is None else argmax_of(logits)
+    argmax: list[int] = ids.tolist()  # [T]
     out = []
     start = 0
     for prop in proposals:
