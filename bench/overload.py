@@ -21,7 +21,9 @@ about shedding, its in-flight limit, connections and its worker (probe, breaker,
     python bench/overload.py --cpu-quota 0.25 --start 300   # the proxy in a 1/4-core cgroup
 
 ``--client-connections N`` gives each load process a pool of N connections, a request
-waiting for one when all are busy (its wait counted), as pooled clients do; by default a
+waiting for one when all are busy (its wait counted), as pooled clients do, the pool opened
+by the load's warm-up (N requests at once, not counted) so that a point measures clients
+whose connections are open, not their opening storm (``--step-load`` is that); by default a
 process opens a connection whenever none is idle, so past capacity the clients' connection
 storm, the kernel's listen drops and their connect retries are part of what is measured.
 

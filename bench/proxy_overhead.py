@@ -106,18 +106,20 @@ async def _load(url: str, rate: float, seconds: float, prompts: str, data: Path,
                 offset: int = 0, connections: int = 0) -> dict:
     """One load process's raw samples (``offset``: its first request number, so that
     parallel load processes send different prompts; ``connections``: its pool's size, a
-    request waiting for one of them when all are busy, its wait counted; 0 = a new
+    request waiting for one of them when all are busy, its wait counted, every connection
+    opened by the warm-up, as a client's pool is open before a surge; 0 = a new
     connection whenever none is idle)."""
     import aiohttp
     n = int(rate * seconds)
+    warm = max(NUM_WARMUP, connections)
     out: list = []
     lags = []
-    bodies = payloads(prompts, n + NUM_WARMUP, data, offset)
+    bodies = payloads(prompts, n + warm, data, offset)
     conn = aiohttp.TCPConnector(limit=connections, force_close=False)
     async with aiohttp.ClientSession(connector=conn,
                                      timeout=aiohttp.ClientTimeout(total=30)) as s:
-        # warm-up: open connections, JIT-less but caches warm
-        await asyncio.gather(*(_one(s, url, bodies[n + i], []) for i in range(NUM_WARMUP)))
+        # warm-up: connections open (with a pool, all of them), caches warm
+        await asyncio.gather(*(_one(s, url, bodies[n + i], []) for i in range(warm)))
         tasks = []
         start = time.perf_counter()
         for i in range(n):
@@ -129,7 +131,7 @@ async def _load(url: str, rate: float, seconds: float, prompts: str, data: Path,
             tasks.append(asyncio.create_task(_one(s, url, bodies[i], out)))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
-    return {"sent": n, "num_total": n + NUM_WARMUP, "wall_s": wall,
+    return {"sent": n, "num_total": n + warm, "wall_s": wall,
             "lag_ms": [round(x * 1e3, 4) for x in lags],
             "samples": [(None if t is None else round(t * 1e3, 4),
                          None if e is None else round(e * 1e3, 4), st) for t, e, st in out]}
