@@ -83,6 +83,9 @@ VARIANT_SETS = {"default": ForwardConfig(),
                 "all+skinny+split+ropeattn+pdl+l2": dataclasses.replace(
                     GPU_FORWARD, split_attention=True, fused_rope_attention=True, pdl=True,
                     l2_prefetch=True),
+                "all+skinny+split+ropeattn+pdl+l2+prefill": dataclasses.replace(
+                    GPU_FORWARD, split_attention=True, fused_rope_attention=True, pdl=True,
+                    l2_prefetch=True, prefill_attention=True),
                 # the same kernels with the norms and gate|up's SiLU kernels of their own
                 # (an A/B of SkinnyGemm.norm_linear and .gated, patched here only)
                 "all+skinny-unfused": GPU_FORWARD}

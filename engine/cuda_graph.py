@@ -65,7 +65,7 @@ from engine.triton_attention import DecodeMetadata, check_head_dim, is_available
 
 logger = logging.getLogger(__name__)
 
-COL_TOKEN, COL_POSITION, COL_SLOT, COL_CONTEXT, COL_TABLE = 0, 1, 2, 3, 4
+COL_TOKEN, COL_POSITION, COL_SLOT, COL_CONTEXT, COL_SEGMENT, COL_TABLE = 0, 1, 2, 3, 4, 5
 NUM_WARMUP = 1  # eager runs per bucket before capture (Triton compiles, cuBLAS picks kernels)
 # each bucket's replay is timed at start-up over about this much device time, in at least
 # 2 and at most 20 replays: graph replays vary by well under the 3% that picks a bucket, and
@@ -201,9 +201,9 @@ def fill_inputs(host: np.ndarray, rows: Sequence[DecodeRow], bucket: int,
     microseconds; a sequence's k + 1 verify rows are written as slices at once.
     """
     i = 0
-    for row in rows:
+    for seq, row in enumerate(rows):
         if row.drafts:
-            _fill_verify_rows(host, i, row, block_size)
+            _fill_verify_rows(host, i, row, block_size, seq)
             i += row.num_rows
             continue
         pos = row.position
@@ -212,15 +212,18 @@ def fill_inputs(host: np.ndarray, rows: Sequence[DecodeRow], bucket: int,
         host[i, COL_POSITION] = pos
         host[i, COL_SLOT] = row.block_table[num_blocks - 1] * block_size + pos % block_size
         host[i, COL_CONTEXT] = pos + 1
+        host[i, COL_SEGMENT] = seq
         host[i, COL_TABLE:COL_TABLE + num_blocks] = row.block_table[:num_blocks]
         i += 1
     if bucket > i:
         host[i:bucket] = host[0]
 
 
-def _fill_verify_rows(host: np.ndarray, first: int, row: DecodeRow, block_size: int) -> None:
-    """Rows ``first ..`` for ``row``'s token and drafts; every row gets the blocks up to the
-    last row's position (the kernel reads only those below each row's context)."""
+def _fill_verify_rows(host: np.ndarray, first: int, row: DecodeRow, block_size: int,
+                      seq: int) -> None:
+    """Rows ``first ..`` for ``row``'s token and drafts (or prompt chunk), all of sequence
+    ``seq``; every row gets the blocks up to the last row's position (the kernels read only
+    those below each row's context)."""
     n = row.num_rows
     positions = np.arange(row.position, row.position + n)  # [n]
     num_blocks = (row.position + n - 1) // block_size + 1
@@ -230,6 +233,7 @@ def _fill_verify_rows(host: np.ndarray, first: int, row: DecodeRow, block_size: 
     out[:, COL_POSITION] = positions
     out[:, COL_SLOT] = table[positions // block_size] * block_size + positions % block_size
     out[:, COL_CONTEXT] = positions + 1
+    out[:, COL_SEGMENT] = seq
     out[:, COL_TABLE:COL_TABLE + num_blocks] = table
 
 
@@ -318,7 +322,8 @@ class RowDecoder:
         meta = DecodeMetadata(positions=buf[:, COL_POSITION].long(),
                               slot_mapping=buf[:, COL_SLOT].long(),
                               block_tables=buf[:, COL_TABLE:],
-                              context_lens=buf[:, COL_CONTEXT], one_row_each=one_row_each)
+                              context_lens=buf[:, COL_CONTEXT], one_row_each=one_row_each,
+                              segments=buf[:, COL_SEGMENT])
         # the token ids stay int32 (F.embedding takes them so): one cast kernel fewer a step
         out = self._out[:bucket]
         logits = self.model.forward(buf[:, COL_TOKEN], meta, self.kv,  # type: ignore[arg-type]

@@ -18,6 +18,9 @@ variant here replaces a run of those by one Triton kernel:
   of their own), RoPE and the K/V-cache write inside the attention kernel
   (:func:`engine.triton_attention.decode_attention_rope`): one kernel fewer a layer; with
   ``split_attention`` too, over slices of the context as that one;
+- ``prefill_attention``: captured steps of many rows (prompt chunks) attend by tiles of
+  one sequence's consecutive rows, each K/V tile read once per tile of rows, not once per
+  row (:func:`engine.triton_attention.prefill_attention`);
 - ``pdl``: every kernel here launched with programmatic dependent launch
   (:mod:`engine.launch`), checked by running the others' checks launched so;
 - ``l2_prefetch``: each layer's o weight asked into L2 beside decode attention
@@ -63,7 +66,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 VARIANTS = ("fused_norm", "fused_rope_kv", "fused_silu", "skinny_gemm", "split_attention",
-            "fused_rope_attention")  # "pdl" changes how all of them launch
+            "fused_rope_attention", "prefill_attention")  # "pdl" changes how all launch
 NORM_BLOCK_MAX = 16384  # widest hidden size one program normalizes
 SILU_BLOCK = 1024  # columns per program of silu_mul
 
@@ -470,6 +473,54 @@ def _split_attention_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: to
     return [fused(q, k_cache, v_cache, meta, scale)], [want], [error_bound(want, size)]
 
 
+def _prefill_attention_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: torch.Generator,
+                            device: str | torch.device, dtype: torch.dtype) -> Case:
+    """``n`` rows (3 to 96) as sequences of 1 to 40 consecutive rows (a decode row, prompt
+    chunks, tiles holding several sequences and a sequence over several tiles), contexts up
+    to 640 tokens, then 5 padding rows repeating row 0; bound: two ulps of the largest |v|."""
+    from engine.triton_attention import DecodeMetadata
+
+    block_size, width = 16, 40
+    total = min(max(n, 3), 96)
+    lengths, left = [1], total - 1
+    while left > 0:
+        lengths.append(min(left, int(torch.randint(1, 41, (1,), generator=g))))
+        left -= lengths[-1]
+    num_blocks = len(lengths) * width
+    perm = torch.randperm(num_blocks, generator=g).view(len(lengths), width).to(torch.int32)
+    tables, lens, segs = [], [], []
+    for i, length in enumerate(lengths):
+        start = int(torch.randint(0, width * block_size - length + 1, (1,), generator=g))
+        for j in range(length):
+            tables.append(perm[i])
+            lens.append(start + j + 1)
+            segs.append(i)
+    for _ in range(5):  # padding rows, as engine.cuda_graph.fill_inputs writes them
+        tables.append(tables[0])
+        lens.append(lens[0])
+        segs.append(segs[0])
+    rows = len(lens)
+    k_cache = _rand(g, device, dtype, s.num_kv_heads, num_blocks, block_size, s.head_dim)
+    v_cache = _rand(g, device, dtype, s.num_kv_heads, num_blocks, block_size, s.head_dim)
+    q = _rand(g, device, dtype, rows, s.num_heads, s.head_dim)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    positions = (lens_t - 1).long().to(device)
+    meta = DecodeMetadata(positions, positions, torch.stack(tables).to(device),
+                          lens_t.to(device),
+                          segments=torch.tensor(segs, dtype=torch.int32).to(device))
+    scale = s.head_dim ** -0.5
+    want = ref(q, k_cache, v_cache, meta, scale)
+    size = torch.full_like(want, float(v_cache.float().abs().max()), dtype=torch.float32)
+    return [fused(q, k_cache, v_cache, meta, scale)], [want], [error_bound(want, size)]
+
+
+def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: Any, scale: float) -> torch.Tensor:
+    from engine.triton_attention import prefill_attention
+
+    return prefill_attention(q, k_cache, v_cache, meta, scale)
+
+
 def _rope_attention_case(fused: Impl, ref: Impl, s: ForwardShape, n: int, g: torch.Generator,
                          device: str | torch.device, dtype: torch.dtype) -> Case:
     """``min(n, 8)`` rows, each its own sequence, contexts of 1 to 600 tokens (the new token
@@ -539,12 +590,15 @@ def _split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 _FUSED: dict[str, Impl] = {"fused_norm": add_rms_norm, "fused_rope_kv": rope_kv_write,
                            "fused_silu": silu_mul, "skinny_gemm": skinny_linear,
                            "split_attention": _split_attention,
-                           "fused_rope_attention": rope_attention}
+                           "fused_rope_attention": rope_attention,
+                           "prefill_attention": _prefill_attention}
 _REFERENCE: dict[str, Impl] = {"fused_norm": add_rms_norm_reference,
                                "fused_rope_kv": rope_kv_reference,
                                "fused_silu": silu_mul_reference, "skinny_gemm": F.linear,
                                "split_attention": decode_attention_reference,
-                               "fused_rope_attention": rope_attention_reference}
+                               "fused_rope_attention": rope_attention_reference,
+                               "prefill_attention": decode_attention_reference}
 _CASES = {"fused_norm": _norm_case, "fused_rope_kv": _rope_case, "fused_silu": _silu_case,
           "skinny_gemm": _skinny_case, "split_attention": _split_attention_case,
-          "fused_rope_attention": _rope_attention_case}
+          "fused_rope_attention": _rope_attention_case,
+          "prefill_attention": _prefill_attention_case}

@@ -36,6 +36,7 @@ from engine.triton_attention import (
     decode_attention_rope,
     decode_attention_split,
     is_available,
+    prefill_attention,
 )
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PACK_ENV = "POLYINFER_CPU_PACKED_LINEAR"  # "0" keeps F.linear on plain weights
 PREFETCH_MAX_ROWS = 16  # engine.forward.l2_prefetch acts on steps of at most this many rows
+# engine.forward.prefill_attention takes captured steps of at least this many rows (below,
+# decode rows dominate and each row is its own tile); untuned
+PREFILL_MIN_ROWS = 128
 
 Linear = Callable[..., torch.Tensor]  # (x, weight, bias=None) -> x @ weight.T + bias
 Weight = torch.Tensor | CpuProjection  # a projection's weight as self.linear takes it
@@ -383,6 +387,10 @@ class LlamaModel:
         else:
             q = fused.rope_kv_rows(qkv, *rope, meta.slot_mapping, kv.k[i], kv.v[i], nq, nkv)
         if isinstance(meta, DecodeMetadata):  # a captured decode step (engine.cuda_graph)
+            if (meta.segments is not None and q.shape[0] >= PREFILL_MIN_ROWS
+                    and "prefill_attention" in self.variants):
+                out = prefill_attention(q, kv.k[i], kv.v[i], meta, self.scale)
+                return self._project(out, layer.o)
             attend = (decode_attention_split if "split_attention" in self.variants
                       else decode_attention)
             out = attend(q, kv.k[i], kv.v[i], meta, self.scale)

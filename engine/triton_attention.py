@@ -29,6 +29,7 @@ TILE = 64  # context tokens per inner-loop iteration
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
 MAX_SPLITS = 16  # slices of a row's context in decode_attention_split (the merge reads all)
 SPLIT_PROGRAMS = 256  # programs decode_attention_split aims for (the H200 has 132 SMs)
+PREFILL_TILE = 64  # query rows (rows x query heads of a KV head) a prefill_attention tile
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class DecodeMetadata:
     # every row its own sequence (a decode step without drafts or prompt chunks): RoPE and
     # the K/V write may go inside attention (engine.forward.fused_rope_attention)
     one_row_each: bool = False
+    # [B] int32: which sequence each row belongs to, a sequence's rows contiguous (its
+    # prompt chunk, or its token and drafts); what prefill_attention tiles by
+    segments: torch.Tensor | None = None
 
 
 def is_available() -> bool:
@@ -81,6 +85,43 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_SIZE=block_size, G=group, G_PAD=max(MIN_DOT_ROWS, 1 << (group - 1).bit_length()),
         D=head_dim, TILE_T=TILE, IEEE=q.dtype == torch.float32, **pdl_args(q.is_cuda))
     return out.view(num_seqs, num_heads * head_dim)
+
+
+def prefill_tile_rows(group: int) -> int:
+    """Rows per program of :func:`prefill_attention`: 64 query rows (rows x the ``group``
+    query heads of a KV head) a tile, at least one row."""
+    return max(1, PREFILL_TILE // group)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: DecodeMetadata, scale: float) -> torch.Tensor:
+    """:func:`decode_attention` for steps whose sequences have many rows (prompt chunks):
+    a program takes :func:`prefill_tile_rows` consecutive rows of one sequence and reads
+    each K/V tile of its context once for all of them, each row masked to its own
+    context, where ``decode_attention`` reads a row's whole context once per row (a
+    2,048-row chunk of a 1,000-token prompt: 2,048 passes over the same K/V a layer).
+
+    Needs ``meta.segments``. Any rows: a tile holding rows of several sequences runs
+    them in turn, so decode rows are served too, one tile's worth at a time.
+    """
+    from engine.triton_decode_kernel import prefill_kernel
+
+    assert meta.segments is not None
+    num_rows, num_heads, head_dim = q.shape
+    num_kv, _, block_size, _ = k_cache.shape
+    assert k_cache.stride(-1) == 1 and q.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    group = num_heads // num_kv
+    rows = prefill_tile_rows(group)
+    tile = max(MIN_DOT_ROWS, 1 << (rows * group - 1).bit_length())
+    out = torch.empty(num_rows, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    tables, lens, seg = meta.block_tables, meta.context_lens, meta.segments
+    prefill_kernel[(-(-num_rows // rows), num_kv)](
+        q, k_cache, v_cache, out, tables, lens, seg, num_rows,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), tables.stride(0), lens.stride(0), seg.stride(0), scale,
+        BLOCK_SIZE=block_size, G=group, BM=rows, M=tile, D=head_dim, TILE_T=TILE,
+        IEEE=q.dtype == torch.float32, **pdl_args(q.is_cuda))
+    return out.view(num_rows, num_heads * head_dim)
 
 
 def split_count(num_seqs: int, num_kv: int, max_context: int) -> int:

@@ -195,3 +195,80 @@ def decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_pt
         tl.store(part_ptr + at[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
         tl.store(stats_ptr + at * 2, m, mask=g_ok)
         tl.store(stats_ptr + at * 2 + 1, den, mask=g_ok)
+
+
+@triton.jit
+def _attend_rows(hi, lim, q, k_ptr, v_ptr, tables_ptr, b, kvh, stride_kh, stride_kb,
+                 stride_ks, stride_tb, scale, BLOCK_SIZE: tl.constexpr, M: tl.constexpr,
+                 D: tl.constexpr, TILE_T: tl.constexpr, IEEE: tl.constexpr):
+    """:func:`_attend_range` over ``[0, hi)`` of row ``b``'s block table for ``M`` query rows
+    ``q [M, D]``, row ``i`` masked to the positions below ``lim[i]`` (>= 1 each, so every
+    row meets a position in the first tile and its running max is finite from there)."""
+    d = tl.arange(0, D)
+    m = tl.full([M], float("-inf"), tl.float32)
+    den = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    for start in range(0, hi, TILE_T):
+        t = start + tl.arange(0, TILE_T)
+        t_ok = t < hi
+        blk = tl.load(tables_ptr + b * stride_tb + t // BLOCK_SIZE, mask=t_ok, other=0)
+        row = kvh * stride_kh + blk.to(tl.int64) * stride_kb + (t % BLOCK_SIZE) * stride_ks
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(t[None, :] < lim[:, None], s * scale, float("-inf"))  # [M, TILE_T]
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        den = den * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    return m, den, acc
+
+
+@triton.jit
+def prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, seg_ptr, num_rows,
+                   stride_qb, stride_qh, stride_kh, stride_kb, stride_ks,
+                   stride_ob, stride_oh, stride_tb, stride_lb, stride_sb, scale,
+                   BLOCK_SIZE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr,
+                   M: tl.constexpr, D: tl.constexpr, TILE_T: tl.constexpr,
+                   IEEE: tl.constexpr, USE_GDC: tl.constexpr = False):
+    """``BM`` consecutive rows x the ``G`` query heads of one KV head (axis 1) as one ``[M,
+    D]`` tile (``M >= BM * G``): the rows of one sequence (``seg``, contiguous) read each K/V
+    tile of its context once for all of them, each row masked to its own context (causal).
+    A tile holding several sequences' rows runs them one after another."""
+    _wait_prior(USE_GDC)
+    r0 = tl.program_id(0) * BM
+    kvh = tl.program_id(1)
+    mi = tl.arange(0, M)
+    row = r0 + mi // G  # [M]
+    head = kvh * G + mi % G
+    in_tile = (mi < BM * G) & (row < num_rows)
+    seg = tl.load(seg_ptr + row * stride_sb, mask=in_tile, other=-1)
+    d = tl.arange(0, D)
+    end = tl.minimum(r0 + BM, num_rows)
+    s = r0
+    while s < end:
+        # the run of rows from s that share its sequence (padding rows repeat row 0's: a
+        # run of their own after the others, never joined to row 0's)
+        other = in_tile & (row > s) & (seg != tl.load(seg_ptr + s * stride_sb))
+        nxt = tl.min(tl.where(other, row, end), 0)
+        active = in_tile & (row >= s) & (row < nxt)
+        lim = tl.load(lens_ptr + row * stride_lb, mask=active, other=1)
+        hi = tl.max(tl.where(active, lim, 0), 0)
+        q = tl.load(q_ptr + row[:, None] * stride_qb + head[:, None] * stride_qh + d[None, :],
+                    mask=active[:, None], other=0.0)  # [M, D]
+        _, den, acc = _attend_rows(hi, lim, q, k_ptr, v_ptr, tables_ptr, s, kvh,
+                                   stride_kh, stride_kb, stride_ks, stride_tb, scale,
+                                   BLOCK_SIZE, M, D, TILE_T, IEEE)
+        out = acc / den[:, None]
+        tl.store(out_ptr + row[:, None] * stride_ob + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=active[:, None])
+        s = nxt

@@ -162,8 +162,9 @@ DEFAULT_KNOBS: tuple[Knob, ...] = (
 # write inside decode attention (.fused_rope_attention), then also with decode attention
 # split over each row's context (.split_attention: 1.49x at batch 1 over a 1,500-token
 # context on the H200, a merge kernel more at short ones), then split without the RoPE
-# inside; last, that set with each layer's o weight asked into L2 while attention runs
-# (.l2_prefetch: ~1% of a batch-1 step on the H200).
+# inside; then that set with each layer's o weight asked into L2 while attention runs
+# (.l2_prefetch: ~1% of a batch-1 step on the H200); last, that one with prompt chunks
+# attending by tiles of rows (.prefill_attention; not yet measured on a device).
 FORWARD_KNOB = Knob("forward", (ForwardConfig(), FUSED_FORWARD, GPU_FORWARD,
                                 dataclasses.replace(GPU_FORWARD, pdl=True,
                                                     fused_rope_attention=True),
@@ -174,7 +175,11 @@ FORWARD_KNOB = Knob("forward", (ForwardConfig(), FUSED_FORWARD, GPU_FORWARD,
                                                     split_attention=True),
                                 dataclasses.replace(GPU_FORWARD, pdl=True,
                                                     fused_rope_attention=True,
-                                                    split_attention=True, l2_prefetch=True)))
+                                                    split_attention=True, l2_prefetch=True),
+                                dataclasses.replace(GPU_FORWARD, pdl=True,
+                                                    fused_rope_attention=True,
+                                                    split_attention=True, l2_prefetch=True,
+                                                    prefill_attention=True)))
 
 
 def decode_rows_share(records: Sequence[TraceRecord], max_num_seqs: int) -> dict[int, float]:

@@ -81,6 +81,9 @@ class ForwardConfig:
     # in decode steps whose every row is its own sequence (CUDA graphs of their own), RoPE
     # and the K/V-cache write inside the attention kernel: one kernel fewer a layer
     fused_rope_attention: bool = False
+    # captured steps of many rows (prompt chunks) attend by tiles of one sequence's rows,
+    # each K/V tile read once a tile of rows instead of once a row
+    prefill_attention: bool = False
     # the Triton kernels launched with programmatic dependent launch (Hopper and later):
     # each one's programs start while the kernel before drains, and wait for its results
     pdl: bool = False

@@ -55,8 +55,9 @@ def test_fill_inputs_packs_rows_and_pads_with_row_zero() -> None:
     rows = [DecodeRow(token=7, position=0, block_table=[5, 9]),  # lookahead block ignored
             DecodeRow(token=8, position=20, block_table=[3, 1, 2])]
     fill_inputs(host, rows, bucket=4, block_size=16)
-    assert host[0, :COL_TABLE + 1].tolist() == [7, 0, 5 * 16, 1, 5]
-    assert host[1, :COL_TABLE + 2].tolist() == [8, 20, 1 * 16 + 4, 21, 3, 1]
+    # token, position, slot, context, sequence, block table
+    assert host[0, :COL_TABLE + 1].tolist() == [7, 0, 5 * 16, 1, 0, 5]
+    assert host[1, :COL_TABLE + 2].tolist() == [8, 20, 1 * 16 + 4, 21, 1, 3, 1]
     assert host[1, COL_SLOT] == 20 and host[1, COL_CONTEXT] == 21
     assert (host[2] == host[0]).all() and (host[3] == host[0]).all()
 

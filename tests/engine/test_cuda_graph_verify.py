@@ -87,12 +87,12 @@ def test_fill_inputs_for_verify_rows_across_a_block_boundary() -> None:
     host = np.full((8, COL_TABLE + 3), -1, dtype=np.int32)
     rows = [DecodeRow(100, 15, [5, 9, 6], [101, 102]), DecodeRow(200, 3, [4, 8])]
     fill_inputs(host, rows, bucket=8, block_size=16)
-    # token, position, slot, context, block table (the blocks up to the last draft's position;
-    # a plain row only up to its own)
-    assert host[0, :COL_TABLE + 3].tolist() == [100, 15, 5 * 16 + 15, 16, 5, 9, -1]
-    assert host[1, :COL_TABLE + 3].tolist() == [101, 16, 9 * 16 + 0, 17, 5, 9, -1]
-    assert host[2, :COL_TABLE + 3].tolist() == [102, 17, 9 * 16 + 1, 18, 5, 9, -1]
-    assert host[3, :COL_TABLE + 2].tolist() == [200, 3, 4 * 16 + 3, 4, 4, -1]
+    # token, position, slot, context, sequence, block table (the blocks up to the last
+    # draft's position; a plain row only up to its own)
+    assert host[0, :COL_TABLE + 3].tolist() == [100, 15, 5 * 16 + 15, 16, 0, 5, 9, -1]
+    assert host[1, :COL_TABLE + 3].tolist() == [101, 16, 9 * 16 + 0, 17, 0, 5, 9, -1]
+    assert host[2, :COL_TABLE + 3].tolist() == [102, 17, 9 * 16 + 1, 18, 0, 5, 9, -1]
+    assert host[3, :COL_TABLE + 2].tolist() == [200, 3, 4 * 16 + 3, 4, 1, 4, -1]
     for pad in range(4, 8):  # padding writes only row 0's slot, with row 0's values
         assert host[pad].tolist() == host[0].tolist()
 

@@ -80,7 +80,7 @@ def check_kernels(dtype: str) -> None:
     shapes = [ForwardShape(256, 768, 4, 2, 64), ForwardShape(320, 600, 5, 1, 32, 1e-6),
               ForwardShape(2048, 1024, 32, 8, 64, rope_theta=500000.0)]
     # check_skinny: smaller shapes; split_attention (contexts up to 600) at the first only
-    apart = ("skinny_gemm", "split_attention", "fused_rope_attention")
+    apart = ("skinny_gemm", "split_attention", "fused_rope_attention", "prefill_attention")
     variants = [v for v in VARIANTS if v not in apart]
     for shape in shapes:
         for num_rows in (1, 6):
@@ -91,6 +91,10 @@ def check_kernels(dtype: str) -> None:
         checks = check_forward(["split_attention", "fused_rope_attention"], shapes[0], "cpu",
                                getattr(torch, dtype), num_rows)
         assert all(c.ok for c in checks), checks
+    for shape, num_rows in ((shapes[0], 40), (shapes[1], 23)):  # G 2 and 5 (a padded tile)
+        [check] = check_forward(["prefill_attention"], shape, "cpu", getattr(torch, dtype),
+                                num_rows)
+        assert check.ok, check
 
 
 def check_skinny(dtype: str) -> None:
@@ -369,7 +373,10 @@ def test_greedy_outputs_equal_with_every_variant_set_on_the_gpu(tiny_model_dir) 
                     dataclasses.replace(GPU_FORWARD, pdl=True, split_attention=True,
                                         fused_rope_attention=True),
                     dataclasses.replace(GPU_FORWARD, pdl=True, split_attention=True,
-                                        fused_rope_attention=True, l2_prefetch=True)):
+                                        fused_rope_attention=True, l2_prefetch=True),
+                    dataclasses.replace(GPU_FORWARD, pdl=True, split_attention=True,
+                                        fused_rope_attention=True, l2_prefetch=True,
+                                        prefill_attention=True)):
         # the first reload onto skinny_gemm tunes its launches (~30 s of Triton compiles
         # on a fresh machine); the weights stay: the same embedding tensor serves
         core.reload(core.config.with_engine(forward=forward))
