@@ -269,6 +269,10 @@ class _HostPool:
         idle = self.take_idle()
         if idle is not None:
             return idle
+        return await self.connect()
+
+    async def connect(self) -> _Connection:
+        """A new connection to the worker."""
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(loop.create_connection(
@@ -317,21 +321,26 @@ class UpstreamClient:
                b"Content-Length: %d\r\nx-request-id: %s\r\n\r\n%s" % (
                    pool.path_prefix + path.encode(), pool.host_header, len(body),
                    request_id.encode(), body)
-        for _ in range(2):
-            # NOTE: an idle connection taken without a coroutine (most requests)
-            conn = pool.take_idle() or await pool.get()
-            try:
-                return await self._exchange(conn, data)
-            except UpstreamConnectionError:
-                conn.close()
-                # NOTE: a reused keep-alive connection the worker had already closed: the
-                # request never reached it, so one more try on a fresh connection is safe.
-                if not conn.reused or conn.headers_done:
-                    raise
-            except BaseException:
-                conn.close()
+        # NOTE: an idle connection taken without a coroutine (most requests)
+        conn = pool.take_idle() or await pool.get()
+        try:
+            return await self._exchange(conn, data)
+        except UpstreamConnectionError:
+            conn.close()
+            # NOTE: a reused keep-alive connection the worker had already closed: the
+            # request never reached it, so one more try is safe, on a new connection (the
+            # other idle ones may be as stale: a worker restarted behind its address)
+            if not conn.reused or conn.headers_done:
                 raise
-        raise AssertionError("unreachable")
+        except BaseException:
+            conn.close()
+            raise
+        conn = await pool.connect()
+        try:
+            return await self._exchange(conn, data)
+        except BaseException:
+            conn.close()
+            raise
 
     async def _exchange(self, conn: _Connection, data: bytes) -> UpstreamResponse:
         assert conn.transport is not None

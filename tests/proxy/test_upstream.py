@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -131,18 +132,7 @@ async def test_pooled_connection_closed_by_the_worker_is_not_reused(server: Test
 
 async def test_request_on_a_connection_the_worker_just_closed_is_retried() -> None:
     """The keep-alive race: the worker closes an idle connection as the request goes out."""
-
-    async def one_request_per_connection(reader: asyncio.StreamReader,
-                                         writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-        await reader.readexactly(length)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-        await writer.drain()
-        await reader.readuntil(b"\r\n\r\n")  # the next request on this connection...
-        writer.close()  # ...is dropped unanswered
-
-    server = await asyncio.start_server(one_request_per_connection, "127.0.0.1", 0)
+    server = await asyncio.start_server(_one_request_per_connection, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     client = UpstreamClient(connect_timeout_s=2, read_timeout_s=2)
     try:
@@ -154,6 +144,42 @@ async def test_request_on_a_connection_the_worker_just_closed_is_retried() -> No
         client.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_retry_after_a_stale_connection_takes_a_fresh_one() -> None:
+    """Every idle connection is stale (a worker restarted behind its address): the retry
+    connects anew instead of taking the next stale one (an AssertionError, a 500, before)."""
+    server = await asyncio.start_server(_one_request_per_connection, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    client = UpstreamClient(connect_timeout_s=2, read_timeout_s=2)
+    try:
+        first = await asyncio.gather(*(client.post(url, "/x", b"{}", "id") for _ in range(3)))
+        for r in first:  # three connections, each served once, now idle in the pool
+            assert await r.read_all() == b"ok"
+            r.release()
+        (pool,) = client._pools.values()
+        assert len(pool.idle) == 3
+        r = await client.post(url, "/x", b"{}", "id")
+        assert await r.read_all() == b"ok"
+        r.release()
+    finally:
+        client.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def _one_request_per_connection(reader: asyncio.StreamReader,
+                                      writer: asyncio.StreamWriter) -> None:
+    """Answers one request, then drops the next one on the same connection unanswered."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    await reader.readexactly(length)
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    await writer.drain()
+    with contextlib.suppress(asyncio.IncompleteReadError):
+        await reader.readuntil(b"\r\n\r\n")
+    writer.close()
 
 
 async def test_worker_url_path_prefix_is_kept(server: TestServer) -> None:
