@@ -13,11 +13,13 @@ in one process on one GPU:
    only, and the device's share (one graph replay of the batch's bucket); with
    ``--serial`` also the same loop with no step launched ahead (engine.runner);
 4. transformers' eager ``generate`` on the same checkpoint and batches (greedy);
-5. with ``--profile``: the kernels of one uncaptured decode step per variant set and
+5. with ``--prefill-tokens N``: one N-token prompt's prefill per variant set, prompt tok/s
+   (chunks of the step budget through the graphs);
+6. with ``--profile``: the kernels of one uncaptured decode step per variant set and
    batch, by CUDA time (torch.profiler), appended to that file;
-6. the projections alone at 1 and 8 rows (``skinny_gemm``'s tuned launch against cuBLAS,
+7. the projections alone at 1 and 8 rows (``skinny_gemm``'s tuned launch against cuBLAS,
    weights from HBM): device us and the bandwidth they reach;
-7. with ``--profile-host``: the host functions of each variant set's loop by own time
+8. with ``--profile-host``: the host functions of each variant set's loop by own time
    (cProfile), appended to that file.
 
     python bench/gpu_forward.py [--batches 1 8 64] [--tokens 256]
@@ -227,6 +229,24 @@ def replay_ms(core: Any, batch: int, context: int, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
+def prefill_rate(core: Any, prompt_tokens: int, run: str, repeats: int = 3) -> float:
+    """Prompt tokens per second of one request's prefill alone (its chunks of the step
+    budget, through the graphs that fit them), median of ``repeats`` prompts."""
+    params = GenerationParams(max_tokens=1, ignore_eos=True)
+    rates = []
+    for r in range(repeats + 1):  # the first warms the chunk shapes
+        core.add_request(f"{run}-prefill-{r}",
+                         [(11 * r + 3 * j) % 5000 + 5 for j in range(prompt_tokens)], params)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while core.has_work:
+            core.step()
+        torch.cuda.synchronize()
+        if r:
+            rates.append(prompt_tokens / (time.perf_counter() - t0))
+    return sorted(rates)[len(rates) // 2]
+
+
 def profile_step(core: Any, batch: int, context: int, out: Path,
                  title: str) -> list[tuple[str, int, float]]:
     """The kernels of one uncaptured decode step by CUDA time: (name, calls, total us)."""
@@ -371,6 +391,8 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     p.add_argument("--profile", type=Path, help="file the per-kernel profiles go to")
     p.add_argument("--profile-loop", type=Path, help="file the batch-1 loop timelines go to")
+    p.add_argument("--prefill-tokens", type=int, default=0,
+                   help="also time one prompt of this many tokens' prefill (0: no)")
     p.add_argument("--profile-host", type=Path, help="file the host (cProfile) profiles go to")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -448,6 +470,10 @@ def run_engine(model_dir: Path, args: argparse.Namespace, roof: float) -> dict[s
               f"{graphs.capture_s:.2f} s, replays timed in {graphs.timing_s:.2f} s", flush=True)
         entry: dict[str, Any] = {"reload_s": reload_s, "tok_s": {}, "replay_ms": {},
                                  "serial_tok_s": {}, "ahead_used": {}}
+        if args.prefill_tokens:
+            entry["prefill_tok_s"] = prefill_rate(core, args.prefill_tokens, name)
+            print(f"engine {name:<14} prefill of a {args.prefill_tokens}-token prompt: "
+                  f"{entry['prefill_tok_s']:9.0f} prompt tok/s", flush=True)
         for b in args.batches:
             tokens = max(64, args.tokens // max(1, b // 4)) if b > 1 else args.tokens
             prompt = args.prompt_tokens
