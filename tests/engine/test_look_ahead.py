@@ -60,19 +60,24 @@ def generate(core: Any, prompts: list[list[int]], params: list[GenerationParams]
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
-def row_core(look_ahead: bool, kv_cache_tokens: int = 1024, forward: Any = None) -> Any:
+def row_core(look_ahead: bool, kv_cache_tokens: int = 1024, forward: Any = None,
+             max_tokens: int = 0) -> Any:
     """A CPU engine (2 layers) whose decode steps run through the graphs' forward,
-    uncaptured; prompts, more rows than its largest bucket (4), run eager."""
+    uncaptured; prompts, more rows than its largest bucket (4), run eager. ``max_tokens``:
+    a step budget of that many rows, every prompt chunk through the graphs' forward too
+    (prompts up to 256 tokens)."""
     from engine.cuda_graph import RowDecoder, graph_buckets
     from engine.loader import load_core
     from engine.runner import ModelRunner
     from polyinfer.config import ForwardConfig
 
     core = load_core(CompiledConfig(model=str(TINY_TARGET), engine=EngineConfig(
-        max_num_seqs=4, max_num_batched_tokens=64, kv_cache_tokens=kv_cache_tokens,
-        max_model_len=64, measure_num_layers=2, forward=forward or ForwardConfig())))
+        max_num_seqs=4, max_num_batched_tokens=max_tokens or 64,
+        kv_cache_tokens=kv_cache_tokens, max_model_len=256 if max_tokens else 64,
+        measure_num_layers=2, forward=forward or ForwardConfig())))
     old = core.runner
-    graphs = RowDecoder(core.model, old.kv, graph_buckets(4), core.max_model_len + 1)
+    graphs = RowDecoder(core.model, old.kv, graph_buckets(4, max_tokens=max_tokens),
+                        core.max_model_len + 1)
     core.runner = ModelRunner(core.model, old.kv, old.short_q, graphs=graphs,
                               on_launch=core._launched,
                               more_waiting=lambda: bool(core.scheduler.waiting))
@@ -150,6 +155,45 @@ def check_split_attention_keeps_greedy_outputs() -> None:
         assert generate(split, prompts, params, arrive) == want
         assert generate(rope, prompts, params, arrive) == want
     assert rope.runner.graphs.num_one_row_each >= 20
+
+
+def check_prefill_attention_keeps_greedy_outputs() -> None:
+    """Run under Triton's interpreter: prompt chunks of up to 160 rows through the graphs'
+    forward, with prefill_attention (steps of >= 128 rows: tiles of one sequence's rows,
+    decode rows beside them) and without, give the same greedy tokens."""
+    import engine.model
+    from polyinfer.config import ForwardConfig
+
+    calls = []
+    kernel = engine.model.prefill_attention
+
+    def counted(q, *args):  # type: ignore[no-untyped-def]
+        calls.append(q.shape[0])
+        return kernel(q, *args)
+
+    engine.model.prefill_attention = counted
+    plain = row_core(True, max_tokens=160)
+    tiled = row_core(True, forward=ForwardConfig(prefill_attention=True), max_tokens=160)
+    params = [GenerationParams(max_tokens=n, sampling=SamplingParams(0.0), ignore_eos=True)
+              for n in (6, 9, 12)]
+    for k, arrive in ((1, 0), (2, 3)):  # all at once; the last one arriving mid-decode
+        # new prompts each time (the prefix cache would shorten repeated ones' chunks)
+        prompts = [[(7 * i + 3 * j + k) % 900 + 5 for j in range(n)]
+                   for i, n in enumerate((200, 150, 140))]
+        want = generate(plain, prompts, params, arrive)
+        assert not calls
+        assert generate(tiled, prompts, params, arrive) == want, arrive
+        assert calls and min(calls) >= engine.model.PREFILL_MIN_ROWS, calls
+        calls.clear()
+
+
+@pytest.mark.timeout(200)
+def test_prefill_attention_keeps_greedy_outputs_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    done = run_interpreted("from tests.engine.test_look_ahead import "
+                           "check_prefill_attention_keeps_greedy_outputs as f; f()",
+                           timeout_s=190)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.timeout(200)
