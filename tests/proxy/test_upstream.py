@@ -132,28 +132,17 @@ async def test_pooled_connection_closed_by_the_worker_is_not_reused(server: Test
 
 async def test_request_on_a_connection_the_worker_just_closed_is_retried() -> None:
     """The keep-alive race: the worker closes an idle connection as the request goes out."""
-    server = await asyncio.start_server(_one_request_per_connection, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    client = UpstreamClient(connect_timeout_s=2, read_timeout_s=2)
-    try:
+    async with _one_request_a_connection() as (url, client):
         for _ in range(3):
-            r = await client.post(f"http://127.0.0.1:{port}", "/x", b"{}", "id")
+            r = await client.post(url, "/x", b"{}", "id")
             assert await r.read_all() == b"ok"
             r.release()
-    finally:
-        client.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_a_retry_after_a_stale_connection_takes_a_fresh_one() -> None:
     """Every idle connection is stale (a worker restarted behind its address): the retry
     connects anew instead of taking the next stale one (an AssertionError, a 500, before)."""
-    server = await asyncio.start_server(_one_request_per_connection, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    client = UpstreamClient(connect_timeout_s=2, read_timeout_s=2)
-    try:
+    async with _one_request_a_connection() as (url, client):
         first = await asyncio.gather(*(client.post(url, "/x", b"{}", "id") for _ in range(3)))
         for r in first:  # three connections, each served once, now idle in the pool
             assert await r.read_all() == b"ok"
@@ -163,6 +152,15 @@ async def test_a_retry_after_a_stale_connection_takes_a_fresh_one() -> None:
         r = await client.post(url, "/x", b"{}", "id")
         assert await r.read_all() == b"ok"
         r.release()
+
+
+@contextlib.asynccontextmanager
+async def _one_request_a_connection() -> AsyncIterator[tuple[str, UpstreamClient]]:
+    """(the URL of a server that drops the second request on each connection, a client)."""
+    server = await asyncio.start_server(_one_request_per_connection, "127.0.0.1", 0)
+    client = UpstreamClient(connect_timeout_s=2, read_timeout_s=2)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", client
     finally:
         client.close()
         server.close()
