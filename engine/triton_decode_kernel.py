@@ -17,6 +17,18 @@ def _attend_range(lo, hi, q, k_ptr, v_ptr, tables_ptr, b, kvh, stride_kh, stride
     """Online softmax of ``q [G_PAD, D]`` over context positions ``[lo, hi)`` of sequence
     ``b``'s KV head ``kvh``: the running max ``m``, sum ``den`` [G_PAD] and unnormalized
     ``acc`` [G_PAD, D], float32 (``m`` -inf where the range is empty)."""
+    return _attend(lo, hi, hi, q, k_ptr, v_ptr, tables_ptr, b, kvh, stride_kh, stride_kb,
+                   stride_ks, stride_tb, scale, BLOCK_SIZE, G_PAD, D, TILE_T, IEEE,
+                   PER_ROW=False)
+
+
+@triton.jit
+def _attend(lo, hi, lim, q, k_ptr, v_ptr, tables_ptr, b, kvh, stride_kh, stride_kb,
+            stride_ks, stride_tb, scale, BLOCK_SIZE: tl.constexpr, G_PAD: tl.constexpr,
+            D: tl.constexpr, TILE_T: tl.constexpr, IEEE: tl.constexpr,
+            PER_ROW: tl.constexpr):
+    """:func:`_attend_range`; ``PER_ROW``: query row ``i`` masked to the positions below
+    ``lim[i]`` as well (:func:`_attend_rows`)."""
     d = tl.arange(0, D)
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     den = tl.zeros([G_PAD], tl.float32)
@@ -31,7 +43,10 @@ def _attend_range(lo, hi, q, k_ptr, v_ptr, tables_ptr, b, kvh, stride_kh, stride
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(t_ok[None, :], s * scale, float("-inf"))  # [G_PAD, TILE_T]
+        if PER_ROW:
+            s = tl.where(t[None, :] < lim[:, None], s * scale, float("-inf"))
+        else:
+            s = tl.where(t_ok[None, :], s * scale, float("-inf"))  # [G_PAD, TILE_T]
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -204,33 +219,9 @@ def _attend_rows(hi, lim, q, k_ptr, v_ptr, tables_ptr, b, kvh, stride_kh, stride
     """:func:`_attend_range` over ``[0, hi)`` of row ``b``'s block table for ``M`` query rows
     ``q [M, D]``, row ``i`` masked to the positions below ``lim[i]`` (>= 1 each, so every
     row meets a position in the first tile and its running max is finite from there)."""
-    d = tl.arange(0, D)
-    m = tl.full([M], float("-inf"), tl.float32)
-    den = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, D], tl.float32)
-    for start in range(0, hi, TILE_T):
-        t = start + tl.arange(0, TILE_T)
-        t_ok = t < hi
-        blk = tl.load(tables_ptr + b * stride_tb + t // BLOCK_SIZE, mask=t_ok, other=0)
-        row = kvh * stride_kh + blk.to(tl.int64) * stride_kb + (t % BLOCK_SIZE) * stride_ks
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(t[None, :] < lim[:, None], s * scale, float("-inf"))  # [M, TILE_T]
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        den = den * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
-    return m, den, acc
+    return _attend(0, hi, lim, q, k_ptr, v_ptr, tables_ptr, b, kvh, stride_kh, stride_kb,
+                   stride_ks, stride_tb, scale, BLOCK_SIZE, M, D, TILE_T, IEEE,
+                   PER_ROW=True)
 
 
 @triton.jit
